@@ -1,0 +1,1 @@
+"""tiermoe.server"""
