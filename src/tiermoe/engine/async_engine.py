@@ -1,0 +1,357 @@
+"""Async bridge between the HTTP server's event loop and a synchronous EngineCore.
+
+One dedicated thread owns the core: it applies queued commands (add, abort, stats, stop)
+between steps and calls `core.step()` while work remains. The core is therefore never touched
+by two threads at once and needs no locks. Each step's outputs go back to the event loop in
+ONE `loop.call_soon_threadsafe` call, which fans them out to per-request asyncio queues; a
+consumer that falls behind gets several step outputs merged into one, so a slow client costs
+the loop nothing extra.
+
+Failure containment: an exception from `add_request` fails that request only; an exception
+from `step()` fails the requests it names through an `request_ids` attribute, or else every
+request the core was running (they are aborted in the core so their pages are freed). Either
+way the thread keeps serving; affected streams end with finish_reason "error".
+
+Shutdown drains: new requests are refused (`EngineShutdown`), in-flight ones run to the end
+(or until the drain timeout, after which they are aborted), then the thread stops.
+No torch import: the server process imports this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from tiermoe.engine.protocol import InvalidRequest, RequestOutput, SamplingParams
+
+log = logging.getLogger("tiermoe.engine")
+
+
+class EngineShutdown(RuntimeError):
+    """The engine is draining or stopped and takes no new requests."""
+
+
+class EngineDead(RuntimeError):
+    """The engine thread is gone; nothing can be served."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    future: asyncio.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Stats:
+    future: asyncio.Future
+
+
+@dataclass
+class _Stop:
+    pass
+
+
+@dataclass
+class RequestStream:
+    """The per-request end of the bridge: an async iterator of RequestOutput."""
+
+    request_id: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+    created: float = field(default_factory=time.monotonic)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished and self.queue.empty():
+            raise StopAsyncIteration
+        out: RequestOutput = await self.queue.get()
+        # Merge whatever else is already waiting: one larger delta instead of many small ones.
+        while not out.finished and not self.queue.empty():
+            out = _merge(out, self.queue.get_nowait())
+        if out.finished:
+            self.finished = True
+        return out
+
+
+def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    logprobs = None
+    if a.logprobs is not None or b.logprobs is not None:
+        logprobs = (a.logprobs or []) + (b.logprobs or [])
+    return RequestOutput(
+        request_id=a.request_id,
+        new_token_ids=list(a.new_token_ids) + list(b.new_token_ids),
+        finished=b.finished,
+        finish_reason=b.finish_reason,
+        logprobs=logprobs,
+        prompt_tokens=b.prompt_tokens or a.prompt_tokens,
+        completion_tokens=max(a.completion_tokens, b.completion_tokens),
+        cached_tokens=b.cached_tokens or a.cached_tokens,
+        error=b.error,
+    )
+
+
+class AsyncEngine:
+    """Drives `core` from a background thread; call `start()` inside the serving event loop."""
+
+    def __init__(self, core: Any, *, idle_poll_s: float = 0.5):
+        self.core = core
+        self.tokenizer = core.tokenizer
+        self.max_model_len: int = int(core.max_model_len)
+        self.eos_token_ids: list[int] = list(getattr(core, "eos_token_ids", []) or [])
+        self.model_info: dict = dict(getattr(core, "model_info", {}) or {})
+        # How many requests the core runs at once; requests beyond it are "waiting".
+        self.capacity: int = int(getattr(core, "max_num_seqs", 0) or 0)
+        self._idle_poll_s = idle_poll_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._draining = False
+        self._stopped = threading.Event()
+        self._last_stats: dict = {}
+        self.steps = 0
+        self.step_errors = 0
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        """Bind to the running event loop and start the engine thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tiermoe-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests accepted and not yet finished (running or waiting)."""
+        return len(self._streams)
+
+    @property
+    def num_waiting(self) -> int:
+        if not self.capacity:
+            return 0
+        return max(0, len(self._streams) - self.capacity)
+
+    async def shutdown(self, drain_timeout: float | None = 30.0) -> None:
+        """Refuse new work, let in-flight requests finish (up to drain_timeout), then stop."""
+        self._draining = True
+        if self._thread is None:
+            return
+        deadline = None if drain_timeout is None else time.monotonic() + drain_timeout
+        while self._streams and self.alive and (deadline is None or time.monotonic() < deadline):
+            await asyncio.sleep(0.02)
+        for rid in list(self._streams):
+            self.abort(rid)
+        self._commands.put(_Stop())
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+
+    # ---- requests ----------------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Hand a request to the engine; returns its stream once the core has accepted it.
+
+        Raises InvalidRequest (the core rejected it), EngineShutdown, or EngineDead.
+        """
+        if self._draining:
+            raise EngineShutdown("server is shutting down")
+        if not self.alive:
+            raise EngineDead("engine is not running")
+        if request_id in self._streams:
+            raise InvalidRequest(f"duplicate request id {request_id!r}", "request_id")
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        future = self._loop.create_future()
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params, future))
+        try:
+            await future
+        except BaseException:
+            self._streams.pop(request_id, None)
+            if not future.done() or future.cancelled():
+                self.abort(request_id)  # caller went away while the core was accepting
+            raise
+        return stream
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs; leaving early aborts the request."""
+        stream = await self.add_request(request_id, prompt_token_ids, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now: its stream ends with "abort"; the core frees it within one step.
+
+        Safe to call from the event loop at any time, repeatedly, or for a finished request.
+        """
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and not stream.finished:
+            stream.queue.put_nowait(RequestOutput(request_id, [], finished=True, finish_reason="abort"))
+        if self.alive:
+            self._commands.put(_Abort(request_id))
+
+    async def stats(self, timeout: float = 2.0) -> dict:
+        """The core's stats(), taken between steps; the last snapshot if the core is busy."""
+        if not self.alive:
+            return dict(self._last_stats)
+        future = self._loop.create_future()
+        self._commands.put(_Stats(future))
+        try:
+            self._last_stats = await asyncio.wait_for(future, timeout)
+        except (asyncio.TimeoutError, Exception) as exc:  # a slow step or a failing stats()
+            snap = dict(self._last_stats)
+            snap["stale"] = True
+            snap["stats_error"] = str(exc) or type(exc).__name__
+            return snap
+        return dict(self._last_stats)
+
+    # ---- event-loop side of the thread -------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted meanwhile
+            stream.queue.put_nowait(out)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+
+    def _post(self, fn, *args) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed between the check and the call
+            pass
+
+    @staticmethod
+    def _resolve(future: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
+        if future.done():
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    # ---- engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        core = self.core
+        live: set[str] = set()  # ids the core holds, as seen from this thread
+        try:
+            while True:
+                busy = bool(live) and self._has_work()
+                try:
+                    cmd = self._commands.get_nowait() if busy else self._commands.get(timeout=self._idle_poll_s)
+                except queue.Empty:
+                    cmd = None
+                while cmd is not None:
+                    if isinstance(cmd, _Stop):
+                        return
+                    self._apply(cmd, live)
+                    try:
+                        cmd = self._commands.get_nowait()
+                    except queue.Empty:
+                        cmd = None
+                if live and self._has_work():
+                    self._step(live)
+        except BaseException:  # pragma: no cover - a bug in this loop itself
+            log.exception("engine thread crashed")
+            err = [RequestOutput(rid, [], finished=True, finish_reason="error", error="engine stopped") for rid in live]
+            self._post(self._deliver, err)
+        finally:
+            self._stopped.set()
+
+    def _has_work(self) -> bool:
+        try:
+            return bool(self.core.has_unfinished_requests())
+        except Exception:
+            log.exception("has_unfinished_requests failed")
+            return False
+
+    def _apply(self, cmd: Any, live: set[str]) -> None:
+        if isinstance(cmd, _Add):
+            if cmd.future.cancelled():
+                return
+            try:
+                self.core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+            except InvalidRequest as exc:
+                self._post(self._resolve, cmd.future, None, exc)
+                return
+            except Exception as exc:
+                log.exception("add_request failed for %s", cmd.request_id)
+                self._post(self._resolve, cmd.future, None, InvalidRequest(f"engine rejected the request: {exc}"))
+                return
+            live.add(cmd.request_id)
+            self._post(self._resolve, cmd.future, True)
+        elif isinstance(cmd, _Abort):
+            if cmd.request_id in live:
+                live.discard(cmd.request_id)
+                try:
+                    self.core.abort_request(cmd.request_id)
+                except Exception:
+                    log.exception("abort_request failed for %s", cmd.request_id)
+        elif isinstance(cmd, _Stats):
+            try:
+                snap = dict(self.core.stats())
+            except Exception as exc:
+                log.exception("stats() failed")
+                self._post(self._resolve, cmd.future, None, exc)
+                return
+            snap.setdefault("engine_steps", self.steps)
+            snap.setdefault("engine_step_errors", self.step_errors)
+            self._post(self._resolve, cmd.future, snap)
+
+    def _step(self, live: set[str]) -> None:
+        try:
+            outputs = self.core.step()
+        except Exception as exc:
+            self.step_errors += 1
+            named = getattr(exc, "request_ids", None)
+            victims = [r for r in (named if named is not None else list(live)) if r in live]
+            log.exception("engine step failed; failing %d request(s)", len(victims))
+            for rid in victims:
+                live.discard(rid)
+                try:
+                    self.core.abort_request(rid)
+                except Exception:
+                    log.exception("abort after failed step failed for %s", rid)
+            msg = f"engine error: {exc}" if str(exc) else f"engine error: {type(exc).__name__}"
+            self._post(self._deliver, [RequestOutput(r, [], finished=True, finish_reason="error", error=msg) for r in victims])
+            return
+        self.steps += 1
+        if not outputs:
+            return
+        kept = []
+        for out in outputs:
+            if out.request_id not in live:
+                continue  # aborted between the abort command and this step
+            if out.finished:
+                live.discard(out.request_id)
+            kept.append(out)
+        if kept:
+            self._post(self._deliver, kept)
