@@ -1,0 +1,140 @@
+"""Attention over a paged KV cache: grouped-query attention and multi-head latent attention.
+
+The cache of one layer is a dict of tensors whose first two dims are [pages, page_size];
+flattened, a token's row is addressed by its flat slot (page * page_size + offset). New K/V
+rows are scattered to `slot_mapping`, then each sequence gathers its whole context by
+`kv_index` and runs SDPA. The per-sequence loop keeps every sequence's arithmetic independent
+of what else is in the batch (batched decode gives the tokens each gives alone).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tiermoe.models.batch import ForwardBatch
+from tiermoe.models.blocks.common import Linear, RMSNorm
+from tiermoe.models.blocks.rope import apply_rotary, apply_rotary_interleaved
+from tiermoe.models.spec import ModelSpec
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [q, Hq, D], k [ctx, Hk, D], v [ctx, Hk, Dv] -> [q, Hq, Dv]; causal with q at the end."""
+    q_len, ctx = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    gqa = qh.shape[0] != kh.shape[0]
+    if q_len == ctx:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    elif q_len == 1:
+        out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=gqa)
+    else:
+        rows = torch.arange(q_len, device=q.device)[:, None] + (ctx - q_len)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= rows  # [q, ctx]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.transpose(0, 1)
+
+
+class GQAttention(nn.Module):
+    """Llama-style attention with optional qkv bias, per-head or full q/k norm, partial rotary."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, d = spec.hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
+        self.q_proj = Linear(h, spec.num_heads * d, spec.qkv_bias)
+        self.k_proj = Linear(h, spec.num_kv_heads * d, spec.qkv_bias)
+        self.v_proj = Linear(h, spec.num_kv_heads * d, spec.qkv_bias)
+        self.o_proj = Linear(spec.num_heads * d, h, spec.o_bias)
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm == "head":
+            self.q_norm = RMSNorm(d, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+        elif spec.qk_norm == "full":
+            self.q_norm = RMSNorm(spec.num_heads * d, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.num_kv_heads * d, spec.rms_norm_eps)
+        self.clip_qkv = spec.clip_qkv
+        self.scale = spec.attn_scale if spec.attn_scale is not None else d**-0.5
+
+    def cache_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
+
+    def forward(self, x, cos, sin, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, heads * D]
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k_flat = cache["k"].view(-1, self.num_kv_heads, self.head_dim)
+        v_flat = cache["v"].view(-1, self.num_kv_heads, self.head_dim)
+        k_flat[batch.slot_mapping] = k.to(k_flat.dtype)
+        v_flat[batch.slot_mapping] = v.to(v_flat.dtype)
+        out = torch.empty(t, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+        for s in batch.seqs:
+            qs = q[s.q_start : s.q_start + s.q_len]
+            out[s.q_start : s.q_start + s.q_len] = _attend(qs, k_flat[s.kv_index], v_flat[s.kv_index], self.scale)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLAttention(nn.Module):
+    """DeepSeek multi-head latent attention; the cache holds the latent (normed c_kv + roped k_pe).
+
+    Keys and values are expanded from the latent through kv_b_proj for each sequence's context,
+    as the reference does (exact); an absorbed-weight decode path is a later optimisation.
+    """
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        m = spec.mla
+        assert m is not None
+        h, nh = spec.hidden_size, spec.num_heads
+        self.m, self.num_heads = m, nh
+        self.qk_head_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank is None:
+            self.q_proj = Linear(h, nh * self.qk_head_dim)
+        else:
+            self.q_a_proj = Linear(h, m.q_lora_rank, spec.qkv_bias)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, spec.rms_norm_eps)
+            self.q_b_proj = Linear(m.q_lora_rank, nh * self.qk_head_dim)
+        self.kv_a_proj_with_mqa = Linear(h, m.kv_lora_rank + m.qk_rope_head_dim, spec.qkv_bias)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, spec.rms_norm_eps)
+        self.kv_b_proj = Linear(m.kv_lora_rank, nh * (m.qk_nope_head_dim + m.v_head_dim))
+        self.o_proj = Linear(nh * m.v_head_dim, h, spec.o_bias)
+        self.scale = spec.attn_scale if spec.attn_scale is not None else self.qk_head_dim**-0.5
+        self.rotate = apply_rotary_interleaved if m.rope_interleave else apply_rotary
+
+    def cache_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"latent": (self.m.kv_lora_rank + self.m.qk_rope_head_dim,)}
+
+    def forward(self, x, cos, sin, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
+        m, nh, t = self.m, self.num_heads, x.shape[0]
+        if m.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, nh, self.qk_head_dim)
+        q_nope, q_rot = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        kv_nope, k_rot = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        kv_nope = self.kv_a_layernorm(kv_nope)  # [T, kv_lora]
+        q_rot = self.rotate(q_rot, cos, sin)
+        k_rot = self.rotate(k_rot[:, None, :], cos, sin)[:, 0]  # [T, rope]
+        latent = cache["latent"].view(-1, m.kv_lora_rank + m.qk_rope_head_dim)
+        latent[batch.slot_mapping] = torch.cat((kv_nope, k_rot), dim=-1).to(latent.dtype)
+        q = torch.cat((q_nope, q_rot), dim=-1)
+        out = torch.empty(t, nh, m.v_head_dim, dtype=q.dtype, device=q.device)
+        for s in batch.seqs:
+            lat = latent[s.kv_index]  # [ctx, kv_lora + rope]
+            kv = self.kv_b_proj(lat[:, : m.kv_lora_rank]).view(-1, nh, m.qk_nope_head_dim + m.v_head_dim)
+            k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+            k_pe = lat[:, None, m.kv_lora_rank :].expand(-1, nh, -1)
+            k = torch.cat((k_nope, k_pe), dim=-1)
+            qs = q[s.q_start : s.q_start + s.q_len]
+            out[s.q_start : s.q_start + s.q_len] = _attend(qs, k, v, self.scale)
+        return self.o_proj(out.reshape(t, -1))

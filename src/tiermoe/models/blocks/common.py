@@ -1,0 +1,55 @@
+"""Norms, the dense SwiGLU MLP and weight-slot helpers.
+
+Numerics mirror transformers' reference modules op for op (fp32 normalisation, cast back,
+then scale), because every family is held to top-1 == 1.0 and KL < 1e-6 against them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def empty_param(*shape: int) -> nn.Parameter:
+    """A parameter slot with no storage; the loader assigns the checkpoint tensor."""
+    return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = empty_param(dim)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Linear(nn.Module):
+    """nn.Linear without initialisation; weights come from the checkpoint."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = empty_param(out_features, in_features)
+        self.bias = empty_param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class SwiGLU(nn.Module):
+    """Dense MLP: down(silu(gate(x)) * up(x)); also the shared expert of MoE layers."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate)
+        self.up_proj = Linear(hidden, intermediate)
+        self.down_proj = Linear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

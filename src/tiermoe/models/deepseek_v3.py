@@ -1,0 +1,64 @@
+"""DeepSeek-V3 family: multi-head latent attention (latent KV cache) + sigmoid noaux_tc MoE
+with group-limited routing, shared experts and the first k layers dense."""
+
+from __future__ import annotations
+
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding, yarn_apply_mscale
+
+from tiermoe.models.families_common import ConfigReader
+from tiermoe.models.spec import MLASpec, ModelSpec, MoESpec
+
+
+def build_spec(hf_config, path: str) -> ModelSpec:
+    r = ConfigReader(hf_config, path)
+    r.rope_type()
+    for name, allowed in (("topk_method", ("noaux_tc", None)), ("scoring_func", ("sigmoid", None))):
+        if r.get(name) not in allowed:
+            raise r.unsupported(name, f"expected {allowed[0]}")
+    num_layers = r.require("num_hidden_layers")
+    mla = MLASpec(
+        q_lora_rank=r.get("q_lora_rank"),
+        kv_lora_rank=r.require("kv_lora_rank"),
+        qk_nope_head_dim=r.require("qk_nope_head_dim"),
+        qk_rope_head_dim=r.require("qk_rope_head_dim"),
+        v_head_dim=r.require("v_head_dim"),
+        rope_interleave=bool(r.get("rope_interleave", True)),
+    )
+    qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    num_experts = r.require("n_routed_experts")
+    moe = MoESpec(
+        num_experts=num_experts,
+        top_k=r.require("num_experts_per_tok"),
+        intermediate_size=r.require("moe_intermediate_size"),
+        scoring="sigmoid_noaux",
+        norm_topk_prob=bool(r.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(r.get("routed_scaling_factor", 1.0)),
+        n_group=r.get("n_group", 1) or 1,
+        topk_group=r.get("topk_group", 1) or 1,
+        shared_intermediate_size=r.require("moe_intermediate_size") * (r.get("n_shared_experts", 1) or 0),
+    )
+    first_dense = r.get("first_k_dense_replace", 0) or 0
+    heads = r.require("num_attention_heads")
+    return ModelSpec(
+        arch="deepseek_v3",
+        hf_config=hf_config,
+        vocab_size=r.require("vocab_size"),
+        hidden_size=r.require("hidden_size"),
+        num_layers=num_layers,
+        rms_norm_eps=r.get("rms_norm_eps", 1e-6),
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=qk_head_dim,
+        attention="mla",
+        qkv_bias=bool(r.get("attention_bias", False)),
+        o_bias=bool(r.get("attention_bias", False)),
+        mla=mla,
+        attn_scale=yarn_apply_mscale(hf_config.rope_parameters or {}, qk_head_dim**-0.5),
+        rotary_cls=DeepseekV3RotaryEmbedding,
+        dense_intermediate_size=r.require("intermediate_size"),
+        moe=moe,
+        moe_layers=tuple(range(first_dense, num_layers)),
+        tie_word_embeddings=bool(r.get("tie_word_embeddings", False)),
+        eos_token_ids=r.eos_ids(),
+        max_position_embeddings=r.get("max_position_embeddings", 4096),
+    )
