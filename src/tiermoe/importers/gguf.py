@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from tiermoe.errors import UserError
+from tiermoe.importers import CONVERTER_VERSION
 
-CONVERTER_VERSION = 1
 _DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
