@@ -1,0 +1,177 @@
+"""Prompt material for the benchmarks: fresh random text of a target token length, filler with a
+needle, story requests, and the built-in quality-panel prompts.
+
+Prefill must be measured on text the server has never seen, or a prefix cache turns the
+measurement into a lookup; every random prompt therefore starts with a fresh nonce and draws
+its words from a seeded RNG. Token lengths are calibrated against the server's own /tokenize
+when it has one (the only exact count for an unknown tokenizer), else estimated at 4 characters
+per token.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable
+
+CHARS_PER_TOKEN_ESTIMATE = 4.0
+
+_WORDS = (
+    "time year people way day man thing woman life child world school state family student group "
+    "country problem hand part place case week company system program question work government "
+    "number night point home water room mother area money story fact month lot right study book "
+    "eye job word business issue side kind head house service friend father power hour game line "
+    "end member law car city community name president team minute idea kid body information back "
+    "parent face others level office door health person art war history party result change "
+    "morning reason research girl guy moment air teacher force education river stone garden lamp "
+    "window bridge engine signal harbor valley forest copper silver orange purple quiet rapid "
+    "gentle bright hollow narrow ancient modern simple heavy light early late open closed north "
+    "south east west winter summer autumn spring metal glass paper cloth bread salt honey pepper "
+    "market ticket letter number planet orbit comet ocean island desert canyon meadow thunder "
+    "falcon otter badger heron maple cedar willow marble granite velvet canvas lantern compass "
+    "anchor harvest festival journey shadow whisper echo ripple ember frost pebble"
+).split()
+
+STORY_TOPICS = (
+    "a lighthouse keeper who finds a message in a bottle",
+    "a robot learning to paint",
+    "two rival bakers in a small town",
+    "a cartographer mapping an island that keeps changing",
+    "a child who can talk to birds",
+    "an astronaut stranded on a quiet moon",
+    "a violin that plays by itself at night",
+    "a detective who solves crimes with smells",
+)
+
+PANEL_PROMPTS = (
+    "The capital of France is",
+    "Explain in two sentences why the sky is blue.",
+    "Write a Python function that returns the n-th Fibonacci number.\n\ndef fib(n):",
+    "List three uses of copper:\n1.",
+    "Translate to German: 'The weather is nice today.'\nGerman:",
+    "Q: What is 12 times 12?\nA:",
+    "Once upon a time, in a village at the edge of a forest,",
+    "The three laws of thermodynamics are",
+)
+
+CountFn = Callable[[str], Awaitable[int | None]]
+
+
+def random_text(rng: random.Random, n_words: int) -> str:
+    """`n_words` random words behind a fresh nonce, with a number every ~8 words."""
+    nonce = f"[{rng.getrandbits(64):016x}]"
+    parts = [nonce]
+    for _ in range(max(n_words, 1)):
+        if rng.random() < 0.12:
+            parts.append(str(rng.randint(10, 9999)))
+        else:
+            parts.append(rng.choice(_WORDS))
+    return " ".join(parts)
+
+
+def estimate_tokens(text: str) -> int:
+    return max(1, round(len(text) / CHARS_PER_TOKEN_ESTIMATE))
+
+
+async def sized_random_text(
+    rng: random.Random, n_tokens: int, count: CountFn | None, tolerance: float = 0.02
+) -> tuple[str, int, str]:
+    """Random text of about `n_tokens` tokens: (text, token count, "tokenize" | "estimate").
+
+    With a counting function (the server's /tokenize) the word count is rescaled until the
+    text is within `tolerance` of the target (at most five rounds); otherwise the length comes
+    from the chars-per-token estimate.
+    """
+    words = max(1, round(n_tokens / 1.4))
+    seed = rng.getrandbits(64)
+    counted: int | None = None
+    text = ""
+    for _ in range(5):
+        text = random_text(random.Random(seed), words)  # same words, different length
+        counted = await count(text) if count is not None else None
+        if counted is None:
+            break
+        if abs(counted - n_tokens) <= max(1, tolerance * n_tokens):
+            return text, counted, "tokenize"
+        words = max(1, round(words * n_tokens / max(counted, 1)))
+    if counted is not None:
+        return text, counted, "tokenize"
+    # No tokenizer on the server: size by the character estimate.
+    words = max(1, round(n_tokens * CHARS_PER_TOKEN_ESTIMATE / 6.2))
+    text = random_text(random.Random(seed), words)
+    scale = n_tokens * CHARS_PER_TOKEN_ESTIMATE / max(len(text), 1)
+    text = random_text(random.Random(seed), max(1, round(words * scale)))
+    return text, estimate_tokens(text), "estimate"
+
+
+_FILLER_SENTENCES = (
+    "The harbor master logged {n} boats arriving before noon, each with a routine cargo.",
+    "In report {n}, the weather over the valley stayed mild and nothing unusual happened.",
+    "Inventory line {n} lists copper wire, glass jars, and a crate of dried pepper.",
+    "The archive clerk filed letter {n} under general correspondence without comment.",
+    "Train {n} left the northern station on time and reached the coast by evening.",
+    "Garden plot {n} was planted with maple saplings and watered twice that week.",
+)
+
+
+def filler_text(n_sentences: int, start: int = 0) -> str:
+    """Plain, forgettable sentences; numbered so no two are identical."""
+    out = []
+    for i in range(start, start + n_sentences):
+        out.append(_FILLER_SENTENCES[i % len(_FILLER_SENTENCES)].format(n=i + 1))
+    return " ".join(out)
+
+
+def vault_code(rng: random.Random) -> str:
+    letters = "ABCDEFGHJKLMNPQRSTUVWXYZ"
+    return f"{rng.randint(1000, 9999)}-{rng.choice(letters)}{rng.choice(letters)}{rng.randint(10, 99)}"
+
+
+def needle_sentence(code: str) -> str:
+    return f"IMPORTANT: the vault code is {code}. Remember this vault code."
+
+
+NEEDLE_QUESTION = "What is the vault code mentioned in the text above? Reply with the code only."
+
+
+async def needle_prompt(
+    rng: random.Random, n_tokens: int, count: CountFn | None, depth: float
+) -> tuple[str, str, int, str]:
+    """Filler of about `n_tokens` tokens with the needle at `depth` (0 = start, 1 = end).
+
+    Returns (prompt, code, token count, "tokenize" | "estimate"). The question follows the
+    filler, so the prompt tests recall across the whole distance from the needle.
+    """
+    code = vault_code(rng)
+    needle = needle_sentence(code)
+
+    def build(n_sent: int) -> str:
+        cut = round(n_sent * min(max(depth, 0.0), 1.0))
+        before = filler_text(cut)
+        after = filler_text(n_sent - cut, start=cut)
+        body = " ".join(p for p in (before, needle, after) if p)
+        return f"Read the following notes carefully.\n\n{body}\n\n{NEEDLE_QUESTION}"
+
+    n_sent = max(1, round(n_tokens / 18))
+    if count is not None:
+        for _ in range(6):
+            text = build(n_sent)
+            counted = await count(text)
+            if counted is None:
+                break
+            if abs(counted - n_tokens) <= max(2, 0.01 * n_tokens):
+                return text, code, counted, "tokenize"
+            n_sent = max(1, round(n_sent * n_tokens / max(counted, 1)))
+        else:
+            text = build(n_sent)
+            counted = await count(text)
+            if counted is not None:
+                return text, code, counted, "tokenize"
+    per_sentence = max(len(build(2)) - len(build(1)), 1)
+    n_sent = max(1, round(n_tokens * CHARS_PER_TOKEN_ESTIMATE / per_sentence))
+    text = build(n_sent)
+    return text, code, estimate_tokens(text), "estimate"
+
+
+def story_request(topic_index: int, words: int = 400) -> str:
+    topic = STORY_TOPICS[topic_index % len(STORY_TOPICS)]
+    return f"Write a story of about {words} words about {topic}."

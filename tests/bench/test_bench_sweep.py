@@ -1,0 +1,94 @@
+"""`bench sweep` against scripted servers: JSON shape, the protocol's arithmetic, fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiermoe.bench.client import StreamEvent, StreamResult
+from tiermoe.bench.results import parse_sizes
+from tiermoe.errors import UserError
+
+from .conftest import load, run_bench
+from .scripted_server import Behaviour, serve
+
+
+def test_sweep_json_and_rates(right_url, tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    argv = ["sweep", "--url", right_url, "--prefill-sizes", "64,128", "--reps", "3", "--concurrency", "1,2,4",
+            "--max-tokens", "12", "--long-prompt", "256", "--seed", "1", "--out", str(out)]  # fmt: skip
+    rc, text = run_bench(argv, capsys)
+    assert rc == 0, text
+    r = load(out)
+    assert r["kind"] == "tiermoe.bench.sweep" and r["version"] == 1
+    assert r["model"] == "scripted-tiny" and r["max_model_len"] == 4096
+    assert r["command"].startswith("tiermoe bench sweep")
+    assert r["config"]["prefill_endpoint"] == "completions"
+    assert [p["target_tokens"] for p in r["prefill"]] == [64, 128]
+    for row in r["prefill"]:
+        assert len(row["runs"]) == 3
+        for run in row["runs"]:
+            # sized through /tokenize to within 2 %, counted by the server's usage
+            assert abs(run["prompt_tokens"] - row["target_tokens"]) <= max(1, 0.02 * row["target_tokens"])
+            assert run["token_count_source"] == "usage"
+            # the scripted server sleeps 2e-5 s per prompt token before the first token
+            assert run["ttft_s"] >= run["prompt_tokens"] * 2e-5
+            assert run["tok_s"] == pytest.approx(run["prompt_tokens"] / run["ttft_s"])
+        assert row["median_tok_s"] == sorted(x["tok_s"] for x in row["runs"])[1]
+    assert [d["concurrency"] for d in r["decode"]] == [1, 2, 4]
+    for d in r["decode"]:
+        (rnd,) = d["rounds"]
+        assert len(rnd["streams"]) == d["concurrency"]
+        assert all(s["completion_tokens"] == 12 and s["finish_reason"] == "length" for s in rnd["streams"])
+        assert rnd["completion_tokens"] == 12 * d["concurrency"]
+        assert d["aggregate_tok_s"] == pytest.approx(rnd["completion_tokens"] / rnd["wall_s"])
+        # paced at 2 ms/token: a stream cannot beat 500 tok/s (some slack for timer jitter)
+        assert 20 < d["per_stream_tok_s"] < 650
+    lc = r["long_prompt_c1"]
+    assert lc["prompt_tokens"] >= 256 and lc["completion_tokens"] == 12
+    assert "decode C4" in text and "prefill" in text
+
+
+def test_sweep_natural_end(right_url, tmp_path, capsys):
+    out = tmp_path / "s.json"
+    rc, text = run_bench(["sweep", "--url", right_url, "--prefill-sizes", "32", "--reps", "1", "--concurrency", "1",
+                          "--long-prompt", "0", "--out", str(out)], capsys)  # fmt: skip
+    assert rc == 0, text
+    r = load(out)
+    stream = r["decode"][0]["rounds"][0]["streams"][0]
+    assert stream["completion_tokens"] == 24 and stream["finish_reason"] == "stop"  # the toy model's EOS
+    assert r["long_prompt_c1"] is None
+
+
+def test_sweep_falls_back_to_chat_and_estimate(tmp_path, capsys):
+    b = Behaviour(has_tokenize=False, has_completions=False)
+    out = tmp_path / "s.json"
+    with serve(b) as url:
+        rc, text = run_bench(["sweep", "--url", url, "--prefill-sizes", "200", "--reps", "1", "--concurrency", "2",
+                              "--max-tokens", "4", "--long-prompt", "0", "--out", str(out)], capsys)  # fmt: skip
+    assert rc == 0, text
+    r = load(out)
+    assert r["config"]["prefill_endpoint"] == "chat"
+    run = r["prefill"][0]["runs"][0]
+    assert run["token_count_source"] == "usage" and run["prompt_tokens"] > 50  # estimated size, real count
+
+
+def test_unreachable_server_is_one_line(capsys):
+    rc, text = run_bench(["sweep", "--url", "http://127.0.0.1:9", "--prefill-sizes", "8", "--reps", "1"], capsys)
+    assert rc == 2
+    assert "cannot connect" in text and "Traceback" not in text
+
+
+def test_parse_sizes():
+    assert parse_sizes("8k,32k", "x") == [8192, 32768]
+    assert parse_sizes("256, 512", "x") == [256, 512]
+    with pytest.raises(UserError):
+        parse_sizes("8q", "x")
+    with pytest.raises(UserError):
+        parse_sizes("0", "x")
+
+
+def test_per_stream_rate_uses_first_and_last_token():
+    res = StreamResult(events=[StreamEvent(t=0.1)] + [StreamEvent(t=1.0 + 0.1 * i, text="x") for i in range(11)])
+    res.usage = {"completion_tokens": 11}
+    assert res.ttft == pytest.approx(1.0)
+    assert res.per_stream_rate() == pytest.approx(10 / 1.0)
