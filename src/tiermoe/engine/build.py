@@ -1,0 +1,108 @@
+"""Build an LLMEngine from a model path (Hugging Face checkpoint or packed expert store).
+
+This is the one place that decides device, dtype, context length and KV-cache size, so the
+CLI (`generate`, `eval`, `bench`) and the server all start models the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+from tiermoe.errors import UserError
+
+log = logging.getLogger("tiermoe.engine")
+
+PAGE_SIZE = 16
+
+
+def add_engine_args(p, model_positional: bool = False) -> None:
+    """Flags shared by every command that runs a model."""
+    if not model_positional:
+        p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or packed store")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", help="auto (checkpoint dtype), bfloat16, float16, float32")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
+    p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache size (default: sized to fit)")
+    p.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling")
+    p.add_argument("--gpu-expert-gb", type=float, default=None, help="GPU slot tier size for routed experts")
+    p.add_argument("--host-expert-gb", type=float, default=None, help="host RAM tier size for routed experts")
+    p.add_argument("--mode", choices=["exact", "fast"], default="exact", help="fast enables the CPU lane")
+    p.add_argument("--no-direct-io", action="store_true", help="allow a filesystem without O_DIRECT")
+
+
+def resolve_device(name: str | None) -> str:
+    import torch
+
+    if name in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available here")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise UserError(f"--device: unknown device '{name}' (use cpu or cuda)")
+    return name
+
+
+def is_packed_store(path: Path) -> bool:
+    return (path / "manifest.json").is_file() and (path / "experts.bin").exists()
+
+
+def _expert_backend(path: Path, device: str, dtype, options: dict):
+    """A tiered expert backend when `path` is a packed store, else None (resident experts)."""
+    if not is_packed_store(path):
+        return None
+    from tiermoe.moe.tiered import TieredExperts
+
+    return TieredExperts.open(path, device=device, dtype=dtype, options=options)
+
+
+def build_engine_core(model: str | None, *, device: str | None = None, dtype: str | None = None,
+                      max_model_len: int | None = None, max_num_seqs: int = 8, options: dict | None = None):
+    import torch
+    from transformers import AutoTokenizer
+
+    from tiermoe.engine.llm_engine import LLMEngine
+    from tiermoe.models.loader import checkpoint_dtype, load_model, load_spec, parse_dtype
+    from tiermoe.runner.model_runner import kv_bytes_per_token
+
+    options = dict(options or {})
+    if model is None:
+        from tiermoe.default_model import ensure_default_model
+
+        model = str(ensure_default_model())
+    path = Path(model)
+    spec = load_spec(path)
+    dev = resolve_device(device)
+    torch_dtype = parse_dtype(dtype, default=checkpoint_dtype(spec.hf_config))
+    backend = _expert_backend(path, dev, torch_dtype, options)
+    lm = load_model(path, device=dev, dtype=torch_dtype, expert_backend=backend)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:
+        raise UserError(f"{path}: cannot load the tokenizer ({str(exc).splitlines()[0]})") from None
+
+    ctx = spec.max_position_embeddings
+    if max_model_len is not None:
+        if max_model_len < 2 or max_model_len > ctx:
+            raise UserError(f"--max-model-len {max_model_len}: must be between 2 and the model's {ctx}")
+        ctx = max_model_len
+    max_num_seqs = max(1, int(max_num_seqs or 8))
+    per_token = kv_bytes_per_token(lm, torch_dtype)
+    pages_one_seq = math.ceil(ctx / PAGE_SIZE) + 1
+    if options.get("kv_cache_gb"):
+        num_pages = int(options["kv_cache_gb"] * 2**30 / (per_token * PAGE_SIZE))
+    else:
+        cap = (2 * 2**30) if dev == "cpu" else (8 * 2**30)  # bytes
+        num_pages = min(pages_one_seq * max_num_seqs, max(pages_one_seq, cap // (per_token * PAGE_SIZE)))
+    if num_pages < pages_one_seq:
+        raise UserError(f"--kv-cache-gb: too small for one {ctx}-token sequence "
+                        f"({pages_one_seq * PAGE_SIZE * per_token / 2**30:.2f} GB needed)")
+    budget = options.get("max_num_batched_tokens") or (512 if dev == "cpu" else 2048)
+    log.info("model %s (%s) on %s %s: context %d, %d KV pages of %d tokens, %d seqs", path, spec.arch, dev,
+             str(torch_dtype).replace("torch.", ""), ctx, num_pages, PAGE_SIZE, max_num_seqs)
+    return LLMEngine(lm, tokenizer, max_model_len=ctx, max_num_seqs=max_num_seqs, max_batched_tokens=budget,
+                     num_pages=num_pages, page_size=PAGE_SIZE, model_info={"arch": spec.arch, "name": path.name},
+                     seed=options.get("seed"))

@@ -1,0 +1,193 @@
+"""LLMEngine: the synchronous step loop (implements protocol.EngineCore).
+
+add_request / abort_request may be called from another thread (the async bridge); they only
+enqueue. step() drains the queues, schedules, runs one forward pass and returns the new
+tokens of every request that produced one. A failure inside a forward pass fails the requests
+of that step (finish_reason "error") and the engine keeps serving the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+from tiermoe.engine.protocol import InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
+from tiermoe.errors import UserError
+from tiermoe.runner.model_runner import ModelRunner
+from tiermoe.scheduler.kv_pages import KVPages
+from tiermoe.scheduler.request import Request
+from tiermoe.scheduler.scheduler import Scheduler
+
+log = logging.getLogger("tiermoe.engine")
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer, *, max_model_len: int, max_num_seqs: int, max_batched_tokens: int,
+                 num_pages: int, page_size: int = 16, model_info: dict | None = None, seed: int | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
+        self.vocab_size = model.spec.vocab_size
+        eos = set(model.spec.eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = sorted(eos)
+        self.model_info = model_info or {"arch": model.spec.arch}
+        self.kv = KVPages(num_pages, page_size)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_batched_tokens)
+        self.runner = ModelRunner(model, num_pages, page_size, seed=seed)
+        self._lock = threading.Lock()
+        self._incoming: deque[Request] = deque()
+        self._aborts: deque[str] = deque()
+        self._live: dict[str, Request] = {}
+        self.counters = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
+                         "decode_steps": 0, "errors": 0, "aborted": 0, "step_seconds": 0.0}
+
+    # -- EngineCore API -------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        if n >= self.max_model_len:
+            raise InvalidRequest(
+                f"the prompt is {n} tokens; this model's context is {self.max_model_len} tokens "
+                f"(prompt plus at least one generated token)", "messages")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in prompt_token_ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt")
+        room = self.max_model_len - n
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise InvalidRequest(
+                f"max_tokens={max_tokens} is too large: the prompt is {n} tokens and the context is "
+                f"{self.max_model_len}, so at most {room} tokens can be generated", "max_tokens")
+        req = Request(request_id, list(prompt_token_ids), params, max_tokens)
+        with self._lock:
+            if request_id in self._live:
+                raise InvalidRequest(f"duplicate request id {request_id!r}", "request_id")
+            self._live[request_id] = req
+            self._incoming.append(req)
+
+    def abort_request(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return bool(self._live or self._incoming or self._aborts)
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        outputs = self._drain_queues()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        self.counters["steps"] += 1
+        if all(req.num_computed + n == req.num_tokens and n == 1 for req, n in batch.items):
+            self.counters["decode_steps"] += 1
+        try:
+            done, result = self.runner.execute(batch.items, tuple(self.eos_token_ids))
+        except Exception as exc:  # fail this step's requests, keep serving the others
+            log.exception("forward pass failed")
+            self.counters["errors"] += 1
+            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            for req, _ in batch.items:
+                outputs.append(self._finish(req, "error", error=message))
+            return outputs
+        for req, n in batch.items:
+            self.scheduler.commit(req, n)
+        if result is not None:
+            outputs.extend(self._append_tokens(done, result))
+        self.counters["step_seconds"] += time.perf_counter() - t0
+        return outputs
+
+    def stats(self) -> dict:
+        kv = self.kv
+        out = {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_pages_total": kv.num_pages,
+            "kv_pages_free": kv.num_free,
+            "kv_usage": round(kv.usage(), 4),
+            "prefix_cache_hit_tokens": kv.hits,
+            "prefix_cache_query_tokens": kv.queries,
+            "preemptions": self.scheduler.num_preemptions,
+            **self.counters,
+        }
+        backend = getattr(self.model, "expert_backend", None)
+        if backend is not None and hasattr(backend, "counters"):
+            out["experts"] = backend.counters()
+        return out
+
+    # -- internals -----------------------------------------------------------------------
+    def _drain_queues(self) -> list[RequestOutput]:
+        outputs = []
+        with self._lock:
+            incoming, self._incoming = list(self._incoming), deque()
+            aborts, self._aborts = list(self._aborts), deque()
+        for req in incoming:
+            self.counters["requests"] += 1
+            self.counters["prompt_tokens"] += len(req.prompt_ids)
+            self.scheduler.add(req)
+        for rid in aborts:
+            req = self._live.get(rid)
+            if req is not None:
+                self.counters["aborted"] += 1
+                outputs.append(self._finish(req, "abort"))
+        return outputs
+
+    def _finish(self, req: Request, reason: str, new_ids=None, logprobs=None, error: str | None = None) -> RequestOutput:
+        self.scheduler.finish(req, reason)
+        self.runner.release(req)
+        with self._lock:
+            self._live.pop(req.request_id, None)
+        return self._output(req, new_ids or [], logprobs, True, reason, error)
+
+    def _output(self, req, new_ids, logprobs, finished, reason, error=None) -> RequestOutput:
+        return RequestOutput(req.request_id, new_ids, finished, reason, logprobs, len(req.prompt_ids),
+                             len(req.output_ids), req.cached_tokens, error)
+
+    def _append_tokens(self, reqs: list[Request], result) -> list[RequestOutput]:
+        tokens = result.tokens.tolist()  # the one host sync of the step
+        chosen = result.logprobs.tolist() if result.logprobs is not None else None
+        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
+        top_vals = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        outputs = []
+        for i, (req, tok) in enumerate(zip(reqs, tokens)):
+            req.output_ids.append(tok)
+            self.counters["generation_tokens"] += 1
+            lp = None
+            if req.params.logprobs is not None and chosen is not None:
+                k = req.params.logprobs
+                top = list(zip(top_ids[i][:k], top_vals[i][:k])) if k and top_ids is not None else []
+                lp = [TokenLogprob(tok, chosen[i], top)]
+            reason = self._stop_reason(req, tok)
+            if reason:
+                outputs.append(self._finish(req, reason, [tok], lp))
+            else:
+                outputs.append(self._output(req, [tok], lp, False, None))
+        return outputs
+
+    def _stop_reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        if len(req.output_ids) >= p.min_tokens:
+            if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
+                return "stop"
+        if len(req.output_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+
+def generate_ids(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Run prompts to completion through the engine (offline use: CLI, eval, tests)."""
+    results: dict[str, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), ids, params)
+        results[str(i)] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            results[out.request_id].extend(out.new_token_ids)
+            if out.finish_reason == "error":
+                raise UserError(f"generation failed: {out.error}")
+    return [results[str(i)] for i in range(len(prompts))]

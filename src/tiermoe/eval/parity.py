@@ -1,0 +1,113 @@
+"""Teacher-forced parity of our engine against the transformers reference implementation.
+
+Both run the same fixed prompts; our side goes through the real serving path (paged KV cache,
+chunked prefill in 32-token chunks, the configured expert backend), the reference is
+transformers' own model class. Reported per position: top-1 agreement, KL(ref || ours), and
+the largest absolute logit difference.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from tiermoe.engine.protocol import SamplingParams
+from tiermoe.scheduler.request import Request
+
+_TEXTS = [
+    "What is the capital of France? Answer in one sentence and explain how you know.",
+    "Write a short story about a robot who loves the sea, the stars and the mountains.",
+    "Mixture-of-Experts models route each token to a few experts out of many; explain why this saves compute.",
+    "List the numbers from one to twenty, separated by commas, then say which of them are prime.",
+]
+
+
+def parity_prompts(tokenizer, vocab_size: int, min_positions: int = 256, seed: int = 1234) -> list[list[int]]:
+    """Chat-templated English prompts plus seeded random-id sequences (>= min_positions total)."""
+    prompts = []
+    for text in _TEXTS:
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        else:
+            ids = tokenizer.encode(text)
+        prompts.append(ids)
+    rng = random.Random(seed)
+    limit = min(vocab_size, len(tokenizer))
+    while sum(len(p) for p in prompts) < min_positions or len(prompts) < 6:
+        prompts.append([rng.randrange(limit) for _ in range(96)])
+    return prompts
+
+
+def engine_logits(engine, ids: list[int], chunk: int = 32) -> torch.Tensor:
+    """Logits [len(ids), V] fp32 from our engine, computed chunk by chunk through the KV cache."""
+    req = Request("parity", list(ids), SamplingParams(max_tokens=1), 1)
+    if not engine.kv.allocate(req.pages, len(ids)):
+        raise RuntimeError("KV cache too small for a parity prompt")
+    out = []
+    try:
+        for start in range(0, len(ids), chunk):
+            n = min(chunk, len(ids) - start)
+            out.append(engine.runner.forward([(req, n)], all_logits=True).cpu())
+            req.num_computed += n
+    finally:
+        engine.kv.release(req.pages)
+    return torch.cat(out)
+
+
+def compare(ref: torch.Tensor, ours: torch.Tensor) -> dict:
+    """ref, ours [P, V] fp32 -> metrics."""
+    lp_ref, lp_ours = torch.log_softmax(ref.double(), -1), torch.log_softmax(ours.double(), -1)
+    kl = (lp_ref.exp() * (lp_ref - lp_ours)).sum(-1).clamp(min=0)
+    return {
+        "positions": int(ref.shape[0]),
+        "top1": float((ref.argmax(-1) == ours.argmax(-1)).double().mean()),
+        "kl_mean": float(kl.mean()),
+        "kl_max": float(kl.max()),
+        "max_abs_logit_diff": float((ref - ours).abs().max()),
+    }
+
+
+def reference_logits(ref_path: str | Path, prompts: list[list[int]], device: str, dtype: torch.dtype) -> list[torch.Tensor]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(ref_path), dtype=dtype).to(device).eval()
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            outs.append(model(torch.tensor([ids], device=device)).logits[0].float().cpu())
+    del model
+    return outs
+
+
+def run_parity(model: str, reference: str | None, device: str, dtype_name: str, arch: str | None = None) -> dict:
+    from tiermoe.engine.build import build_engine_core, is_packed_store
+    from tiermoe.errors import UserError
+    from tiermoe.models.loader import parse_dtype
+
+    if reference is None:
+        if is_packed_store(Path(model)):
+            raise UserError(f"{model}: a packed store has no transformers reference; pass --reference SRC_CHECKPOINT")
+        reference = model
+    engine = build_engine_core(model, device=device, dtype=dtype_name, max_num_seqs=1)
+    dtype = engine.model.dtype
+    prompts = parity_prompts(engine.tokenizer, engine.vocab_size)
+    longest = max(len(p) for p in prompts)
+    if longest >= engine.max_model_len:
+        raise UserError(f"parity prompts need a context of {longest + 1} tokens")
+    ours = [engine_logits(engine, p) for p in prompts]
+    refs = reference_logits(reference, prompts, str(engine.model.device), dtype)
+    result = compare(torch.cat(refs), torch.cat(ours))
+    return {"arch": arch or engine.model.spec.arch, "dtype": str(dtype).replace("torch.", ""),
+            "device": str(engine.model.device), **result}
+
+
+def format_result(result: dict) -> str:
+    keys = ["arch", "positions", "top1", "kl_mean", "kl_max", "max_abs_logit_diff"]
+    ordered = {k: result[k] for k in keys}
+    ordered.update({k: v for k, v in result.items() if k not in ordered})
+    return json.dumps(ordered)

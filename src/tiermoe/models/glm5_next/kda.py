@@ -1,0 +1,215 @@
+"""Kimi Delta Attention (KDA) layers of glm5_next, with explicit per-slot state.
+
+Per sequence a KDA layer carries two pieces of state between forward calls:
+- the short-convolution window: the last `K-1` pre-convolution q|k|v rows, [3C, K-1];
+- the delta-rule recurrent state, [H, dk, dv] in fp32.
+Both live in `Glm5NextCache` slots, so any set of sequences can run in one batch.
+
+Prefill (several new tokens) uses the chunked (WY) form with 64-token chunks; single-token
+decode uses the recurrent form, batched over all decoding sequences. Speculative verification
+(`SeqBatch.keep_states`) runs the recurrent form and records the state after every token, so
+the cache can roll back to any accepted prefix. Math and dtype handling follow transformers'
+reference (`chunk_kimi_delta_attention` / `recurrent_kimi_delta_attention`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .cache import Glm5NextCache, SeqBatch
+from .config import Glm5NextConfig
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps), the FLA convention (not F.normalize's clamp)."""
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def kda_recurrent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, keep_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Step-by-step delta rule. q,k,g [B,S,H,dk], v [B,S,H,dv], beta [B,S,H], state [B,H,dk,dv].
+
+    Returns (out [B,S,H,dv] fp32, final state, per-step states [S+1,B,H,dk,dv] or None)."""
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    q = l2norm(q) * (q.shape[-1] ** -0.5)
+    k = l2norm(k)
+    s = state.float()
+    out = torch.zeros(*v.shape, dtype=torch.float32, device=v.device)
+    hist = [s] if keep_states else None
+    for i in range(q.shape[1]):
+        s = s * g[:, i].exp()[..., None]
+        kv_mem = (s * k[:, i, ..., None]).sum(dim=-2)  # [B,H,dv]
+        delta = (v[:, i] - kv_mem) * beta[:, i, :, None]
+        s = s + k[:, i].unsqueeze(-1) * delta.unsqueeze(-2)
+        out[:, i] = (s * q[:, i].unsqueeze(-1)).sum(dim=-2)
+        if hist is not None:
+            hist.append(s)
+    return out, s, (torch.stack(hist) if hist is not None else None)
+
+
+def kda_chunked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked (WY-representation) delta rule over a whole segment; same shapes as
+    `kda_recurrent`, returns (out [B,S,H,dv] fp32, final state [B,H,dk,dv] fp32)."""
+    q, k, v, beta, g = (t.transpose(1, 2).contiguous().float() for t in (q, k, v, beta, g))
+    q = l2norm(q)
+    k = l2norm(k)
+    b, h, n, dk = k.shape
+    dv = v.shape[-1]
+    pad = (chunk - n % chunk) % chunk
+    q = F.pad(q, (0, 0, 0, pad)) * (dk ** -0.5)
+    k = F.pad(k, (0, 0, 0, pad))
+    v = F.pad(v, (0, 0, 0, pad))
+    g = F.pad(g, (0, 0, 0, pad))
+    beta = F.pad(beta, (0, pad))
+    v_beta = v * beta.unsqueeze(-1)
+    k_beta = k * beta.unsqueeze(-1)
+    q, k, v, g, k_beta, v_beta = (t.reshape(b, h, -1, chunk, t.shape[-1]) for t in (q, k, v, g, k_beta, v_beta))
+
+    g = g.cumsum(dim=-2)  # within-chunk cumulative log decay, per key channel
+    incl = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=0)
+    strict = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=1)
+    decay = (g.unsqueeze(-2) - g.unsqueeze(-3)).masked_fill(strict[..., None], float("-inf")).exp().float()
+    attn = -(k_beta.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(dim=-1).masked_fill(incl, 0)
+    for i in range(1, chunk):  # forward substitution: (I + A)^-1 row by row
+        row = attn[..., i, :i].clone()
+        sub = attn[..., :i, :i].clone()
+        attn[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
+    attn = attn + torch.eye(chunk, dtype=attn.dtype, device=attn.device)
+    v = attn @ v_beta
+    k_cumdecay = attn @ (k_beta * g.exp())
+
+    s = state.float()
+    out = torch.zeros_like(v)
+    for i in range(v.shape[2]):
+        q_i, k_i, v_i, g_i = q[:, :, i], k[:, :, i], v[:, :, i], g[:, :, i]
+        inter = (q_i * g_i.exp()) @ s
+        intra = (q_i.unsqueeze(-2) * k_i.unsqueeze(-3) * decay[:, :, i]).sum(dim=-1).masked_fill(strict, 0)
+        v_new = v_i - k_cumdecay[:, :, i] @ s
+        out[:, :, i] = inter + intra @ v_new
+        s = s * g_i[:, :, -1].exp().unsqueeze(-1) + (k_i * (g_i[:, :, -1:] - g_i).exp()).transpose(-1, -2) @ v_new
+    out = out.reshape(b, h, -1, dv)[:, :, :n].transpose(1, 2).contiguous()
+    return out, s
+
+
+class _Conv(nn.Module):
+    """Holds the depthwise short-conv weight under the checkpoint's `conv1d.weight` name."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel, dtype=torch.float32))
+
+
+class ForgetGate(nn.Module):
+    """Per-channel log-decay g = lower_bound * sigmoid(exp(A_log) * (f_b(f_a(x)) + dt_bias))."""
+
+    def __init__(self, cfg: Glm5NextConfig):
+        super().__init__()
+        d, c = cfg.linear_head_dim, cfg.linear_qkv_dim
+        self.head_dim = d
+        self.f_a_proj = nn.Linear(cfg.hidden_size, d, bias=False)
+        self.f_b_proj = nn.Linear(d, c, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(c, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(cfg.linear_num_heads, dtype=torch.float32))
+        self.lower_bound = cfg.linear_lower_bound
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> g [T, H, dk] fp32 (log decay, <= 0)."""
+        t = x.shape[0]
+        g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(t, -1, self.head_dim)
+        a = torch.exp(self.A_log.float()).view(1, -1, 1)
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(a * g)
+        return -a * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+
+
+class KDAttention(nn.Module):
+    """One KDA token mixer; `forward` reads and updates the slots named by the batch."""
+
+    def __init__(self, cfg: Glm5NextConfig, layer_idx: int):
+        super().__init__()
+        hid, c = cfg.hidden_size, cfg.linear_qkv_dim
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim, self.qkv_dim = cfg.linear_num_heads, cfg.linear_head_dim, c
+        self.kernel = cfg.linear_conv_kernel_dim
+        self.eps = cfg.rms_norm_eps
+        self.q_proj = nn.Linear(hid, c, bias=False)
+        self.k_proj = nn.Linear(hid, c, bias=False)
+        self.v_proj = nn.Linear(hid, c, bias=False)
+        self.conv1d = _Conv(3 * c, self.kernel)
+        self.forget_gate = ForgetGate(cfg)
+        self.b_proj = nn.Linear(hid, cfg.linear_num_heads, bias=False)
+        self.g_a_proj = nn.Linear(hid, self.head_dim, bias=False)
+        self.g_b_proj = nn.Linear(self.head_dim, c, bias=False)
+        self.o_norm = nn.Module()
+        self.o_norm.weight = nn.Parameter(torch.ones(self.head_dim))
+        self.o_proj = nn.Linear(c, hid, bias=False)
+
+    def _conv(self, qkv: torch.Tensor, batch: SeqBatch, cache: Glm5NextCache) -> torch.Tensor:
+        """Causal depthwise conv + SiLU over each sequence, continuing its cached window."""
+        w = self.conv1d.weight  # [3C, 1, K] fp32
+        out = torch.empty_like(qkv)  # [T, 3C]
+        decode = [b for b, n in enumerate(batch.lens) if n == 1]
+        if decode:
+            rows = torch.tensor([batch.cu[b] for b in decode], device=qkv.device)
+            states = torch.stack([cache.kda_conv_in(self.layer_idx, batch, b) for b in decode])  # [B,3C,K-1]
+            win = torch.cat([states, qkv[rows].unsqueeze(-1)], dim=-1)  # [B, 3C, K]
+            y = F.silu(F.conv1d(win.to(w.dtype), w, groups=w.shape[0]))  # [B, 3C, 1]
+            out[rows] = y[..., 0].to(qkv.dtype)
+            for j, b in enumerate(decode):
+                cache.kda_conv_out(self.layer_idx, batch, b, win[j])
+        for b, n in enumerate(batch.lens):
+            if n == 1:
+                continue
+            lo = batch.cu[b]
+            win = torch.cat([cache.kda_conv_in(self.layer_idx, batch, b), qkv[lo:lo + n].t()], dim=-1)
+            y = F.silu(F.conv1d(win.unsqueeze(0).to(w.dtype), w, groups=w.shape[0]))  # [1, 3C, n]
+            out[lo:lo + n] = y[0].t().to(qkv.dtype)
+            cache.kda_conv_out(self.layer_idx, batch, b, win)
+        return out
+
+    def forward(self, x: torch.Tensor, batch: SeqBatch, cache: Glm5NextCache) -> torch.Tensor:
+        """x [T, hidden] (flat tokens of the batch) -> [T, hidden]."""
+        t = x.shape[0]
+        h, d = self.num_heads, self.head_dim
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3C]
+        qkv = self._conv(qkv, batch, cache)
+        q, k, v = (z.reshape(t, h, d) for z in qkv.split(self.qkv_dim, dim=-1))
+        g = self.forget_gate(x)  # [T, H, dk] fp32
+        beta = torch.sigmoid(self.b_proj(x))  # [T, H]
+        core = torch.empty(t, h, d, dtype=torch.float32, device=x.device)
+
+        decode = [b for b, n in enumerate(batch.lens) if n == 1 and not batch.keep_states]
+        if decode:
+            rows = torch.tensor([batch.cu[b] for b in decode], device=x.device)
+            s0 = torch.stack([cache.kda_state_in(self.layer_idx, batch, b) for b in decode])  # [B,H,dk,dv]
+            o, s1, _ = kda_recurrent(q[rows, None], k[rows, None], v[rows, None], g[rows, None], beta[rows, None], s0)
+            core[rows] = o[:, 0]
+            for j, b in enumerate(decode):
+                cache.kda_state_out(self.layer_idx, batch, b, s1[j])
+        for b, n in enumerate(batch.lens):
+            if n == 1 and not batch.keep_states:
+                continue
+            lo, hi = batch.cu[b], batch.cu[b] + n
+            s0 = cache.kda_state_in(self.layer_idx, batch, b)[None]
+            args = (q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], g[None, lo:hi], beta[None, lo:hi], s0)
+            if batch.keep_states:
+                o, s1, hist = kda_recurrent(*args, keep_states=True)
+                cache.kda_record_history(self.layer_idx, batch, b, hist[:, 0])
+            else:
+                o, s1 = kda_chunked(*args)
+            core[lo:hi] = o[0]
+            cache.kda_state_out(self.layer_idx, batch, b, s1[0])
+
+        core = core.to(x.dtype)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d)
+        y = core.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = (self.o_norm.weight.float() * y * torch.sigmoid(gate.float())).to(x.dtype)
+        return self.o_proj(y.reshape(t, -1))

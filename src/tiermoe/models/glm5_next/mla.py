@@ -1,0 +1,172 @@
+"""NoPE multi-head latent attention with the DSA k-pool sparse indexer (glm5_next MLA layers).
+
+Cache: per sequence the layer keeps the RMS-normalized `kv_a` latent ([L, kv_lora_rank]) and,
+for layers with their own ("full") indexer, the indexer key and k-pool gate score per token
+([L, 2*d_index]). Keys/values are re-expanded from the latent (prefill) or the query is
+absorbed into latent space (decode), so no per-head K/V is ever stored.
+
+Selection (per query at absolute position p, sequence length L after this forward):
+- complete pools j (tokens [jP, jP+P), jP+P <= L) are candidates if their last token <= p;
+  each pool key is a softmax(gate + ape)-weighted mean of its tokens' indexer keys;
+- score(j) = sum_h w_h * relu(q_h . key_j / sqrt(d)), the top index_topk/P pools are taken;
+- with index_kpool_always_select_tail, the tokens of p's own incomplete pool are added.
+A "shared" layer reuses the selection of the full layer just before it. The selection is an
+index list [S, index_topk + P - 1] padded with -1, exactly as transformers builds it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .cache import Glm5NextCache, SeqBatch
+from .config import Glm5NextConfig
+from .layers import RMSNorm
+
+# Up to this many new tokens per sequence, attention gathers the selected latent rows and
+# works in latent space (absorbed); longer segments expand K/V and use a dense masked SDPA.
+GATHER_MAX_TOKENS = 8
+
+
+class Indexer(nn.Module):
+    """DSA indexer with k-pool compression."""
+
+    def __init__(self, cfg: Glm5NextConfig):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.topk, self.kpool = cfg.index_topk, cfg.index_kpool
+        self.tail = cfg.index_kpool_always_select_tail
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(self.kpool, self.head_dim))
+        self.index_kpool_compress_gate = nn.Parameter(torch.zeros(self.head_dim, cfg.hidden_size))
+
+    @property
+    def width(self) -> int:
+        return self.topk + (self.kpool - 1 if self.tail else 0)
+
+    def token_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token cache rows [T, 2d]: LayerNormed indexer key | k-pool gate score."""
+        return torch.cat([self.k_norm(self.wk(x)), F.linear(x, self.index_kpool_compress_gate)], dim=-1)
+
+    def queries(self, x: torch.Tensor, q_resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [T, nh, d], head weights [T, nh] fp32)."""
+        q = self.wq_b(q_resid).view(x.shape[0], self.n_heads, self.head_dim)
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads ** -0.5)
+        return q, w
+
+    def select(self, q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, start: int) -> torch.Tensor:
+        """q [S, nh, d], w [S, nh], rows [L, 2d] (all cached rows) -> token indices [S, width]."""
+        s, d, p = q.shape[0], self.head_dim, self.kpool
+        length = rows.shape[0]
+        dev = q.device
+        pos = torch.arange(start, start + s, device=dev)  # [S]
+        npools = length // p
+        if npools > 0:
+            keys = rows[: npools * p, :d].view(1, npools, p, d)
+            gates = rows[: npools * p, d:].view(1, npools, p, d)
+            prob = (gates.float() + self.index_kpool_compress_ape.float()[None, None]).softmax(dim=2).to(keys.dtype)
+            pool_keys = (prob * keys).sum(dim=2)  # [1, np, d]
+            scores = torch.matmul(q.float()[None], pool_keys.transpose(-1, -2).float().unsqueeze(1))  # [1,S,nh,np]
+            scores = F.relu(scores * (d ** -0.5))
+            index_scores = torch.matmul(w[None].unsqueeze(-2), scores).squeeze(-2)  # [1, S, np]
+            pool_end = torch.arange(npools, device=dev) * p + (p - 1)
+            valid = pool_end[None, None, :] <= pos[None, :, None]  # [1, S, np]
+            index_scores = index_scores.masked_fill(~valid, torch.finfo(index_scores.dtype).min)
+            k = min(self.topk // p, npools)
+            chosen = index_scores.topk(k, dim=-1).indices  # [1, S, k]
+            chosen_ok = valid.gather(-1, chosen)
+            tokens = chosen[..., None] * p + torch.arange(p, device=dev)  # [1, S, k, P]
+            idx = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(-2)[0]  # [S, k*P]
+        else:
+            idx = torch.empty(s, 0, dtype=torch.long, device=dev)
+        if self.tail and p > 1:
+            seen = pos + 1
+            count = seen.remainder(p)
+            offs = torch.arange(p - 1, device=dev)
+            tail = (seen - count)[:, None] + offs  # [S, P-1]
+            ok = (offs[None, :] < count[:, None]) & (tail < length)
+            idx = torch.cat([idx, tail.masked_fill(~ok, -1)], dim=-1)
+        return F.pad(idx, (0, self.width - idx.shape[-1]), value=-1)[:, : self.width]
+
+
+class MLAttention(nn.Module):
+    """NoPE MLA token mixer with a full or shared DSA indexer."""
+
+    def __init__(self, cfg: Glm5NextConfig, layer_idx: int):
+        super().__init__()
+        hid, h = cfg.hidden_size, cfg.num_attention_heads
+        self.layer_idx, self.num_heads = layer_idx, h
+        self.r, self.dk, self.dv = cfg.kv_lora_rank, cfg.qk_head_dim, cfg.v_head_dim
+        self.scaling = self.dk ** -0.5
+        self.q_a_proj = nn.Linear(hid, cfg.q_lora_rank, bias=cfg.attention_bias)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * self.dk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hid, self.r + cfg.qk_rope_head_dim, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(self.r, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.r, h * (self.dk + self.dv), bias=False)
+        self.o_proj = nn.Linear(h * self.dv, hid, bias=cfg.attention_bias)
+        self.indexer = None if cfg.shares_topk(layer_idx) else Indexer(cfg)
+        self.hands_on = layer_idx < cfg.num_hidden_layers and cfg.hands_topk_on(layer_idx)
+
+    def forward(
+        self, x: torch.Tensor, batch: SeqBatch, cache: Glm5NextCache, prev_sel: list[torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """x [T, hidden] -> ([T, hidden], per-sequence selections for a following shared layer)."""
+        t = x.shape[0]
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))  # [T, q_lora]
+        q = self.q_b_proj(q_resid).view(t, self.num_heads, self.dk)
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)[:, : self.r])  # [T, r]
+        if self.indexer is not None:
+            rows = self.indexer.token_rows(x)  # [T, 2d]
+            iq, iw = self.indexer.queries(x, q_resid)
+        elif prev_sel is None:
+            raise RuntimeError(f"layer {self.layer_idx}: shared DSA layer without a previous selection")
+        out = torch.empty(t, self.num_heads, self.dv, dtype=x.dtype, device=x.device)
+        sels = []
+        for b, (slot, start, n) in enumerate(zip(batch.slots, batch.starts, batch.lens)):
+            lo, hi = batch.cu[b], batch.cu[b] + n
+            lat = cache.write_rows(cache.latent, self.layer_idx, slot, start, latent[lo:hi])  # [L, r]
+            if self.indexer is not None:
+                all_rows = cache.write_rows(cache.index, self.layer_idx, slot, start, rows[lo:hi])
+                sel = self.indexer.select(iq[lo:hi], iw[lo:hi], all_rows, start)
+            else:
+                sel = prev_sel[b]
+            sels.append(sel)
+            if n <= GATHER_MAX_TOKENS:
+                out[lo:hi] = self._attend_gather(q[lo:hi], lat, sel)
+            else:
+                out[lo:hi] = self._attend_dense(q[lo:hi], lat, sel)
+        y = self.o_proj(out.reshape(t, -1))
+        return y, (sels if self.hands_on else None)
+
+    def _attend_dense(self, q: torch.Tensor, lat: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+        """Expanded K/V over all L cached rows with the selection as a boolean mask."""
+        length, h = lat.shape[0], self.num_heads
+        kv = self.kv_b_proj(lat).view(length, h, self.dk + self.dv).transpose(0, 1)  # [H, L, dk+dv]
+        k, v = kv.split([self.dk, self.dv], dim=-1)
+        ok = (sel >= 0) & (sel < length)
+        mask = torch.zeros(sel.shape[0], length, dtype=torch.int32, device=q.device)
+        mask.scatter_add_(-1, sel.clamp(0, length - 1), ok.to(torch.int32))
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask.ne(0)[None, None], scale=self.scaling
+        )  # [1, H, S, dv]
+        return o[0].transpose(0, 1)
+
+    def _attend_gather(self, q: torch.Tensor, lat: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+        """Absorbed MLA over the selected latent rows only: q is mapped into latent space through
+        kv_b_proj's key half and the latent-weighted sum through its value half."""
+        h = self.num_heads
+        wkv = self.kv_b_proj.weight.view(h, self.dk + self.dv, self.r)
+        w_uk, w_uv = wkv[:, : self.dk], wkv[:, self.dk:]  # [H, dk, r], [H, dv, r]
+        ok = (sel >= 0) & (sel < lat.shape[0])  # [S, W]
+        rows = lat[sel.clamp(0, lat.shape[0] - 1)]  # [S, W, r]
+        q_lat = torch.einsum("shd,hdr->shr", q, w_uk)
+        scores = torch.einsum("shr,swr->shw", q_lat, rows).float() * self.scaling
+        scores = scores.masked_fill(~ok[:, None, :], float("-inf"))
+        p = scores.softmax(dim=-1).to(q.dtype)
+        o_lat = torch.einsum("shw,swr->shr", p, rows)
+        return torch.einsum("shr,hvr->shv", o_lat, w_uv)

@@ -1,0 +1,148 @@
+"""The glm5_next text model: embeddings -> mHC decoder stack -> stream mean -> norm -> lm_head,
+plus the optional MTP (next-n prediction) layer used for speculative decoding.
+
+All sequence state lives in a `Glm5NextCache`; `forward` takes flat tokens of several
+sequences (`SeqBatch`) so a serving engine can mix prefill chunks and decode steps. Routed
+experts go through `self.moe_experts` (see moe.py), which the engine may replace.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .cache import Glm5NextCache, SeqBatch
+from .config import Glm5NextConfig
+from .kda import KDAttention
+from .layers import MLP, HyperConnection, RMSNorm
+from .mla import MLAttention
+from .moe import MoE, MoEExpertsFn, ResidentExperts
+
+
+class DecoderLayer(nn.Module):
+    """Token mixer (KDA or MLA) and FFN (dense or MoE), each wrapped in an mHC connection."""
+
+    def __init__(self, cfg: Glm5NextConfig, i: int):
+        super().__init__()
+        self.is_kda, self.is_moe = cfg.is_kda(i), cfg.is_moe(i)
+        self.self_attn = KDAttention(cfg, i) if self.is_kda else MLAttention(cfg, i)
+        self.mlp = MoE(cfg, i) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.swiglu_limit)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        hc = (cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        self.attn_hc = HyperConnection(*hc)
+        self.ffn_hc = HyperConnection(*hc)
+
+    def forward(
+        self, streams: torch.Tensor, batch: SeqBatch, cache: Glm5NextCache,
+        prev_sel: list[torch.Tensor] | None, experts: MoEExpertsFn,
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """streams [T, N, D] -> (streams [T, N, D], DSA selection handed to the next layer)."""
+        post, comb, h = self.attn_hc.pre(streams)
+        h = self.input_layernorm(h)
+        sel = None
+        if self.is_kda:
+            h = self.self_attn(h, batch, cache)
+        else:
+            h, sel = self.self_attn(h, batch, cache, prev_sel)
+        streams = HyperConnection.post(h, streams, post, comb)
+        post, comb, h = self.ffn_hc.pre(streams)
+        h = self.post_attention_layernorm(h)
+        h = self.mlp(h, experts) if self.is_moe else self.mlp(h)
+        return HyperConnection.post(h, streams, post, comb), sel
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: Glm5NextConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MTPLayer(nn.Module):
+    """Next-n prediction block (checkpoint layer `num_hidden_layers`).
+
+    DeepSeek-V3-style: h' = eh_proj([enorm(embed(t_{i+1})), hnorm(h_i)]), then one plain
+    pre-norm residual decoder layer (MLA with its own indexer + MoE, no mHC), then
+    shared_head.norm and the trunk's lm_head give logits for t_{i+2}. `h_i` is the trunk's
+    final normalized hidden state (what lm_head reads)."""
+
+    def __init__(self, cfg: Glm5NextConfig):
+        super().__init__()
+        i = cfg.mtp_layer_idx
+        d = cfg.hidden_size
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.enorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.shared_head = SharedHead(cfg)
+        self.self_attn = MLAttention(cfg, i)
+        self.mlp = MoE(cfg, i)
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(
+        self, emb: torch.Tensor, prev_hidden: torch.Tensor, batch: SeqBatch, cache: Glm5NextCache,
+        experts: MoEExpertsFn,
+    ) -> torch.Tensor:
+        """emb [T, D] (embeddings of t_{i+1}), prev_hidden [T, D] (h_i) -> MTP hidden [T, D]."""
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(prev_hidden)], dim=-1))
+        a, _ = self.self_attn(self.input_layernorm(x), batch, cache, None)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x), experts)
+
+
+class Glm5NextModel(nn.Module):
+    """glm5_next causal LM over explicit per-slot caches."""
+
+    def __init__(self, cfg: Glm5NextConfig, with_mtp: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = MTPLayer(cfg) if with_mtp else None
+        # The routed-expert seam; the serving engine swaps in its tiered store here.
+        self.moe_experts: MoEExpertsFn = ResidentExperts(cfg.swiglu_limit)
+
+    def new_cache(self, num_slots: int, max_len: int) -> Glm5NextCache:
+        p = self.embed_tokens.weight
+        return Glm5NextCache(self.cfg, num_slots, max_len, p.device, p.dtype, mtp=self.mtp is not None)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, batch: SeqBatch, cache: Glm5NextCache) -> torch.Tensor:
+        """input_ids [T] (flat, per `batch`) -> final normalized hidden states [T, D].
+
+        Writes the new tokens' state into the batch's slots and advances their lengths."""
+        if input_ids.shape[0] != batch.num_tokens:
+            raise ValueError(f"input_ids has {input_ids.shape[0]} tokens, batch expects {batch.num_tokens}")
+        cache.check(batch)
+        cache.begin(batch)
+        x = F.embedding(input_ids, self.embed_tokens.weight)  # [T, D]
+        streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, N, D]
+        sel = None
+        for layer in self.layers:
+            streams, sel = layer(streams, batch, cache, sel, self.moe_experts)
+        cache.commit(batch)
+        return self.norm(streams.mean(dim=1))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, D] -> logits [T, V] in the model dtype."""
+        return self.lm_head(hidden)
+
+    @torch.no_grad()
+    def mtp_forward(
+        self, next_ids: torch.Tensor, prev_hidden: torch.Tensor, batch: SeqBatch, cache: Glm5NextCache,
+    ) -> torch.Tensor:
+        """One MTP pass over entries (h_i, t_{i+1}); batch positions count MTP entries per slot.
+        Returns the MTP hidden states [T, D] (feed to `mtp_logits`, or back in for a 2nd draft)."""
+        if self.mtp is None:
+            raise RuntimeError("model was loaded without its MTP layer")
+        cache.check(batch, mtp=True)
+        emb = F.embedding(next_ids, self.embed_tokens.weight)
+        h = self.mtp(emb, prev_hidden, batch, cache, self.moe_experts)
+        cache.commit(batch, mtp=True)
+        return h
+
+    def mtp_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.mtp.shared_head.norm(mtp_hidden))

@@ -1,0 +1,52 @@
+"""`tiermoe generate`: run one prompt and print only the completion text."""
+
+from __future__ import annotations
+
+import sys
+
+
+def register(subparsers) -> None:
+    from tiermoe.engine.build import add_engine_args
+
+    p = subparsers.add_parser("generate", help="complete one prompt and print the completion")
+    add_engine_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template to the prompt")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.set_defaults(handler=_run)
+
+
+def prompt_ids(tokenizer, text: str, raw: bool) -> list[int]:
+    if not raw and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return tokenizer.encode(text)
+
+
+def _run(args) -> int:
+    from tiermoe.engine.build import build_engine_core
+    from tiermoe.engine.llm_engine import generate_ids
+    from tiermoe.engine.protocol import InvalidRequest, SamplingParams
+    from tiermoe.errors import UserError
+
+    engine = build_engine_core(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                               max_num_seqs=1, options=vars(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                            seed=args.seed)
+    ids = prompt_ids(engine.tokenizer, args.prompt, args.raw)
+    try:
+        out = generate_ids(engine, [ids], params)[0]
+    except InvalidRequest as exc:
+        raise UserError(f"--{(exc.param or 'prompt').replace('_', '-')}: {exc}") from None
+    sys.stdout.write(engine.tokenizer.decode(out, skip_special_tokens=True) + "\n")
+    return 0

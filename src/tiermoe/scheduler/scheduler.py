@@ -1,0 +1,106 @@
+"""Token-budget scheduler: which requests get how many tokens this step.
+
+Scheduling is in tokens, not phases: a running decode asks for 1 token, a prompt asks for
+what is left of it, and a per-step budget cuts prompts into chunks (chunked prefill), so
+decodes and prefills mix in one step. When KV pages run out, the most recently admitted
+running request is preempted (its pages freed, its tokens recomputed later, nothing lost).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tiermoe.scheduler.kv_pages import KVPages
+from tiermoe.scheduler.request import Request, Status
+
+
+@dataclass
+class ScheduledBatch:
+    items: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    preempted: list[Request] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+class Scheduler:
+    def __init__(self, kv: KVPages, max_num_seqs: int, max_batched_tokens: int):
+        self.kv, self.max_num_seqs, self.max_batched_tokens = kv, max_num_seqs, max_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        out = ScheduledBatch()
+        budget = self.max_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed, budget)
+            while not self.kv.allocate(req.pages, req.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.items.append((req, n))
+                budget -= n
+                i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            req = self.waiting[0]
+            if req.num_computed == 0 and not req.pages:
+                req.pages = self.kv.match_prefix(req.all_ids)
+                req.num_computed = len(req.pages) * self.kv.page_size
+                if not req.output_ids:
+                    req.cached_tokens = req.num_computed
+            n = min(req.num_tokens - req.num_computed, budget)
+            if not self.kv.allocate(req.pages, req.num_computed + n):
+                if not self.running:  # nothing to wait for: the request can never fit
+                    raise MemoryError("prompt does not fit in the KV cache")
+                self.kv.release(req.pages)
+                req.num_computed = 0
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            req.slot = self.free_slots.pop()
+            self.running.append(req)
+            out.items.append((req, n))
+            budget -= n
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed = 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        self.kv.release(req.pages)
+        if req.slot >= 0:
+            self.free_slots.append(req.slot)
+            req.slot = -1
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.status, req.finish_reason = Status.FINISHED, reason
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+
+    def commit(self, req: Request, n: int) -> None:
+        """After the forward pass computed n new tokens of req."""
+        req.num_computed += n
+        self.kv.commit(req.pages, req.all_ids, req.num_computed)
