@@ -1,0 +1,40 @@
+"""The bench group through the real `tiermoe` dispatcher, and extra modules joining it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tiermoe.bench import cli as bench_cli
+
+
+def test_bench_floor_through_main(capsys):
+    from tiermoe.cli import main
+
+    rc = main(["bench", "floor", "--bytes-per-expert", "9.44MB", "--top-k", "8", "--moe-layers", "42",
+               "--hits", "gpu=120,ram=175,disk=23"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0 and "<- bound" in out and '"bound": "disk"' in out
+
+
+def test_extra_modules_register_and_missing_are_skipped(tmp_path, monkeypatch):
+    pkg = tmp_path / "benchextra_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "decode.py").write_text(
+        "def register(sub):\n"
+        "    p = sub.add_parser('decode')\n"
+        "    p.set_defaults(handler=lambda args: 7)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(bench_cli, "BENCH_EXTRA_MODULES", ("benchextra_pkg.decode", "benchextra_pkg.moe_gpu"))
+    parser = argparse.ArgumentParser()
+    bench_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["bench", "decode"])
+    assert args.handler(args) == 7
+    sys.modules.pop("benchextra_pkg.decode", None)
+    sys.modules.pop("benchextra_pkg", None)
+
+
+def test_default_extra_modules_are_the_expected_names():
+    assert bench_cli.BENCH_EXTRA_MODULES == ("tiermoe.bench.decode", "tiermoe.bench.moe_gpu")
