@@ -1,0 +1,174 @@
+"""Disk tier: O_DIRECT record reads by a pool of threads, with sha256 checks.
+
+Why O_DIRECT: the record store is far larger than RAM; buffered reads would fill the page
+cache with experts the RAM tier already holds (a second copy) and evict the RAM tier's own
+pages under pressure. O_DIRECT needs 4096-aligned offsets, lengths and buffer addresses, which
+the record format guarantees and `aligned_buffer` provides. Filesystems without O_DIRECT
+(tmpfs, some FUSE and network filesystems) are refused by `probe_direct_io` unless the user
+asks for buffered reads, which then drop each record from the page cache after reading
+(posix_fadvise DONTNEED).
+
+Integrity: a record read from disk is hashed in the reader thread (hashlib releases the GIL)
+and compared with the manifest before anyone may decode it, so no output is ever computed
+from a corrupted record; a mismatch raises StoreIntegrityError naming the record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from tiermoe.errors import StoreIntegrityError, UserError
+from tiermoe.store.records import RECORD_ALIGN, RecordInfo
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+VERIFY_MODES = ("always", "first")
+
+
+class StoreIOError(UserError):
+    """A record could not be read (I/O error or short read); the message names the record."""
+
+
+def aligned_buffer(nbytes: int, *, pin: bool = False, align: int = RECORD_ALIGN) -> torch.Tensor:
+    """A uint8 CPU tensor [nbytes] whose data pointer is `align`-aligned (for O_DIRECT).
+
+    With pin=True (and CUDA present) the memory is page-locked so host->GPU copies are DMA'd
+    without a bounce. The tensor is a view into a slightly larger allocation.
+    """
+    pin = pin and torch.cuda.is_available()
+    base = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin)
+    shift = (-base.data_ptr()) % align
+    out = base[shift : shift + nbytes]
+    assert out.data_ptr() % align == 0
+    return out
+
+
+def probe_direct_io(path: str | os.PathLike) -> str | None:
+    """None if `path` can be read with O_DIRECT, else a one-line reason why not."""
+    if not O_DIRECT:
+        return "this platform has no O_DIRECT"
+    try:
+        fd = os.open(path, os.O_RDONLY | O_DIRECT)
+    except OSError as exc:
+        return f"open(O_DIRECT) failed: {exc.strerror or exc}"
+    try:
+        if os.fstat(fd).st_size == 0:
+            return None
+        buf = aligned_buffer(RECORD_ALIGN)
+        os.preadv(fd, [memoryview(buf.numpy())], 0)
+    except OSError as exc:
+        return f"an O_DIRECT read failed: {exc.strerror or exc}"
+    finally:
+        os.close(fd)
+    return None
+
+
+def require_direct_io(path: str | os.PathLike) -> None:
+    """Refuse (UserError, one line) a filesystem without O_DIRECT."""
+    reason = probe_direct_io(path)
+    if reason:
+        raise UserError(f"{path}: the filesystem does not support O_DIRECT reads ({reason}); pass --no-direct-io to use buffered reads")
+
+
+def pread_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
+    """Fill `view` from `offset`; StoreIOError on EIO (or any OSError) or a short read."""
+    want = len(view)
+    got = 0
+    while got < want:
+        try:
+            n = os.preadv(fd, [view[got:]], offset + got)
+        except OSError as exc:
+            raise StoreIOError(f"I/O error reading {what}: {exc.strerror or exc} (errno {exc.errno})") from None
+        if n <= 0:
+            raise StoreIOError(f"short read of {what}: got {got} of {want} bytes (file truncated?)")
+        got += n
+
+
+class DiskReader:
+    """A pool of reader threads over experts.bin.
+
+    `submit(rec, dest)` reads record `rec` into `dest` (an aligned uint8 CPU tensor of at least
+    rec.length bytes) and returns a Future resolving to `dest` once the bytes are in and, per
+    `verify`, checked: "always" hashes every read, "first" only the first read of each record.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, direct: bool = True, threads: int = 16, verify: str = "always"):
+        if verify not in VERIFY_MODES:
+            raise UserError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+        self.path = Path(path)
+        self.direct = bool(direct)
+        self.verify = verify
+        if self.direct:
+            require_direct_io(self.path)
+        flags = os.O_RDONLY | (O_DIRECT if self.direct else 0)
+        try:
+            self._fd = os.open(self.path, flags)
+        except OSError as exc:
+            raise UserError(f"{self.path}: cannot open ({exc.strerror or exc})") from None
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="tiermoe-disk")
+        self._lock = threading.Lock()
+        self._verified: set[int] = set()
+        self.in_flight = 0
+        self.reads = 0
+        self.bytes_read = 0
+        self.checks = 0
+
+    def _read(self, rec: RecordInfo, dest: torch.Tensor, check: bool) -> torch.Tensor | str:
+        view = memoryview(dest.numpy())[: rec.length]
+        what = f"{rec.name()} from {self.path}"
+        try:
+            pread_exact(self._fd, view, rec.offset, what)
+            if not self.direct and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self._fd, rec.offset, rec.length, os.POSIX_FADV_DONTNEED)
+            with self._lock:
+                self.reads += 1
+                self.bytes_read += rec.length
+            if not check:
+                return hashlib.sha256(view).hexdigest()
+            if self.verify == "always" or rec.index not in self._verified:
+                digest = hashlib.sha256(view).hexdigest()
+                with self._lock:
+                    self.checks += 1
+                if digest != rec.sha256:
+                    raise StoreIntegrityError(
+                        f"{self.path}: checksum mismatch for {rec.name()}; the store is corrupted (run `tiermoe verify {self.path.parent}`)"
+                    )
+                self._verified.add(rec.index)
+            return dest
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+    def submit(self, rec: RecordInfo, dest: torch.Tensor, *, check: bool = True) -> Future:
+        """Start reading `rec` into `dest`; with check=False the Future yields the hex sha256."""
+        if dest.numel() < rec.length or dest.data_ptr() % RECORD_ALIGN:
+            raise ValueError("destination buffer too small or not 4096-aligned")
+        with self._lock:
+            self.in_flight += 1
+        try:
+            return self._pool.submit(self._read, rec, dest, check)
+        except BaseException:
+            with self._lock:
+                self.in_flight -= 1
+            raise
+
+    def read(self, rec: RecordInfo, dest: torch.Tensor) -> torch.Tensor:
+        """Synchronous read + check."""
+        return self.submit(rec, dest).result()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            self._pool.shutdown(wait=True)
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "DiskReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,348 @@
+"""ExpertStore: the one object the MoE layer talks to.
+
+    store = ExpertStore.open("/models/glm-int4", device="cuda", stats_file="stats.json")
+    store.prefetch(layer + 1, predicted_ids)          # start disk reads one layer ahead
+    experts = store.fetch(layer, [3, 17, 250])        # {id: (gate_up [2I, H], down [H, I])}
+
+Every routed expert lives in exactly one of: a slot on the compute device ("slots"), an
+entry of the RAM arena ("host", pinned on CUDA machines), or only in experts.bin ("disk").
+`Residency` (policy layer) decides what moves; this class executes the moves on buffers.
+
+Validity of returned tensors: for float stores, tensors of an expert held in slots (or in
+host on a CPU device) are views into that tier's entry; they stay valid until a later
+fetch() evicts the entry. Use them before the next fetch() (the MoE layer does), or clone.
+Experts not kept on the device are returned as fresh tensors. int4/int8 stores are
+dequantized into fresh tensors on every fetch (plain-torch reference path).
+
+Exactness: tier moves copy record bytes verbatim and float records decode as views, so a
+bf16 store returns bit-identical tensors whichever tier an expert came from.
+Integrity: every record read from disk is sha256-checked before it is used
+(StoreIntegrityError otherwise; see disk.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiermoe.errors import UserError
+from tiermoe.store.disk import DiskReader
+from tiermoe.store.planner import build_plan, key_rates, config_top_k
+from tiermoe.store.policy import POLICIES, top_keys
+from tiermoe.store.records import Manifest, check_experts_file, decode_record, load_manifest
+from tiermoe.store.residency import Access, Residency
+from tiermoe.store.stats import StoreCounters
+from tiermoe.store.tiers import Arena, HostEvents, StagingPool
+
+log = logging.getLogger("tiermoe.store")
+
+
+class ExpertStore:
+    def __init__(self, manifest: Manifest, *, device: torch.device, dtype: torch.dtype, n_slots: int, n_host: int,
+                 policy: str, rates: dict[int, float] | None, static_hot: int, direct_io: bool, reader_threads: int,
+                 verify: str, preload: bool, prefetch_limit: int | None):
+        self.manifest = manifest
+        self.layout = manifest.layout
+        self.device = device
+        self.dtype = dtype
+        self.record_bytes = self.layout.length
+        self._cuda = device.type == "cuda"
+        self._events = HostEvents(self._cuda)
+        self._reader_threads = reader_threads
+        self._reader = DiskReader(manifest.experts_path, direct=direct_io, threads=reader_threads, verify=verify)
+        rec = self.record_bytes
+        self._slots = Arena(n_slots, rec, device)
+        # One spare host entry: a host->slot promotion demotes the slot victim into it before
+        # the promoted key's entry is released (see residency.py "swap").
+        self._host = Arena(n_host + 1 if n_host else 0, rec, torch.device("cpu"), host=True, pin=self._cuda)
+        self._staging = StagingPool(rec, max(2, reader_threads), self._events, pin=self._cuda)
+        self._base = {}
+        for r in manifest.records:
+            self._base.setdefault(r.layer, r.index - r.expert)
+        rates = rates or {}
+        static = top_keys(rates, static_hot) if static_hot else []
+        self.residency = Residency.build(policy, n_slots, n_host, static=static)
+        self._slot_of: dict[int, int] = {}
+        self._host_of: dict[int, int] = {}
+        self._pending: dict[int, tuple[torch.Tensor, Future, int]] = {}  # key -> (buf, read, step)
+        self._prefetch_limit = prefetch_limit if prefetch_limit is not None else max(64, 4 * reader_threads)
+        self.c = StoreCounters()
+        self._last_layer: int | None = None
+        self._explicit_steps = False
+        self._step_tokens = 1
+        if preload and rates:
+            self.residency.warm_start(rates)
+        self._load_residents()
+
+    # -- construction ----------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype | None = None,
+             gpu_expert_gb: float | None = None, host_expert_gb: float | None = None, policy: str = "lfu",
+             stats_file: str | os.PathLike | None = None, direct_io: bool = True, reader_threads: int = 16,
+             verify: str = "always", static_hot: int = 0, preload: bool = True,
+             prefetch_limit: int | None = None) -> "ExpertStore":
+        """Open a packed store; sizes tiers (GiB flags or machine defaults) and preloads the
+        hottest experts (by `stats_file`, else in record order) into slots, then host."""
+        if policy not in POLICIES:
+            raise UserError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        m = load_manifest(path)
+        check_experts_file(m)
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise UserError(f"device {device!r} requested but CUDA is not available")
+        plan = build_plan(m, device=device, gpu_expert_gb=gpu_expert_gb, host_expert_gb=host_expert_gb, stats_file=stats_file)
+        for line in plan.table().splitlines():
+            log.info(line)
+        rates, _, _ = key_rates(m, stats_file, config_top_k(m.config))
+        return cls(m, device=dev, dtype=dtype or m.dtype, n_slots=plan.n_slots, n_host=plan.n_host, policy=policy,
+                   rates=rates, static_hot=static_hot, direct_io=direct_io, reader_threads=reader_threads,
+                   verify=verify, preload=preload, prefetch_limit=prefetch_limit)
+
+    def _load_residents(self) -> None:
+        """Read every key the policies hold (warm start / static set) into its tier."""
+        window: list[tuple[int, str, torch.Tensor, Future, torch.Tensor | None]] = []
+        todo = [(k, "slots") for k in sorted(self.residency.slots.keys())] + [(k, "host") for k in sorted(self.residency.host.keys())]
+        depth = max(2, 2 * self._reader_threads)
+
+        def finish(item) -> None:
+            k, tier, dst, fut, staged = item
+            fut.result()
+            self.c.disk_bytes += self.record_bytes
+            if staged is not None:
+                dst.copy_(staged, non_blocking=True)
+                self._events.record(staged)
+                self._staging.put(staged)
+
+        for k, tier in todo:
+            if tier == "slots":
+                e = self._slots.alloc()
+                self._slot_of[k] = e
+                dst = self._slots.entry(e)
+            else:
+                e = self._host.alloc()
+                self._host_of[k] = e
+                dst = self._host.entry(e)
+            staged = self._staging.get() if dst.device.type != "cpu" else None
+            fut = self._reader.submit(self.manifest.records[k], staged if staged is not None else dst)
+            window.append((k, tier, dst, fut, staged))
+            if len(window) >= depth:
+                finish(window.pop(0))
+        for item in window:
+            finish(item)
+
+    # -- public API -----------------------------------------------------------------------
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.manifest.config
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return list(self.manifest.moe_layers)
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (the maximum, if layers differ)."""
+        return max(self.manifest.experts_per_layer.values())
+
+    @property
+    def path(self) -> Path:
+        return self.manifest.root
+
+    def key(self, layer: int, expert: int) -> int:
+        base = self._base.get(layer)
+        n = self.manifest.experts_per_layer.get(layer, 0)
+        if base is None or not 0 <= expert < n:
+            raise ValueError(f"no routed expert {expert} in layer {layer} of {self.path}")
+        return base + expert
+
+    def tier_of(self, layer: int, expert: int) -> str:
+        """"slots", "host" or "disk" (a read-only residency snapshot, e.g. for schedulers)."""
+        return self.residency.tier(self.key(layer, expert))
+
+    def begin_step(self, tokens: int = 1, decode: bool = True) -> None:
+        """Mark the start of a forward step of `tokens` tokens (optional: without it, a fetch
+        of a layer <= the previous one starts a new single-token decode step)."""
+        self._explicit_steps = True
+        self._new_step(tokens, decode)
+
+    def _new_step(self, tokens: int, decode: bool) -> None:
+        self.residency.step()
+        self.c.steps += 1
+        self.c.in_decode = decode
+        if decode:
+            self.c.decode_steps += 1
+            self.c.decode_tokens += tokens
+        step = self.c.steps
+        for k in [k for k, (_, _, s) in self._pending.items() if s < step - 2]:  # stale prefetches
+            buf, fut, _ = self._pending.pop(k)
+            self._settle(buf, fut)
+            self.c.prefetch_dropped += 1
+
+    def _settle(self, buf: torch.Tensor, fut: Future) -> None:
+        try:
+            fut.result()
+        except Exception:
+            pass  # an unused read's failure matters only if someone uses the record
+        self._staging.put(buf)
+
+    def _auto_step(self, layer: int) -> None:
+        if not self._explicit_steps and (self._last_layer is None or layer <= self._last_layer):
+            self._new_step(1, True)
+        self._last_layer = layer
+
+    def _start_read(self, key: int, step: int) -> None:
+        buf = self._staging.get()
+        self._pending[key] = (buf, self._reader.submit(self.manifest.records[key], buf), step)
+
+    def prefetch(self, layer: int, expert_ids: list[int]) -> None:
+        """Start disk reads for the given experts that are on disk only (non-blocking)."""
+        for e in expert_ids:
+            k = self.key(layer, e)
+            if k in self._pending or self.residency.tier(k) != "disk":
+                continue
+            if len(self._pending) >= self._prefetch_limit:
+                self.c.prefetch_dropped += 1
+                continue
+            self._start_read(k, self.c.steps)
+            self.c.prefetch_issued += 1
+
+    def fetch(self, layer: int, expert_ids: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """{expert id: (gate_up [2I, H], down [H, I])} on the store's device in its dtype."""
+        return {e: decode_record(self.layout, buf, self.dtype) for e, buf in self.fetch_records(layer, expert_ids).items()}
+
+    def fetch_records(self, layer: int, expert_ids: list[int]) -> dict[int, torch.Tensor]:
+        """{expert id: raw record bytes, uint8 [record_bytes] on the device} (see records.py)."""
+        self._auto_step(layer)
+        ids = list(dict.fromkeys(int(e) for e in expert_ids))
+        keys = [self.key(layer, e) for e in ids]
+        protect = set(keys)
+        for k in keys:  # issue every disk read of this call first: a deep queue
+            if k not in self._pending and self.residency.tier(k) == "disk":
+                self._start_read(k, self.c.steps)
+        out: dict[int, torch.Tensor] = {}
+        try:
+            for e, k in zip(ids, keys):
+                staged = None
+                if k in self._pending and self.residency.tier(k) == "disk":
+                    buf, fut, _ = self._pending.pop(k)
+                    try:
+                        fut.result()
+                    except BaseException:
+                        self._staging.put(buf)
+                        raise
+                    staged = buf
+                    self.c.disk_bytes += self.record_bytes
+                    self.c.moved(self.record_bytes)
+                acc = self.residency.access(k, protect)
+                self.c.use(acc.served)
+                out[e] = self._execute(acc, staged)
+        except BaseException:
+            for k in keys:  # leave no orphaned demand reads behind
+                if k in self._pending:
+                    buf, fut, _ = self._pending.pop(k)
+                    self._settle(buf, fut)
+            raise
+        return out
+
+    # -- moves ------------------------------------------------------------------------------
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=self._cuda)
+        if src.device.type == "cpu":
+            self._events.record(src)
+
+    def _to_device(self, src: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self.record_bytes, dtype=torch.uint8, device=self.device)
+        self._copy(out, src)
+        self.c.moved(self.record_bytes)
+        return out
+
+    def _evict(self, acc: Access) -> None:
+        if acc.host_victim is not None:
+            self._host.free(self._host_of.pop(acc.host_victim))
+            self.c.host.evictions += 1
+        if acc.slot_victim is None:
+            return
+        s = self._slot_of.pop(acc.slot_victim)
+        self.c.slots.evictions += 1
+        if acc.demoted:
+            e = self._host.alloc()
+            self._copy(self._host.entry(e), self._slots.entry(s))
+            self._host_of[acc.slot_victim] = e
+            self.c.slots.bytes_out += self.record_bytes
+            self.c.host.bytes_in += self.record_bytes
+            self.c.moved(self.record_bytes)
+        self._slots.free(s)
+
+    def _execute(self, acc: Access, staged: torch.Tensor | None) -> torch.Tensor:
+        k = acc.key
+        if acc.served == "slots":
+            return self._slots.entry(self._slot_of[k])
+        self._evict(acc)
+        if acc.served == "host":
+            he = self._host_of[k]
+            src = self._host.entry(he)
+            if acc.to == "slots":
+                s = self._slots.alloc()
+                self._copy(self._slots.entry(s), src)
+                del self._host_of[k]
+                self._host.free(he)
+                self._slot_of[k] = s
+                self.c.host.bytes_out += self.record_bytes
+                self.c.slots.bytes_in += self.record_bytes
+                self.c.moved(self.record_bytes)
+                return self._slots.entry(s)
+            if self.device.type == "cpu":
+                return src
+            self.c.host.bytes_out += self.record_bytes
+            return self._to_device(src)
+        assert staged is not None
+        try:
+            if acc.to == "slots":
+                s = self._slots.alloc()
+                self._copy(self._slots.entry(s), staged)
+                self._slot_of[k] = s
+                self.c.slots.bytes_in += self.record_bytes
+                return self._slots.entry(s)
+            if acc.to == "host":
+                e = self._host.alloc()
+                dst = self._host.entry(e)
+                self._events.wait(dst)
+                dst.copy_(staged)
+                self._host_of[k] = e
+                self.c.host.bytes_in += self.record_bytes
+                return dst if self.device.type == "cpu" else self._to_device(dst)
+            if self.device.type == "cpu":
+                return staged.clone()
+            return self._to_device(staged)
+        finally:
+            self._staging.put(staged)
+
+    # -- reporting / teardown -------------------------------------------------------------------
+    def counters(self) -> dict:
+        return self.c.as_dict(
+            slots_capacity=self.residency.slots.capacity, slots_resident=len(self.residency.slots),
+            host_capacity=self.residency.host.capacity, host_resident=len(self.residency.host),
+            reads_in_flight=self._reader.in_flight, record_bytes=self.record_bytes,
+        )
+
+    def close(self) -> None:
+        for k in list(self._pending):
+            buf, fut, _ = self._pending.pop(k)
+            self._settle(buf, fut)
+        if self._cuda:
+            torch.cuda.synchronize()
+        self._reader.close()
+        self._host.close()
+        self._slots.close()
+        self._staging.close()
+
+    def __enter__(self) -> "ExpertStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,352 @@
+"""`tiermoe pack`: Hugging Face checkpoint -> packed expert store.
+
+Pipeline: the main thread loads one expert at a time (memory-mapped safetensors slices) and
+encodes it into one of a few aligned buffers; a writer thread pwrite()s it (O_DIRECT where
+the filesystem allows), hashes it and, every ~64 MiB after fdatasync, appends the finished
+records to OUT/pack.journal. A restart with the same source and options skips journaled
+records. Nothing is reported as done until every record has been read back from disk
+(O_DIRECT) and matched its sha256; records that fail are rewritten once, then pack fails.
+The manifest is written last, so a store without manifest.json is known to be incomplete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from tiermoe.errors import UserError
+from tiermoe.store.catalog import Checkpoint, itemsize, text_config
+from tiermoe.store.disk import O_DIRECT, DiskReader, aligned_buffer, probe_direct_io
+from tiermoe.store.records import (
+    EXPERTS_NAME,
+    FORMAT_VERSION,
+    FLOAT_KINDS,
+    MANIFEST_NAME,
+    QUANT_KINDS,
+    RecordInfo,
+    RecordLayout,
+    dtype_name,
+    encode_expert,
+    write_manifest,
+)
+
+JOURNAL_NAME = "pack.journal"
+DENSE_INDEX = "model.safetensors.index.json"
+SYNC_BYTES = 64 << 20
+
+
+@dataclass
+class PackResult:
+    out: Path
+    records: int
+    written: int  # records written by this run (the rest were resumed)
+    rewritten: int  # records rewritten after a failed read-back
+    direct_io: bool
+    notes: list[str]
+
+
+class Journal:
+    """Append-only log of durable work: 'R <index> <sha256>' and 'S <shard> <size>' lines."""
+
+    def __init__(self, path: Path, fingerprint: str):
+        self.path = path
+        self.records: dict[int, str] = {}
+        self.shards: dict[str, int] = {}
+        if path.is_file():
+            lines = path.read_text().splitlines()
+            if lines and lines[0] == f"tiermoe-pack {fingerprint}":
+                for line in lines[1:]:
+                    parts = line.split()
+                    if len(parts) == 3 and parts[0] == "R":
+                        self.records[int(parts[1])] = parts[2]
+                    elif len(parts) == 3 and parts[0] == "S":
+                        self.shards[parts[1]] = int(parts[2])
+                self._f = open(path, "a")
+                return
+        self._f = open(path, "w")
+        self._f.write(f"tiermoe-pack {fingerprint}\n")
+        self._sync()
+
+    def _sync(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def add_records(self, done: list[tuple[int, str]]) -> None:
+        for idx, sha in done:
+            self._f.write(f"R {idx} {sha}\n")
+            self.records[idx] = sha
+        self._sync()
+
+    def add_shard(self, name: str, size: int) -> None:
+        self._f.write(f"S {name} {size}\n")
+        self.shards[name] = size
+        self._sync()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _fingerprint(ck: Checkpoint, layout: RecordLayout, shard_bytes: int) -> str:
+    src = [(f, (ck.root / f).stat().st_size, int((ck.root / f).stat().st_mtime)) for f in ck.files]
+    blob = json.dumps([src, layout.to_json(), len(ck.experts), shard_bytes, FORMAT_VERSION], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+class _RecordFile:
+    """experts.bin opened for aligned writes, O_DIRECT when the filesystem takes it."""
+
+    def __init__(self, path: Path, size: int, want_direct: bool, notes: list[str]):
+        self.path, self.notes = path, notes
+        self.direct = False
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        os.ftruncate(fd, size)
+        os.close(fd)
+        if want_direct and O_DIRECT:
+            try:
+                self.fd = os.open(path, os.O_RDWR | O_DIRECT)
+                self.direct = True
+                return
+            except OSError as exc:
+                notes.append(f"O_DIRECT writes unavailable ({exc.strerror}); using buffered writes + fdatasync")
+        self.fd = os.open(path, os.O_RDWR)
+
+    def write(self, view: memoryview, offset: int) -> None:
+        try:
+            n = os.pwritev(self.fd, [view], offset)
+        except OSError as exc:
+            if self.direct and exc.errno == 22:  # EINVAL: filesystem refuses O_DIRECT after all
+                self.notes.append("O_DIRECT write refused (EINVAL); using buffered writes + fdatasync")
+                os.close(self.fd)
+                self.fd, self.direct = os.open(self.path, os.O_RDWR), False
+                return self.write(view, offset)
+            raise UserError(f"{self.path}: write failed at offset {offset}: {exc.strerror}") from None
+        if n != len(view):
+            raise UserError(f"{self.path}: short write at offset {offset} ({n} of {len(view)} bytes; disk full?)")
+
+    def sync(self) -> None:
+        os.fdatasync(self.fd)
+
+    def close(self) -> None:
+        os.fdatasync(self.fd)
+        if not self.direct and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read-back must hit the disk
+        os.close(self.fd)
+
+
+def _write_records(ck, layout, keys, todo, rf: _RecordFile, journal: Journal, bar, shas: dict[int, str]) -> None:
+    """Encode (main thread) and write + hash + journal (writer thread) the records in `todo`."""
+    n_buf = 4
+    free: queue.Queue = queue.Queue()
+    for _ in range(n_buf):
+        free.put(aligned_buffer(layout.length))
+    work: queue.Queue = queue.Queue(maxsize=n_buf)
+    failure: list[BaseException] = []
+
+    def writer() -> None:
+        pending: list[tuple[int, str]] = []
+        since_sync = 0
+        while True:
+            item = work.get()
+            if item is None:
+                break
+            idx, buf = item
+            try:
+                if not failure:
+                    view = memoryview(buf.numpy())
+                    sha = hashlib.sha256(view).hexdigest()
+                    rf.write(view, idx * layout.length)
+                    shas[idx] = sha
+                    pending.append((idx, sha))
+                    since_sync += layout.length
+                    bar.update(layout.length)
+                    if since_sync >= SYNC_BYTES:
+                        rf.sync()
+                        journal.add_records(pending)
+                        pending, since_sync = [], 0
+            except BaseException as exc:  # surfaced in the main thread
+                failure.append(exc)
+            finally:
+                free.put(buf)
+        if pending and not failure:
+            rf.sync()
+            journal.add_records(pending)
+
+    t = threading.Thread(target=writer, name="tiermoe-pack-writer", daemon=True)
+    t.start()
+    try:
+        for idx in todo:
+            if failure:
+                break
+            layer, expert = keys[idx]
+            gate, up, down = ck.load_expert(layer, expert)
+            buf = free.get()
+            encode_expert(layout, gate, up, down, out=buf)
+            work.put((idx, buf))
+    finally:
+        work.put(None)
+        t.join()
+    if failure:
+        raise failure[0]
+
+
+def _read_back(path: Path, infos: list[RecordInfo], direct: bool, threads: int = 8) -> list[RecordInfo]:
+    """Re-read every record (O_DIRECT if possible); return the ones whose sha256 differs."""
+    bad: list[RecordInfo] = []
+    if not infos:
+        return bad
+    with DiskReader(path, direct=direct, threads=threads) as reader:
+        bufs = [aligned_buffer(infos[0].length) for _ in range(threads * 2)]
+        window: list[tuple[RecordInfo, object]] = []
+        for n, rec in enumerate(infos):
+            if len(window) == len(bufs):
+                r, fut = window.pop(0)
+                if fut.result() != r.sha256:
+                    bad.append(r)
+            window.append((rec, reader.submit(rec, bufs[n % len(bufs)], check=False)))
+        for r, fut in window:
+            if fut.result() != r.sha256:
+                bad.append(r)
+    return bad
+
+
+def _plan_shards(ck: Checkpoint, shard_bytes: int) -> list[list[tuple[str, str]]]:
+    shards: list[list[tuple[str, str]]] = [[]]
+    size = 0
+    for file, key in ck.dense:
+        sl = ck.handle(file).get_slice(key)
+        n = 1
+        for d in sl.get_shape():
+            n *= d
+        nbytes = n * itemsize(sl.get_dtype())
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((file, key))
+        size += nbytes
+    return [s for s in shards if s]
+
+
+def _write_dense(ck: Checkpoint, out: Path, shard_bytes: int, journal: Journal, progress: bool) -> dict:
+    """Stream non-expert tensors into ~shard_bytes safetensors shards (+ index json)."""
+    plan = _plan_shards(ck, shard_bytes)
+    total = len(plan)
+    weight_map: dict[str, str] = {}
+    total_size = 0
+    names = []
+    for n, group in enumerate(tqdm(plan, desc="dense shards", unit="shard", disable=not progress or total == 0), 1):
+        name = f"model-{n:05d}-of-{total:05d}.safetensors"
+        names.append(name)
+        path = out / name
+        tensors = None
+        if not (journal.shards.get(name) and path.is_file() and path.stat().st_size == journal.shards[name]):
+            tensors = {key: ck.handle(file).get_tensor(key).contiguous() for file, key in group}
+            tmp = out / (name + ".tmp")
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            journal.add_shard(name, path.stat().st_size)
+        for file, key in group:
+            weight_map[key] = name
+            if tensors is not None:
+                total_size += tensors[key].numel() * tensors[key].element_size()
+        del tensors
+    if total_size == 0 and weight_map:
+        total_size = ck.dense_nbytes()
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (out / DENSE_INDEX).write_text(json.dumps(index, indent=1) + "\n")
+    return {"index": DENSE_INDEX, "shards": names, "tensors": len(weight_map)}
+
+
+def pack(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    quant: str = "bf16",
+    group_size: int = 128,
+    shard_bytes: int = 2_000_000_000,
+    direct_io: bool = True,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> PackResult:
+    """Pack checkpoint `src` into store directory `out` (see module docstring)."""
+    if quant not in QUANT_KINDS:
+        raise UserError(f"--quant {quant!r}: choose one of {', '.join(QUANT_KINDS)}")
+    ck = Checkpoint(src)
+    out = Path(out)
+    if out.resolve() == ck.root.resolve():
+        raise UserError(f"{out}: OUT must differ from SRC")
+    layout = RecordLayout.build(quant, ck.hidden, ck.intermediate, group_size)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST_NAME).unlink(missing_ok=True)  # incomplete until rewritten at the end
+    keys = ck.expert_keys()
+    notes: list[str] = []
+    journal = Journal(out / JOURNAL_NAME, _fingerprint(ck, layout, shard_bytes))
+    shas = {i: s for i, s in journal.records.items() if i < len(keys)}
+    todo = [i for i in range(len(keys)) if i not in shas]
+    if shas:
+        log(f"resuming: {len(shas)} of {len(keys)} records already written")
+    path = out / EXPERTS_NAME
+    rf = _RecordFile(path, len(keys) * layout.length, direct_io, notes)
+    bar = tqdm(total=len(keys) * layout.length, initial=len(shas) * layout.length, unit="B", unit_scale=True,
+               unit_divisor=1024, desc="experts", disable=not progress)
+    try:
+        _write_records(ck, layout, keys, todo, rf, journal, bar, shas)
+    finally:
+        bar.close()
+        rf.close()
+    read_direct = direct_io and probe_direct_io(path) is None
+    if direct_io and not read_direct:
+        notes.append("O_DIRECT reads unavailable; read-back used buffered reads after dropping the page cache")
+    infos = [RecordInfo(i, l, e, i * layout.length, layout.length, shas[i], 0) for i, (l, e) in enumerate(keys)]
+    bad = _read_back(path, infos, read_direct)
+    rewritten = len(bad)
+    if bad:
+        log(f"{len(bad)} record(s) failed read-back; rewriting them")
+        rf = _RecordFile(path, len(keys) * layout.length, direct_io, notes)
+        try:
+            _write_records(ck, layout, keys, [r.index for r in bad], rf, journal, tqdm(disable=True), shas)
+        finally:
+            rf.close()
+        infos = [RecordInfo(i, l, e, i * layout.length, layout.length, shas[i], 0) for i, (l, e) in enumerate(keys)]
+        still = _read_back(path, [infos[r.index] for r in bad], read_direct)
+        if still:
+            raise UserError(f"{path}: {still[0].name()} does not read back as written (failing disk?)")
+    dense = _write_dense(ck, out, shard_bytes, journal, progress)
+    journal.close()
+    for p in ck.extra_files():
+        shutil.copyfile(p, out / p.name)
+    cfg = ck.config
+    tc = text_config(cfg)
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "model_config": cfg,
+        "quantization": {"kind": quant, "group_size": layout.group_size},
+        "dtype": dtype_name(FLOAT_KINDS[quant]) if quant in FLOAT_KINDS else dtype_name(ck.source_dtype),
+        "source_dtype": dtype_name(ck.source_dtype),
+        "num_layers": int(tc.get("num_hidden_layers", max(ck.layers) + 1)),
+        "moe_layers": ck.layers,
+        "experts_per_layer": {str(k): v for k, v in ck.experts_per_layer.items()},
+        "expert_prefixes": {str(k): v for k, v in sorted(ck.prefixes.items())},
+        "experts_file": EXPERTS_NAME,
+        "record_align": 4096,
+        "layouts": [layout.to_json()],
+        "records": [
+            {"layer": r.layer, "expert": r.expert, "offset": r.offset, "length": r.length, "sha256": r.sha256, "layout": 0}
+            for r in infos
+        ],
+        "dense": dense,
+    }
+    write_manifest(out, manifest)
+    ck.close()
+    return PackResult(out, len(keys), len(todo), rewritten, rf.direct, notes)

@@ -1,0 +1,292 @@
+"""Tier sizing and the tier plan: how many experts go where, and what that should cost.
+
+Sizes come from flags (GB here means GiB, 2**30 bytes) or, by default, from the machine:
+slots = free VRAM minus a reserve (0 on a CPU device unless given), host = the memory limit
+(cgroup memory.max minus current usage where set, else MemAvailable) minus a margin. Every
+expert has one home: slots first, then host, the rest only on disk.
+
+`TierPlan.table()` is what `tiermoe plan` prints and what the store logs at start-up.
+Expected hits per token come from routing statistics when given (the hottest experts are
+placed in the fastest tier), else from uniform routing; the floor per token is the slowest
+lane at default bandwidths (the hardware figures measured on the project's H200 machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from tiermoe.errors import UserError
+
+GIB = 1 << 30
+
+# Bytes/s per lane (measured on an H200 host; see docs/store-format.md).
+DEFAULT_BANDWIDTH = {
+    "hbm": 4.26e12,  # slots on a GPU
+    "pcie": 54e9,  # pinned host -> GPU (copy or zero-copy read)
+    "ram": 40e9,  # CPU computing from RAM (bf16 GEMV at 16 threads)
+    "disk": 1.6e9,  # O_DIRECT reads
+}
+
+
+def host_memory_available() -> tuple[int, str]:
+    """(bytes this process may still allocate, where the figure came from)."""
+    avail, source = None, "MemAvailable"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    limits = [
+        (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),
+        (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"), Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")),
+    ]
+    for lim_p, cur_p in limits:
+        try:
+            raw = lim_p.read_text().strip()
+            if raw == "max" or int(raw) >= 1 << 60:
+                continue
+            room = int(raw) - int(cur_p.read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if avail is None or room < avail:
+            avail, source = max(0, room), f"cgroup {lim_p}"
+        break
+    if avail is None:
+        avail, source = 0, "unknown (no /proc/meminfo)"
+    return avail, source
+
+
+def gpu_memory_free(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device; (0, 0) otherwise."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 0, 0
+    free, total = torch.cuda.mem_get_info(device)
+    return int(free), int(total)
+
+
+@dataclass
+class TierPlan:
+    """Expert placement for one store on one machine (no weights loaded)."""
+
+    device: str
+    record_bytes: int
+    total_experts: int
+    n_slots: int
+    n_host: int
+    top_k: int
+    moe_layers: int
+    notes: list[str] = field(default_factory=list)
+    hits_per_token: dict[str, float] = field(default_factory=dict)  # slots/host/disk
+    floor_s: dict[str, float] = field(default_factory=dict)  # per lane + "floor"
+    stats_source: str = "uniform routing"
+
+    @property
+    def n_disk(self) -> int:
+        return self.total_experts - self.n_slots - self.n_host
+
+    def table(self) -> str:
+        gib = lambda n: n * self.record_bytes / GIB  # noqa: E731
+        picks = self.top_k * self.moe_layers
+        rows = [
+            ("slots (" + self.device + ")", self.n_slots, gib(self.n_slots), self.hits_per_token.get("slots", 0.0)),
+            ("host RAM", self.n_host, gib(self.n_host), self.hits_per_token.get("host", 0.0)),
+            ("disk only", self.n_disk, gib(self.n_disk), self.hits_per_token.get("disk", 0.0)),
+        ]
+        out = [
+            f"tier plan: {self.total_experts} experts of {self.record_bytes / 2**20:.2f} MiB, "
+            f"{picks} picks per token (top-{self.top_k} x {self.moe_layers} layers), {self.stats_source}",
+            f"{'tier':<20}{'experts':>9}{'GiB':>10}{'hits/token':>12}{'share':>8}",
+        ]
+        for name, n, g, h in rows:
+            out.append(f"{name:<20}{n:>9}{g:>10.2f}{h:>12.1f}{(h / picks if picks else 0):>8.1%}")
+        if self.floor_s:
+            lanes = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.floor_s.items() if k != "floor")
+            f = self.floor_s.get("floor", 0.0)
+            rate = f"{1 / f:.1f} tok/s" if f > 0 else "unbounded"
+            out.append(f"predicted expert floor per token: {f * 1e3:.2f} ms ({rate}); lanes: {lanes}")
+        out.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(out)
+
+
+def size_tiers(
+    *,
+    record_bytes: int,
+    total_experts: int,
+    device: torch.device,
+    gpu_expert_gb: float | None,
+    host_expert_gb: float | None,
+    gpu_reserve_gb: float | None = None,
+    host_margin_gb: float | None = None,
+) -> tuple[int, int, list[str]]:
+    """(n_slots, n_host, notes) for this machine and these flags."""
+    notes: list[str] = []
+    for name, v in (("--gpu-expert-gb", gpu_expert_gb), ("--host-expert-gb", host_expert_gb)):
+        if v is not None and (v != v or v < 0):
+            raise UserError(f"{name} must be >= 0, got {v}")
+    if gpu_expert_gb is not None:
+        n_slots = int(gpu_expert_gb * GIB // record_bytes)
+    elif device.type == "cuda":
+        free, total = gpu_memory_free(device)
+        reserve = gpu_reserve_gb * GIB if gpu_reserve_gb is not None else max(4 * GIB, 0.15 * total)
+        n_slots = int(max(0, free - reserve) // record_bytes)
+        notes.append(f"slots from free VRAM {free / GIB:.1f} GiB minus reserve {reserve / GIB:.1f} GiB")
+    else:
+        n_slots = 0
+    n_slots = min(n_slots, total_experts)
+    left = total_experts - n_slots
+    if host_expert_gb is not None:
+        n_host = int(host_expert_gb * GIB // record_bytes)
+    else:
+        avail, source = host_memory_available()
+        margin = host_margin_gb * GIB if host_margin_gb is not None else max(2 * GIB, 0.1 * avail)
+        n_host = int(max(0, avail - margin) // record_bytes)
+        notes.append(f"host from {source}: {avail / GIB:.1f} GiB available minus margin {margin / GIB:.1f} GiB")
+    n_host = min(n_host, left)
+    return n_slots, n_host, notes
+
+
+def load_stats(path: str | os.PathLike) -> dict[int, list[float]]:
+    """Routing statistics file -> {layer: per-expert pick counts}.
+
+    Format: a JSON object whose keys contain "layers.<L>" (e.g. "model.layers.3.mlp") and whose
+    values are lists of per-expert counts (index = expert id).
+    """
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except OSError as exc:
+        raise UserError(f"{p}: cannot read statistics file ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise UserError(f"{p}: invalid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{p}: expected a JSON object of layer -> per-expert counts")
+    out: dict[int, list[float]] = {}
+    for key, counts in data.items():
+        m = re.search(r"layers\.(\d+)", key)
+        if not m or not isinstance(counts, list) or not all(isinstance(c, (int, float)) and c >= 0 for c in counts):
+            raise UserError(f"{p}: entry {key!r} is not 'layers.<L>...' -> list of non-negative counts")
+        out[int(m.group(1))] = [float(c) for c in counts]
+    if not out:
+        raise UserError(f"{p}: no layers")
+    return out
+
+
+def pick_rates(stats: Mapping[int, list[float]], top_k: int, smoothing: float = 0.0) -> dict[int, list[float]]:
+    """Per-layer expected picks per token of each expert (each layer sums to top_k)."""
+    rates = {}
+    for layer, counts in stats.items():
+        c = [x + smoothing for x in counts]
+        total = sum(c)
+        rates[layer] = [top_k * x / total if total else top_k / len(c) for x in c]
+    return rates
+
+
+def expected_hits(rates: Mapping[int, float], n_slots: int, n_host: int) -> dict[str, float]:
+    """Static placement by popularity: hottest keys in slots, next in host, rest on disk."""
+    order = sorted(rates, key=lambda k: (-rates[k], k))
+    slot_keys, host_keys = order[:n_slots], order[n_slots : n_slots + n_host]
+    s = sum(rates[k] for k in slot_keys)
+    h = sum(rates[k] for k in host_keys)
+    return {"slots": s, "host": h, "disk": sum(rates.values()) - s - h}
+
+
+def decode_floor_s(record_bytes: int, hits: Mapping[str, float], device: str,
+                   bandwidth: Mapping[str, float] | None = None) -> dict[str, float]:
+    """Seconds per token per lane and their max ("floor"): lanes overlap, the slowest bounds.
+
+    If `tiermoe.bench.floor.decode_floor` exists it is preferred (called as
+    decode_floor(record_bytes=, hits_per_token=, device=) -> {lane: seconds, "floor": s}).
+    """
+    try:
+        from tiermoe.bench.floor import decode_floor  # optional, owned by the bench subsystem
+
+        res = decode_floor(record_bytes=record_bytes, hits_per_token=dict(hits), device=device)
+        if isinstance(res, Mapping) and "floor" in res:
+            return {k: float(v) for k, v in res.items()}
+    except Exception:  # absent or a different signature: use the local model
+        pass
+    bw = {**DEFAULT_BANDWIDTH, **(bandwidth or {})}
+    if device.startswith("cuda"):
+        lanes = {
+            "hbm": hits.get("slots", 0.0) * record_bytes / bw["hbm"],
+            "pcie": hits.get("host", 0.0) * record_bytes / bw["pcie"],
+        }
+    else:
+        lanes = {"ram": (hits.get("slots", 0.0) + hits.get("host", 0.0)) * record_bytes / bw["ram"]}
+    lanes["disk"] = hits.get("disk", 0.0) * record_bytes / bw["disk"]
+    lanes["floor"] = max(lanes.values())
+    return lanes
+
+
+def config_top_k(config: Mapping) -> int:
+    """Experts per token from a model config (text part), default 8."""
+    tc = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    for key in ("num_experts_per_tok", "moe_top_k", "top_k", "num_selected_experts"):
+        v = tc.get(key)
+        if isinstance(v, int) and v > 0:
+            return v
+    return 8
+
+
+def key_rates(manifest, stats_file: str | os.PathLike | None, top_k: int) -> tuple[dict[int, float], str, list[str]]:
+    """Expected picks per token of every record key, from a stats file or uniform routing.
+
+    Returns (rates, source description, notes). Stats layers are matched to the store's MoE
+    layers by layer number; layers the file lacks fall back to uniform.
+    """
+    notes: list[str] = []
+    per_layer: dict[int, list[float]] = {}
+    source = "uniform routing"
+    if stats_file is not None:
+        stats = load_stats(stats_file)
+        common = set(stats) & set(manifest.moe_layers)
+        if not common:
+            raise UserError(f"{stats_file}: its layers {min(stats)}..{max(stats)} do not match the store's MoE layers")
+        for layer in sorted(common):
+            n = manifest.experts_per_layer[layer]
+            if len(stats[layer]) != n:
+                raise UserError(f"{stats_file}: layer {layer} lists {len(stats[layer])} experts, the store has {n}")
+        per_layer = pick_rates({L: stats[L] for L in common}, top_k)
+        missing = sorted(set(manifest.moe_layers) - common)
+        if missing:
+            notes.append(f"statistics lack layers {missing}; uniform routing assumed there")
+        source = f"statistics from {Path(stats_file).name}"
+    rates: dict[int, float] = {}
+    for r in manifest.records:
+        layer_rates = per_layer.get(r.layer)
+        rates[r.index] = layer_rates[r.expert] if layer_rates else top_k / manifest.experts_per_layer[r.layer]
+    return rates, source, notes
+
+
+def build_plan(
+    manifest,
+    *,
+    device: str = "cpu",
+    gpu_expert_gb: float | None = None,
+    host_expert_gb: float | None = None,
+    stats_file: str | os.PathLike | None = None,
+    gpu_reserve_gb: float | None = None,
+    host_margin_gb: float | None = None,
+) -> TierPlan:
+    """The tier plan of a store (parsed manifest) on this machine; reads no expert data."""
+    dev = torch.device(device)
+    rec = manifest.layout.length
+    total = len(manifest.records)
+    n_slots, n_host, notes = size_tiers(
+        record_bytes=rec, total_experts=total, device=dev, gpu_expert_gb=gpu_expert_gb,
+        host_expert_gb=host_expert_gb, gpu_reserve_gb=gpu_reserve_gb, host_margin_gb=host_margin_gb,
+    )
+    top_k = config_top_k(manifest.config)
+    rates, source, more = key_rates(manifest, stats_file, top_k)
+    hits = expected_hits(rates, n_slots, n_host)
+    plan = TierPlan(str(dev), rec, total, n_slots, n_host, top_k, len(manifest.moe_layers), notes + more,
+                    hits, decode_floor_s(rec, hits, str(dev)), source)
+    return plan
