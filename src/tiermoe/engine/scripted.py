@@ -167,7 +167,7 @@ class ScriptedEngineCore:
         self.max_num_seqs = max_num_seqs
         self.step_delay_s = step_delay_s
         self.tool_format = tool_format
-        self.model_info = {"arch": "scripted", "name": name}
+        self.model_info = {"arch": "scripted", "name": name, "tool_format": tool_format}
         vocab = tokenizer.get_vocab()
         self.eos_token_ids = [vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab]
         self._vocab_size = len(tokenizer)

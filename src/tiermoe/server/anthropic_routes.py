@@ -1,0 +1,232 @@
+"""POST /v1/messages and /v1/messages/count_tokens (Anthropic Messages API).
+
+Anthropic blocks are mapped onto the same chat-template inputs as OpenAI messages: tool_use
+blocks become assistant tool_calls, tool_result blocks become tool messages, `thinking`
+controls enable_thinking and the thinking budget. Errors on these paths use Anthropic's
+error body (errors.py chooses the shape by path).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tiermoe.server.chat import check_functions, plan_tools
+from tiermoe.server.context import ServerContext
+from tiermoe.server.errors import bad_request
+from tiermoe.server.generation import ChoiceRun
+from tiermoe.server.handling import parse_body, run_endpoint
+from tiermoe.server.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
+from tiermoe.server.streaming import EventStream, drain, merged, sse, until_disconnect
+
+
+def register(app) -> None:
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await run_endpoint(request, create_message)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        return await run_endpoint(request, count)
+
+
+def _block_text(block, param: str) -> str:
+    extra = block.model_extra or {}
+    if block.type == "text" and isinstance(block.text, str):
+        return block.text
+    raise bad_request(f"content block of type {block.type!r} is not supported here (text only)", param=param)
+
+
+def _tool_result_text(block, param: str) -> str:
+    content = (block.model_extra or {}).get("content", "")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise bad_request("tool_result content must be text", param=f"{param}.content[{j}]")
+        return "".join(parts)
+    raise bad_request("tool_result content must be a string or text blocks", param=f"{param}.content")
+
+
+def to_chat(req) -> tuple[list[dict], list[dict], object]:
+    """Anthropic request -> (OpenAI-style messages, function definitions, tool_choice)."""
+    if not req.messages:
+        raise bad_request("messages must contain at least one message", param="messages")
+    out: list[dict] = []
+    if req.system is not None:
+        system = req.system if isinstance(req.system, str) else "".join(_block_text(b, f"system[{i}]") for i, b in enumerate(req.system))
+        if system:
+            out.append({"role": "system", "content": system})
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        texts, calls = [], []
+        for j, block in enumerate(m.content):
+            param = f"messages[{i}].content[{j}]"
+            extra = block.model_extra or {}
+            if block.type == "tool_result" and m.role == "user":
+                out.append({"role": "tool", "tool_call_id": extra.get("tool_use_id"), "content": _tool_result_text(block, param)})
+            elif block.type == "tool_use" and m.role == "assistant":
+                if not isinstance(extra.get("name"), str) or not isinstance(extra.get("input", {}), dict):
+                    raise bad_request("tool_use needs a name and an input object", param=param)
+                calls.append({"id": extra.get("id") or f"toolu_{i}_{j}", "type": "function",
+                              "function": {"name": extra["name"], "arguments": extra.get("input", {})}})
+            elif block.type in ("thinking", "redacted_thinking") and m.role == "assistant":
+                continue  # earlier reasoning is not replayed into the prompt
+            else:
+                texts.append(_block_text(block, param))
+        if texts or calls:
+            msg: dict = {"role": m.role, "content": "".join(texts)}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+    functions = [{"name": t.name, "description": t.description or "", "parameters": t.input_schema} for t in req.tools or []]
+    check_functions(functions)
+    choice = None
+    if req.tool_choice is not None:
+        tc = req.tool_choice
+        choice = {"auto": "auto", "any": "required", "none": "none"}.get(tc.type)
+        if tc.type == "tool":
+            if not tc.name:
+                raise bad_request("tool_choice of type 'tool' needs a name", param="tool_choice.name")
+            choice = {"name": tc.name}
+    return out, functions, choice
+
+
+def _template_kwargs(req) -> tuple[dict, int | None]:
+    thinking = req.thinking
+    if thinking is None:
+        return {}, None
+    if thinking.type == "disabled":
+        return {"enable_thinking": False}, None
+    return {"enable_thinking": True}, thinking.budget_tokens
+
+
+async def _prompt(ctx: ServerContext, req) -> tuple[str, list[int], object]:
+    messages, functions, choice = to_chat(req)
+    plan = plan_tools(functions, choice, can_parse=True)
+    kwargs, _ = _template_kwargs(req)
+    text = await ctx.render_chat(messages, plan.template_tools, kwargs) + ctx.forced_text(plan)
+    return text, await ctx.encode(text), plan
+
+
+async def count(request: Request, ctx: ServerContext) -> Response:
+    req = await parse_body(request, AnthropicCountTokensRequest)
+    ctx.check_model(req.model)
+    _, ids, _ = await _prompt(ctx, req)
+    return JSONResponse({"input_tokens": len(ids)})
+
+
+def _stop_reason(run: ChoiceRun) -> str:
+    if run.finish_reason == "tool_calls":
+        return "tool_use"
+    if run.finish_reason == "length":
+        return "max_tokens"
+    if run.stop_matched is not None:
+        return "stop_sequence"
+    return "end_turn"
+
+
+def _usage(run: ChoiceRun) -> dict:
+    return {"input_tokens": run.prompt_tokens - run.cached_tokens, "output_tokens": run.completion_tokens,
+            "cache_read_input_tokens": run.cached_tokens, "cache_creation_input_tokens": 0}
+
+
+async def create_message(request: Request, ctx: ServerContext) -> Response:
+    req: AnthropicMessagesRequest = await parse_body(request, AnthropicMessagesRequest)
+    ctx.check_model(req.model)
+    if req.max_tokens < 1:
+        raise bad_request("max_tokens must be at least 1", param="max_tokens")
+    ctx.admit(1)
+    text, ids, plan = await _prompt(ctx, req)
+    max_tokens = ctx.check_context(len(ids), req.max_tokens, "messages", "max_tokens")
+    _, budget = _template_kwargs(req)
+    params = ctx.sampling_params(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
+    mid = ctx.new_id("msg_")
+    run = ctx.make_run(mid, text, ids, params, stop=req.stop_sequences or [], plan=plan, thinking_budget=budget,
+                       id_prefix="toolu_", endpoint="messages")
+    await ctx.start_runs([run])
+    if req.stream:
+        return EventStream(_stream(ctx, mid, run), on_close=run.abort)
+    await until_disconnect(request, drain([run]))
+    content: list[dict] = []
+    if run.reasoning_text:
+        content.append({"type": "thinking", "thinking": run.reasoning_text, "signature": ""})
+    if run.content:
+        content.append({"type": "text", "text": run.content})
+    for call in run.tools.calls if run.tools else []:
+        content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments_dict()})
+    body = {"id": mid, "type": "message", "role": "assistant", "model": ctx.model_name, "content": content,
+            "stop_reason": _stop_reason(run), "stop_sequence": run.stop_matched, "usage": _usage(run)}
+    return JSONResponse(body)
+
+
+async def _stream(ctx: ServerContext, mid: str, run: ChoiceRun):
+    """Anthropic SSE: message_start, content blocks (thinking / text / tool_use), message_delta."""
+    state = {"index": -1, "kind": None, "tool": None}
+
+    def open_block(kind: str, block: dict) -> str:
+        events = close_block()
+        state["index"] += 1
+        state["kind"] = kind
+        return events + sse({"type": "content_block_start", "index": state["index"], "content_block": block}, "content_block_start")
+
+    def close_block() -> str:
+        if state["kind"] is None:
+            return ""
+        events = ""
+        if state["kind"] == "thinking":
+            events += sse({"type": "content_block_delta", "index": state["index"],
+                           "delta": {"type": "signature_delta", "signature": ""}}, "content_block_delta")
+        state["kind"] = None
+        state["tool"] = None
+        return events + sse({"type": "content_block_stop", "index": state["index"]}, "content_block_stop")
+
+    def delta(payload: dict) -> str:
+        return sse({"type": "content_block_delta", "index": state["index"], "delta": payload}, "content_block_delta")
+
+    start = {"id": mid, "type": "message", "role": "assistant", "model": ctx.model_name, "content": [],
+             "stop_reason": None, "stop_sequence": None,
+             "usage": {"input_tokens": run.prompt_tokens, "output_tokens": 0}}
+    try:
+        yield sse({"type": "message_start", "message": start}, "message_start")
+        async for _, d in merged([run]):
+            out = ""
+            if d.reasoning:
+                if state["kind"] != "thinking":
+                    out += open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                out += delta({"type": "thinking_delta", "thinking": d.reasoning})
+            if d.content:
+                if state["kind"] != "text":
+                    out += open_block("text", {"type": "text", "text": ""})
+                out += delta({"type": "text_delta", "text": d.content})
+            for tc in d.tool_calls:
+                if tc.id is not None:
+                    out += open_block("tool_use", {"type": "tool_use", "id": tc.id, "name": tc.name, "input": {}})
+                    state["tool"] = tc.index
+                if tc.arguments and state["tool"] == tc.index:
+                    out += delta({"type": "input_json_delta", "partial_json": tc.arguments})
+            if d.finish_reason:
+                out += close_block()
+                if d.finish_reason == "error":
+                    out += sse({"type": "error", "error": {"type": "api_error", "message": run.error or "engine error"}}, "error")
+            if out:
+                yield out
+        usage = _usage(run)
+        yield sse({"type": "message_delta", "delta": {"stop_reason": _stop_reason(run), "stop_sequence": run.stop_matched},
+                   "usage": {"output_tokens": usage["output_tokens"], "input_tokens": usage["input_tokens"],
+                             "cache_read_input_tokens": usage["cache_read_input_tokens"]}}, "message_delta")
+        yield sse({"type": "message_stop"}, "message_stop")
+    finally:
+        run.abort()
+
+
+__all__ = ["register", "to_chat", "json"]

@@ -1,0 +1,216 @@
+"""The FastAPI application: routes, auth, body limits, lifecycle.
+
+`create_app(engine, ...)` wires an `AsyncEngine` to the HTTP API. The app starts the
+engine thread on startup and drains it on shutdown (uvicorn first stops accepting and lets
+open responses finish, then the lifespan drains what is left).
+
+Request flow: `Guard` (pure ASGI: API key, body size, per-endpoint request counts) ->
+route -> `parse_body` (strict pydantic on the raw bytes) -> endpoint module (chat.py helpers,
+generation.ChoiceRun) -> JSON or `streaming.EventStream`. Any exception becomes a JSON error
+body through errors.py; bad input is always 4xx.
+
+This module imports no torch (tests assert it).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tiermoe.engine.async_engine import AsyncEngine
+from tiermoe.server import anthropic_routes, openai_routes, responses_routes
+from tiermoe.server.chat import openai_messages, plan_tools
+from tiermoe.server.context import ServerConfig, ServerContext
+from tiermoe.server.errors import APIError, bad_request, error_body, install_handlers, is_anthropic_path
+from tiermoe.server.handling import parse_body, run_endpoint, too_large
+from tiermoe.server.protocol import DetokenizeRequest, TokenizeRequest
+
+log = logging.getLogger("tiermoe.server")
+
+OPEN_PATHS = {"/health", "/metrics", "/ping"}
+KNOWN_PATHS = {
+    "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
+    "/tokenize", "/detokenize", "/v1/models", "/health", "/metrics", "/stats", "/ping",
+}
+
+
+class Guard:
+    """Pure ASGI middleware (keeps streaming and disconnect detection intact).
+
+    Checks the API key (constant-time; `Authorization: Bearer` or Anthropic's `x-api-key`),
+    refuses bodies over the limit by Content-Length (413; chunked bodies are capped while
+    read), and counts responses per endpoint and status.
+    """
+
+    def __init__(self, app, ctx: ServerContext):
+        self.app = app
+        self.ctx = ctx
+        self.key = ctx.config.api_key.encode() if ctx.config.api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = path if path in KNOWN_PATHS else "other"
+        metrics = self.ctx.metrics
+
+        async def counted_send(message):
+            if message["type"] == "http.response.start":
+                metrics.observe_request(endpoint, message["status"])
+            await send(message)
+
+        headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
+        if self.key is not None and path not in OPEN_PATHS and scope.get("method") != "OPTIONS":
+            auth = headers.get("authorization", b"")
+            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else headers.get("x-api-key", b"")
+            if not hmac.compare_digest(token, self.key):
+                msg = "missing API key" if not token else "invalid API key"
+                return await _send_error(counted_send, path, APIError(401, msg, code="invalid_api_key"))
+        length = headers.get("content-length")
+        if length is not None:
+            try:
+                too_big = int(length) > self.ctx.config.max_body_bytes
+            except ValueError:
+                return await _send_error(counted_send, path, bad_request("invalid Content-Length header"))
+            if too_big:
+                return await _send_error(counted_send, path, too_large(self.ctx.config.max_body_bytes))
+        await self.app(scope, receive, counted_send)
+
+
+async def _send_error(send, path: str, err: APIError) -> None:
+    body = json.dumps(error_body(err.status, err.message, err.param, err.code, is_anthropic_path(path))).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if err.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def create_app(
+    engine: AsyncEngine,
+    *,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_model_len: int | None = None,
+    max_queue: int = 256,
+    max_body_bytes: int = 32 * 1024 * 1024,
+    tool_format: str | None = None,
+    reasoning: bool | None = None,
+    thinking_budget: int | None = None,
+    cors_origins: list[str] | None = None,
+    drain_timeout_s: float = 30.0,
+    aliases: list[str] | None = None,
+) -> FastAPI:
+    """An ASGI app serving `engine` under `served_model_name`.
+
+    max_model_len caps the context below the engine's own; max_queue bounds how many requests
+    may wait beyond the engine's running capacity before new ones get 429 + Retry-After.
+    tool_format: "hermes" | "glm" | None (detect). reasoning: parse <think> (None: detect).
+    """
+    config = ServerConfig(
+        served_model_name=served_model_name, api_key=api_key, max_model_len=max_model_len, max_queue=max_queue,
+        max_body_bytes=max_body_bytes, tool_format=tool_format, reasoning=reasoning, thinking_budget=thinking_budget,
+        cors_origins=list(cors_origins or []), aliases=list(aliases or []),
+    )
+    ctx = ServerContext(engine, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        log.info("serving %s (context %d tokens, tool format %s)", served_model_name, ctx.max_model_len, ctx.tool_format)
+        try:
+            yield
+        finally:
+            await engine.shutdown(drain_timeout=drain_timeout_s)
+            ctx.close()
+
+    app = FastAPI(title="tiermoe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+    install_handlers(app)
+    app.add_middleware(Guard, ctx=ctx)
+    if config.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["*"], allow_headers=["*"])
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        if engine.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/ping")
+    async def ping():
+        return await health()
+
+    @app.get("/v1/models")
+    async def models():
+        entry = {
+            "id": served_model_name, "object": "model", "created": int(ctx.metrics.started), "owned_by": "tiermoe",
+            "max_model_len": ctx.max_model_len, "root": engine.model_info.get("name", served_model_name),
+        }
+        return {"object": "list", "data": [entry]}
+
+    @app.get("/metrics")
+    async def metrics():
+        stats = await engine.stats()
+        body = ctx.metrics.render(stats, engine.num_unfinished - engine.num_waiting, engine.num_waiting)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/stats")
+    async def stats():
+        snap = await engine.stats()
+        running = engine.num_unfinished - engine.num_waiting
+        return {
+            "model": served_model_name,
+            "max_model_len": ctx.max_model_len,
+            "server": ctx.metrics.summary(snap, running, engine.num_waiting),
+            "engine": snap,
+            "time": time.time(),
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await run_endpoint(request, _tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await run_endpoint(request, _detokenize)
+
+    openai_routes.register(app)
+    responses_routes.register(app)
+    anthropic_routes.register(app)
+    return app
+
+
+async def _tokenize(request: Request, ctx: ServerContext) -> Response:
+    req = await parse_body(request, TokenizeRequest)
+    ctx.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
+    if req.messages is not None:
+        plan = plan_tools([t.function.model_dump(exclude_none=True) for t in req.tools or []], None, can_parse=True)
+        text = await ctx.render_chat(openai_messages(req.messages), plan.template_tools, req.chat_template_kwargs, req.add_generation_prompt)
+        ids = await ctx.encode(text, add_special_tokens=False)
+    else:
+        ids = await ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    return JSONResponse({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})
+
+
+async def _detokenize(request: Request, ctx: ServerContext) -> Response:
+    req = await parse_body(request, DetokenizeRequest)
+    ctx.check_model(req.model)
+    for i, t in enumerate(req.tokens):
+        if not 0 <= t < ctx.vocab_size:
+            raise bad_request(f"token {t} is outside the vocabulary (size {ctx.vocab_size})", param=f"tokens[{i}]")
+    text = ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)
+    return JSONResponse({"prompt": text})

@@ -1,0 +1,143 @@
+"""Chat requests -> the inputs of the model's chat template, with every check a 400 needs.
+
+Endpoints normalise their own message formats (OpenAI chat, Responses items, Anthropic
+blocks) into OpenAI-style message dicts and function definitions, then share the checks here:
+non-empty messages, text-only content, valid tool definitions (name pattern, JSON-Schema
+parameters, no duplicates) and a tool_choice that names a real tool.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from tiermoe.server.errors import APIError, bad_request
+from tiermoe.server.structured import check_schema
+
+_TOOL_NAME = re.compile(r"^[a-zA-Z0-9_.:-]{1,64}$")
+
+
+@dataclass
+class ToolPlan:
+    """Which tools the template sees, whether output is parsed for calls, and any forced call."""
+
+    template_tools: list[dict] | None  # OpenAI {"type": "function", "function": {...}} dicts
+    functions: list[dict]  # the bare function definitions, for the parser
+    parse: bool
+    force: bool = False  # tool_choice required / named: the prompt opens the call
+    forced_name: str | None = None
+
+
+def text_content(content, param: str) -> str:
+    """A message's content as text; non-text parts are refused (this server is text-only)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    pieces = []
+    for i, part in enumerate(content):
+        kind = part.type if hasattr(part, "type") else part.get("type")
+        text = part.text if hasattr(part, "text") else part.get("text")
+        if kind in ("text", "input_text", "output_text") and isinstance(text, str):
+            pieces.append(text)
+        else:
+            raise bad_request(f"content part of type {kind!r} is not supported (text only)", param=f"{param}[{i}].type")
+    return "".join(pieces)
+
+
+def _arguments_for_template(arguments, param: str):
+    """Templates iterate arguments as a mapping; OpenAI sends them as a JSON string."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except ValueError:
+        raise bad_request("tool call arguments must be a JSON object", param=param) from None
+    if not isinstance(value, dict):
+        raise bad_request("tool call arguments must be a JSON object", param=param)
+    return value
+
+
+def openai_messages(messages) -> list[dict]:
+    """OpenAI ChatMessage models -> plain dicts a chat template can render."""
+    if not messages:
+        raise bad_request("messages must contain at least one message", param="messages", code="empty_messages")
+    out = []
+    for i, m in enumerate(messages):
+        role = "system" if m.role == "developer" else m.role
+        msg: dict = {"role": role, "content": text_content(m.content, f"messages[{i}].content")}
+        if m.role == "assistant" and m.tool_calls:
+            msg["tool_calls"] = [
+                {
+                    "id": tc.id or f"call_{i}_{j}",
+                    "type": "function",
+                    "function": {
+                        "name": tc.function.name,
+                        "arguments": _arguments_for_template(tc.function.arguments, f"messages[{i}].tool_calls[{j}].function.arguments"),
+                    },
+                }
+                for j, tc in enumerate(m.tool_calls)
+            ]
+        if m.role == "tool":
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.reasoning_content:
+            msg["reasoning_content"] = m.reasoning_content
+        out.append(msg)
+    if all(m["role"] == "system" for m in out):
+        raise bad_request("messages must contain a user message", param="messages", code="empty_messages")
+    return out
+
+
+def check_functions(functions: list[dict], param: str = "tools") -> None:
+    """Tool definitions: a valid name, unique, parameters a JSON Schema of an object."""
+    seen = set()
+    for i, fn in enumerate(functions):
+        name = fn.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.match(name):
+            raise bad_request(
+                f"tool name {name!r} must be 1-64 characters of letters, digits, '_', '-', '.' or ':'", param=f"{param}[{i}].name"
+            )
+        if name in seen:
+            raise bad_request(f"tool name {name!r} is defined twice", param=f"{param}[{i}].name")
+        seen.add(name)
+        schema = fn.get("parameters")
+        if schema is None:
+            continue
+        if not isinstance(schema, dict):
+            raise bad_request("tool parameters must be a JSON Schema object", param=f"{param}[{i}].parameters")
+        if schema.get("type", "object") != "object":
+            raise bad_request("tool parameters must describe an object (type: object)", param=f"{param}[{i}].parameters.type")
+        check_schema(schema, f"{param}[{i}].parameters")
+
+
+def plan_tools(functions: list[dict] | None, choice, *, can_parse: bool, param: str = "tool_choice") -> ToolPlan:
+    """Decide prompt tools and parsing from the functions and a normalised tool_choice.
+
+    choice: None | "auto" | "none" | "required" | {"name": str}
+    """
+    functions = functions or []
+    check_functions(functions)
+    if not functions:
+        if choice == "required" or isinstance(choice, dict):
+            raise bad_request("tool_choice requires tools", param=param)
+        return ToolPlan(None, [], parse=False)
+    template_tools = [{"type": "function", "function": fn} for fn in functions]
+    if choice == "none":
+        return ToolPlan(None, functions, parse=False)
+    if not can_parse:
+        raise APIError(400, "this model has no tool-call parser", param="tools")
+    if choice in (None, "auto"):
+        return ToolPlan(template_tools, functions, parse=True)
+    if choice == "required":
+        return ToolPlan(template_tools, functions, parse=True, force=True)
+    if isinstance(choice, dict):
+        name = choice.get("name")
+        if name not in {fn["name"] for fn in functions}:
+            raise bad_request(f"tool_choice names {name!r}, which is not among the tools", param=param)
+        chosen = [t for t in template_tools if t["function"]["name"] == name]
+        return ToolPlan(chosen, functions, parse=True, force=True, forced_name=name)
+    raise bad_request(f"invalid tool_choice {choice!r}", param=param)

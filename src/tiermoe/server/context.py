@@ -1,0 +1,213 @@
+"""What every route needs: the engine, the limits, the tokenizer, and the shared checks.
+
+Tokenizing and rendering chat templates run on one dedicated worker thread, so a 32k-token
+prompt never stalls the event loop that is streaming other clients' tokens (and the tokenizer
+is never entered by two threads at once from this process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from tiermoe.engine.async_engine import AsyncEngine, EngineDead, EngineShutdown
+from tiermoe.engine.detokenize import TokenTexts, hidden_token_ids
+from tiermoe.engine.protocol import InvalidRequest, SamplingParams
+from tiermoe.server.chat import ToolPlan
+from tiermoe.server.errors import APIError, bad_request
+from tiermoe.server.generation import ChoiceRun
+from tiermoe.server.metrics import Metrics
+from tiermoe.server.reasoning import ReasoningParser
+from tiermoe.server.tool_parsers import ToolParser, detect_tool_format, get_tool_parser
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None
+    max_model_len: int | None = None  # None: the engine's
+    max_queue: int = 256  # requests allowed to wait beyond the engine's running capacity
+    max_body_bytes: int = 32 * 1024 * 1024
+    tool_format: str | None = None  # None: detect from the engine / chat template
+    reasoning: bool | None = None  # None: on when the tokenizer knows </think>
+    thinking_budget: int | None = None  # default budget when a request sets none
+    cors_origins: list[str] = field(default_factory=list)
+    retry_after_s: int = 1
+    aliases: list[str] = field(default_factory=list)  # other names accepted as `model`
+
+
+class ServerContext:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.tokenizer
+        self.model_name = config.served_model_name
+        self.model_names = {config.served_model_name, *config.aliases}
+        self.max_model_len = min(config.max_model_len or engine.max_model_len, engine.max_model_len)
+        self.hidden_ids = hidden_token_ids(self.tokenizer, engine.eos_token_ids)
+        self.token_texts = TokenTexts(self.tokenizer)
+        self.metrics = Metrics()
+        self.vocab_size = len(self.tokenizer)
+        fmt = config.tool_format or detect_tool_format(engine.model_info, getattr(self.tokenizer, "chat_template", None))
+        self.tool_parser_cls: type[ToolParser] = get_tool_parser(fmt)
+        self.tool_format = fmt
+        vocab = self.tokenizer.get_vocab()
+        self.reasoning_enabled = config.reasoning if config.reasoning is not None else ("</think>" in vocab)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiermoe-tokenize")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        return f"{prefix}{uuid.uuid4().hex}"
+
+    # ---- checks ---------------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is None or name in self.model_names:
+            return
+        raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'", param="model", code="model_not_found")
+
+    def admit(self, n: int) -> None:
+        """Refuse work the engine cannot queue: 503 while draining, 429 when the queue is full."""
+        engine = self.engine
+        if engine.draining:
+            raise APIError(503, "server is shutting down", code="shutting_down")
+        if not engine.alive:
+            raise APIError(503, "engine is not running", code="engine_unavailable")
+        limit = engine.capacity + self.config.max_queue
+        if engine.num_unfinished + n > limit:
+            self.metrics.rejected.inc()
+            raise APIError(
+                429,
+                f"server is at capacity ({engine.num_unfinished} requests in flight, limit {limit}); retry shortly",
+                code="queue_full",
+                headers={"Retry-After": str(self.config.retry_after_s)},
+            )
+
+    def check_context(self, prompt_len: int, max_tokens: int | None, prompt_param: str, max_param: str) -> int:
+        """Validate lengths against the context; returns the max_tokens to use."""
+        if prompt_len == 0:
+            raise bad_request("the prompt is empty", param=prompt_param)
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {prompt_len} tokens",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            return room
+        if isinstance(max_tokens, bool) or max_tokens < 1:
+            raise bad_request(f"{max_param} must be a positive integer", param=max_param)
+        if max_tokens > room:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens; you requested "
+                f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} for the completion)",
+                param=max_param,
+                code="context_length_exceeded",
+            )
+        return max_tokens
+
+    def sampling_params(self, *, max_tokens: int, structured: dict | None = None, **fields) -> SamplingParams:
+        """Build and validate SamplingParams; None-valued fields keep their defaults."""
+        kwargs = {k: v for k, v in fields.items() if v is not None}
+        if kwargs.get("top_k") == -1:
+            kwargs["top_k"] = 0
+        params = SamplingParams(max_tokens=max_tokens, **kwargs)
+        if "seed" in kwargs and not -(2**63) <= kwargs["seed"] < 2**63:
+            raise bad_request("seed must fit in 64 bits", param="seed")
+        for tid in params.stop_token_ids:
+            if not 0 <= tid < self.vocab_size:
+                raise bad_request(f"stop_token_ids holds {tid}, outside the vocabulary", param="stop_token_ids")
+        try:
+            params.validate()
+        except InvalidRequest as exc:
+            raise bad_request(str(exc), param=exc.param) from None
+        # proposed SamplingParams.structured; set as an attribute until the field exists
+        params.structured = structured
+        return params
+
+    # ---- tokenizer work, off the event loop ------------------------------------------------------
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return await self._off_loop(lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)))
+
+    async def render_chat(
+        self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None, add_generation_prompt: bool = True
+    ) -> str:
+        """Apply the chat template; a template that refuses the conversation is a 400."""
+        kwargs = dict(template_kwargs or {})
+        for reserved in ("messages", "tools", "add_generation_prompt", "tokenize", "conversation"):
+            kwargs.pop(reserved, None)
+
+        def render() -> str:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+            )
+
+        try:
+            text = await self._off_loop(render)
+        except APIError:
+            raise
+        except Exception as exc:  # jinja errors, raise_exception() in templates, bad kwargs
+            raise bad_request(f"chat template could not render these messages: {exc}", param="messages") from None
+        if not isinstance(text, str):
+            raise bad_request("chat template did not produce text", param="messages")
+        return text
+
+    # ---- runs -------------------------------------------------------------------------------------
+    def forced_text(self, plan: ToolPlan | None) -> str:
+        """Text appended to the rendered prompt so the model starts the forced tool call."""
+        if plan is None or not (plan.parse and plan.force):
+            return ""
+        return self.tool_parser_cls(plan.functions).forced_prefix(plan.forced_name)
+
+    def make_run(
+        self,
+        request_id: str,
+        prompt_text: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        index: int = 0,
+        stop: list[str] | None = None,
+        plan: ToolPlan | None = None,
+        reasoning: bool = True,
+        thinking_budget: int | None = None,
+        id_prefix: str = "call_",
+        endpoint: str = "chat",
+    ) -> ChoiceRun:
+        tools = None
+        forced = ""
+        if plan is not None and plan.parse:
+            tools = self.tool_parser_cls(plan.functions, id_prefix=id_prefix)
+            forced = self.forced_text(plan)
+        parser = None
+        if reasoning and self.reasoning_enabled and not forced:
+            parser = ReasoningParser(prompt_opens_reasoning=prompt_text.rstrip().endswith("<think>"))
+        budget = thinking_budget if thinking_budget is not None else self.config.thinking_budget
+        return ChoiceRun(
+            self, request_id, prompt_ids, params, index=index, stop=stop, reasoning=parser, tools=tools,
+            forced_text=forced, thinking_budget=budget if parser is not None else None, endpoint=endpoint,
+        )
+
+    async def start_runs(self, runs: list[ChoiceRun]) -> None:
+        """Submit every run; on any refusal abort those already started and raise a 4xx/503."""
+        started = []
+        try:
+            for run in runs:
+                await run.start()
+                started.append(run)
+        except BaseException as exc:
+            for run in started:
+                run.abort()
+            if isinstance(exc, InvalidRequest):
+                raise bad_request(str(exc), param=exc.param) from None
+            if isinstance(exc, (EngineShutdown, EngineDead)):
+                raise APIError(503, str(exc), code="engine_unavailable") from None
+            raise

@@ -1,0 +1,169 @@
+"""Every failure becomes a clean JSON body: OpenAI's shape, or Anthropic's on /v1/messages.
+
+OpenAI:    {"error": {"message", "type", "param", "code"}}
+Anthropic: {"type": "error", "error": {"type", "message"}}
+
+Bad input is always a 4xx. Only a genuine server fault is a 5xx, and even then the body is
+one of the shapes above (never a traceback or an HTML page).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from tiermoe.engine.protocol import InvalidRequest
+from tiermoe.errors import UserError
+
+log = logging.getLogger("tiermoe.server")
+
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+class APIError(Exception):
+    """An HTTP error with its message, the offending parameter and a machine-readable code."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def error_body(status: int, message: str, param: str | None, code: str | None, anthropic: bool) -> dict:
+    if anthropic:
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+    kind = _OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(path: str, err: APIError) -> JSONResponse:
+    body = error_body(err.status, err.message, err.param, err.code, is_anthropic_path(path))
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
+
+
+def sse_error_event(path: str, message: str, status: int = 500, code: str | None = None) -> str:
+    """An error reported inside a stream that has already started (headers are sent)."""
+    if is_anthropic_path(path):
+        return "event: error\ndata: " + json.dumps(error_body(status, message, None, code, True)) + "\n\n"
+    return "data: " + json.dumps(error_body(status, message, None, code, False)) + "\n\n"
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict)$|[\[\]]|^[A-Z]")
+
+
+def _loc_to_param(loc: tuple) -> str | None:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif isinstance(item, str) and not _UNION_TAG.search(item):
+            parts.append(("." if parts else "") + item)
+    return "".join(parts) or None
+
+
+def from_validation_error(exc: ValidationError) -> APIError:
+    """Pydantic errors -> one 400 naming the first offending field (or malformed JSON)."""
+    errors = exc.errors(include_url=False)
+    if not errors:
+        return bad_request("invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return bad_request(f"request body is not valid JSON: {first.get('msg')}", code="invalid_json")
+    if first.get("type") == "model_type" and not first.get("loc"):
+        return bad_request("request body must be a JSON object", code="invalid_json")
+    param = _loc_to_param(tuple(first.get("loc", ())))
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "missing":
+        return bad_request(f"missing required field '{param}'", param=param, code="missing_field")
+    detail = f"invalid value for '{param}': {msg}" if param else msg
+    return bad_request(detail, param=param, code="invalid_type" if first.get("type", "").endswith("_type") else "invalid_value")
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Map any exception raised while handling a request to an APIError."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValidationError):
+        return from_validation_error(exc)
+    if isinstance(exc, InvalidRequest):
+        return bad_request(str(exc), param=exc.param)
+    if isinstance(exc, UserError):
+        return bad_request(str(exc))
+    log.error("unhandled server error", exc_info=exc)
+    return APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error")
+
+
+def install_handlers(app) -> None:
+    """Exception handlers on the FastAPI app: nothing escapes without a proper body."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(request.url.path, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        msg = errs[0].get("msg", "invalid request") if errs else "invalid request"
+        return error_response(request.url.path, bad_request(msg))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        msg = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if exc.status_code == 404:
+            msg = f"no route for {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            msg = f"method {request.method} is not allowed on {request.url.path}"
+        return error_response(request.url.path, APIError(exc.status_code, msg, headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        return error_response(request.url.path, to_api_error(exc))

@@ -1,0 +1,253 @@
+"""One choice of one request: engine tokens -> text -> stop strings -> reasoning -> tool calls.
+
+Every endpoint (chat, completions, responses, messages) drives its choices through
+`ChoiceRun`, which yields `Delta`s and keeps the final tallies (text, reasoning, tool calls,
+usage, finish reason). The layers, each incremental:
+
+  RequestOutput.new_token_ids
+    -> IncrementalDetokenizer   (no split UTF-8 characters, special tokens hidden)
+    -> StopStringMatcher        (stop strings never leak; a match aborts the engine request)
+    -> ReasoningParser          (<think>...</think> -> reasoning; optional)
+    -> ToolParser               (family format -> OpenAI tool-call deltas; optional)
+
+Thinking budget: once the reasoning has used `thinking_budget` tokens the engine request is
+aborted and resubmitted with the generated tokens plus "\n</think>\n\n" appended to the
+prompt. The engine's prefix cache makes the resubmission cheap; the client sees one stream.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator
+
+from tiermoe.engine.detokenize import IncrementalDetokenizer, StopStringMatcher
+from tiermoe.engine.protocol import SamplingParams, TokenLogprob
+from tiermoe.server.reasoning import ReasoningParser
+from tiermoe.server.tool_parsers import ToolCallDelta, ToolParser
+
+if TYPE_CHECKING:
+    from tiermoe.server.context import ServerContext
+
+CLOSE_THINK = "\n</think>\n\n"
+
+
+@dataclass
+class Delta:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # set on the last delta only
+
+    def empty(self) -> bool:
+        return not (self.reasoning or self.content or self.tool_calls or self.logprobs or self.finish_reason)
+
+
+class ChoiceRun:
+    def __init__(
+        self,
+        ctx: "ServerContext",
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        index: int = 0,
+        stop: list[str] | None = None,
+        reasoning: ReasoningParser | None = None,
+        tools: ToolParser | None = None,
+        forced_text: str = "",
+        thinking_budget: int | None = None,
+        endpoint: str = "chat",
+    ):
+        self.ctx = ctx
+        self.request_id = request_id
+        self.index = index
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.endpoint = endpoint
+        self._detok = IncrementalDetokenizer(ctx.tokenizer, ctx.hidden_ids, prompt_ids)
+        self._stop = StopStringMatcher(stop or [])
+        self.reasoning = reasoning
+        self.tools = tools
+        self._forced_text = forced_text
+        self.thinking_budget = thinking_budget
+        self._engine_id = request_id
+        self._segment = 0
+        self._stream = None
+        self._done = False
+        # tallies
+        self.text = ""  # all visible text after stop handling (before reasoning/tool split)
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_tokens = len(prompt_ids)
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self.reasoning_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_matched: str | None = None
+        self.error: str | None = None
+        self._prior_tokens = 0  # completion tokens of earlier segments (thinking budget)
+        self.t_submit = time.monotonic()
+        self.t_first: float | None = None
+        self._t_last: float | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Submit to the engine; raises InvalidRequest / EngineShutdown before any output."""
+        self._stream = await self.ctx.engine.add_request(self._engine_id, self.prompt_ids, self.params)
+        if self._forced_text and self.tools is not None:
+            self.tools.feed(self._forced_text)  # the prompt already holds the call's opening
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self.ctx.engine.abort(self._engine_id)
+            if self.finish_reason is None:
+                self.finish_reason = "abort"
+
+    @property
+    def reasoning_text(self) -> str:
+        return self.reasoning.reasoning_text if self.reasoning else ""
+
+    @property
+    def content(self) -> str:
+        if self.tools is not None:
+            return self.tools.content
+        return self.reasoning.content_text if self.reasoning else self.text
+
+    # ---- the stream ----------------------------------------------------------------------------
+    async def deltas(self) -> AsyncIterator[Delta]:
+        try:
+            while not self._done:
+                out = await self._stream.__anext__()
+                now = time.monotonic()
+                delta = Delta()
+                if out.new_token_ids:
+                    self._timing(now, len(out.new_token_ids))
+                    self.token_ids.extend(out.new_token_ids)
+                    if out.logprobs:
+                        self.logprobs.extend(out.logprobs)
+                        delta.logprobs = list(out.logprobs)
+                    was_reasoning = self.reasoning is not None and self.reasoning.in_reasoning
+                    self._text(self._detok.push(out.new_token_ids), delta)
+                    if was_reasoning:
+                        self.reasoning_tokens += len(out.new_token_ids)
+                if out.prompt_tokens and self._segment == 0:
+                    self.prompt_tokens = out.prompt_tokens
+                    self.cached_tokens = out.cached_tokens
+                # the core's running count, or our own if the core does not keep one
+                self.completion_tokens = max(
+                    self.completion_tokens, self._prior_tokens + out.completion_tokens, len(self.token_ids)
+                )
+                if self.stop_matched is not None:
+                    self.ctx.engine.abort(self._engine_id)
+                    self._finish("stop", delta)
+                elif out.finished:
+                    if out.finish_reason == "error":
+                        self.error = out.error or "engine error"
+                    self._finish(out.finish_reason or "stop", delta)
+                elif self._over_budget():
+                    await self._close_reasoning(delta)
+                if not delta.empty():
+                    yield delta
+        finally:
+            if not self._done:
+                self.abort()
+
+    def _timing(self, now: float, n: int) -> None:
+        if self.t_first is None:
+            self.t_first = now
+            self.ctx.metrics.observe_ttft(now - self.t_submit)
+        elif self._t_last is not None:
+            self.ctx.metrics.observe_itl((now - self._t_last) / n)
+        self._t_last = now
+
+    def _text(self, text: str, delta: Delta) -> None:
+        if not text:
+            return
+        visible, matched = self._stop.push(text)
+        if matched is not None:
+            self.stop_matched = matched
+        self._route(visible, delta)
+
+    def _route(self, text: str, delta: Delta) -> None:
+        if not text:
+            return
+        self.text += text
+        if self.reasoning is not None:
+            r, text = self.reasoning.feed(text)
+            delta.reasoning += r
+        self._to_tools(text, delta)
+
+    def _to_tools(self, text: str, delta: Delta) -> None:
+        if not text:
+            return
+        if self.tools is None:
+            delta.content += text
+            return
+        content, calls = self.tools.feed(text)
+        delta.content += content
+        delta.tool_calls += calls
+
+    def _finish(self, reason: str, delta: Delta) -> None:
+        """Flush every layer in order and record the finish reason."""
+        self._done = True
+        if self.stop_matched is None:
+            tail, matched = self._stop.push(self._detok.flush())
+            if matched is not None:
+                self.stop_matched = matched
+                reason = "stop"
+            else:
+                tail += self._stop.flush()
+            self._route(tail, delta)
+        if self.reasoning is not None:
+            r, c = self.reasoning.finish()
+            delta.reasoning += r
+            self._to_tools(c, delta)
+        if self.tools is not None:
+            c, calls = self.tools.finish()
+            delta.content += c
+            delta.tool_calls += calls
+            if self.tools.calls and reason == "stop":
+                reason = "tool_calls"
+        self.finish_reason = reason
+        delta.finish_reason = reason
+        self.ctx.metrics.observe_finish(self)
+
+    # ---- thinking budget ---------------------------------------------------------------------
+    def _over_budget(self) -> bool:
+        return (
+            self.thinking_budget is not None
+            and self.reasoning is not None
+            and self.reasoning.in_reasoning
+            and self.reasoning_tokens >= self.thinking_budget
+        )
+
+    async def _close_reasoning(self, delta: Delta) -> None:
+        """Abort, then resubmit with the reasoning closed by force."""
+        self.ctx.engine.abort(self._engine_id)
+        forced = self.ctx.tokenizer.encode(CLOSE_THINK, add_special_tokens=False)
+        self._text(self._detok.push(forced), delta)
+        self.token_ids.extend(forced)
+        self._prior_tokens = self.completion_tokens + len(forced)
+        self.completion_tokens = self._prior_tokens
+        params = SamplingParams(**{k: getattr(self.params, k) for k in SamplingParams.__dataclass_fields__})
+        for key, value in vars(self.params).items():  # fields added outside the dataclass (structured)
+            if key not in SamplingParams.__dataclass_fields__:
+                setattr(params, key, value)
+        if params.max_tokens is not None:
+            left = params.max_tokens - self._prior_tokens
+            if left < 1:
+                self._finish("length", delta)
+                return
+            params.max_tokens = left
+        if params.seed is not None:
+            params.seed += 1
+        self._segment += 1
+        self._engine_id = f"{self.request_id}.t{self._segment}"
+        prompt = self.prompt_ids + self.token_ids
+        if len(prompt) >= self.ctx.max_model_len:
+            self._finish("length", delta)
+            return
+        self._stream = await self.ctx.engine.add_request(self._engine_id, prompt, params)

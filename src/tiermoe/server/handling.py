@@ -1,0 +1,53 @@
+"""Reading request bodies and running route bodies with uniform error handling."""
+
+from __future__ import annotations
+
+from typing import Awaitable, Callable
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from tiermoe.server.context import ServerContext
+from tiermoe.server.errors import APIError, error_response, from_validation_error, to_api_error
+from tiermoe.server.streaming import ClientGone
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+
+
+async def parse_body(request: Request, model: type[BaseModel]):
+    """Read the body (capped) and validate it strictly; every failure is a 4xx APIError."""
+    ctx: ServerContext = request.app.state.ctx
+    limit = ctx.config.max_body_bytes
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(400, "client disconnected while sending the body") from None
+    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if ctype not in ("application/json", "") and not ctype.endswith("+json"):
+        raise APIError(415, f"content type must be application/json, not {ctype}")
+    try:
+        return model.model_validate_json(b"".join(chunks) or b"")
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+Handler = Callable[[Request, ServerContext], Awaitable[Response]]
+
+
+async def run_endpoint(request: Request, handler: Handler) -> Response:
+    """Run a route body; exceptions become error bodies (the right shape for the path)."""
+    ctx: ServerContext = request.app.state.ctx
+    try:
+        return await handler(request, ctx)
+    except ClientGone:
+        return Response(status_code=499)
+    except Exception as exc:  # APIError, validation, engine refusals, bugs
+        return error_response(request.url.path, to_api_error(exc))

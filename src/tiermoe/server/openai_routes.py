@@ -1,0 +1,301 @@
+"""POST /v1/chat/completions and POST /v1/completions (OpenAI wire format)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tiermoe.engine.protocol import TokenLogprob
+from tiermoe.server.chat import openai_messages, plan_tools
+from tiermoe.server.context import ServerContext
+from tiermoe.server.errors import bad_request
+from tiermoe.server.generation import ChoiceRun, Delta
+from tiermoe.server.handling import parse_body, run_endpoint
+from tiermoe.server.protocol import ChatCompletionRequest, CompletionRequest
+from tiermoe.server.streaming import EventStream, drain, merged, sse, until_disconnect
+from tiermoe.server.structured import output_satisfies, structured_spec
+
+log = logging.getLogger("tiermoe.server")
+
+
+def register(app) -> None:
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await run_endpoint(request, chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await run_endpoint(request, complete)
+
+
+def _stops(stop) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > 16:
+        raise bad_request("at most 16 stop sequences", param="stop")
+    return stops
+
+
+def _sampling_fields(req) -> dict:
+    return dict(
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+    )
+
+
+def usage_dict(runs: list[ChoiceRun]) -> dict:
+    prompt = runs[0].prompt_tokens if runs else 0
+    completion = sum(r.completion_tokens for r in runs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": runs[0].cached_tokens if runs else 0},
+        "completion_tokens_details": {"reasoning_tokens": sum(r.reasoning_tokens for r in runs)},
+    }
+
+
+def _chat_logprobs(ctx: ServerContext, items: list[TokenLogprob], top_n: int) -> dict:
+    texts = ctx.token_texts
+
+    def entry(tid: int, lp: float) -> dict:
+        return {"token": texts.text(tid), "logprob": lp, "bytes": list(texts.bytes(tid))}
+
+    return {
+        "content": [
+            {**entry(it.token_id, it.logprob), "top_logprobs": [entry(t, lp) for t, lp in it.top[:top_n]]} for it in items
+        ]
+    }
+
+
+# ---- chat ------------------------------------------------------------------------------------
+
+
+async def chat(request: Request, ctx: ServerContext) -> Response:
+    req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+    ctx.check_model(req.model)
+    messages = openai_messages(req.messages)
+    choice = req.tool_choice
+    if choice is not None and not isinstance(choice, str):
+        choice = {"name": choice.function.name}
+    plan = plan_tools([t.function.model_dump(exclude_none=True) for t in req.tools or []], choice, can_parse=True)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
+    if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
+        raise bad_request("max_tokens and max_completion_tokens disagree", param="max_completion_tokens")
+    rf = req.response_format
+    spec = structured_spec(rf.type, rf.json_schema.schema_ if rf and rf.json_schema else None) if rf else None
+    ctx.admit(req.n)
+
+    template_kwargs = dict(req.chat_template_kwargs or {})
+    prompt_text = await ctx.render_chat(messages, plan.template_tools, template_kwargs)
+    prompt_text += ctx.forced_text(plan)
+    prompt_ids = await ctx.encode(prompt_text)
+    max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = ctx.check_context(len(prompt_ids), req.max_completion_tokens or req.max_tokens, "messages", max_param)
+    top_n = req.top_logprobs or 0
+    budget = req.thinking_budget
+    if budget is None and isinstance(template_kwargs.get("thinking_budget"), int):
+        budget = template_kwargs["thinking_budget"]
+    rid = ctx.new_id("chatcmpl-")
+    runs = []
+    for i in range(req.n):
+        params = ctx.sampling_params(
+            max_tokens=max_tokens, structured=spec, logprobs=top_n if req.logprobs else None, **_sampling_fields(req)
+        )
+        if params.seed is not None:
+            params.seed += i
+        runs.append(
+            ctx.make_run(f"{rid}-{i}", prompt_text, prompt_ids, params, index=i, stop=_stops(req.stop), plan=plan,
+                         thinking_budget=budget)
+        )
+    await ctx.start_runs(runs)
+    created = int(time.time())
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return EventStream(_chat_stream(ctx, rid, created, runs, top_n, include_usage), on_close=lambda: [r.abort() for r in runs])
+    await until_disconnect(request, drain(runs))
+    choices = []
+    for run in runs:
+        _check_structured(ctx, spec, run)
+        message: dict = {"role": "assistant", "content": run.content if (run.content or not run.tools or not run.tools.calls) else None}
+        if run.reasoning_text:
+            message["reasoning_content"] = run.reasoning_text
+        if run.tools is not None and run.tools.calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in run.tools.calls
+            ]
+        choices.append({
+            "index": run.index,
+            "message": message,
+            "logprobs": _chat_logprobs(ctx, run.logprobs, top_n) if run.params.logprobs is not None else None,
+            "finish_reason": _finish(run),
+        })
+    body = {"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name, "choices": choices,
+            "usage": usage_dict(runs)}
+    return JSONResponse(body)
+
+
+def _finish(run: ChoiceRun) -> str:
+    return "stop" if run.finish_reason in (None, "abort") else run.finish_reason
+
+
+def _check_structured(ctx: ServerContext, spec: dict | None, run: ChoiceRun) -> None:
+    if spec is not None and run.finish_reason != "length" and not output_satisfies(spec, run.content):
+        ctx.metrics.structured_invalid.inc()
+        log.warning("request %s: output does not satisfy its response_format", run.request_id)
+
+
+async def _chat_stream(ctx: ServerContext, rid: str, created: int, runs: list[ChoiceRun], top_n: int, include_usage: bool):
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(index: int, delta: dict, finish=None, logprobs=None) -> str:
+        return sse({**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], **extra})
+
+    try:
+        for run in runs:
+            yield chunk(run.index, {"role": "assistant", "content": ""})
+        async for run, d in merged(runs):
+            event = from_delta(ctx, run, d, chunk, top_n)
+            if event:
+                yield event
+            if d.finish_reason == "error":
+                yield sse({"error": {"message": run.error or "engine error", "type": "server_error", "param": None,
+                                     "code": "engine_error"}})
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": usage_dict(runs)})
+        yield "data: [DONE]\n\n"
+    finally:
+        for run in runs:
+            run.abort()
+
+
+def from_delta(ctx: ServerContext, run: ChoiceRun, d: Delta, chunk, top_n: int) -> str:
+    """One Delta -> the SSE chunk(s) OpenAI clients expect."""
+    delta: dict = {}
+    if d.reasoning:
+        delta["reasoning_content"] = d.reasoning
+    if d.content:
+        delta["content"] = d.content
+    if d.tool_calls:
+        calls = []
+        for tc in d.tool_calls:
+            item: dict = {"index": tc.index}
+            if tc.id is not None:
+                item.update(id=tc.id, type="function", function={"name": tc.name, "arguments": tc.arguments})
+            else:
+                item["function"] = {"arguments": tc.arguments}
+            calls.append(item)
+        delta["tool_calls"] = calls
+    logprobs = _chat_logprobs(ctx, d.logprobs, top_n) if (d.logprobs and run.params.logprobs is not None) else None
+    finish = _finish(run) if d.finish_reason else None
+    if not delta and logprobs is None and finish is None:
+        return ""
+    return chunk(run.index, delta, finish, logprobs)
+
+
+# ---- completions -----------------------------------------------------------------------------
+
+
+async def _prompts(ctx: ServerContext, prompt) -> list[tuple[str, list[int]]]:
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise bad_request("prompt is empty", param="prompt")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            ids = await ctx.encode(p, add_special_tokens=True)
+            out.append((p, ids))
+        else:
+            for t in p:
+                if not 0 <= t < ctx.vocab_size:
+                    raise bad_request(f"prompt token {t} is outside the vocabulary", param=f"prompt[{i}]")
+            out.append((ctx.tokenizer.decode(p, skip_special_tokens=False), list(p)))
+    return out
+
+
+def _completion_logprobs(ctx: ServerContext, run: ChoiceRun, items: list[TokenLogprob], offset: int) -> dict:
+    texts = ctx.token_texts
+    tokens, lps, tops, offsets = [], [], [], []
+    for it in items:
+        t = texts.text(it.token_id)
+        tokens.append(t)
+        lps.append(it.logprob)
+        tops.append({texts.text(tid): lp for tid, lp in it.top[: run.params.logprobs or 0]} or None)
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def complete(request: Request, ctx: ServerContext) -> Response:
+    req: CompletionRequest = await parse_body(request, CompletionRequest)
+    ctx.check_model(req.model)
+    if req.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of other than n is not supported", param="best_of")
+    if req.echo and req.stream:
+        raise bad_request("echo is not supported with stream", param="echo")
+    rf = req.response_format
+    spec = structured_spec(rf.type, rf.json_schema.schema_ if rf and rf.json_schema else None) if rf else None
+    prompts = await _prompts(ctx, req.prompt)
+    ctx.admit(req.n * len(prompts))
+    rid = ctx.new_id("cmpl-")
+    runs = []
+    for p_idx, (text, ids) in enumerate(prompts):
+        max_tokens = ctx.check_context(len(ids), req.max_tokens, "prompt", "max_tokens")
+        for i in range(req.n):
+            params = ctx.sampling_params(max_tokens=max_tokens, structured=spec, logprobs=req.logprobs, **_sampling_fields(req))
+            if params.seed is not None:
+                params.seed += i
+            k = p_idx * req.n + i
+            runs.append(ctx.make_run(f"{rid}-{k}", text, ids, params, index=k, stop=_stops(req.stop), reasoning=False,
+                                     endpoint="completions"))
+    await ctx.start_runs(runs)
+    created = int(time.time())
+    base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def events():
+            offsets = {r.index: 0 for r in runs}
+            try:
+                async for run, d in merged(runs):
+                    lp = None
+                    if d.logprobs and run.params.logprobs is not None:
+                        lp = _completion_logprobs(ctx, run, d.logprobs, offsets[run.index])
+                    offsets[run.index] += len(d.content)
+                    if d.content or d.finish_reason or lp:
+                        finish = _finish(run) if d.finish_reason else None
+                        yield sse({**base, "choices": [{"index": run.index, "text": d.content, "logprobs": lp, "finish_reason": finish}]})
+                if include_usage:
+                    yield sse({**base, "choices": [], "usage": usage_dict(runs)})
+                yield "data: [DONE]\n\n"
+            finally:
+                for r in runs:
+                    r.abort()
+
+        return EventStream(events(), on_close=lambda: [r.abort() for r in runs])
+    await until_disconnect(request, drain(runs))
+    choices = []
+    for run in runs:
+        _check_structured(ctx, spec, run)
+        prefix = prompts[run.index // req.n][0] if req.echo else ""
+        lp = _completion_logprobs(ctx, run, run.logprobs, len(prefix)) if run.params.logprobs is not None else None
+        choices.append({"index": run.index, "text": prefix + run.content, "logprobs": lp, "finish_reason": _finish(run)})
+    usage = usage_dict(runs)
+    usage["prompt_tokens"] = sum(len(ids) for _, ids in prompts)
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    return JSONResponse({**base, "choices": choices, "usage": usage})

@@ -1,0 +1,197 @@
+"""Shared machinery for tool-call parsers: content/call state machine and delta bookkeeping.
+
+A format only says how to read one call's body (the text between its start and end markers),
+both when complete and while it is still arriving. This base class handles the rest:
+finding the markers in a stream of text deltas (holding back a tail that may be the start of
+a marker), emitting content outside calls, and turning each call's growing state into OpenAI
+style deltas: the first delta of a call carries its id and name, later ones append to
+`arguments`. A parser only ever reports an arguments *prefix* that later text cannot change,
+so the streamed pieces concatenate to exactly the final arguments string.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ToolCallDelta:
+    index: int
+    id: str | None = None  # first delta of a call only
+    name: str | None = None  # first delta of a call only
+    arguments: str = ""
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object as text
+
+    def arguments_dict(self) -> dict:
+        try:
+            value = json.loads(self.arguments)
+        except ValueError:
+            return {}
+        return value if isinstance(value, dict) else {}
+
+
+@dataclass
+class _Open:
+    index: int
+    id: str
+    body: str = ""
+    name_sent: bool = False
+    args_sent: str = ""
+
+
+@dataclass
+class PartialCall:
+    """What can be said about a call body so far: its name and a stable arguments prefix."""
+
+    name: str | None = None
+    arguments_prefix: str = ""
+
+
+@dataclass
+class ParsedBody:
+    name: str
+    arguments: str
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return k
+    return 0
+
+
+class ToolParser:
+    """Base parser; subclasses set the markers and implement parse_body / parse_partial."""
+
+    name = "base"
+    start_marker = "<tool_call>"
+    end_marker = "</tool_call>"
+
+    def __init__(self, tools: list[dict] | None = None, *, id_prefix: str = "call_"):
+        # tools: OpenAI function definitions ({"name", "parameters", ...}) by name
+        self.tools = {t["name"]: t for t in (tools or []) if isinstance(t, dict) and "name" in t}
+        self.id_prefix = id_prefix
+        self.calls: list[ToolCall] = []
+        self.content = ""
+        self._buf = ""
+        self._open: _Open | None = None
+        self._pending_ws = ""  # whitespace held until we know it is not padding before a call
+        self._content_started = False
+        self._next_index = 0
+
+    # ---- format-specific ---------------------------------------------------------------
+    def parse_body(self, body: str) -> ParsedBody | None:
+        """A complete call body -> name and arguments JSON text, or None if malformed."""
+        raise NotImplementedError
+
+    def parse_partial(self, body: str) -> PartialCall:
+        """An incomplete body -> what is already certain."""
+        raise NotImplementedError
+
+    def forced_prefix(self, name: str | None) -> str:
+        """Text that, appended to the prompt, commits the model to a call (of `name`)."""
+        raise NotImplementedError
+
+    # ---- streaming -----------------------------------------------------------------------
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        """Add a content delta; returns (plain content delta, tool-call deltas)."""
+        self._buf += text
+        out, deltas = "", []
+        while True:
+            if self._open is None:
+                i = self._buf.find(self.start_marker)
+                if i != -1:
+                    out += self._content(self._buf[:i], before_call=True)
+                    self._buf = self._buf[i + len(self.start_marker) :]
+                    self._open = _Open(self._next_index, f"{self.id_prefix}{uuid.uuid4().hex[:24]}")
+                    self._next_index += 1
+                    continue
+                hold = _partial_suffix(self._buf, self.start_marker)
+                out += self._content(self._buf[: len(self._buf) - hold], before_call=False)
+                self._buf = self._buf[len(self._buf) - hold :] if hold else ""
+                break
+            j = self._buf.find(self.end_marker)
+            if j != -1:
+                self._open.body += self._buf[:j]
+                self._buf = self._buf[j + len(self.end_marker) :]
+                out_text, d = self._close(self._open, complete=True)
+                out += out_text
+                deltas += d
+                self._open = None
+                continue
+            hold = _partial_suffix(self._buf, self.end_marker)
+            self._open.body += self._buf[: len(self._buf) - hold]
+            self._buf = self._buf[len(self._buf) - hold :] if hold else ""
+            deltas += self._progress(self._open)
+            break
+        return out, deltas
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        """End of output: an unterminated call is parsed as if closed (models often stop at eos)."""
+        out, deltas = "", []
+        if self._open is not None:
+            self._open.body += self._buf
+            self._buf = ""
+            out, deltas = self._close(self._open, complete=False)
+            self._open = None
+        else:
+            out = self._content(self._buf, before_call=False)
+            self._buf = ""
+        self._pending_ws = ""  # trailing whitespace of the answer is dropped
+        return out, deltas
+
+    # ---- internals -------------------------------------------------------------------------
+    def _content(self, text: str, before_call: bool) -> str:
+        text = self._pending_ws + text
+        self._pending_ws = ""
+        if not self._content_started:
+            text = text.lstrip()
+        if before_call:
+            return self._append(text.rstrip())
+        stripped = text.rstrip()
+        self._pending_ws = text[len(stripped) :]
+        return self._append(stripped)
+
+    def _append(self, text: str) -> str:
+        if text:
+            self._content_started = True
+            self.content += text
+        return text
+
+    def _progress(self, call: _Open) -> list[ToolCallDelta]:
+        part = self.parse_partial(call.body)
+        deltas = []
+        if part.name and not call.name_sent:
+            call.name_sent = True
+            deltas.append(ToolCallDelta(call.index, id=call.id, name=part.name, arguments=""))
+        if call.name_sent and len(part.arguments_prefix) > len(call.args_sent) and part.arguments_prefix.startswith(call.args_sent):
+            deltas.append(ToolCallDelta(call.index, arguments=part.arguments_prefix[len(call.args_sent) :]))
+            call.args_sent = part.arguments_prefix
+        return deltas
+
+    def _close(self, call: _Open, complete: bool) -> tuple[str, list[ToolCallDelta]]:
+        parsed = self.parse_body(call.body)
+        if parsed is None:
+            if call.name_sent:  # already announced: close it with what we have
+                parsed = ParsedBody(self.parse_partial(call.body).name or "", call.args_sent or "{}")
+            else:  # not a call after all: give the text back as content
+                self._next_index -= 1
+                raw = self.start_marker + call.body + (self.end_marker if complete else "")
+                return self._append(raw), []
+        deltas = []
+        if not call.name_sent:
+            deltas.append(ToolCallDelta(call.index, id=call.id, name=parsed.name, arguments=""))
+        rest = parsed.arguments[len(call.args_sent) :] if parsed.arguments.startswith(call.args_sent) else ""
+        if rest:
+            deltas.append(ToolCallDelta(call.index, arguments=rest))
+        final_args = call.args_sent + rest
+        self.calls.append(ToolCall(call.id, parsed.name, final_args))
+        return "", deltas

@@ -1,0 +1,66 @@
+"""GLM-4.5+ tool calls: <tool_call>name\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n</tool_call>.
+
+Values are raw text; whether "17" means the number or the string comes from the tool's JSON
+schema (a "string" property stays text, any other type is read as JSON when it parses).
+Arguments stream one complete key/value pair at a time: '{"city": "Paris"', then
+', "unit": "c"', then '}' when the call closes, so the pieces always concatenate to the
+final JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from tiermoe.server.tool_parsers.base import ParsedBody, PartialCall, ToolParser
+
+_PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+class GlmToolParser(ToolParser):
+    name = "glm"
+
+    def _name(self, body: str, complete: bool) -> str | None:
+        cut = len(body)
+        for sep in ("\n", "<arg_key>"):
+            i = body.find(sep)
+            if i != -1:
+                cut = min(cut, i)
+        if cut == len(body) and not complete:
+            return None  # the name may still be growing
+        name = body[:cut].strip()
+        return name or None
+
+    def _value(self, fn: str, key: str, raw: str):
+        schema = (self.tools.get(fn) or {}).get("parameters") or {}
+        kind = ((schema.get("properties") or {}).get(key) or {}).get("type")
+        if kind in (None, "string") or (isinstance(kind, list) and "string" in kind):
+            return raw
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw
+
+    def _args_prefix(self, fn: str, body: str) -> tuple[str, int]:
+        pairs = _PAIR.findall(body)
+        if not pairs:
+            return "", 0
+        items = [f"{json.dumps(k.strip(), ensure_ascii=False)}: {json.dumps(self._value(fn, k.strip(), v), ensure_ascii=False)}" for k, v in pairs]
+        return "{" + ", ".join(items), len(pairs)
+
+    def parse_partial(self, body: str) -> PartialCall:
+        name = self._name(body, complete=False)
+        if name is None:
+            return PartialCall()
+        prefix, _ = self._args_prefix(name, body)
+        return PartialCall(name=name, arguments_prefix=prefix)
+
+    def parse_body(self, body: str) -> ParsedBody | None:
+        name = self._name(body, complete=True)
+        if name is None or any(c in name for c in "<>{}\"") or " " in name:
+            return None
+        prefix, n = self._args_prefix(name, body)
+        return ParsedBody(name, prefix + "}" if n else "{}")
+
+    def forced_prefix(self, name: str | None) -> str:
+        return "<tool_call>" if name is None else f"<tool_call>{name}\n"

@@ -1,0 +1,89 @@
+"""Hermes / Qwen tool calls: <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>.
+
+Arguments stream as the model writes them: once the body reads `{"name": "f", "arguments": `
+the characters of the arguments object are passed through as they arrive, up to the brace
+that closes it (tracked with a small JSON lexer, so braces inside strings do not count). The
+final arguments are that same raw text, so streamed and non-streamed results agree.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from tiermoe.server.tool_parsers.base import ParsedBody, PartialCall, ToolParser
+
+_HEAD = re.compile(r'^\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*', re.S)
+_NAME = re.compile(r'^\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"', re.S)
+
+
+def _object_extent(text: str) -> tuple[int, bool]:
+    """How far the JSON object at text[0] reaches: (chars consumed, closed?)."""
+    depth = 0
+    in_str = esc = False
+    for i, ch in enumerate(text):
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1, True
+    return len(text), False
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+
+    def parse_partial(self, body: str) -> PartialCall:
+        m = _HEAD.match(body)
+        if m is None:
+            n = _NAME.match(body)
+            # the name alone is certain once its closing quote has arrived
+            return PartialCall(name=json.loads(f'"{n.group(1)}"') if n else None)
+        name = json.loads(f'"{m.group(1)}"')
+        rest = body[m.end() :]
+        if not rest.startswith("{"):
+            return PartialCall(name=name)  # not an object yet (or a string): wait for the end
+        end, _ = _object_extent(rest)
+        return PartialCall(name=name, arguments_prefix=rest[:end])
+
+    def parse_body(self, body: str) -> ParsedBody | None:
+        text = body.strip()
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):  # some models double-encode the arguments
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return None
+        if not isinstance(args, dict):
+            return None
+        m = _HEAD.match(text)
+        if m is not None and text[m.end() :].startswith("{"):
+            end, closed = _object_extent(text[m.end() :])
+            raw = text[m.end() : m.end() + end]
+            try:
+                if closed and json.loads(raw) == args:
+                    return ParsedBody(obj["name"], raw)
+            except ValueError:
+                pass
+        return ParsedBody(obj["name"], json.dumps(args, ensure_ascii=False))
+
+    def forced_prefix(self, name: str | None) -> str:
+        if name is None:
+            return "<tool_call>\n"
+        return '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": '
