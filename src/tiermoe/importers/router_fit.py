@@ -58,7 +58,11 @@ SIGMOID_SPAN = 0.05  # max |alpha * z| on the calibration tokens
 RIDGE = 1e-2  # relative to the mean eigenvalue of X^T X
 
 
-def _calibration_ids(tokenizer) -> list[list[int]]:
+def _calibration_ids(tokenizer, vocab_size: int) -> list[list[int]]:
+    """Token ids of the built-in calibration text; random ids when the file had no tokenizer."""
+    if tokenizer is None:
+        gen = torch.Generator().manual_seed(0)
+        return [torch.randint(0, vocab_size, (128,), generator=gen).tolist() for _ in range(4)]
     seqs = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in CALIBRATION_TEXT]
     if getattr(tokenizer, "chat_template", None):
         for question, answer in CALIBRATION_CHATS:
@@ -92,7 +96,7 @@ def calibrate(model_dir: Path, router_shard: str, plan: ExpertPlan, provenance: 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     e, k = plan.routed, plan.top_k
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir)) if (model_dir / "tokenizer.json").is_file() else None
     # Load with all experts on: the MoE then equals the dense model whose activations we record.
     model = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, num_experts_per_tok=e, routed_scaling_factor=float(e)
@@ -104,7 +108,7 @@ def calibrate(model_dir: Path, router_shard: str, plan: ExpertPlan, provenance: 
         for i, layer in enumerate(layers)
     ]
     with torch.no_grad():
-        for ids in _calibration_ids(tokenizer):
+        for ids in _calibration_ids(tokenizer, model.config.vocab_size):
             model(torch.tensor([ids]))
     for h in hooks:
         h.remove()
@@ -136,6 +140,7 @@ def calibrate(model_dir: Path, router_shard: str, plan: ExpertPlan, provenance: 
     save_file(tensors, str(model_dir / router_shard), metadata={"format": "pt"})
     provenance["moe_from_dense"]["calibration"] = {
         "tokens": int(sum(t.shape[0] for t in inputs[0])),
+        "text": "built-in" if tokenizer is not None else "random token ids (no tokenizer)",
         "mlp_rel_error_fitted_router": round(sum(errs_fit) / len(errs_fit), 4),
         "mlp_rel_error_random_experts": round(sum(errs_rand) / len(errs_rand), 4),
         "mlp_rel_error_true_norm_ranking": round(sum(errs_oracle) / len(errs_oracle), 4),
