@@ -1,0 +1,213 @@
+"""Plain-torch twins of every kernel in `kernels/triton/` (the oracles for tests).
+
+Each twin computes the same function as its kernel, written for clarity rather than speed and
+on whatever device its inputs live. Kernels take raw pointer tables; a twin takes the same
+records as uint8 tensors instead (torch cannot dereference an address), so tests build the
+pointer table from the very tensors they hand to the twin.
+
+Numerics contract shared with the kernels (bf16 compute):
+  W' = bf16(float32(q) * float32(scale))          (int records; bf16 records are W' as stored)
+  g, u = x @ Wg'^T, x @ Wu'^T                      (bf16 operands, fp32 accumulation)
+  act  = bf16(silu(g) * u)                         (fp32 math, rounded once)
+  y    = float32(w_k) * (act @ Wd'^T)              (fp32)
+  out  = bf16(sum_k y_k)                           (k in pick order)
+Kernels differ from the twins only in fp32 summation order, so comparisons use tolerances;
+bit-exactness is a property of one kernel across memory tiers, not of kernel vs twin.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiermoe.kernels.layout import ExpertLayout
+
+# ----------------------------------------------------------------------------- records
+
+
+def _section(rec: torch.Tensor, off: int, nbytes: int) -> torch.Tensor:
+    return rec.reshape(-1)[off : off + nbytes]
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] (low nibble = even column, stored q + 8) -> int32 [N, K] in -8..7."""
+    p = packed.to(torch.int32)
+    return torch.stack(((p & 0xF) - 8, (p >> 4) - 8), dim=-1).reshape(packed.shape[0], -1)
+
+
+def dequant_matrix(rec: torch.Tensor, layout: ExpertLayout, which: str) -> torch.Tensor:
+    """One weight matrix of a record, dequantized to bf16: gate_up [2I, H] or down [H, I]."""
+    h, i, g = layout.hidden, layout.inter, layout.group_size
+    n, k = (2 * i, h) if which == "gate_up" else (h, i)
+    q_off = layout.gate_up_q if which == "gate_up" else layout.down_q
+    s_off = layout.gate_up_s if which == "gate_up" else layout.down_s
+    if layout.kind == "bf16":
+        return _section(rec, q_off, n * k * 2).view(torch.bfloat16).view(n, k)
+    if layout.kind == "int4":
+        q = unpack_int4(_section(rec, q_off, n * k // 2).view(n, k // 2))  # [N, K]
+    else:
+        q = _section(rec, q_off, n * k).view(torch.int8).view(n, k).to(torch.int32)
+    s = _section(rec, s_off, n * (k // g) * 2).view(torch.bfloat16).view(n, k // g)  # [N, K/G]
+    w = q.to(torch.float32).view(n, k // g, g) * s.to(torch.float32).unsqueeze(-1)
+    return w.view(n, k).to(torch.bfloat16)
+
+
+def make_record(layout: ExpertLayout, gen: torch.Generator | None = None, scale: float | None = None) -> torch.Tensor:
+    """A random but valid record (uint8 [layout.length]) for tests and benchmarks.
+
+    Quantized: uniform nibbles/int8 with positive bf16 scales around `scale` (default chosen
+    so a unit-variance input gives roughly unit-variance outputs). bf16: normal weights.
+    """
+    h, i, g = layout.hidden, layout.inter, layout.group_size
+    rec = torch.zeros(layout.length, dtype=torch.uint8)
+    for which, (n, k) in (("gate_up", (2 * i, h)), ("down", (h, i))):
+        q_off = layout.gate_up_q if which == "gate_up" else layout.down_q
+        if layout.kind == "bf16":
+            w = torch.randn(n, k, generator=gen) * (scale or k**-0.5)
+            _section(rec, q_off, n * k * 2).view(torch.bfloat16).copy_(w.reshape(-1).to(torch.bfloat16))
+            continue
+        s_off = layout.gate_up_s if which == "gate_up" else layout.down_s
+        qbytes = n * k // 2 if layout.kind == "int4" else n * k
+        qstd = 4.6 if layout.kind == "int4" else 73.0
+        _section(rec, q_off, qbytes).copy_(torch.randint(0, 256, (qbytes,), dtype=torch.uint8, generator=gen))
+        base = scale or 1.0 / (qstd * k**0.5)
+        s = base * (0.5 + torch.rand(n * (k // g), generator=gen))
+        _section(rec, s_off, s.numel() * 2).view(torch.bfloat16).copy_(s.to(torch.bfloat16))
+    return rec
+
+
+# ----------------------------------------------------------------------------- fused MoE
+
+
+def expert_ref(x: torch.Tensor, rec: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """One SwiGLU expert on rows x [M, H] bf16 -> fp32 [M, H] (before routing weight)."""
+    i = layout.inter
+    gu = dequant_matrix(rec, layout, "gate_up").float()  # [2I, H]
+    dn = dequant_matrix(rec, layout, "down").float()  # [H, I]
+    h = x.float() @ gu.t()  # [M, 2I]
+    act = (torch.nn.functional.silu(h[:, :i]) * h[:, i:]).to(torch.bfloat16)  # [M, I]
+    return act.float() @ dn.t()  # [M, H]
+
+
+def fused_moe_ref(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, records, layout: ExpertLayout
+) -> torch.Tensor:
+    """Twin of triton.fused_moe.fused_moe.
+
+    x [T, H] bf16; topk_ids [T, K] (indices into `records`); topk_weights [T, K] float;
+    records: uint8 [E, R] tensor or a sequence of uint8 records. Returns bf16 [T, H].
+    """
+    t, k = topk_ids.shape
+    y = torch.zeros(t, k, layout.hidden, dtype=torch.float32, device=x.device)  # [T, K, H]
+    ids = topk_ids.to(torch.int64)
+    for e in torch.unique(ids).tolist():
+        rows, cols = (ids == e).nonzero(as_tuple=True)
+        y[rows, cols] = expert_ref(x[rows], records[e], layout) * topk_weights[rows, cols].float().unsqueeze(-1)
+    out = y[:, 0]
+    for j in range(1, k):  # pick order, as the kernel sums
+        out = out + y[:, j]
+    return out.to(torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- align
+
+
+def moe_align_ref(topk_ids: torch.Tensor, block_m: int, nb_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of triton.fused_moe.moe_align: the canonical block plan.
+
+    Pairs p = t * K + k of the flattened picks are grouped by expert; experts appear in order
+    of their first pick, each expert's pairs ascending, cut into blocks of `block_m` rows.
+    Returns sorted_pairs int32 [nb_max * block_m] (unused rows hold P) and block_expert int32
+    [nb_max] (unused blocks hold -1).
+    """
+    ids = topk_ids.reshape(-1).tolist()
+    p = len(ids)
+    order, members = [], {}
+    for pos, e in enumerate(ids):
+        if e not in members:
+            order.append(e)
+            members[e] = []
+        members[e].append(pos)
+    sorted_pairs = [p] * (nb_max * block_m)
+    block_expert = [-1] * nb_max
+    b = 0
+    for e in order:
+        mem = members[e]
+        for start in range(0, len(mem), block_m):
+            block_expert[b] = e
+            for r, pos in enumerate(mem[start : start + block_m]):
+                sorted_pairs[b * block_m + r] = pos
+            b += 1
+    return torch.tensor(sorted_pairs, dtype=torch.int32), torch.tensor(block_expert, dtype=torch.int32)
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+def cache_step_ref(state: dict[str, torch.Tensor], topk_ids: torch.Tensor, admit_max: int) -> dict[str, torch.Tensor]:
+    """Twin of triton.cache_manager.cache_step, on a dict of CPU tensors (mutated and returned).
+
+    state keys: ptr_table [E'] i64, host_addr [E] i64, slot_addr [S] i64, slot_expert [S] i32,
+    expert_slot [E] i32, ref [S] i32, clock [2] i32 (hand, stamp), copy_src/copy_dst [M] i64,
+    n_copy [1] i32, stats [4] i64 (lookups, hits, misses, admitted).
+
+    One decode step of one layer: the distinct routed experts of the batch, in first-pick
+    order, are looked up; hits set their slot's reference bit; up to `admit_max` misses (in
+    first-pick order) are admitted into victims found by a CLOCK sweep from the hand (first
+    sweep: slots with a clear bit, clearing set bits as it passes; second sweep if needed).
+    Slots holding an expert of this batch are never victims. An evicted expert's table entry
+    goes back to its host address; an admitted one's to its slot; (src, dst) go to the copy
+    list for the gather kernel.
+    """
+    st = state
+    ids = topk_ids.reshape(-1).tolist()
+    uniq = list(dict.fromkeys(ids))
+    s_n = st["slot_addr"].numel()
+    st["clock"][1] += 1
+    es, se, ref = st["expert_slot"], st["slot_expert"], st["ref"]
+    hits = [e for e in uniq if int(es[e]) >= 0]
+    misses = [e for e in uniq if int(es[e]) < 0]
+    inuse = {int(es[e]) for e in hits}
+    n_free = s_n - len(inuse)
+    a = min(len(misses), n_free, admit_max)
+    h = int(st["clock"][0])
+    order = [(h + r) % s_n for r in range(s_n)]
+    pass1 = [s for s in order if s not in inuse and int(ref[s]) == 0]
+    pass2 = [s for s in order if s not in inuse and int(ref[s]) != 0]
+    if a <= len(pass1):
+        victims = pass1[:a]
+        if a:
+            last = order.index(victims[-1])
+            for s in order[:last]:
+                if s not in inuse:
+                    ref[s] = 0
+            st["clock"][0] = (h + last + 1) % s_n
+    else:
+        victims = pass1 + pass2[: a - len(pass1)]
+        for s in order:
+            if s not in inuse:
+                ref[s] = 0
+        st["clock"][0] = (h + order.index(victims[-1]) + 1) % s_n
+    for s in inuse:
+        ref[s] = 1
+    for j, e in enumerate(misses[:a]):
+        v = victims[j]
+        old = int(se[v])
+        if old >= 0:
+            es[old] = -1
+            st["ptr_table"][old] = st["host_addr"][old]
+        se[v] = e
+        es[e] = v
+        ref[v] = 1
+        st["ptr_table"][e] = st["slot_addr"][v]
+        st["copy_src"][j] = st["host_addr"][e]
+        st["copy_dst"][j] = st["slot_addr"][v]
+    st["n_copy"][0] = a
+    st["stats"] += torch.tensor([len(uniq), len(hits), len(misses), a], dtype=st["stats"].dtype)
+    return st
+
+
+def gather_records_ref(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> torch.Tensor:
+    """Twin of triton.cache_manager.gather_records: dst[d] = src[s] for each (s, d) pair."""
+    for s, d in pairs:
+        dst[d].copy_(src[s])
+    return dst

@@ -1,0 +1,234 @@
+"""Device-side expert cache of one MoE layer: lookup, CLOCK admission, pointer tables, gather.
+
+A decode step must not wait for the host, or it cannot be captured in a CUDA graph. So the
+whole cache decision for one layer is one single-program kernel (`_cache_step_kernel`) that
+reads the router's picks on the device and:
+
+  1. dedups the batch's picks (first-pick order) and looks each expert up (expert_slot);
+  2. marks hits: their slots get the reference bit and are pinned for this step;
+  3. chooses victims for up to `admit_max` misses with a CLOCK sweep from the hand (first
+     sweep takes clear-bit slots and clears set bits it passes; a second sweep if needed);
+  4. rewrites the pointer table: evicted experts point back at their pinned host copy, the
+     admitted ones at their new slot; fills the (src, dst) copy list;
+
+then `_gather_kernel` copies the admitted records host -> slot (the loads cross PCIe, the
+stores stay in HBM), sized by the device-side count, so no host round trip happens anywhere.
+The MoE kernel that follows reads admitted experts from their slot and any miss that was not
+admitted (more misses than free slots) in place from host memory.
+
+Every host-resident expert always stays in pinned host memory (the RAM tier is inclusive of
+the GPU slots here), so an eviction never copies: only the table entry changes. Because only
+addresses change, outputs are bit-identical for any cache size.
+
+Contract of the tables (`ExpertCache` owns them, one per layer):
+  ptr_table   int64 [E_total]  row e = device-visible address of expert e's record; rows
+                               >= num_experts (e.g. shared experts) are never touched here
+  host_addr   int64 [E]        pinned host record address of each routed expert
+  slot_addr   int64 [S]        GPU slot addresses (record-length apart, 4096-aligned)
+  slot_expert int32 [S]        expert held by each slot, -1 = empty
+  expert_slot int32 [E]        slot of each expert, -1 = not resident
+  ref         int32 [S]        CLOCK reference bits
+  clock       int32 [2]        (hand, step stamp)
+  emark       int32 [E]        stamp of the step that last picked the expert (scratch)
+  victims     int32 [S]        victim slots in sweep order (scratch)
+  copy_src/copy_dst int64 [M], n_copy int32 [1]   the gather list of the last step
+  stats       int64 [4]        cumulative (lookups, hits, misses, admitted), unique experts
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _cache_step_kernel(
+    ids_ptr, P, ptr_table_ptr, host_addr_ptr, slot_addr_ptr, slot_expert_ptr, expert_slot_ptr,
+    ref_ptr, clock_ptr, emark_ptr, victims_ptr, copy_src_ptr, copy_dst_ptr, n_copy_ptr, stats_ptr,
+    S, ADMIT_MAX, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    # ---- picks: dedup in first-pick order, lookup
+    offs_p = tl.arange(0, BLOCK_P)
+    ok_p = offs_p < P
+    ids = tl.load(ids_ptr + offs_p, mask=ok_p, other=-1)
+    same = (ids[:, None] == ids[None, :]) & ok_p[:, None] & ok_p[None, :]
+    earlier = offs_p[None, :] < offs_p[:, None]
+    first = ok_p & (tl.sum((same & earlier).to(tl.int32), axis=1) == 0)
+    slot = tl.load(expert_slot_ptr + ids, mask=first, other=-1)
+    hit = first & (slot >= 0)
+    miss = first & (slot < 0)
+    n_first = tl.sum(first.to(tl.int32), axis=0)
+    n_hit = tl.sum(hit.to(tl.int32), axis=0)
+    n_miss = tl.sum(miss.to(tl.int32), axis=0)
+    miss_rank = tl.sum((miss[None, :] & earlier).to(tl.int32), axis=1)  # misses before me
+    hand = tl.load(clock_ptr)
+    stamp = tl.load(clock_ptr + 1) + 1
+    tl.store(emark_ptr + ids, stamp, mask=first)
+    tl.debug_barrier()
+    # ---- slots: in use this step (hit), CLOCK sweep
+    offs_s = tl.arange(0, BLOCK_S)
+    ok_s = offs_s < S
+    old = tl.load(slot_expert_ptr + offs_s, mask=ok_s, other=-1)  # [BS]
+    mark = tl.load(emark_ptr + old, mask=ok_s & (old >= 0), other=0, cache_modifier=".cg")
+    inuse = ok_s & (old >= 0) & (mark == stamp)
+    refv = tl.load(ref_ptr + offs_s, mask=ok_s, other=0)
+    cand1 = ok_s & (inuse == 0) & (refv == 0)
+    cand2 = ok_s & (inuse == 0) & (refv != 0)
+    n1 = tl.sum(cand1.to(tl.int32), axis=0)
+    n_free = tl.sum((ok_s & (inuse == 0)).to(tl.int32), axis=0)
+    a = tl.minimum(tl.minimum(n_miss, n_free), ADMIT_MAX)
+    s_safe = tl.maximum(S, 1)
+    rot = (offs_s - hand + s_safe) % s_safe  # sweep position of each slot
+    # rank in sweep order = exclusive prefix count, rotated to start at the hand
+    c1 = tl.cumsum(cand1.to(tl.int32), axis=0) - cand1.to(tl.int32)
+    c2 = tl.cumsum(cand2.to(tl.int32), axis=0) - cand2.to(tl.int32)
+    b1 = tl.sum((cand1 & (offs_s < hand)).to(tl.int32), axis=0)
+    b2 = tl.sum((cand2 & (offs_s < hand)).to(tl.int32), axis=0)
+    n2 = tl.sum(cand2.to(tl.int32), axis=0)
+    rank1 = tl.where(offs_s >= hand, c1 - b1, c1 + n1 - b1)
+    rank2 = tl.where(offs_s >= hand, c2 - b2, c2 + n2 - b2)
+    need2 = a - tl.minimum(a, n1)
+    vic1 = cand1 & (rank1 < a)
+    vic2 = cand2 & (rank2 < need2)
+    is_vic = vic1 | vic2
+    vrank = tl.where(vic1, rank1, n1 + rank2)
+    last1 = tl.max(tl.where(vic1, rot, -1), axis=0)
+    last2 = tl.max(tl.where(vic2, rot, -1), axis=0)
+    cleared = cand2 & ((need2 > 0) | (rot < last1))
+    new_ref = tl.where(is_vic | inuse, 1, tl.where(cleared, 0, refv))
+    new_hand = tl.where(need2 > 0, (hand + last2 + 1) % s_safe, tl.where(a > 0, (hand + last1 + 1) % s_safe, hand))
+    tl.store(ref_ptr + offs_s, new_ref, mask=ok_s)
+    tl.store(victims_ptr + vrank, offs_s, mask=is_vic)
+    # evictions: the old expert goes back to its host copy
+    evict = is_vic & (old >= 0)
+    tl.store(expert_slot_ptr + old, -1, mask=evict)
+    tl.store(ptr_table_ptr + old, tl.load(host_addr_ptr + old, mask=evict, other=0), mask=evict)
+    tl.debug_barrier()
+    # ---- admissions: miss j (first-pick order) -> victim j (sweep order)
+    adm = miss & (miss_rank < a)
+    v = tl.load(victims_ptr + miss_rank, mask=adm, other=0, cache_modifier=".cg")
+    sa = tl.load(slot_addr_ptr + v, mask=adm, other=0)
+    ha = tl.load(host_addr_ptr + ids, mask=adm, other=0)
+    tl.store(slot_expert_ptr + v, ids, mask=adm)
+    tl.store(expert_slot_ptr + ids, v, mask=adm)
+    tl.store(ptr_table_ptr + ids, sa, mask=adm)
+    tl.store(copy_src_ptr + miss_rank, ha, mask=adm)
+    tl.store(copy_dst_ptr + miss_rank, sa, mask=adm)
+    tl.store(n_copy_ptr, a)
+    tl.store(clock_ptr, new_hand)
+    tl.store(clock_ptr + 1, stamp)
+    tl.store(stats_ptr, tl.load(stats_ptr) + n_first.to(tl.int64))
+    tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + n_hit.to(tl.int64))
+    tl.store(stats_ptr + 2, tl.load(stats_ptr + 2) + n_miss.to(tl.int64))
+    tl.store(stats_ptr + 3, tl.load(stats_ptr + 3) + a.to(tl.int64))
+
+
+@triton.jit
+def _gather_kernel(src_ptr, dst_ptr, n_ptr, WORDS: tl.constexpr, CHUNK: tl.constexpr, NPROG: tl.constexpr):
+    """Copy n records (WORDS int32 words each) src[j] -> dst[j]; work spread over NPROG programs."""
+    pid = tl.program_id(0)
+    n = tl.load(n_ptr)
+    per_rec: tl.constexpr = WORDS // CHUNK
+    offs = tl.arange(0, CHUNK)
+    for c in range(pid, n * per_rec, NPROG):
+        j = c // per_rec
+        off = (c % per_rec) * CHUNK
+        s = tl.multiple_of(tl.load(src_ptr + j).to(tl.pointer_type(tl.int32)), 16)
+        d = tl.multiple_of(tl.load(dst_ptr + j).to(tl.pointer_type(tl.int32)), 16)
+        tl.store(d + off + offs, tl.load(s + off + offs))
+
+
+def gather_records(copy_src: torch.Tensor, copy_dst: torch.Tensor, n_copy: torch.Tensor, record_bytes: int,
+                   *, chunk_bytes: int = 16384, programs: int = 264, num_warps: int = 8) -> None:  # fmt: skip
+    """Copy `n_copy[0]` records of `record_bytes` from copy_src[j] to copy_dst[j] (int64 addresses).
+
+    The count stays on the device; the grid is fixed, so this is graph-capturable. Sources
+    may be pinned host memory (read over PCIe in place), destinations GPU memory.
+    """
+    if record_bytes % chunk_bytes:
+        chunk_bytes = 4096
+    if record_bytes % chunk_bytes:
+        raise ValueError(f"record length {record_bytes} is not a multiple of 4096")
+    _gather_kernel[(programs,)](
+        copy_src, copy_dst, n_copy, WORDS=record_bytes // 4, CHUNK=chunk_bytes // 4, NPROG=programs, num_warps=num_warps
+    )
+
+
+class ExpertCache:
+    """The device-side cache state of one MoE layer (see the module docstring for the tables).
+
+    host_addr: int64 [E] pinned host record addresses; slot_base: address of S * record_bytes
+    bytes of GPU memory (kept alive by the caller); extra_ptrs: table rows after the routed
+    experts (shared experts), fixed. `admit_max` bounds the misses admitted per step.
+    """
+
+    def __init__(self, host_addr: torch.Tensor, slot_base: int, num_slots: int, record_bytes: int,
+                 *, extra_ptrs: torch.Tensor | None = None, admit_max: int | None = None,
+                 max_picks: int = 128) -> None:  # fmt: skip
+        dev = host_addr.device
+        e = host_addr.numel()
+        self.num_experts, self.num_slots, self.record_bytes = e, int(num_slots), int(record_bytes)
+        self.admit_max = int(self.num_slots if admit_max is None else admit_max)
+        extra = extra_ptrs if extra_ptrs is not None else torch.empty(0, dtype=torch.int64, device=dev)
+        i32 = dict(dtype=torch.int32, device=dev)
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.host_addr = host_addr.to(torch.int64).contiguous()
+        self.ptr_table = torch.cat([self.host_addr, extra.to(torch.int64)])
+        self.slot_addr = slot_base + torch.arange(self.num_slots, **i64) * self.record_bytes
+        self.slot_expert = torch.full((self.num_slots,), -1, **i32)
+        self.expert_slot = torch.full((e,), -1, **i32)
+        self.ref = torch.zeros(self.num_slots, **i32)
+        self.clock = torch.zeros(2, **i32)
+        self.emark = torch.zeros(e, **i32)
+        self.victims = torch.zeros(max(self.num_slots, 1), **i32)
+        self.copy_src = torch.zeros(max_picks, **i64)
+        self.copy_dst = torch.zeros(max_picks, **i64)
+        self.n_copy = torch.zeros(1, **i32)
+        self.stats = torch.zeros(4, **i64)
+        self.max_picks = max_picks
+        self.gather_programs = 264  # programs of the gather kernel (2 per SM on an H100/H200)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        names = ("ptr_table", "host_addr", "slot_addr", "slot_expert", "expert_slot", "ref", "clock",
+                 "copy_src", "copy_dst", "n_copy", "stats")  # fmt: skip
+        return {n: getattr(self, n) for n in names}
+
+    def warm_start(self, experts: list[int]) -> list[tuple[int, int]]:
+        """Place `experts` (e.g. the most popular) into slots 0.. ; returns (expert, slot) pairs.
+
+        Host-side setup, not for the decode path: the caller copies the records in (e.g. with
+        gather_records over copy lists) before the first step.
+        """
+        experts = [int(e) for e in experts][: self.num_slots]
+        if experts:
+            idx = torch.tensor(experts, dtype=torch.int64, device=self.slot_expert.device)
+            n = len(experts)
+            self.slot_expert[:n] = idx.to(torch.int32)
+            self.expert_slot[idx] = torch.arange(n, dtype=torch.int32, device=idx.device)
+            self.ptr_table[idx] = self.slot_addr[:n]
+        return [(e, s) for s, e in enumerate(experts)]
+
+    def reset_stats(self) -> None:
+        self.stats.zero_()
+
+    def step(self, topk_ids: torch.Tensor, *, gather: bool = True) -> None:
+        """One decode step: cache decisions for the routed picks topk_ids [T, K], then gather."""
+        cache_step(self, topk_ids)
+        if gather and self.num_slots:
+            gather_records(self.copy_src, self.copy_dst, self.n_copy, self.record_bytes, programs=self.gather_programs)
+
+
+def cache_step(cache: ExpertCache, topk_ids: torch.Tensor) -> None:
+    """Launch the cache-decision kernel for one layer (no gather). Graph-capturable."""
+    p = topk_ids.numel()
+    if p > cache.max_picks:
+        raise ValueError(f"{p} picks exceed the cache's max_picks={cache.max_picks}")
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    bp = max(16, triton.next_power_of_2(p))
+    bs = max(16, triton.next_power_of_2(max(cache.num_slots, 1)))
+    _cache_step_kernel[(1,)](
+        ids, p, cache.ptr_table, cache.host_addr, cache.slot_addr, cache.slot_expert, cache.expert_slot,
+        cache.ref, cache.clock, cache.emark, cache.victims, cache.copy_src, cache.copy_dst, cache.n_copy,
+        cache.stats, cache.num_slots, cache.admit_max, BLOCK_P=bp, BLOCK_S=bs, num_warps=4 if bp * bp <= 8192 else 8,
+    )  # fmt: skip

@@ -1,0 +1,348 @@
+"""Fused SwiGLU MoE over per-expert pointer tables (Triton).
+
+    out[t] = sum_k w[t, k] * down_e( silu(gate_e x_t) * up_e x_t ),   e = topk_ids[t, k]
+
+Every expert's weights are reached through `ptr_table[e]`, an int64 device-visible address of
+the expert's record (layout.py): a GPU slot for resident experts, or the pinned host copy for
+misses, which the kernel then reads in place over PCIe (zero-copy, no host sync). Moving an
+expert between tiers only rewrites one table entry, so results are bit-identical whatever the
+residency: the same kernel, configuration and summation order run in every case.
+
+Pipeline (all launches are fixed-shape and sync-free, so a decode step can be graph-captured):
+  1. moe_align: the flattened picks (pairs p = t*K + k) are grouped by expert into blocks of
+     BLOCK_M rows (experts in order of first pick). Decode shapes (T <= 16) use a one-program
+     Triton kernel; larger batches a fixed-shape torch formulation.
+  2. _moe_gemm_kernel, GATED: one program per (block, BLOCK_N slice of I) reads the gate and
+     up rows of its expert once, applies them to all the block's tokens and writes
+     act = bf16(silu(g) * u) per pair.
+  3. _moe_gemm_kernel, not gated: down projection per pair, times the routing weight (fp32).
+  4. _sum_pairs_kernel: out[t] = bf16(sum over k in pick order) - deterministic, no atomics.
+
+int4/int8 weights are dequantized in registers exactly like reference.dequant_matrix
+(bf16(float32(q) * float32(scale))) and multiplied with bf16 tensor-core dots (fp32 accum).
+int4 nibbles are consumed as an even and an odd half-tile (low nibble = even column), so no
+interleave is needed: the activations are split instead.
+
+Launch configurations (BLOCK_M/N/K, warps, stages) come from configs.json, keyed by device
+name, record shape and a token bucket; `tiermoe bench moe-gpu --tune` regenerates them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from tiermoe.kernels.layout import ExpertLayout
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_KIND_ID = {"bf16": 0, "int4": 1, "int8": 2}
+CONFIG_PATH = Path(__file__).with_name("configs.json")
+DECODE_MAX_TOKENS = 16  # decode path (one block per expert) up to this many tokens
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr,  # [rows, KD] bf16: x (row = pair // A_DIV) or act (row = pair)
+    out_ptr,  # GATED: act [P, N] bf16; else y [P, N] fp32
+    sorted_pairs_ptr,  # [NB * BM] int32, P = padding
+    block_expert_ptr,  # [NB] int32, -1 = unused block
+    ptr_table_ptr,  # [E] int64 record addresses
+    weights_ptr,  # [P] fp32 routing weights (not GATED)
+    P,
+    A_DIV,
+    Q_OFF: tl.constexpr,  # byte offset of the weight matrix in the record
+    S_OFF: tl.constexpr,  # byte offset of its scales (quantized kinds)
+    N: tl.constexpr,  # output rows of one matrix (I when GATED, else H)
+    KD: tl.constexpr,  # reduction dim
+    G: tl.constexpr,  # group size (quantized kinds)
+    KIND: tl.constexpr,  # 0 bf16, 1 int4, 2 int8
+    GATED: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    DOT_F32: tl.constexpr,  # interpreter only: its bf16 dot is unreliable
+):
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_b)
+    if e < 0:
+        return
+    offs_m = pid_b * BM + tl.arange(0, BM)
+    pairs = tl.load(sorted_pairs_ptr + offs_m)  # [BM]
+    m_ok = pairs < P
+    rows = tl.where(m_ok, pairs // A_DIV, 0).to(tl.int64)
+    base = tl.load(ptr_table_ptr + e)
+    offs_n = pid_n * BN + tl.arange(0, BN)  # [BN]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    if KIND == 0:
+        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.bfloat16)), 16)
+    elif KIND == 1:
+        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.uint8)), 16)
+    else:
+        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.int8)), 16)
+    sp = tl.multiple_of((base + S_OFF).to(tl.pointer_type(tl.bfloat16)), 16)
+    for k0 in range(0, KD, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        a = tl.load(a_ptr + rows[:, None] * KD + offs_k[None, :], mask=m_ok[:, None], other=0.0)  # [BM, BK]
+        if KIND == 1:
+            a_even, a_odd = tl.split(tl.reshape(a, (BM, BK // 2, 2)))  # [BM, BK/2] each
+            offs_kh = k0 // 2 + tl.arange(0, BK // 2)
+            q = tl.load(wp + offs_kh[:, None] + offs_n[None, :] * (KD // 2))  # [BK/2, BN] u8
+            s = tl.load(sp + offs_n * (KD // G) + k0 // G).to(tl.float32)  # [BN]
+            w_lo = (((q & 15).to(tl.int32) - 8).to(tl.float32) * s[None, :]).to(tl.bfloat16)
+            w_hi = (((q >> 4).to(tl.int32) - 8).to(tl.float32) * s[None, :]).to(tl.bfloat16)
+            if DOT_F32:
+                acc += tl.dot(a_even.to(tl.float32), w_lo.to(tl.float32))
+                acc += tl.dot(a_odd.to(tl.float32), w_hi.to(tl.float32))
+            else:
+                acc += tl.dot(a_even, w_lo)
+                acc += tl.dot(a_odd, w_hi)
+            if GATED:
+                q = tl.load(wp + N * (KD // 2) + offs_kh[:, None] + offs_n[None, :] * (KD // 2))
+                s = tl.load(sp + N * (KD // G) + offs_n * (KD // G) + k0 // G).to(tl.float32)
+                w_lo = (((q & 15).to(tl.int32) - 8).to(tl.float32) * s[None, :]).to(tl.bfloat16)
+                w_hi = (((q >> 4).to(tl.int32) - 8).to(tl.float32) * s[None, :]).to(tl.bfloat16)
+                if DOT_F32:
+                    acc_u += tl.dot(a_even.to(tl.float32), w_lo.to(tl.float32))
+                    acc_u += tl.dot(a_odd.to(tl.float32), w_hi.to(tl.float32))
+                else:
+                    acc_u += tl.dot(a_even, w_lo)
+                    acc_u += tl.dot(a_odd, w_hi)
+        else:
+            if KIND == 0:
+                w = tl.load(wp + offs_k[:, None] + offs_n[None, :] * KD)  # [BK, BN] bf16
+            else:
+                q = tl.load(wp + offs_k[:, None] + offs_n[None, :] * KD)  # [BK, BN] i8
+                s = tl.load(sp + offs_n * (KD // G) + k0 // G).to(tl.float32)
+                w = (q.to(tl.float32) * s[None, :]).to(tl.bfloat16)
+            if DOT_F32:
+                acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
+            else:
+                acc += tl.dot(a, w)
+            if GATED:
+                if KIND == 0:
+                    w = tl.load(wp + N * KD + offs_k[:, None] + offs_n[None, :] * KD)
+                else:
+                    q = tl.load(wp + N * KD + offs_k[:, None] + offs_n[None, :] * KD)
+                    s = tl.load(sp + N * (KD // G) + offs_n * (KD // G) + k0 // G).to(tl.float32)
+                    w = (q.to(tl.float32) * s[None, :]).to(tl.bfloat16)
+                if DOT_F32:
+                    acc_u += tl.dot(a.to(tl.float32), w.to(tl.float32))
+                else:
+                    acc_u += tl.dot(a, w)
+    out_offs = pairs.to(tl.int64)[:, None] * N + offs_n[None, :]
+    if GATED:
+        act = acc / (1.0 + tl.exp(-acc)) * acc_u
+        tl.store(out_ptr + out_offs, act.to(tl.bfloat16), mask=m_ok[:, None])
+    else:
+        wt = tl.load(weights_ptr + pairs, mask=m_ok, other=0.0)
+        tl.store(out_ptr + out_offs, acc * wt[:, None], mask=m_ok[:, None])
+
+
+@triton.jit
+def _sum_pairs_kernel(y_ptr, out_ptr, K: tl.constexpr, H: tl.constexpr, BH: tl.constexpr):
+    """out[t, :] = bf16(y[t*K] + y[t*K+1] + ... ), strictly in pick order."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BH + tl.arange(0, BH)
+    acc = tl.load(y_ptr + (t * K).to(tl.int64) * H + offs)
+    for k in tl.static_range(1, K):
+        acc += tl.load(y_ptr + (t * K + k).to(tl.int64) * H + offs)
+    tl.store(out_ptr + t.to(tl.int64) * H + offs, acc.to(tl.bfloat16))
+
+
+@triton.jit
+def _align_small_kernel(
+    ids_ptr, P, sorted_pairs_ptr, block_expert_ptr, NB, BM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_NB: tl.constexpr
+):
+    """One program: canonical block plan when every expert has at most BM picks."""
+    offs = tl.arange(0, BLOCK_P)
+    ok = offs < P
+    ids = tl.load(ids_ptr + offs, mask=ok, other=-1)
+    same = (ids[:, None] == ids[None, :]) & ok[:, None] & ok[None, :]  # [BP, BP]
+    earlier = offs[None, :] < offs[:, None]  # j < i
+    rank = tl.sum((same & earlier).to(tl.int32), axis=1)  # picks of my expert before me
+    first = ok & (rank == 0)
+    first_pos = tl.min(tl.where(same, offs[None, :], BLOCK_P), axis=1)  # my expert's first pick
+    uidx = tl.sum((first[None, :] & (offs[None, :] < first_pos[:, None])).to(tl.int32), axis=1)
+    n_u = tl.sum(first.to(tl.int32), axis=0)
+    offs_nb = tl.arange(0, BLOCK_NB)
+    # fill, then scatter (one CTA: the barrier orders the two phases)
+    for r in tl.static_range(BM):
+        tl.store(sorted_pairs_ptr + offs_nb * BM + r, P, mask=offs_nb < NB)
+    tl.store(block_expert_ptr + offs_nb, -1, mask=(offs_nb >= n_u) & (offs_nb < NB))
+    tl.debug_barrier()
+    tl.store(block_expert_ptr + uidx, ids, mask=first)
+    tl.store(sorted_pairs_ptr + uidx * BM + rank, offs, mask=ok)
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def nb_max(num_pairs: int, num_experts: int, block_m: int, tokens: int) -> int:
+    """Upper bound on blocks of the plan (fixed, so the plan's shape never depends on data)."""
+    used = min(num_pairs, num_experts)
+    return used if tokens <= block_m else used + num_pairs // block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block plan of the picks (see reference.moe_align_ref): (sorted_pairs, block_expert).
+
+    topk_ids [T, K] integer rows of the pointer table; a token must not pick an expert twice.
+    No host synchronisation, fixed output shapes: safe inside CUDA graph capture.
+    """
+    t, k = topk_ids.shape
+    p = t * k
+    nb = nb_max(p, num_experts, block_m, t)
+    dev = topk_ids.device
+    if t <= block_m and p <= 256:
+        sorted_pairs = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
+        block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
+        ids = topk_ids.reshape(-1).to(torch.int32)
+        bp = max(16, triton.next_power_of_2(p))
+        _align_small_kernel[(1,)](
+            ids, p, sorted_pairs, block_expert, nb, BM=block_m, BLOCK_P=bp, BLOCK_NB=max(16, triton.next_power_of_2(nb)),
+            num_warps=4 if bp <= 64 else 8,
+        )
+        return sorted_pairs, block_expert
+    return _align_torch(topk_ids, num_experts, block_m, nb)
+
+
+def _align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    dev = topk_ids.device
+    ids = topk_ids.reshape(-1).to(torch.int64)  # [P]
+    p = ids.numel()
+    e = num_experts
+    pos = torch.arange(p, device=dev)
+    first = torch.full((e,), p, dtype=torch.int64, device=dev).scatter_reduce_(0, ids, pos, "amin")  # [E]
+    counts = torch.zeros(e, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids))  # [E]
+    nblk = (counts + block_m - 1) // block_m  # [E]
+    order = torch.sort(first, stable=True).indices  # experts by first pick, unused last
+    nblk_sorted = nblk[order]
+    blk_end_sorted = torch.cumsum(nblk_sorted, 0)  # [E]
+    blk_start = torch.empty_like(nblk).scatter_(0, order, blk_end_sorted - nblk_sorted)  # [E]
+    by_id = torch.sort(ids, stable=True).indices  # pairs grouped by expert, ascending
+    grp_start = torch.cumsum(counts, 0) - counts  # [E]
+    rank = torch.empty_like(ids).scatter_(0, by_id, pos - grp_start[ids[by_id]])  # [P]
+    dest = blk_start[ids] * block_m + rank  # [P]
+    sorted_pairs = torch.full((nb * block_m,), p, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, dest, pos.to(torch.int32))
+    j = torch.searchsorted(blk_end_sorted, torch.arange(nb, device=dev), right=True)  # [NB]
+    block_expert = torch.where(j < e, order[j.clamp(max=e - 1)], -1).to(torch.int32)
+    return sorted_pairs, block_expert
+
+
+@functools.lru_cache(maxsize=None)
+def _load_configs(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def shape_key(layout: ExpertLayout) -> str:
+    return f"{layout.kind}/H{layout.hidden}/I{layout.inter}/G{layout.group_size}"
+
+
+def token_bucket(tokens: int) -> str:
+    return "decode" if tokens <= DECODE_MAX_TOKENS else "prefill"
+
+
+def default_config(layout: ExpertLayout, tokens: int) -> dict:
+    """Heuristic launch configuration when configs.json has no entry."""
+    g = layout.group_size or 128
+    bk = min(128, g) if layout.kind != "bf16" else 64
+    if _INTERPRET:
+        bn = min(32, layout.inter, layout.hidden)
+        bk = min(bk, 32, layout.inter, layout.hidden)
+        stage = {"BM": 16, "BN": bn, "BK": bk, "num_warps": 4, "num_stages": 1}
+        return {"gate_up": dict(stage), "down": dict(stage)}
+    if tokens <= DECODE_MAX_TOKENS:
+        stage = {"BM": 16, "BN": 32, "BK": bk, "num_warps": 4, "num_stages": 4}
+        return {"gate_up": dict(stage), "down": dict(stage)}
+    stage = {"BM": 64, "BN": 128, "BK": min(bk, 64), "num_warps": 8, "num_stages": 3}
+    return {"gate_up": dict(stage), "down": dict(stage)}
+
+
+def get_config(layout: ExpertLayout, tokens: int, device: torch.device | None = None) -> dict:
+    """Tuned configuration for this device / record shape / token bucket, else the default."""
+    if not _INTERPRET and device is not None and device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        cfg = _load_configs(str(CONFIG_PATH)).get("devices", {}).get(name, {}).get(shape_key(layout), {})
+        if token_bucket(tokens) in cfg:
+            return cfg[token_bucket(tokens)]
+    return default_config(layout, tokens)
+
+
+def _check_config(layout: ExpertLayout, cfg: dict, tokens: int) -> None:
+    for stage, (n, kd) in (("gate_up", (layout.inter, layout.hidden)), ("down", (layout.hidden, layout.inter))):
+        c = cfg[stage]
+        if n % c["BN"] or kd % c["BK"]:
+            raise ValueError(f"{stage}: BN={c['BN']}/BK={c['BK']} must divide N={n}/K={kd}")
+        if layout.kind != "bf16" and layout.group_size % c["BK"]:
+            raise ValueError(f"{stage}: BK={c['BK']} must divide group size {layout.group_size}")
+    if cfg["gate_up"]["BM"] != cfg["down"]["BM"]:
+        raise ValueError("gate_up and down must share BM (one block plan)")
+
+
+def fused_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    ptr_table: torch.Tensor,
+    layout: ExpertLayout,
+    *,
+    config: dict | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SwiGLU MoE over pointer-table experts. Returns bf16 [T, H] (written into `out` if given).
+
+    x [T, H] bf16 contiguous; topk_ids [T, K] int (rows of ptr_table; no repeats within a
+    token); topk_weights [T, K] float (used as fp32); ptr_table [E] int64, entry e = the
+    device-visible address of expert e's record (GPU memory or pinned host memory), 16-byte
+    aligned (records are 4096-aligned). Shared experts are ordinary entries picked with
+    weight 1. No host synchronisation: safe inside CUDA graph capture.
+    """
+    t, k = topk_ids.shape
+    h, i = layout.hidden, layout.inter
+    if x.shape != (t, h) or x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bf16 [{t}, {h}], got {x.dtype} {tuple(x.shape)}")
+    cfg = config or get_config(layout, t, x.device)
+    _check_config(layout, cfg, t)
+    bm = cfg["gate_up"]["BM"]
+    p = t * k
+    e = ptr_table.numel()
+    sorted_pairs, block_expert = moe_align(topk_ids, e, bm)
+    nb = block_expert.numel()
+    x = x.contiguous()
+    w = topk_weights.reshape(-1).to(torch.float32)
+    act = torch.empty(p, i, dtype=torch.bfloat16, device=x.device)  # [P, I]
+    y = torch.empty(p, h, dtype=torch.float32, device=x.device)  # [P, H]
+    kind = _KIND_ID[layout.kind]
+    g = layout.group_size or 1
+    s_gu = max(layout.gate_up_s, 0)
+    s_dn = max(layout.down_s, 0)
+    c = cfg["gate_up"]
+    _moe_gemm_kernel[(nb, i // c["BN"])](
+        x, act, sorted_pairs, block_expert, ptr_table, w, p, k,
+        Q_OFF=layout.gate_up_q, S_OFF=s_gu, N=i, KD=h, G=g, KIND=kind, GATED=True,
+        BM=bm, BN=c["BN"], BK=c["BK"], DOT_F32=_INTERPRET, num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )  # fmt: skip
+    c = cfg["down"]
+    _moe_gemm_kernel[(nb, h // c["BN"])](
+        act, y, sorted_pairs, block_expert, ptr_table, w, p, 1,
+        Q_OFF=layout.down_q, S_OFF=s_dn, N=h, KD=i, G=g, KIND=kind, GATED=False,
+        BM=bm, BN=c["BN"], BK=c["BK"], DOT_F32=_INTERPRET, num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )  # fmt: skip
+    if out is None:
+        out = torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
+    bh = min(1024, h)
+    _sum_pairs_kernel[(t, h // bh)](y, out, K=k, H=h, BH=bh)
+    return out

@@ -1,0 +1,19 @@
+"""Kernel tests run on CPU through Triton's interpreter (chosen before triton is imported).
+
+Set TIERMOE_KERNEL_TESTS_ON_GPU=1 to run the same tests compiled on a CUDA device instead.
+"""
+
+import os
+
+if os.environ.get("TIERMOE_KERNEL_TESTS_ON_GPU") != "1":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture
+def device() -> torch.device:
+    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda")
