@@ -58,6 +58,7 @@ class Behaviour:
     has_completions: bool = True
     has_echo: bool = True
     report_window: bool = True  # max_model_len in /v1/models
+    reject_stream_options: bool = False  # 400 on stream_options (some servers do)
 
 
 def _h(*parts: str) -> int:
@@ -146,6 +147,14 @@ def build_app(b: Behaviour) -> FastAPI:
         if n_prompt >= b.max_model_len:
             return err(400, f"prompt has {n_prompt} tokens, more than the {b.max_model_len}-token window")
         return min(max_tokens or 10**9, b.max_model_len - n_prompt)
+
+    @app.middleware("http")
+    async def no_stream_options(request: Request, call_next):
+        if b.reject_stream_options and request.method == "POST":
+            body = await request.body()
+            if b"stream_options" in body:
+                return err(400, "unknown field: stream_options")
+        return await call_next(request)
 
     @app.post("/v1/completions")
     async def completions(req: Request):
@@ -281,14 +290,14 @@ async def _stream_chat(scripted: dict, n_prompt: int, body: dict, b: Behaviour):
 
 
 @contextmanager
-def serve(behaviour: Behaviour | None = None, app: FastAPI | None = None):
+def serve(behaviour: Behaviour | None = None, app: FastAPI | None = None, lifespan: str = "off"):
     """Run the scripted app (or any ASGI app) on a free local port; yields its base URL."""
     app = app or build_app(behaviour or Behaviour())
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan=lifespan))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

@@ -72,6 +72,19 @@ def test_sweep_falls_back_to_chat_and_estimate(tmp_path, capsys):
     assert run["token_count_source"] == "usage" and run["prompt_tokens"] > 50  # estimated size, real count
 
 
+def test_sweep_without_stream_options(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    with serve(Behaviour(reject_stream_options=True)) as url:
+        rc, text = run_bench(["sweep", "--url", url, "--prefill-sizes", "64", "--reps", "1", "--concurrency", "2",
+                              "--max-tokens", "5", "--long-prompt", "0", "--out", str(out)], capsys)  # fmt: skip
+    assert rc == 0, text
+    r = load(out)
+    run = r["prefill"][0]["runs"][0]
+    assert run["token_count_source"] == "tokenize" and abs(run["prompt_tokens"] - 64) <= 1
+    streams = r["decode"][0]["rounds"][0]["streams"]
+    assert all(s["token_count_source"] == "events" and s["completion_tokens"] == 5 for s in streams)
+
+
 def test_unreachable_server_is_one_line(capsys):
     rc, text = run_bench(["sweep", "--url", "http://127.0.0.1:9", "--prefill-sizes", "8", "--reps", "1"], capsys)
     assert rc == 2

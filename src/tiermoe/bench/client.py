@@ -246,13 +246,35 @@ async def stream(
     """
     body = dict(payload, stream=True)
     body.setdefault("stream_options", {"include_usage": True})
+    try:
+        return await _stream_once(client, path, body, stop_after)
+    except _Rejected as rej:
+        # Some servers reject stream_options; retry without it (counts then come from events).
+        if "stream_options" in payload or rej.status not in (400, 422):
+            raise rej.error from None
+        body.pop("stream_options")
+        try:
+            return await _stream_once(client, path, body, stop_after)
+        except _Rejected as rej2:
+            raise rej2.error from None
+
+
+class _Rejected(Exception):
+    def __init__(self, status: int, error: BenchHTTPError):
+        self.status, self.error = status, error
+
+
+async def _stream_once(client: httpx.AsyncClient, path: str, body: dict, stop_after: float | None) -> StreamResult:
     res = StreamResult()
     t0 = time.perf_counter()
     try:
         async with client.stream("POST", path, json=body) as resp:
             if resp.status_code >= 400:
                 await resp.aread()
-                _check(resp)
+                try:
+                    _check(resp)
+                except BenchHTTPError as exc:
+                    raise _Rejected(resp.status_code, exc) from None
             first_out: float | None = None
             async for line in resp.aiter_lines():
                 t = time.perf_counter() - t0

@@ -1,0 +1,50 @@
+"""`bench sweep` and `bench gates` against the project's own server (scripted engine core)."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import load, run_bench
+from .scripted_server import serve
+
+pytest.importorskip("tiermoe.server.app")
+
+
+@pytest.fixture(scope="module")
+def project_url():
+    from tiermoe.engine.async_engine import AsyncEngine
+    from tiermoe.engine.scripted import ScriptedEngineCore
+    from tiermoe.server.app import create_app
+
+    core = ScriptedEngineCore(max_model_len=4096, max_num_seqs=8, step_delay_s=0.002)
+    app = create_app(AsyncEngine(core), served_model_name="scripted", max_model_len=4096)
+    with serve(app=app, lifespan="on") as url:
+        yield url
+
+
+def test_sweep_against_project_server(project_url, tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    rc, text = run_bench(["sweep", "--url", project_url, "--prefill-sizes", "64,256", "--reps", "3",
+                          "--max-tokens", "16", "--long-prompt", "512", "--out", str(out)], capsys)  # fmt: skip
+    assert rc == 0, text
+    r = load(out)
+    assert r["model"] == "scripted" and r["max_model_len"] == 4096
+    assert r["config"]["prefill_endpoint"] == "completions"
+    for row in r["prefill"]:
+        assert abs(row["prompt_tokens"] - row["target_tokens"]) <= max(2, 0.02 * row["target_tokens"])
+        assert all(run["token_count_source"] == "usage" and run["tok_s"] > 0 for run in row["runs"])
+    for d in r["decode"]:
+        streams = d["rounds"][0]["streams"]
+        assert len(streams) == d["concurrency"]
+        assert all(s["completion_tokens"] == 16 for s in streams)
+        assert d["aggregate_tok_s"] > 0 and d["per_stream_tok_s"] > 0
+    assert r["long_prompt_c1"]["prompt_tokens"] >= 512
+
+
+def test_gates_against_project_server(project_url, tmp_path, capsys):
+    out = tmp_path / "gates.json"
+    rc, text = run_bench(["gates", "--url", project_url, "--speed-window", "1", "--speed-min", "50",
+                          "--out", str(out)], capsys)  # fmt: skip
+    r = load(out)
+    assert rc == 0, [(g["name"], g["reason"]) for g in r["gates"]]
+    assert r["passed"] == 6
