@@ -29,8 +29,8 @@ GIB = 1 << 30
 # Bytes/s per lane (measured on an H200 host; see docs/store-format.md).
 DEFAULT_BANDWIDTH = {
     "hbm": 4.26e12,  # slots on a GPU
-    "pcie": 54e9,  # pinned host -> GPU (copy or zero-copy read)
-    "ram": 40e9,  # CPU computing from RAM (bf16 GEMV at 16 threads)
+    "pcie": 55e9,  # pinned host -> GPU (copy or zero-copy read)
+    "ram": 51e9,  # CPU lane computing from RAM (int4 GEMV at 16 threads)
     "disk": 1.6e9,  # O_DIRECT reads
 }
 
@@ -198,31 +198,37 @@ def expected_hits(rates: Mapping[int, float], n_slots: int, n_host: int) -> dict
     return {"slots": s, "host": h, "disk": sum(rates.values()) - s - h}
 
 
-def decode_floor_s(record_bytes: int, hits: Mapping[str, float], device: str,
-                   bandwidth: Mapping[str, float] | None = None) -> dict[str, float]:
+def decode_floor_s(record_bytes: int, hits: Mapping[str, float], device: str, *, top_k: int = 8,
+                   moe_layers: int = 1, bandwidth: Mapping[str, float] | None = None) -> dict[str, float]:
     """Seconds per token per lane and their max ("floor"): lanes overlap, the slowest bounds.
 
-    If `tiermoe.bench.floor.decode_floor` exists it is preferred (called as
-    decode_floor(record_bytes=, hits_per_token=, device=) -> {lane: seconds, "floor": s}).
+    Uses the project's floor model (tiermoe.bench.floor.decode_floor) when it is importable;
+    the local model below is the same arithmetic for builds without the bench subsystem.
+    On a GPU, slot hits read HBM and host hits cross PCIe; on a CPU device both are computed
+    from RAM by the CPU. Disk reads are bounded by the disk.
     """
-    try:
-        from tiermoe.bench.floor import decode_floor  # optional, owned by the bench subsystem
-
-        res = decode_floor(record_bytes=record_bytes, hits_per_token=dict(hits), device=device)
-        if isinstance(res, Mapping) and "floor" in res:
-            return {k: float(v) for k, v in res.items()}
-    except Exception:  # absent or a different signature: use the local model
-        pass
+    cuda = device.startswith("cuda")
+    tier_hits = ({"gpu": hits.get("slots", 0.0), "ram": hits.get("host", 0.0)} if cuda
+                 else {"cpu": hits.get("slots", 0.0) + hits.get("host", 0.0)})
+    tier_hits["disk"] = hits.get("disk", 0.0)
+    if bandwidth is None:
+        try:
+            from tiermoe.bench.floor import decode_floor  # optional: owned by the bench subsystem
+        except ImportError:
+            decode_floor = None
+        if decode_floor is not None:
+            res = decode_floor(record_bytes, max(1, top_k), max(1, moe_layers), hits=tier_hits)
+            lanes = {k: v["ms"] / 1e3 for k, v in res["lanes"].items() if v["bytes_per_token"] > 0}
+            lanes["floor"] = res["moe_ms"] / 1e3
+            return lanes
     bw = {**DEFAULT_BANDWIDTH, **(bandwidth or {})}
-    if device.startswith("cuda"):
-        lanes = {
-            "hbm": hits.get("slots", 0.0) * record_bytes / bw["hbm"],
-            "pcie": hits.get("host", 0.0) * record_bytes / bw["pcie"],
-        }
+    if cuda:
+        lanes = {"hbm": tier_hits["gpu"] * record_bytes / bw["hbm"], "pcie": (tier_hits["ram"] + tier_hits["disk"]) * record_bytes / bw["pcie"]}
     else:
-        lanes = {"ram": (hits.get("slots", 0.0) + hits.get("host", 0.0)) * record_bytes / bw["ram"]}
-    lanes["disk"] = hits.get("disk", 0.0) * record_bytes / bw["disk"]
-    lanes["floor"] = max(lanes.values())
+        lanes = {"cpu": tier_hits["cpu"] * record_bytes / bw["ram"]}
+    lanes["disk"] = tier_hits["disk"] * record_bytes / bw["disk"]
+    lanes = {k: v for k, v in lanes.items() if v > 0}
+    lanes["floor"] = max(lanes.values(), default=0.0)
     return lanes
 
 
@@ -288,5 +294,5 @@ def build_plan(
     rates, source, more = key_rates(manifest, stats_file, top_k)
     hits = expected_hits(rates, n_slots, n_host)
     plan = TierPlan(str(dev), rec, total, n_slots, n_host, top_k, len(manifest.moe_layers), notes + more,
-                    hits, decode_floor_s(rec, hits, str(dev)), source)
+                    hits, decode_floor_s(rec, hits, str(dev), top_k=top_k, moe_layers=len(manifest.moe_layers)), source)
     return plan
