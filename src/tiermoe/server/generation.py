@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from tiermoe.engine.detokenize import IncrementalDetokenizer, StopStringMatcher
 from tiermoe.engine.protocol import SamplingParams, TokenLogprob
-from tiermoe.server.reasoning import ReasoningParser
+from tiermoe.server.reasoning import CONTENT, REASONING, ReasoningParser
 from tiermoe.server.tool_parsers import ToolCallDelta, ToolParser
 
 if TYPE_CHECKING:
@@ -123,19 +123,17 @@ class ChoiceRun:
                 out = await self._stream.__anext__()
                 now = time.monotonic()
                 delta = Delta()
-                if out.new_token_ids:
-                    self._timing(now, len(out.new_token_ids))
-                    self.token_ids.extend(out.new_token_ids)
-                    if out.logprobs:
-                        self.logprobs.extend(out.logprobs)
-                        delta.logprobs = list(out.logprobs)
-                    was_reasoning = self.reasoning is not None and self.reasoning.in_reasoning
-                    self._text(self._detok.push(out.new_token_ids), delta)
-                    if was_reasoning:
-                        self.reasoning_tokens += len(out.new_token_ids)
                 if out.prompt_tokens and self._segment == 0:
                     self.prompt_tokens = out.prompt_tokens
                     self.cached_tokens = out.cached_tokens
+                if out.new_token_ids:
+                    self._timing(now, len(out.new_token_ids))
+                    over = self._accept(out.new_token_ids, out.logprobs, delta)
+                    if over:
+                        await self._close_reasoning(delta)
+                        if not delta.empty():
+                            yield delta
+                        continue
                 # the core's running count, or our own if the core does not keep one
                 self.completion_tokens = max(
                     self.completion_tokens, self._prior_tokens + out.completion_tokens, len(self.token_ids)
@@ -147,13 +145,36 @@ class ChoiceRun:
                     if out.finish_reason == "error":
                         self.error = out.error or "engine error"
                     self._finish(out.finish_reason or "stop", delta)
-                elif self._over_budget():
-                    await self._close_reasoning(delta)
                 if not delta.empty():
                     yield delta
         finally:
             if not self._done:
                 self.abort()
+
+    def _accept(self, ids: list[int], logprobs: list[TokenLogprob] | None, delta: Delta) -> bool:
+        """Feed new tokens through the layers; True when the thinking budget ran out.
+
+        While the reasoning parser has not reached the answer, tokens go one at a time, so
+        reasoning tokens are counted exactly and the budget cuts at the right token (tokens
+        the engine produced past the cut are dropped; the resubmission replaces them).
+        """
+        i = 0
+        while i < len(ids):
+            parser = self.reasoning
+            per_token = parser is not None and parser.state != CONTENT and self.stop_matched is None
+            j = i + 1 if per_token else len(ids)
+            before = parser.state if parser is not None else None
+            self.token_ids.extend(ids[i:j])
+            if logprobs:
+                self.logprobs.extend(logprobs[i:j])
+                delta.logprobs.extend(logprobs[i:j])
+            self._text(self._detok.push(ids[i:j]), delta)
+            if per_token and (before == REASONING or parser.state == REASONING):
+                self.reasoning_tokens += j - i
+                if self._over_budget():
+                    return True
+            i = j
+        return False
 
     def _timing(self, now: float, n: int) -> None:
         if self.t_first is None:
@@ -230,7 +251,7 @@ class ChoiceRun:
         forced = self.ctx.tokenizer.encode(CLOSE_THINK, add_special_tokens=False)
         self._text(self._detok.push(forced), delta)
         self.token_ids.extend(forced)
-        self._prior_tokens = self.completion_tokens + len(forced)
+        self._prior_tokens = len(self.token_ids)
         self.completion_tokens = self._prior_tokens
         params = SamplingParams(**{k: getattr(self.params, k) for k in SamplingParams.__dataclass_fields__})
         for key, value in vars(self.params).items():  # fields added outside the dataclass (structured)

@@ -1,0 +1,149 @@
+"""`tiermoe serve [MODEL]`: the OpenAI/Anthropic-compatible HTTP server (vllm serve flags)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+from tiermoe.errors import UserError
+
+log = logging.getLogger("tiermoe.server")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              description="Serve MODEL (a checkpoint directory or packed store; omitted: the embedded "
+                                          "default) over an OpenAI- and Anthropic-compatible HTTP API.")
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL", help="checkpoint directory or packed store")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, local only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="name clients pass as `model` (default: MODEL's directory name)")
+    p.add_argument("--api-key", default=os.environ.get("TIERMOE_API_KEY"),
+                   help="require this key (Bearer or x-api-key); default $TIERMOE_API_KEY")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length in tokens (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together per step")
+    p.add_argument("--max-queue", type=int, default=256, help="requests allowed to wait beyond --max-num-seqs (then 429)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    p.add_argument("--dtype", default="auto", help="activation dtype: auto, bfloat16, float16, float32")
+    p.add_argument("--tool-call-parser", choices=("auto", "hermes", "glm"), default="auto",
+                   help="tool-call format of the model's output (auto: from the model / chat template)")
+    p.add_argument("--thinking-budget", type=int, default=None, help="default cap on reasoning tokens per request")
+    p.add_argument("--allowed-origins", default="", help="comma-separated CORS origins (default: CORS off)")
+    p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted (413 beyond)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let running requests finish on SIGTERM")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--scripted", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--scripted-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--scripted-tool-format", choices=("hermes", "glm"), default="hermes", help=argparse.SUPPRESS)
+    p.set_defaults(handler=serve)
+
+
+def _served_name(args) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.scripted:
+        return "scripted"
+    if args.model:
+        return Path(args.model.rstrip("/")).name or args.model
+    return "default"
+
+
+def _check_args(args) -> None:
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port {args.port} is not a valid TCP port")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise UserError("--max-model-len must be at least 2")
+    if args.max_num_seqs < 1:
+        raise UserError("--max-num-seqs must be at least 1")
+    if args.max_queue < 0:
+        raise UserError("--max-queue must be >= 0")
+    if args.thinking_budget is not None and args.thinking_budget < 0:
+        raise UserError("--thinking-budget must be >= 0")
+    if args.model and not args.scripted and not Path(args.model).exists():
+        raise UserError(f"model path {args.model} does not exist")
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail early with one line if the address cannot be bound (uvicorn would exit(1))."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise UserError(f"--host {host}: {exc.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def build_core(args):
+    """The EngineCore for these arguments (the scripted one for --scripted)."""
+    if args.scripted:
+        from tiermoe.engine.scripted import ScriptedEngineCore
+
+        return ScriptedEngineCore(max_model_len=args.max_model_len or 8192, max_num_seqs=args.max_num_seqs,
+                                  step_delay_s=args.scripted_step_delay, tool_format=args.scripted_tool_format)
+    try:
+        from tiermoe.engine.build import build_engine_core
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("tiermoe"):
+            raise UserError("this install has no model engine (tiermoe.engine.build); use --scripted to test the server") from None
+        raise
+    options = {k: v for k, v in vars(args).items() if k != "handler"}
+    return build_engine_core(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                             max_num_seqs=args.max_num_seqs, options=options)
+
+
+def serve(args) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _check_args(args)
+    _check_port(args.host, args.port)
+    import uvicorn
+
+    from tiermoe.engine.async_engine import AsyncEngine
+    from tiermoe.server.app import create_app
+
+    core = build_core(args)
+    engine = AsyncEngine(core)
+    app = create_app(
+        engine,
+        served_model_name=_served_name(args),
+        api_key=args.api_key or None,
+        max_model_len=args.max_model_len,
+        max_queue=args.max_queue,
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        tool_format=None if args.tool_call_parser == "auto" else args.tool_call_parser,
+        thinking_budget=args.thinking_budget,
+        cors_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
+        drain_timeout_s=args.drain_timeout,
+    )
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=max(1, int(args.drain_timeout)), lifespan="on")
+    server = uvicorn.Server(config)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    try:
+        asyncio.run(_run(server, f"http://{host}:{args.port}"))
+    except OSError as exc:
+        raise UserError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+    if not server.started:
+        raise UserError(f"server did not start on {args.host}:{args.port} (address in use?)")
+    return 0
+
+
+async def _run(server, url: str) -> None:
+    """Serve until SIGINT/SIGTERM; uvicorn stops accepting, lets responses finish, then drains."""
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        log.info("listening on %s (OpenAI API at %s/v1)", url, url)
+        print(f"tiermoe: listening on {url}", file=sys.stderr, flush=True)
+    await task
+
