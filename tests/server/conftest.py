@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tiermoe.engine.async_engine import AsyncEngine
-from tiermoe.engine.scripted import ScriptedEngineCore
+from tiermoe.engine.scripted import ScriptedEngineCore, ScriptedReply, default_script
 from tiermoe.models.tiny_tokenizer import build_tokenizer
 
 
@@ -44,6 +44,22 @@ class ServerThread:
         self.thread.join(timeout=15)
 
 
+LONG_REASONING = " ".join(f"step {i}." for i in range(60))
+
+
+def script(prompt: str):
+    """The test model: default_script plus a few prompts that exercise server paths."""
+    if "TRIGGER_FAULT" in prompt:
+        return ScriptedReply(content="this will break " * 5, fail_after=3)
+    if "THINK_LONG" in prompt:
+        return ScriptedReply(content="Done thinking.", reasoning=LONG_REASONING)
+    if "UNICODE" in prompt:
+        return ScriptedReply(content="héllo wörld 世界 🚀 done")
+    if "STOP_TEST" in prompt:
+        return ScriptedReply(content="alpha beta <|END|> gamma delta")
+    return default_script(prompt)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return build_tokenizer()
@@ -52,7 +68,9 @@ def tokenizer():
 def start_server(tokenizer, *, core_kwargs=None, **app_kwargs) -> ServerThread:
     from tiermoe.server.app import create_app
 
-    core = ScriptedEngineCore(tokenizer=tokenizer, **(core_kwargs or {}))
+    core_kwargs = dict(core_kwargs or {})
+    core_kwargs.setdefault("script", script)
+    core = ScriptedEngineCore(tokenizer=tokenizer, **core_kwargs)
     engine = AsyncEngine(core)
     app_kwargs.setdefault("served_model_name", "scripted")
     app = create_app(engine, **app_kwargs)

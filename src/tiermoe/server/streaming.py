@@ -18,6 +18,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tiermoe.server.errors import APIError
 from tiermoe.server.generation import ChoiceRun, Delta
 
 
@@ -98,12 +99,19 @@ async def until_disconnect(request: Request, work: Awaitable):
 
 
 async def drain(runs: list[ChoiceRun]) -> None:
-    """Run every choice to its end (non-streaming); outputs accumulate in the runs."""
+    """Run every choice to its end (non-streaming); outputs accumulate in the runs.
+
+    A choice the engine failed turns the whole response into a 500 with the engine's
+    message (other requests are unaffected; the engine keeps serving).
+    """
     try:
         await asyncio.gather(*(_consume(r) for r in runs))
     finally:
         for r in runs:
             r.abort()
+    failed = [r for r in runs if r.finish_reason == "error"]
+    if failed:
+        raise APIError(500, failed[0].error or "engine error", code="engine_error")
 
 
 async def _consume(run: ChoiceRun) -> None:

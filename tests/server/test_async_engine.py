@@ -1,0 +1,136 @@
+"""AsyncEngine: the background step thread, per-request streams, abort, faults, drain."""
+
+import asyncio
+
+import pytest
+
+from tiermoe.engine.async_engine import AsyncEngine, EngineShutdown
+from tiermoe.engine.protocol import InvalidRequest, SamplingParams
+from tiermoe.engine.scripted import ScriptedEngineCore, ScriptedReply
+
+
+def _core(tokenizer, **kw):
+    def script(prompt):
+        if "FAULT" in prompt:
+            return ScriptedReply(content="x " * 20, fail_after=2)
+        return ScriptedReply(content="one two three four five six seven eight nine ten")
+
+    return ScriptedEngineCore(script, tokenizer=tokenizer, **kw)
+
+
+def _ids(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+async def _collect(engine, rid, ids, params=None):
+    outs = [o async for o in engine.generate(rid, ids, params or SamplingParams())]
+    return outs
+
+
+def test_generate_and_counts(tokenizer):
+    async def main():
+        core = _core(tokenizer)
+        engine = AsyncEngine(core)
+        engine.start()
+        outs = await _collect(engine, "a", _ids(tokenizer, "hello"))
+        await engine.shutdown()
+        return core, outs
+
+    core, outs = asyncio.run(main())
+    ids = [t for o in outs for t in o.new_token_ids]
+    assert outs[-1].finished and outs[-1].finish_reason == "stop"
+    assert outs[-1].completion_tokens == len(ids)
+    assert tokenizer.decode(ids[:-1]) == "one two three four five six seven eight nine ten"
+
+
+def test_abort_frees_the_sequence(tokenizer):
+    async def main():
+        core = _core(tokenizer, step_delay_s=0.01)
+        engine = AsyncEngine(core)
+        engine.start()
+        outs = []
+        async for o in engine.generate("a", _ids(tokenizer, "hi"), SamplingParams(ignore_eos=True, max_tokens=1000)):
+            outs.append(o)
+            if len(outs) == 2:
+                break  # leaving the iterator aborts the request
+        for _ in range(100):
+            stats = await engine.stats()
+            if stats["num_running"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        await engine.shutdown()
+        return stats
+
+    stats = asyncio.run(main())
+    assert stats["num_running"] == 0 and stats["aborted"] == 1
+
+
+def test_fault_fails_only_the_affected_request(tokenizer):
+    async def main():
+        engine = AsyncEngine(_core(tokenizer, step_delay_s=0.002))
+        engine.start()
+        good, bad = await asyncio.gather(
+            _collect(engine, "good", _ids(tokenizer, "fine")), _collect(engine, "bad", _ids(tokenizer, "FAULT"))
+        )
+        after = await _collect(engine, "after", _ids(tokenizer, "still alive?"))
+        await engine.shutdown()
+        return good, bad, after, engine
+
+    good, bad, after, engine = asyncio.run(main())
+    assert bad[-1].finish_reason == "error" and "scripted fault" in bad[-1].error
+    assert good[-1].finish_reason == "stop" and after[-1].finish_reason == "stop"
+    assert engine.step_errors == 1
+
+
+def test_unnamed_step_exception_fails_running_requests_and_thread_survives(tokenizer):
+    class Flaky(ScriptedEngineCore):
+        boom = True
+
+        def step(self):
+            if self.boom and self._running:
+                self.boom = False
+                raise RuntimeError("kernel exploded")
+            return super().step()
+
+    async def main():
+        engine = AsyncEngine(Flaky(tokenizer=tokenizer))
+        engine.start()
+        await engine.add_request("x", _ids(tokenizer, "a"), SamplingParams())  # admitted, fails in step
+        first = await _collect(engine, "y", _ids(tokenizer, "b"))
+        second = await _collect(engine, "z", _ids(tokenizer, "c"))
+        await engine.shutdown()
+        return first, second
+
+    first, second = asyncio.run(main())
+    assert first[-1].finish_reason == "error" and "kernel exploded" in first[-1].error
+    assert second[-1].finish_reason == "stop"
+
+
+def test_invalid_request_raises_before_streaming(tokenizer):
+    async def main():
+        engine = AsyncEngine(_core(tokenizer, max_model_len=16))
+        engine.start()
+        try:
+            with pytest.raises(InvalidRequest):
+                await engine.add_request("long", list(range(20, 60)), SamplingParams())
+            assert engine.num_unfinished == 0
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_shutdown_drains_in_flight_requests(tokenizer):
+    async def main():
+        engine = AsyncEngine(_core(tokenizer, step_delay_s=0.005))
+        engine.start()
+        task = asyncio.ensure_future(_collect(engine, "a", _ids(tokenizer, "x")))
+        await asyncio.sleep(0.02)
+        await engine.shutdown(drain_timeout=10)
+        with pytest.raises(EngineShutdown):
+            await engine.add_request("late", _ids(tokenizer, "y"), SamplingParams())
+        return await task, engine
+
+    outs, engine = asyncio.run(main())
+    assert outs[-1].finish_reason == "stop"  # finished normally, not aborted
+    assert not engine.alive

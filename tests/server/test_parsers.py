@@ -1,0 +1,102 @@
+"""Reasoning and tool-call parsers: streamed char by char == parsed whole."""
+
+import json
+
+import pytest
+
+from tiermoe.engine.scripted import ScriptedReply, render_reply
+from tiermoe.server.reasoning import ReasoningParser
+from tiermoe.server.tool_parsers import GlmToolParser, HermesToolParser, detect_tool_format
+
+TOOLS = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}]
+
+
+def _run(parser, text, step):
+    content, calls = "", {}
+    chunks = [text[i : i + step] for i in range(0, len(text), step)]
+    for piece in chunks + [None]:
+        c, deltas = parser.finish() if piece is None else parser.feed(piece)
+        content += c
+        for d in deltas:
+            entry = calls.setdefault(d.index, {"name": None, "arguments": "", "id": None})
+            if d.id is not None:
+                assert entry["id"] is None, "id/name sent twice"
+                entry.update(id=d.id, name=d.name)
+            entry["arguments"] += d.arguments
+    return content, calls
+
+
+@pytest.mark.parametrize("cls,fmt", [(HermesToolParser, "hermes"), (GlmToolParser, "glm")])
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_tool_calls_stream_equals_whole(cls, fmt, step):
+    reply = ScriptedReply(content="Checking.", tool_calls=[("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Oslo"})])
+    text = render_reply(reply, fmt)
+    parser = cls(TOOLS)
+    content, calls = _run(parser, text, step)
+    assert content == "Checking."
+    assert [c["name"] for c in calls.values()] == ["get_weather", "get_weather"]
+    assert [json.loads(c["arguments"]) for c in calls.values()] == [{"city": "Paris", "days": 3}, {"city": "Oslo"}]
+    assert [c.arguments for c in parser.calls] == [c["arguments"] for c in calls.values()]
+    assert [c.id for c in parser.calls] == [c["id"] for c in calls.values()]
+
+
+def test_hermes_arguments_stream_before_the_call_closes():
+    parser = HermesToolParser(TOOLS)
+    _, deltas = parser.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')
+    assert deltas[0].name == "get_weather"
+    assert "".join(d.arguments for d in deltas) == '{"city": "Pa'
+    _, deltas = parser.feed('ris", "note": "a } brace"}}\n</tool_call>')
+    assert parser.calls[0].arguments == '{"city": "Paris", "note": "a } brace"}'
+
+
+def test_glm_values_typed_by_schema():
+    parser = GlmToolParser(TOOLS)
+    parser.feed("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>17</arg_value>\n"
+                "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>")
+    assert parser.calls[0].arguments_dict() == {"city": "17", "days": 2}
+
+
+def test_malformed_call_becomes_content():
+    parser = HermesToolParser(TOOLS)
+    content, calls = _run(parser, "Hi <tool_call>not json</tool_call>", 4)
+    assert calls == {} and "not json" in content
+
+
+def test_unterminated_call_parsed_at_finish():
+    parser = HermesToolParser(TOOLS)
+    _run(parser, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}', 5)
+    assert parser.calls[0].arguments_dict() == {"city": "Rome"}
+
+
+def test_forced_prefix_then_continuation():
+    parser = HermesToolParser(TOOLS)
+    parser.feed(parser.forced_prefix("get_weather"))
+    parser.feed('{"city": "Paris"}}\n</tool_call>')
+    parser.finish()
+    assert parser.calls[0].name == "get_weather" and parser.calls[0].arguments_dict() == {"city": "Paris"}
+
+
+def test_detect_format():
+    assert detect_tool_format({"tool_format": "glm"}, None) == "glm"
+    assert detect_tool_format({}, "... <arg_key> ...") == "glm"
+    assert detect_tool_format({"arch": "qwen3_moe"}, "<tool_call>") == "hermes"
+
+
+@pytest.mark.parametrize("step", [1, 2, 7, 1000])
+def test_reasoning_split(step):
+    text = "<think>\nLet me add: 17 * 23 = 391.\n</think>\n\n391"
+    p = ReasoningParser()
+    r, c = "", ""
+    for i in range(0, len(text), step):
+        dr, dc = p.feed(text[i : i + step])
+        r, c = r + dr, c + dc
+    dr, dc = p.finish()
+    assert (r + dr, c + dc) == ("Let me add: 17 * 23 = 391.", "391")
+
+
+def test_reasoning_opened_by_prompt_and_plain_answers():
+    p = ReasoningParser(prompt_opens_reasoning=True)
+    assert p.feed("thinking...</think>answer") == ("thinking...", "answer")
+    q = ReasoningParser()
+    assert q.feed("<thi") == ("", "")
+    assert q.feed("s is plain") == ("", "<this is plain")
