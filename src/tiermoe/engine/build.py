@@ -93,7 +93,7 @@ def build_engine_core(model: str | None, *, device: str | None = None, dtype: st
     per_token = kv_bytes_per_token(lm, torch_dtype)
     pages_one_seq = math.ceil(ctx / PAGE_SIZE) + 1
     if options.get("kv_cache_gb"):
-        num_pages = int(options["kv_cache_gb"] * 2**30 / (per_token * PAGE_SIZE))
+        num_pages = int(options["kv_cache_gb"] * 2**30 / (per_token * PAGE_SIZE) + 1e-6)
     else:
         cap = (2 * 2**30) if dev == "cpu" else (8 * 2**30)  # bytes
         num_pages = min(pages_one_seq * max_num_seqs, max(pages_one_seq, cap // (per_token * PAGE_SIZE)))
