@@ -70,6 +70,7 @@ class ExpertStore:
         self._slot_of: dict[int, int] = {}
         self._host_of: dict[int, int] = {}
         self._pending: dict[int, tuple[torch.Tensor, Future, int]] = {}  # key -> (buf, read, step)
+        self._prefetched: set[int] = set()  # pending keys whose read prefetch() started
         self._prefetch_limit = prefetch_limit if prefetch_limit is not None else max(64, 4 * reader_threads)
         self.c = StoreCounters()
         self._last_layer: int | None = None
@@ -180,6 +181,7 @@ class ExpertStore:
         step = self.c.steps
         for k in [k for k, (_, _, s) in self._pending.items() if s < step - 2]:  # stale prefetches
             buf, fut, _ = self._pending.pop(k)
+            self._prefetched.discard(k)
             self._settle(buf, fut)
             self.c.prefetch_dropped += 1
 
@@ -209,6 +211,7 @@ class ExpertStore:
                 self.c.prefetch_dropped += 1
                 continue
             self._start_read(k, self.c.steps)
+            self._prefetched.add(k)
             self.c.prefetch_issued += 1
 
     def fetch(self, layer: int, expert_ids: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -230,6 +233,9 @@ class ExpertStore:
                 staged = None
                 if k in self._pending and self.residency.tier(k) == "disk":
                     buf, fut, _ = self._pending.pop(k)
+                    if k in self._prefetched:
+                        self._prefetched.discard(k)
+                        self.c.prefetch_used += 1
                     try:
                         fut.result()
                     except BaseException:
@@ -245,6 +251,7 @@ class ExpertStore:
             for k in keys:  # leave no orphaned demand reads behind
                 if k in self._pending:
                     buf, fut, _ = self._pending.pop(k)
+                    self._prefetched.discard(k)
                     self._settle(buf, fut)
             raise
         return out
@@ -334,6 +341,7 @@ class ExpertStore:
         for k in list(self._pending):
             buf, fut, _ = self._pending.pop(k)
             self._settle(buf, fut)
+        self._prefetched.clear()
         if self._cuda:
             torch.cuda.synchronize()
         self._reader.close()

@@ -101,7 +101,7 @@ class TierPlan:
             ("disk only", self.n_disk, gib(self.n_disk), self.hits_per_token.get("disk", 0.0)),
         ]
         out = [
-            f"tier plan: {self.total_experts} experts of {self.record_bytes / 2**20:.2f} MiB, "
+            f"tier plan: {self.total_experts} experts of {fmt_bytes(self.record_bytes)}, "
             f"{picks} picks per token (top-{self.top_k} x {self.moe_layers} layers), {self.stats_source}",
             f"{'tier':<20}{'experts':>9}{'GiB':>10}{'hits/token':>12}{'share':>8}",
         ]
@@ -114,6 +114,13 @@ class TierPlan:
             out.append(f"predicted expert floor per token: {f * 1e3:.2f} ms ({rate}); lanes: {lanes}")
         out.extend(f"note: {n}" for n in self.notes)
         return "\n".join(out)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 def size_tiers(
@@ -218,8 +225,9 @@ def decode_floor_s(record_bytes: int, hits: Mapping[str, float], device: str, *,
             decode_floor = None
         if decode_floor is not None:
             res = decode_floor(record_bytes, max(1, top_k), max(1, moe_layers), hits=tier_hits)
-            lanes = {k: v["ms"] / 1e3 for k, v in res["lanes"].items() if v["bytes_per_token"] > 0}
-            lanes["floor"] = res["moe_ms"] / 1e3
+            keep = ("hbm", "pcie", "disk", "host") if cuda else ("cpu", "disk", "host")  # no PCIe without a GPU
+            lanes = {k: v["ms"] / 1e3 for k, v in res["lanes"].items() if v["bytes_per_token"] > 0 and k in keep}
+            lanes["floor"] = max(lanes.values(), default=0.0)
             return lanes
     bw = {**DEFAULT_BANDWIDTH, **(bandwidth or {})}
     if cuda:

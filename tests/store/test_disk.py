@@ -1,0 +1,102 @@
+import errno
+import os
+
+import pytest
+import torch
+
+from tiermoe.errors import UserError
+from tiermoe.store import disk
+from tiermoe.store.disk import DiskReader, StoreIOError, aligned_buffer, probe_direct_io
+from tiermoe.store.facade import ExpertStore
+from tiermoe.store.records import load_manifest
+
+
+def test_aligned_buffer():
+    for n in (4096, 12288, 5000):
+        b = aligned_buffer(n)
+        assert b.numel() == n and b.data_ptr() % 4096 == 0 and b.dtype == torch.uint8
+
+
+def test_reader_reads_and_checks(packed_bf16):
+    store, _ = packed_bf16
+    m = load_manifest(store)
+    with DiskReader(m.experts_path, threads=2) as r:
+        buf = aligned_buffer(m.layout.length)
+        futs = [r.submit(rec, aligned_buffer(rec.length)) for rec in m.records]
+        assert all(f.result().numel() == m.layout.length for f in futs)
+        assert r.reads == 16 and r.checks == 16 and r.in_flight == 0
+        with pytest.raises(ValueError):
+            r.submit(m.records[0], buf[1:])  # unaligned destination
+
+
+def test_reader_verify_first_hashes_once(packed_bf16):
+    store, _ = packed_bf16
+    m = load_manifest(store)
+    with DiskReader(m.experts_path, threads=1, verify="first") as r:
+        buf = aligned_buffer(m.layout.length)
+        for _ in range(3):
+            r.read(m.records[4], buf)
+        assert r.reads == 3 and r.checks == 1
+
+
+def test_short_read_is_a_clear_error(packed_bf16, monkeypatch):
+    store, _ = packed_bf16
+    real = os.preadv
+
+    def short(fd, bufs, offset):
+        if offset >= 2 * 12288:
+            return 0  # as at end of file
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", short)
+    with ExpertStore.open(store, gpu_expert_gb=0, host_expert_gb=0, reader_threads=2) as st:
+        st.fetch(0, [0, 1])
+        with pytest.raises(StoreIOError, match=r"short read of layer 0 expert 2 \(offset 24576\).*got 0 of 12288"):
+            st.fetch(0, [2])
+        assert st.counters()["disk"]["reads_in_flight"] == 0
+
+
+def test_partial_reads_are_completed(packed_bf16, monkeypatch):
+    store, tensors = packed_bf16
+    real = os.preadv
+
+    def piecewise(fd, bufs, offset):  # the kernel may return fewer bytes than asked
+        view = bufs[0]
+        return real(fd, [view[: min(len(view), 4096)]], offset)
+
+    monkeypatch.setattr(os, "preadv", piecewise)
+    with ExpertStore.open(store, gpu_expert_gb=0, host_expert_gb=0, reader_threads=2) as st:
+        gu, dn = st.fetch(1, [6])[6]
+        assert torch.equal(dn, tensors["model.layers.1.mlp.experts.6.down_proj.weight"])
+
+
+def test_eio_is_a_clear_error(packed_bf16, monkeypatch):
+    store, _ = packed_bf16
+
+    def eio(fd, bufs, offset):
+        raise OSError(errno.EIO, "Input/output error")
+
+    with ExpertStore.open(store, gpu_expert_gb=0, host_expert_gb=0, reader_threads=2) as st:
+        monkeypatch.setattr(os, "preadv", eio)
+        with pytest.raises(StoreIOError, match=r"I/O error reading layer 1 expert 4 .*Input/output error \(errno 5\)"):
+            st.fetch(1, [4, 5])
+        monkeypatch.undo()
+        assert len(st.fetch(1, [4, 5])) == 2  # the store recovers once the disk does
+
+
+def test_filesystem_without_odirect_is_refused(packed_bf16, monkeypatch):
+    store, tensors = packed_bf16
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & disk.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    assert "Invalid argument" in probe_direct_io(store / "experts.bin")
+    with pytest.raises(UserError, match="does not support O_DIRECT.*--no-direct-io"):
+        ExpertStore.open(store, gpu_expert_gb=0, host_expert_gb=0)
+    with ExpertStore.open(store, gpu_expert_gb=0, host_expert_gb=0, direct_io=False, reader_threads=2) as st:
+        gu, _ = st.fetch(0, [1])[1]
+        assert torch.equal(gu[:32], tensors["model.layers.0.mlp.experts.1.gate_proj.weight"])

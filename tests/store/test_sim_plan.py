@@ -1,0 +1,92 @@
+import json
+
+import numpy as np
+import pytest
+
+from conftest import STATS_FILE
+from tiermoe.cli import main
+from tiermoe.errors import UserError
+from tiermoe.store.planner import build_plan, expected_hits, host_memory_available, load_stats, size_tiers
+from tiermoe.store.records import load_manifest
+from tiermoe.store.sim import sample_trace, simulate
+
+
+def test_sampled_trace_follows_statistics():
+    stats = load_stats(STATS_FILE)
+    assert len(stats) == 42 and all(len(v) == 288 for v in stats.values())
+    tr = sample_trace(stats, 400, 8, seed=1)
+    assert tr.shape == (400, 42, 8)
+    # distinct experts per token and layer, keys within their layer's range
+    assert all(len(set(row)) == 8 for tok in tr for row in tok)
+    lay = tr // 288
+    assert np.all(lay == np.arange(42)[None, :, None])
+    # the most popular expert of the last layer is picked about as often as its count says
+    counts = np.array(stats[44])
+    hot = int(counts.argmax())
+    freq = np.mean(np.any(tr[:, -1, :] % 288 == hot, axis=-1))
+    assert abs(freq - 8 * counts[hot] / counts.sum()) < 0.08
+
+
+def test_sim_on_real_stats():
+    res = {r.policy: r for r in simulate(str(STATS_FILE), slots=1376, policies=["lru", "lfu", "clock", "static", "belady"],
+                                         tokens=60, seed=0, host_experts=2000)}
+    for r in res.values():
+        assert r.tokens == 54 and r.slot_hits + r.slot_misses == pytest.approx(336)
+        if r.host_hits is not None:
+            assert r.host_hits + r.disk_reads == pytest.approx(r.slot_misses)
+    assert res["belady"].slot_misses <= min(r.slot_misses for r in res.values())
+    assert res["lfu"].slot_misses < res["lru"].slot_misses  # popularity beats recency on i.i.d. routing
+    # the static top-1376 should cover about as much as the statistics predict (38 %)
+    assert 0.3 < res["static"].slot_hits / 336 < 0.46
+
+
+def test_sim_cli(capsys):
+    assert main(["sim", "--stats", str(STATS_FILE), "--slots", "100", "--policy", "lru,clock", "--tokens", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "lru" in out and "clock" in out and "336 picks/token" in out
+    assert main(["sim", "--stats", str(STATS_FILE), "--slots", "10", "--policy", "fifo", "--tokens", "5"]) == 2
+    assert main(["sim", "--stats", "/nonexistent.json", "--slots", "10"]) == 2
+
+
+def test_size_tiers():
+    cpu = __import__("torch").device("cpu")
+    n_s, n_h, _ = size_tiers(record_bytes=2**20, total_experts=100, device=cpu, gpu_expert_gb=None, host_expert_gb=0.05)
+    assert (n_s, n_h) == (0, 51)
+    n_s, n_h, _ = size_tiers(record_bytes=2**20, total_experts=100, device=cpu, gpu_expert_gb=0.05, host_expert_gb=1)
+    assert (n_s, n_h) == (51, 49)  # capped by the experts left
+    n_s, n_h, notes = size_tiers(record_bytes=2**20, total_experts=10**9, device=cpu, gpu_expert_gb=None, host_expert_gb=None)
+    avail, _ = host_memory_available()
+    assert 0 < n_h * 2**20 <= avail and "available minus margin" in notes[0]
+    with pytest.raises(UserError):
+        size_tiers(record_bytes=1, total_experts=1, device=cpu, gpu_expert_gb=-1, host_expert_gb=0)
+
+
+def test_expected_hits():
+    rates = {0: 4.0, 1: 2.0, 2: 1.0, 3: 1.0}
+    assert expected_hits(rates, 1, 2) == {"slots": 4.0, "host": 3.0, "disk": 1.0}
+
+
+def test_plan_for_store_and_checkpoint(packed_bf16, tmp_path, capsys):
+    store, _ = packed_bf16
+    m = load_manifest(store)
+    plan = build_plan(m, gpu_expert_gb=4 * 12288 / 2**30, host_expert_gb=0)
+    assert plan.n_slots == 4 and plan.n_host == 0 and plan.n_disk == 12
+    assert plan.hits_per_token["slots"] == pytest.approx(4 * 2 / 8)  # uniform top-2 of 8, 4 slots
+    assert plan.floor_s["floor"] > 0
+    assert main(["plan", str(store), "--host-expert-gb", "0", "--gpu-expert-gb", "0", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "disk only" in out and "16" in out and "floor" in out
+    stats = tmp_path / "s.json"
+    stats.write_text(json.dumps({"layers.0.mlp": [8, 0, 0, 0, 0, 0, 0, 0], "layers.1.mlp": [1] * 8}))
+    assert main(["plan", str(store), "--stats", str(stats), "--gpu-expert-gb", str(12288 / 2**30), "--host-expert-gb", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "statistics from s.json" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("slots"))
+    assert line.split()[-2] == "2.0"  # expert 0 of layer 0 takes both picks of its layer
+    # an unpacked checkpoint is planned from its headers
+    assert main(["plan", str(store.parent / "src"), "--quant", "int4", "--group-size", "16", "--host-expert-gb", "0"]) == 0
+    assert "16 experts of 4.00 KiB" in capsys.readouterr().out
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"layers.0.mlp": [1, 2]}))
+    assert main(["plan", str(store), "--stats", str(bad)]) == 2
+    assert "lists 2 experts" in capsys.readouterr().err
