@@ -88,14 +88,25 @@ def _moe_gemm_kernel(
     else:
         wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.int8)), 16)
     sp = tl.multiple_of((base + S_OFF).to(tl.pointer_type(tl.bfloat16)), 16)
+    offs_k = tl.arange(0, BK)
+    a_ptrs = a_ptr + rows[:, None] * KD + offs_k[None, :]  # [BM, BK]
+    if KIND == 1:
+        offs_kh = tl.arange(0, BK // 2)
+        w_ptrs = wp + offs_kh[:, None] + offs_n[None, :] * (KD // 2)  # [BK/2, BN], k contiguous
+        w_step: tl.constexpr = BK // 2
+        w_up: tl.constexpr = N * (KD // 2)
+    else:
+        w_ptrs = wp + offs_k[:, None] + offs_n[None, :] * KD  # [BK, BN]
+        w_step: tl.constexpr = BK
+        w_up: tl.constexpr = N * KD
+    s_ptrs = sp + offs_n * (KD // G)  # [BN]
+    s_up: tl.constexpr = N * (KD // G)
     for k0 in range(0, KD, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        a = tl.load(a_ptr + rows[:, None] * KD + offs_k[None, :], mask=m_ok[:, None], other=0.0)  # [BM, BK]
+        a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)  # [BM, BK]
         if KIND == 1:
             a_even, a_odd = tl.split(tl.reshape(a, (BM, BK // 2, 2)))  # [BM, BK/2] each
-            offs_kh = k0 // 2 + tl.arange(0, BK // 2)
-            q = tl.load(wp + offs_kh[:, None] + offs_n[None, :] * (KD // 2))  # [BK/2, BN] u8
-            s = tl.load(sp + offs_n * (KD // G) + k0 // G).to(tl.float32)  # [BN]
+            q = tl.load(w_ptrs)  # [BK/2, BN] u8
+            s = tl.load(s_ptrs + k0 // G).to(tl.float32)  # [BN]
             w_lo = (((q & 15).to(tl.int32) - 8).to(tl.float32) * s[None, :]).to(tl.bfloat16)
             w_hi = (((q >> 4).to(tl.int32) - 8).to(tl.float32) * s[None, :]).to(tl.bfloat16)
             if DOT_F32:
@@ -105,8 +116,8 @@ def _moe_gemm_kernel(
                 acc += tl.dot(a_even, w_lo)
                 acc += tl.dot(a_odd, w_hi)
             if GATED:
-                q = tl.load(wp + N * (KD // 2) + offs_kh[:, None] + offs_n[None, :] * (KD // 2))
-                s = tl.load(sp + N * (KD // G) + offs_n * (KD // G) + k0 // G).to(tl.float32)
+                q = tl.load(w_ptrs + w_up)
+                s = tl.load(s_ptrs + s_up + k0 // G).to(tl.float32)
                 w_lo = (((q & 15).to(tl.int32) - 8).to(tl.float32) * s[None, :]).to(tl.bfloat16)
                 w_hi = (((q >> 4).to(tl.int32) - 8).to(tl.float32) * s[None, :]).to(tl.bfloat16)
                 if DOT_F32:
@@ -117,26 +128,26 @@ def _moe_gemm_kernel(
                     acc_u += tl.dot(a_odd, w_hi)
         else:
             if KIND == 0:
-                w = tl.load(wp + offs_k[:, None] + offs_n[None, :] * KD)  # [BK, BN] bf16
+                w = tl.load(w_ptrs)  # [BK, BN] bf16
             else:
-                q = tl.load(wp + offs_k[:, None] + offs_n[None, :] * KD)  # [BK, BN] i8
-                s = tl.load(sp + offs_n * (KD // G) + k0 // G).to(tl.float32)
-                w = (q.to(tl.float32) * s[None, :]).to(tl.bfloat16)
+                s = tl.load(s_ptrs + k0 // G).to(tl.float32)
+                w = (tl.load(w_ptrs).to(tl.float32) * s[None, :]).to(tl.bfloat16)  # [BK, BN]
             if DOT_F32:
                 acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
             else:
                 acc += tl.dot(a, w)
             if GATED:
                 if KIND == 0:
-                    w = tl.load(wp + N * KD + offs_k[:, None] + offs_n[None, :] * KD)
+                    w = tl.load(w_ptrs + w_up)
                 else:
-                    q = tl.load(wp + N * KD + offs_k[:, None] + offs_n[None, :] * KD)
-                    s = tl.load(sp + N * (KD // G) + offs_n * (KD // G) + k0 // G).to(tl.float32)
-                    w = (q.to(tl.float32) * s[None, :]).to(tl.bfloat16)
+                    s = tl.load(s_ptrs + s_up + k0 // G).to(tl.float32)
+                    w = (tl.load(w_ptrs + w_up).to(tl.float32) * s[None, :]).to(tl.bfloat16)
                 if DOT_F32:
                     acc_u += tl.dot(a.to(tl.float32), w.to(tl.float32))
                 else:
                     acc_u += tl.dot(a, w)
+        a_ptrs += BK
+        w_ptrs += w_step
     out_offs = pairs.to(tl.int64)[:, None] * N + offs_n[None, :]
     if GATED:
         act = acc / (1.0 + tl.exp(-acc)) * acc_u
