@@ -1,0 +1,81 @@
+"""`tiermoe bench decode`: in-process decode tokens/s at batch 1 and 4 (a benchmark, not a test).
+
+Each batch size decodes `--tokens` greedy tokens per sequence after a short prompt; the first
+step (prefill) is excluded from the timing. On CUDA the clock is read after a synchronise.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+import time
+
+
+def register(bench_subparsers) -> None:
+    from tiermoe.engine.build import add_engine_args
+
+    p = bench_subparsers.add_parser("decode", help="in-process decode tokens/s at batch 1 and 4")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint directory or packed store")
+    src.add_argument("--tiny", metavar="ARCH", help="a tiny random checkpoint of ARCH")
+    add_engine_args(p, model_positional=True)
+    p.add_argument("--batch-sizes", default="1,4")
+    p.add_argument("--tokens", type=int, default=64, help="decode tokens per sequence")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--out", help="write the figures as JSON")
+    p.set_defaults(handler=_run)
+
+
+def measure(engine, batch: int, tokens: int, prompt_len: int, seed: int = 0) -> dict:
+    import torch
+
+    from tiermoe.engine.protocol import SamplingParams
+
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=tokens + 1, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"b{batch}-{i}", [rng.randrange(engine.vocab_size) for _ in range(prompt_len)], params)
+    produced, t0 = 0, None
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        if t0 is None:  # the first step is the prefill
+            if engine.model.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            continue
+        produced += sum(len(o.new_token_ids) for o in outs)
+    if engine.model.device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    return {"batch": batch, "tokens": produced, "seconds": round(elapsed, 4),
+            "tok_per_s": round(produced / elapsed, 2), "per_stream_tok_per_s": round(produced / elapsed / batch, 2)}
+
+
+def _run(args) -> int:
+    from tiermoe.engine.build import build_engine_core
+    from tiermoe.errors import UserError
+
+    try:
+        sizes = [int(x) for x in args.batch_sizes.split(",")]
+    except ValueError:
+        raise UserError(f"--batch-sizes: expected comma-separated integers, got {args.batch_sizes!r}") from None
+    with tempfile.TemporaryDirectory(prefix="tiermoe-bench-") as tmp:
+        model = args.model
+        if args.tiny:
+            from tiermoe.models.tiny import write_tiny
+
+            model = str(write_tiny(args.tiny, tmp))
+        engine = build_engine_core(model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                                   max_num_seqs=max(sizes), options=vars(args))
+        measure(engine, 1, 4, args.prompt_len, seed=99)  # warm-up
+        results = [measure(engine, b, args.tokens, args.prompt_len) for b in sizes]
+    for r in results:
+        print(f"decode batch {r['batch']}: {r['tok_per_s']:.1f} tok/s aggregate, "
+              f"{r['per_stream_tok_per_s']:.1f} tok/s per stream ({r['tokens']} tokens in {r['seconds']} s)")
+    report = {"model": args.model or f"tiny:{args.tiny}", "device": str(engine.model.device),
+              "dtype": str(engine.model.dtype).replace("torch.", ""), "results": results}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
