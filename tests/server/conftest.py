@@ -76,6 +76,7 @@ def start_server(tokenizer, *, core_kwargs=None, **app_kwargs) -> ServerThread:
     app = create_app(engine, **app_kwargs)
     server = ServerThread(app)
     server.core = core
+    server.app = app
     server.engine = engine
     return server
 

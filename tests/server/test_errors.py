@@ -1,0 +1,188 @@
+"""Every bad request is a 4xx with the OpenAI error body (never a 500), plus auth/limits/faults."""
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import start_server
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def _body_ok(body, status_code):
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def _raises(exc_type, fn, **kwargs):
+    with pytest.raises(exc_type) as e:
+        fn(**kwargs)
+    return _body_ok(e.value.body if "error" in (e.value.body or {}) else {"error": e.value.body}, e.value.status_code)
+
+
+def test_malformed_json_and_non_objects(server):
+    for raw in (b"{bad json", b"", b"[1, 2]", b'"text"'):
+        r = httpx.post(server.url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, raw
+        _body_ok(r.json(), 400)
+
+
+def test_wrong_types(client):
+    err = _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=MSG, max_tokens="ten")
+    assert err["param"] == "max_tokens"
+    err = _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=[{"role": "robot", "content": "x"}])
+    assert err["param"].startswith("messages")
+    _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=MSG, stop=5)
+
+
+def test_unknown_model_is_404(client):
+    err = _raises(openai.NotFoundError, client.chat.completions.create, model="gpt-17", messages=MSG)
+    assert err["code"] == "model_not_found" and err["param"] == "model"
+    _raises(openai.NotFoundError, client.completions.create, model="gpt-17", prompt="x")
+    _raises(openai.NotFoundError, client.responses.create, model="gpt-17", input="x")
+
+
+def test_context_limits(client):
+    long = "word " * 5000
+    err = _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=[{"role": "user", "content": long}])
+    assert err["code"] == "context_length_exceeded"
+    err = _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=MSG, max_tokens=5000)
+    assert err["param"] == "max_tokens" and err["code"] == "context_length_exceeded"
+    _raises(openai.BadRequestError, client.completions.create, model="scripted", prompt="x", max_tokens=10**6)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("min_p", 2), ("presence_penalty", 3), ("frequency_penalty", -9),
+    ("repetition_penalty", 0), ("top_k", -5), ("n", 0), ("max_tokens", 0), ("max_tokens", -3),
+])
+def test_invalid_sampling_values(client, field, value):
+    err = _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=MSG, extra_body={field: value})
+    assert err["param"] == field
+
+
+def test_invalid_logprobs(client):
+    _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=MSG, logprobs=True, top_logprobs=50)
+    _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=MSG, top_logprobs=2)
+
+
+@pytest.mark.parametrize("tool", [
+    {"type": "function", "function": {"name": "bad name!", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 5}}},
+    {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}},
+    {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": "city"}}},
+    {"type": "retrieval"},
+])
+def test_invalid_tool_schema(client, tool):
+    err = _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=MSG, tools=[tool])
+    assert err["param"].startswith("tools")
+
+
+def test_tool_choice_errors(client):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=MSG, tools=tools,
+            tool_choice={"type": "function", "function": {"name": "g"}})
+    _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=MSG, tool_choice="required")
+
+
+def test_empty_or_unsupported_messages(client):
+    err = _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=[])
+    assert err["param"] == "messages"
+    _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=[{"role": "system", "content": "x"}])
+    _raises(openai.BadRequestError, client.chat.completions.create, model="scripted",
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+    _raises(openai.BadRequestError, client.responses.create, model="scripted", input=[])
+
+
+def test_invalid_response_format(client):
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "banana"}}}
+    err = _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=MSG, response_format=bad)
+    assert "schema" in err["message"]
+
+
+def test_unknown_route_and_method(server):
+    r = httpx.post(server.url + "/v1/nothing", json={})
+    assert r.status_code == 404 and _body_ok(r.json(), 404)
+    r = httpx.get(server.url + "/v1/chat/completions")
+    assert r.status_code == 405 and _body_ok(r.json(), 405)
+
+
+def test_api_key(tokenizer):
+    with start_server(tokenizer, api_key="s3cret") as s:
+        bad = openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as e:
+            bad.models.list()
+        assert e.value.body["type"] == "authentication_error"
+        good = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0)
+        assert good.models.list().data[0].id == "scripted"
+        assert httpx.post(s.url + "/v1/chat/completions", json={}).status_code == 401
+        assert httpx.get(s.url + "/health").status_code == 200  # health stays open for probes
+        import anthropic
+
+        a = anthropic.Anthropic(base_url=s.url, api_key="s3cret", max_retries=0)
+        assert a.messages.count_tokens(model="scripted", messages=MSG).input_tokens > 0
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=s.url, api_key="nope", max_retries=0).messages.count_tokens(model="scripted", messages=MSG)
+
+
+def test_body_too_large(tokenizer):
+    with start_server(tokenizer, max_body_bytes=4096) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as e:
+            c.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "x" * 10000}])
+        assert e.value.status_code == 413
+        chunked = httpx.post(s.url + "/v1/chat/completions", content=iter([b"{" + b" " * 5000 + b"}"]))
+        assert chunked.status_code == 413
+
+
+def test_queue_full_gives_429_with_retry_after(tokenizer):
+    with start_server(tokenizer, core_kwargs={"max_num_seqs": 1, "step_delay_s": 0.02}, max_queue=0) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        stream = c.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "Tell me a story"}],
+                                           max_tokens=200, stream=True)
+        next(iter(stream))  # the only slot is taken
+        with pytest.raises(openai.RateLimitError) as e:
+            c.chat.completions.create(model="scripted", messages=MSG)
+        assert e.value.response.headers["retry-after"] == "1"
+        assert e.value.body["code"] == "queue_full"
+        stream.close()
+
+
+def test_engine_fault_fails_only_its_request(server, client):
+    results = {}
+
+    def other():
+        results["other"] = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "Tell me a story"}],
+                                                          max_tokens=40)
+
+    t = threading.Thread(target=other)
+    t.start()
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "TRIGGER_FAULT"}])
+    assert "scripted fault" in e.value.body["message"] and e.value.body["code"] == "engine_error"
+    chunks = []
+    with pytest.raises(openai.APIError, match="scripted fault"):  # the client raises on the in-stream error event
+        for c in client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "TRIGGER_FAULT"}], stream=True):
+            chunks.append(c)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["error"]
+    t.join()
+    assert results["other"].choices[0].finish_reason == "length"
+    assert client.chat.completions.create(model="scripted", messages=MSG).choices[0].finish_reason == "stop"
+
+
+def test_unexpected_exception_becomes_clean_500(tokenizer):
+    with start_server(tokenizer) as s:
+        ctx = s.app.state.ctx
+
+        async def broken(*a, **k):
+            raise RuntimeError("surprise")
+
+        ctx.encode = broken
+        r = httpx.post(s.url + "/v1/chat/completions", json={"model": "scripted", "messages": MSG})
+        assert r.status_code == 500
+        err = _body_ok(r.json(), 500)
+        assert err["type"] == "server_error" and "Traceback" not in r.text
