@@ -8,7 +8,8 @@ absorbed into latent space (decode), so no per-head K/V is ever stored.
 Selection (per query at absolute position p, sequence length L after this forward):
 - complete pools j (tokens [jP, jP+P), jP+P <= L) are candidates if their last token <= p;
   each pool key is a softmax(gate + ape)-weighted mean of its tokens' indexer keys;
-- score(j) = sum_h w_h * relu(q_h . key_j / sqrt(d)), the top index_topk/P pools are taken;
+- score(j) = sum_h w_h * relu(q_h . key_j / sqrt(d)), the top index_topk/P pools are taken
+  (exact ties go to the lower pool; the reference's topk leaves that choice unspecified);
 - with index_kpool_always_select_tail, the tokens of p's own incomplete pool are added.
 A "shared" layer reuses the selection of the full layer just before it. The selection is an
 index list [S, index_topk + P - 1] padded with -1, exactly as transformers builds it.
@@ -77,7 +78,10 @@ class Indexer(nn.Module):
             valid = pool_end[None, None, :] <= pos[None, :, None]  # [1, S, np]
             index_scores = index_scores.masked_fill(~valid, torch.finfo(index_scores.dtype).min)
             k = min(self.topk // p, npools)
-            chosen = index_scores.topk(k, dim=-1).indices  # [1, S, k]
+            # Stable descending sort instead of topk: among exactly equal scores (ReLU makes
+            # exact zeros common) the lower pool wins, so the choice does not depend on how
+            # many pools the tensor has, i.e. on prefill chunking or decode step.
+            chosen = torch.sort(index_scores, dim=-1, descending=True, stable=True).indices[..., :k]  # [1, S, k]
             chosen_ok = valid.gather(-1, chosen)
             tokens = chosen[..., None] * p + torch.arange(p, device=dev)  # [1, S, k, P]
             idx = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(-2)[0]  # [S, k*P]

@@ -1,0 +1,23 @@
+"""GLM-5.3-Flash (`glm5_next`): KDA + NoPE-MLA/DSA hybrid with mHC, sigmoid MoE and MTP.
+
+Public API: see README.md in this directory.
+"""
+
+from .cache import Glm5NextCache, SeqBatch
+from .config import Glm5NextConfig, load_config
+from .loader import expert_weight_keys, load_model
+from .model import Glm5NextModel
+from .moe import MoEExpertsFn, ResidentExperts, expert_forward
+
+__all__ = [
+    "Glm5NextCache",
+    "Glm5NextConfig",
+    "Glm5NextModel",
+    "MoEExpertsFn",
+    "ResidentExperts",
+    "SeqBatch",
+    "expert_forward",
+    "expert_weight_keys",
+    "load_config",
+    "load_model",
+]
