@@ -30,6 +30,8 @@ def add_engine_args(p, model_positional: bool = False) -> None:
     p.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling")
     p.add_argument("--gpu-expert-gb", type=float, default=None, help="GPU slot tier size for routed experts")
     p.add_argument("--host-expert-gb", type=float, default=None, help="host RAM tier size for routed experts")
+    p.add_argument("--expert-policy", default="lfu", help="expert cache replacement policy: lru, lfu, clock")
+    p.add_argument("--expert-stats", default=None, help="routing statistics file for the cache warm start")
     p.add_argument("--mode", choices=["exact", "fast"], default="exact", help="fast enables the CPU lane")
     p.add_argument("--no-direct-io", action="store_true", help="allow a filesystem without O_DIRECT")
 

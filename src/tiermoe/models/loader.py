@@ -141,6 +141,8 @@ def load_model(
     model.rotary.to(device)
     for moe_layer in model.moe_layers():
         moe_layer.backend = expert_backend
+    if hasattr(expert_backend, "attach"):
+        expert_backend.attach(model.moe_layers())
     model.expert_backend = expert_backend
     model.dtype = dtype
     model.device = torch.device(device)

@@ -57,6 +57,9 @@ class ModelRunner:
             for req, n in items
         ]
         batch = build_forward_batch(chunks, self.page_size, self.device, all_logits=all_logits)
+        backend = getattr(self.model, "expert_backend", None)
+        if hasattr(backend, "begin_step"):
+            backend.begin_step(batch.num_tokens, decode=all(n == 1 for _, n in items))
         hidden = self.model(batch, self.kv_caches)
         return self.model.logits(hidden[batch.logits_index])
 
