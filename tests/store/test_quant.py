@@ -49,3 +49,10 @@ def test_rejects_bad_shapes():
         quantize_groupwise(torch.zeros(4, 8), 3, 4)
     with pytest.raises(ValueError):
         quantize_groupwise(torch.zeros(4, 9), 8, 3)
+
+
+def test_quantize_leaves_input_alone():
+    w = torch.randn(4, 16)
+    before = w.clone()
+    quantize_groupwise(w, 4, 8)
+    assert torch.equal(w, before)

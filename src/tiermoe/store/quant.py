@@ -39,42 +39,47 @@ def quantize_groupwise(w: torch.Tensor, bits: int, group_size: int) -> tuple[tor
     n, k = w.shape
     _check(bits, group_size, k)
     qmax = QMAX[bits]
-    wf = w.detach().to(torch.float32).reshape(n, k // group_size, group_size)  # [N, K/G, G]
-    amax = wf.abs().amax(dim=-1)  # [N, K/G]
+    wf = w.detach().to(torch.float32, copy=True).reshape(n, k // group_size, group_size)  # [N, K/G, G]
+    amax = torch.maximum(wf.amax(dim=-1), wf.amin(dim=-1).neg_())  # [N, K/G], no |W| temporary
     scale = amax / qmax
     scale = torch.where(amax == 0, torch.ones_like(scale), scale)
     scale_bf16 = scale.to(torch.bfloat16)  # [N, K/G]
     # A nonzero group whose scale underflows bf16 to 0 would divide by zero; such weights are
     # (numerically) zero anyway, so they get scale 1.0 and quantize to 0.
     scale_bf16 = torch.where(scale_bf16 == 0, torch.ones_like(scale_bf16), scale_bf16)
-    q = torch.round(wf / scale_bf16.to(torch.float32).unsqueeze(-1))  # [N, K/G, G]
+    q = wf.div_(scale_bf16.to(torch.float32).unsqueeze(-1)).round_()  # [N, K/G, G], reuses wf
     q = q.clamp_(-qmax - 1, qmax).reshape(n, k)  # [N, K]
     if bits == 8:
         return q.to(torch.int8).contiguous(), scale_bf16.contiguous()
-    u = (q + 8).to(torch.uint8)  # [N, K] values 0..15
-    packed = u[:, 0::2] | (u[:, 1::2] << 4)  # [N, K/2]
+    u = q.add_(8).to(torch.uint8).view(n, k // 2, 2)  # [N, K/2, 2] values 0..15
+    packed = u[..., 0] | (u[..., 1] << 4)  # [N, K/2]
     return packed.contiguous(), scale_bf16.contiguous()
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K/2] nibbles -> int8 [N, K] values in -8..7."""
-    p = packed.to(torch.int16)
-    low = (p & 0xF) - 8
-    high = (p >> 4) - 8
-    return torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1).to(torch.int8)
+    return _nibbles(packed).to(torch.int8).sub_(8)
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] -> uint8 [N, K] stored values 0..15 (low nibble = even column)."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
 
 
 def dequantize_groupwise(
     q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
     """(q, scales) -> W' [N, K] in `dtype`: float32(q) * float32(scale[n, k // G])."""
-    qi = unpack_int4(q) if bits == 4 else q
-    n, k = qi.shape
+    if bits == 4:
+        qf = _nibbles(q).to(torch.float32).sub_(8)  # exact: small integers
+    else:
+        qf = q.to(torch.float32)
+    n, k = qf.shape
     _check(bits, group_size, k)
     if scales.shape != (n, k // group_size):
         raise ValueError(f"scales shape {tuple(scales.shape)} does not match q [{n}, {k}] / G={group_size}")
-    w = qi.to(torch.float32).reshape(n, k // group_size, group_size) * scales.to(torch.float32).unsqueeze(-1)
-    return w.reshape(n, k).to(dtype)
+    w = qf.view(n, k // group_size, group_size).mul_(scales.to(torch.float32).unsqueeze(-1))
+    return w.view(n, k).to(dtype)
 
 
 def packed_cols(k: int, bits: int) -> int:
