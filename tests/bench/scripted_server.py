@@ -44,6 +44,20 @@ def tokenize(text: str) -> list[str]:
     return TOKEN_RE.findall(text)
 
 
+class Vocab:
+    """Token string <-> id, growing as new words are seen (ids are stable within a server)."""
+
+    def __init__(self):
+        self.words: list[str] = []
+        self.ids: dict[str, int] = {}
+
+    def id(self, tok: str) -> int:
+        if tok not in self.ids:
+            self.ids[tok] = len(self.words)
+            self.words.append(tok)
+        return self.ids[tok]
+
+
 @dataclass
 class Behaviour:
     right: bool = True
@@ -59,6 +73,7 @@ class Behaviour:
     has_echo: bool = True
     report_window: bool = True  # max_model_len in /v1/models
     reject_stream_options: bool = False  # 400 on stream_options (some servers do)
+    has_token_ids: bool = False  # honour return_tokens_as_token_ids and list-of-int prompts
 
 
 def _h(*parts: str) -> int:
@@ -122,6 +137,9 @@ def _script_chat(messages: list[dict], tools: list | None, b: Behaviour) -> dict
 def build_app(b: Behaviour) -> FastAPI:
     app = FastAPI()
     state = {"requests": 0}
+    vocab = Vocab()
+    for t in VOCAB:
+        vocab.id(t)
 
     def err(status: int, msg: str) -> JSONResponse:
         return JSONResponse({"error": {"message": msg, "type": "invalid_request_error"}}, status_code=status)
@@ -141,7 +159,7 @@ def build_app(b: Behaviour) -> FastAPI:
             return err(404, "Not Found")
         body = await req.json()
         toks = tokenize(body.get("prompt", ""))
-        return {"count": len(toks), "tokens": list(range(len(toks))), "max_model_len": b.max_model_len}
+        return {"count": len(toks), "tokens": [vocab.id(t) for t in toks], "max_model_len": b.max_model_len}
 
     def budget(n_prompt: int, max_tokens) -> int | JSONResponse:
         if n_prompt >= b.max_model_len:
@@ -165,7 +183,14 @@ def build_app(b: Behaviour) -> FastAPI:
         if body.get("echo") and not b.has_echo:
             return err(400, "echo is not supported")
         prompt = body["prompt"]
-        ptoks = tokenize(prompt)
+        as_ids = b.has_token_ids and body.get("return_tokens_as_token_ids")
+        if isinstance(prompt, list):
+            if not b.has_token_ids:
+                return err(400, "prompt must be a string")
+            ptoks = [vocab.words[i] for i in prompt]
+            prompt = "".join(ptoks)
+        else:
+            ptoks = tokenize(prompt)
         limit = budget(len(ptoks), body.get("max_tokens", 16))
         if isinstance(limit, JSONResponse):
             return limit
@@ -177,12 +202,13 @@ def build_app(b: Behaviour) -> FastAPI:
         text = "".join(t for t, _ in gen)
         choice = {"index": 0, "text": text, "finish_reason": "stop" if len(gen) < limit else "length", "logprobs": None}
         if k is not None:
+            name = (lambda t: f"token_id:{vocab.id(t)}") if as_ids else (lambda t: t)
             toks, offs, lps, tops = [], [], [], []
             off = 0
             if body.get("echo"):
                 choice["text"] = prompt + text
                 for i, t in enumerate(ptoks):
-                    toks.append(t)
+                    toks.append(name(t))
                     offs.append(off)
                     off += len(t)
                     if i == 0:
@@ -191,15 +217,15 @@ def build_app(b: Behaviour) -> FastAPI:
                         continue
                     dist = next_logprobs(ptoks[:i], b, 0)
                     lps.append(dict(dist).get(t, -30.0))
-                    tops.append(dict(dist[: max(k, 1)]))
+                    tops.append({name(x): lp for x, lp in dist[: max(k, 1)]})
             else:
                 off = len(prompt)
             for t, dist in gen:
-                toks.append(t)
+                toks.append(name(t))
                 offs.append(off)
                 off += len(t)
                 lps.append(dict(dist)[t])
-                tops.append(dict(dist[: max(k, 1)]))
+                tops.append({name(x): lp for x, lp in dist[: max(k, 1)]})
             choice["logprobs"] = {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
         usage = {"prompt_tokens": len(ptoks), "completion_tokens": len(gen), "total_tokens": len(ptoks) + len(gen)}
         return {"id": f"cmpl-{state['requests']}", "object": "text_completion", "model": b.model, "choices": [choice], "usage": usage}

@@ -26,6 +26,7 @@ def panel_file(tmp_path_factory, right_url):
 def test_panel_make_records_reference(panel_file):
     p = load(panel_file)
     assert p["kind"] == "tiermoe.bench.panel" and p["top_logprobs_returned"] == 20
+    assert p["has_token_ids"] is False  # this server has no return_tokens_as_token_ids
     assert len(p["items"]) == 8
     b = Behaviour()
     for it in p["items"]:
@@ -78,9 +79,39 @@ def test_score_different_model_matches_oracle(panel_file, tmp_path, capsys):
     r = load(out)
     top1, kl = _oracle(load(panel_file), b)
     assert r["teacher_forcing"] == ["per-position"]
+    assert r["alignment_checked"] and r["positions_misaligned"] == 0 and r["positions"] == 80
     assert r["top1_agreement"] == pytest.approx(top1) and 0 < top1 < 1
     assert r["mean_kl"] == pytest.approx(kl) and kl > 0.01
     assert r["greedy_match_fraction"] < 1.0
+
+
+def test_token_id_teacher_forcing(tmp_path, capsys):
+    """A server that gives ids: the panel records them and scoring feeds exact id prefixes."""
+    panel_path, score_path = tmp_path / "panel.json", tmp_path / "score.json"
+    with serve(Behaviour(has_token_ids=True)) as ref_url:
+        rc, text = run_bench(["panel", "make", "--url", ref_url, "--max-tokens", "6", "--out", str(panel_path)], capsys)
+        assert rc == 0 and "with token ids" in text
+        rc, text = run_bench(["panel", "score", "--url", ref_url, "--panel", str(panel_path), "--mode", "token-ids",
+                              "--out", str(score_path)], capsys)  # fmt: skip
+        assert rc == 0, text
+    panel, r = load(panel_path), load(score_path)
+    it = panel["items"][0]
+    assert panel["has_token_ids"] and len(it["token_ids"]) == len(it["tokens"]) == len(it["top_ids"]) == 6
+    assert len(it["prompt_ids"]) == len(tokenize(it["prompt"]))
+    assert r["teacher_forcing"] == ["token-ids"] and r["positions"] == 48
+    assert r["top1_agreement"] == 1.0 and r["mean_kl"] == pytest.approx(0.0, abs=1e-9)
+    assert r["greedy_exact_fraction"] == 1.0
+    # the same id-keyed panel scored on a server without ids falls back to text forcing
+    b = Behaviour(noise=4.0)
+    with serve(b) as url:
+        rc, text = run_bench(["panel", "score", "--url", url, "--panel", str(panel_path), "--out", str(score_path)], capsys)
+    assert rc == 0, text
+    r = load(score_path)
+    assert r["teacher_forcing"] == ["echo"]
+    assert r["top1_agreement"] == pytest.approx(_oracle(panel, b)[0])
+    with serve(b) as url:
+        rc, text = run_bench(["panel", "score", "--url", url, "--panel", str(panel_path), "--mode", "token-ids"], capsys)
+    assert rc == 2 and "return_tokens_as_token_ids" in text
 
 
 def test_kl_over_reference():

@@ -8,7 +8,8 @@ import pytest
 
 from tiermoe.bench.floor import decode_floor
 from tiermoe.bench.gates import GatesConfig, run_gates
-from tiermoe.bench.panel import PanelMakeConfig, PanelScoreConfig, make_panel, score_panel
+from tiermoe.bench.panel import PanelMakeConfig, make_panel
+from tiermoe.bench.panel_score import PanelScoreConfig, score_panel
 from tiermoe.bench.results import envelope, write_json
 from tiermoe.bench.stream_rate import StreamRateConfig, run_stream_rate
 from tiermoe.bench.sweep import SweepConfig, run_sweep

@@ -207,11 +207,13 @@ def _add_panel(sub) -> None:
     mk.add_argument("--max-tokens", type=_positive(int), default=64, help="completion length per prompt")
     mk.add_argument("--top-logprobs", type=int, default=20, help="alternatives recorded per position")
     mk.add_argument("--concurrency", type=_positive(int), default=4)
+    mk.add_argument("--no-token-ids", action="store_true", help="do not record token ids (return_tokens_as_token_ids)")
     mk.set_defaults(handler=_run_panel_make)
     sc = psub.add_parser("score", help="teacher-forced top-1 agreement, KL and greedy match vs a panel")
     _server_args(sc)
     sc.add_argument("--panel", required=True, help="panel JSON from 'bench panel make'")
-    sc.add_argument("--mode", choices=("auto", "echo", "per-position"), default="auto", help="how teacher forcing is done")
+    sc.add_argument("--mode", choices=("auto", "token-ids", "echo", "per-position"), default="auto",
+                    help="how teacher forcing is done (auto: token-ids, then echo, then per-position)")
     sc.add_argument("--concurrency", type=_positive(int), default=8, help="parallel requests in per-position mode")
     sc.add_argument("--no-greedy", action="store_true", help="skip the free-running greedy comparison")
     sc.set_defaults(handler=_run_panel_score)
@@ -232,19 +234,22 @@ def _run_panel_make(args) -> int:
         max_tokens=args.max_tokens,
         top_logprobs=args.top_logprobs,
         concurrency=args.concurrency,
+        token_ids=not args.no_token_ids,
         timeout=args.timeout,
         api_key=args.api_key,
     )
     panel = asyncio.run(make_panel(cfg))
     write_json(panel, args.out)
     n = sum(len(it["tokens"]) for it in panel["items"])
-    print(f"panel: {len(panel['items'])} prompts, {n} positions, top-{panel['top_logprobs_returned']} from {panel['model']}")
+    ids = "with token ids" if panel["has_token_ids"] else "text only"
+    print(f"panel: {len(panel['items'])} prompts, {n} positions, top-{panel['top_logprobs_returned']} ({ids}) from {panel['model']}")
     _print_json_path(args.out)
     return 0
 
 
 def _run_panel_score(args) -> int:
-    from tiermoe.bench.panel import PanelScoreConfig, score_panel, validate_panel
+    from tiermoe.bench.panel import validate_panel
+    from tiermoe.bench.panel_score import PanelScoreConfig, score_panel
     from tiermoe.bench.results import read_json, write_json
 
     panel = read_json(args.panel)
@@ -270,6 +275,8 @@ def _run_panel_score(args) -> int:
         f"greedy match {f(r['greedy_match_fraction'], 3)} (exact {f(r['greedy_exact_fraction'], 3)}) "
         f"over {r['positions']} positions, teacher forcing: {', '.join(r['teacher_forcing'])}"
     )
+    if r["positions_misaligned"]:
+        print(f"{r['positions_misaligned']} positions left out: the text re-tokenized differently from the reference")
     _print_json_path(args.out)
     return 0
 

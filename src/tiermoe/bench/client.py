@@ -165,11 +165,10 @@ def max_model_len(card: dict) -> int | None:
     return None
 
 
-async def count_tokens(client: httpx.AsyncClient, model: str, text: str) -> int | None:
-    """Token count of `text` from the server's /tokenize, or None if it has none."""
+async def _tokenize(client: httpx.AsyncClient, model: str, text: str, special: bool) -> dict | None:
     for path in ("/tokenize", "/v1/tokenize"):
         try:
-            resp = await client.post(path, json={"model": model, "prompt": text, "add_special_tokens": False})
+            resp = await client.post(path, json={"model": model, "prompt": text, "add_special_tokens": special})
         except httpx.HTTPError:
             return None
         if resp.status_code in (404, 405, 501):
@@ -180,11 +179,28 @@ async def count_tokens(client: httpx.AsyncClient, model: str, text: str) -> int 
             data = resp.json()
         except ValueError:
             return None
-        if isinstance(data.get("count"), int):
-            return int(data["count"])
-        if isinstance(data.get("tokens"), list):
-            return len(data["tokens"])
+        return data if isinstance(data, dict) else None
+    return None
+
+
+async def count_tokens(client: httpx.AsyncClient, model: str, text: str, special: bool = False) -> int | None:
+    """Token count of `text` from the server's /tokenize, or None if it has none."""
+    data = await _tokenize(client, model, text, special)
+    if data is None:
         return None
+    if isinstance(data.get("count"), int):
+        return int(data["count"])
+    if isinstance(data.get("tokens"), list):
+        return len(data["tokens"])
+    return None
+
+
+async def token_ids(client: httpx.AsyncClient, model: str, text: str, special: bool = True) -> list[int] | None:
+    """The ids /tokenize gives `text` (with special tokens, as /v1/completions encodes a prompt)."""
+    data = await _tokenize(client, model, text, special)
+    toks = (data or {}).get("tokens")
+    if isinstance(toks, list) and all(isinstance(t, int) for t in toks):
+        return list(toks)
     return None
 
 
