@@ -3,10 +3,23 @@ with group-limited routing, shared experts and the first k layers dense."""
 
 from __future__ import annotations
 
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding, yarn_apply_mscale
+import math
+
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
 from tiermoe.models.families_common import ConfigReader
 from tiermoe.models.spec import MLASpec, ModelSpec, MoESpec
+
+
+def yarn_softmax_scale(rope_parameters: dict, scale: float) -> float:
+    """DeepSeek's softmax scale under YaRN: scale * mscale(factor, mscale_all_dim) ** 2."""
+    if rope_parameters.get("rope_type", "default") != "default":
+        mscale_all_dim = rope_parameters.get("mscale_all_dim", 0)
+        factor = rope_parameters.get("factor", 1.0)
+        if mscale_all_dim and factor > 1:
+            m = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+            scale = scale * m * m
+    return scale
 
 
 def build_spec(hf_config, path: str) -> ModelSpec:
@@ -53,7 +66,7 @@ def build_spec(hf_config, path: str) -> ModelSpec:
         qkv_bias=bool(r.get("attention_bias", False)),
         o_bias=bool(r.get("attention_bias", False)),
         mla=mla,
-        attn_scale=yarn_apply_mscale(hf_config.rope_parameters or {}, qk_head_dim**-0.5),
+        attn_scale=yarn_softmax_scale(hf_config.rope_parameters or {}, qk_head_dim**-0.5),
         rotary_cls=DeepseekV3RotaryEmbedding,
         dense_intermediate_size=r.require("intermediate_size"),
         moe=moe,
