@@ -7,16 +7,12 @@ from .cache import Glm5NextCache, SeqBatch
 from .config import Glm5NextConfig, load_config
 from .loader import expert_weight_keys, load_model
 from .model import Glm5NextModel
-from .moe import MoEExpertsFn, ResidentExperts, expert_forward
 
 __all__ = [
     "Glm5NextCache",
     "Glm5NextConfig",
     "Glm5NextModel",
-    "MoEExpertsFn",
-    "ResidentExperts",
     "SeqBatch",
-    "expert_forward",
     "expert_weight_keys",
     "load_config",
     "load_model",

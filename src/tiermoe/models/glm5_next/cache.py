@@ -1,18 +1,21 @@
-"""Per-sequence-slot state of a glm5_next model: KDA states and MLA latent rows.
+"""Per-sequence state of a glm5_next model: KDA slot states and MLA latent rows.
 
-A serving engine gives each running sequence a slot; one forward call may mix slots in any
-state (prefill chunks, single-token decode, speculative verification). Layout per layer:
+A serving engine gives each running sequence a slot; one forward may mix slots in any state
+(prefill chunks, single-token decode, speculative verification). Two kinds of state:
 
-| layer kind          | tensor                         | shape                         |
-|---------------------|--------------------------------|-------------------------------|
-| KDA                 | `conv[l]` short-conv window    | [slots, 3*C, K-1] model dtype |
-| KDA                 | `ssm[l]` delta-rule state      | [slots, H, dk, dv] fp32       |
-| MLA                 | `latent[l]` normalized kv_a    | [slots, max_len, kv_lora]     |
-| MLA, full indexer   | `index[l]` indexer key | gate  | [slots, max_len, 2*d_index]   |
+| layer kind        | state                               | where                               |
+|-------------------|-------------------------------------|-------------------------------------|
+| KDA               | short-conv window [3C, K-1]          | `KDAStates`, per slot (any int id)  |
+| KDA               | delta-rule state [H, dk, dv] fp32    | `KDAStates`, per slot               |
+| MLA               | normalized kv_a latent [r] per token | rows: `Glm5NextCache` or paged KV   |
+| MLA, full indexer | indexer key + k-pool gate [2d]/token | rows, like the latent               |
 
-The MTP layer (key `cfg.num_hidden_layers`) has its own latent/index rows and its own length.
-Rows past a slot's length are garbage and never read, so rollback of MLA rows is just a
-length change; KDA rollback needs the per-token states recorded by a `keep_states` forward.
+Layers talk to a "cache" object with two members: `kda` (a `KDAStates`) and
+`mla_rows(name, layer, batch, b, rows) -> all rows of that sequence`. `Glm5NextCache` is the
+self-contained version (contiguous rows per slot, also for the MTP layer); the engine adapter
+(engine.py) provides the same over the engine's paged KV cache. KDA state cannot be rebuilt
+from a prefix of pages, so a sequence must start at token 0 or continue exactly where its
+slot stopped; anything else (e.g. a prefix-cache hit) raises.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ class SeqBatch:
     """Flat token layout of one forward: sequence b owns rows [cu[b], cu[b] + lens[b]).
 
     `starts[b]` is how many tokens slot `slots[b]` already holds (0 = fresh sequence). With
-    `keep_states`, KDA layers record every intermediate state so `Glm5NextCache.rollback`
-    can keep any prefix of the new tokens (speculative verification)."""
+    `keep_states`, KDA layers record every intermediate state so the slot can be rolled back
+    to any prefix of the new tokens (speculative verification)."""
 
     slots: list[int]
     starts: list[int]
@@ -60,121 +63,165 @@ class SeqBatch:
         return [self.cu[b + 1] - 1 for b in range(len(self.lens))]
 
 
+@dataclass
+class _Slot:
+    length: int = 0
+    conv: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [3C, K-1]
+    ssm: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [H, dk, dv] fp32
+    # keep_states forward: layer -> (start, states [n+1, H, dk, dv], window [3C, K-1+n])
+    hist: dict[int, list] = field(default_factory=dict)
+
+
+class KDAStates:
+    """KDA conv windows and recurrent states keyed by slot id (created on a slot's first token)."""
+
+    def __init__(self, cfg: Glm5NextConfig, device: torch.device | str, dtype: torch.dtype):
+        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        self.kda_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_kda(i)]
+        self.slots: dict[int, _Slot] = {}
+
+    def _fresh(self) -> _Slot:
+        c = self.cfg
+        s = _Slot()
+        for i in self.kda_layers:
+            s.conv[i] = torch.zeros(3 * c.linear_qkv_dim, c.linear_conv_kernel_dim - 1, dtype=self.dtype,
+                                    device=self.device)
+            h, d = c.linear_num_heads, c.linear_head_dim
+            s.ssm[i] = torch.zeros(h, d, d, dtype=torch.float32, device=self.device)
+        return s
+
+    def length(self, slot: int) -> int:
+        s = self.slots.get(slot)
+        return 0 if s is None else s.length
+
+    def release(self, slot: int) -> None:
+        self.slots.pop(slot, None)
+
+    def begin(self, batch: SeqBatch) -> None:
+        """Check continuity and set up the batch's slots; fresh state for sequences at 0."""
+        for slot, start in zip(batch.slots, batch.starts):
+            if start == 0:
+                s = self.slots.get(slot)
+                if s is None:
+                    self.slots[slot] = self._fresh()
+                else:
+                    for t in s.conv.values():
+                        t.zero_()
+                    for t in s.ssm.values():
+                        t.zero_()
+                    s.length, s.hist = 0, {}
+            elif self.length(slot) != start:
+                raise UserError(
+                    f"glm5_next: slot {slot} holds KDA state for {self.length(slot)} tokens but the batch "
+                    f"continues at {start} (recurrent state cannot resume from cached pages; "
+                    "disable prefix caching for this model)")
+            else:
+                self.slots[slot].hist = {}
+
+    def commit(self, batch: SeqBatch) -> None:
+        for slot, start, n in zip(batch.slots, batch.starts, batch.lens):
+            self.slots[slot].length = start + n
+
+    def conv(self, layer: int, slot: int) -> torch.Tensor:
+        return self.slots[slot].conv[layer]
+
+    def ssm(self, layer: int, slot: int) -> torch.Tensor:
+        return self.slots[slot].ssm[layer]
+
+    def set_conv(self, layer: int, batch: SeqBatch, b: int, window: torch.Tensor) -> None:
+        """window [3C, K-1+n]: the cached columns followed by this forward's pre-conv rows."""
+        s = self.slots[batch.slots[b]]
+        km1 = s.conv[layer].shape[-1]
+        if batch.keep_states:
+            s.hist.setdefault(layer, [batch.starts[b], None, None])[2] = window.clone()
+        s.conv[layer].copy_(window[:, window.shape[-1] - km1:])
+
+    def set_ssm(self, layer: int, batch: SeqBatch, b: int, state: torch.Tensor, steps: torch.Tensor | None = None) -> None:
+        """state [H, dk, dv]; steps [n+1, H, dk, dv] (keep_states only): before/after each token."""
+        s = self.slots[batch.slots[b]]
+        if steps is not None:
+            s.hist.setdefault(layer, [batch.starts[b], None, None])[1] = steps
+        s.ssm[layer].copy_(state)
+
+    def rollback(self, slot: int, length: int) -> None:
+        """Keep the first `length` tokens; they must lie inside the slot's last keep_states forward."""
+        s = self.slots[slot]
+        if length == s.length:
+            return
+        for layer, (start, steps, window) in s.hist.items():
+            j = length - start
+            if steps is None or not 0 <= j < steps.shape[0]:
+                raise RuntimeError(f"slot {slot}: rollback to {length} is outside the recorded span")
+            s.ssm[layer].copy_(steps[j])
+            km1 = s.conv[layer].shape[-1]
+            s.conv[layer].copy_(window[:, j:j + km1])
+        if not s.hist and self.kda_layers:
+            raise RuntimeError(f"slot {slot}: rollback needs a keep_states forward")
+        s.length, s.hist = length, {}
+
+
 class Glm5NextCache:
-    """Slot-indexed KDA states and MLA latent/indexer rows for `num_slots` sequences."""
+    """Self-contained state for `num_slots` sequences of up to `max_len` tokens.
+
+    MLA rows are stored contiguously per slot ([num_slots, max_len, W] per layer and kind);
+    rows past a slot's length are stale and never read, so dropping tokens is a length change.
+    With `mtp`, the MTP layer (key num_hidden_layers) gets rows too, with its own lengths."""
 
     def __init__(
         self, cfg: Glm5NextConfig, num_slots: int, max_len: int,
         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, mtp: bool = False,
     ):
         self.cfg, self.num_slots, self.max_len = cfg, num_slots, max_len
-        self.device, self.dtype = torch.device(device), dtype
-        c3, km1 = 3 * cfg.linear_qkv_dim, cfg.linear_conv_kernel_dim - 1
-        h, d = cfg.linear_num_heads, cfg.linear_head_dim
-        self.conv: dict[int, torch.Tensor] = {}
-        self.ssm: dict[int, torch.Tensor] = {}
-        self.latent: dict[int, torch.Tensor] = {}
-        self.index: dict[int, torch.Tensor] = {}
-        mla_layers = [i for i in range(cfg.num_hidden_layers) if not cfg.is_kda(i)]
+        self.kda = KDAStates(cfg, device, dtype)
+        self.rows: dict[tuple[str, int], torch.Tensor] = {}
+        mla = [i for i in range(cfg.num_hidden_layers) if not cfg.is_kda(i)]
         if mtp and cfg.num_nextn_predict_layers:
-            mla_layers.append(cfg.mtp_layer_idx)
-        for i in range(cfg.num_hidden_layers):
-            if cfg.is_kda(i):
-                self.conv[i] = torch.zeros(num_slots, c3, km1, dtype=dtype, device=self.device)
-                self.ssm[i] = torch.zeros(num_slots, h, d, d, dtype=torch.float32, device=self.device)
-        for i in mla_layers:
-            self.latent[i] = torch.zeros(num_slots, max_len, cfg.kv_lora_rank, dtype=dtype, device=self.device)
+            mla.append(cfg.mtp_layer_idx)
+        for i in mla:
+            self.rows["latent", i] = torch.zeros(num_slots, max_len, cfg.kv_lora_rank, dtype=dtype, device=device)
             if not cfg.shares_topk(i):
-                self.index[i] = torch.zeros(
-                    num_slots, max_len, 2 * cfg.index_head_dim, dtype=dtype, device=self.device
-                )
-        self.lengths = [0] * num_slots  # tokens held by the trunk per slot
-        self.mtp_lengths = [0] * num_slots  # MTP entries held per slot
-        self._hist: dict[int, dict[int, tuple[int, torch.Tensor, torch.Tensor]]] = {}
+                self.rows["index", i] = torch.zeros(num_slots, max_len, 2 * cfg.index_head_dim, dtype=dtype,
+                                                    device=device)
+        self.mla_lengths = [0] * num_slots
+        self.mtp_lengths = [0] * num_slots
 
-    # ---- slot lifecycle ------------------------------------------------------------------
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens held by the trunk per slot."""
+        return self.mla_lengths
+
     def reset(self, slot: int) -> None:
-        """Forget a slot's sequence (a fresh `starts=0` forward overwrites it anyway)."""
-        self.lengths[slot] = 0
-        self.mtp_lengths[slot] = 0
-        for i in self.conv:
-            self.conv[i][slot].zero_()
-            self.ssm[i][slot].zero_()
-        self._hist.pop(slot, None)
+        self.mla_lengths[slot] = self.mtp_lengths[slot] = 0
+        self.kda.release(slot)
 
     def check(self, batch: SeqBatch, mtp: bool = False) -> None:
         """Validate a batch against slot lengths and capacity before any state is touched."""
-        lengths = self.mtp_lengths if mtp else self.lengths
+        lengths = self.mtp_lengths if mtp else self.mla_lengths
         for s, st, n in zip(batch.slots, batch.starts, batch.lens):
             if not 0 <= s < self.num_slots:
                 raise UserError(f"cache: slot {s} out of range (num_slots={self.num_slots})")
-            if st != lengths[s] and not (st == 0):
+            if st not in (0, lengths[s]):
                 raise UserError(f"cache: slot {s} holds {lengths[s]} tokens, batch starts at {st}")
             if st + n > self.max_len:
                 raise UserError(f"cache: slot {s} would hold {st + n} tokens, max_len={self.max_len}")
 
     def commit(self, batch: SeqBatch, mtp: bool = False) -> None:
-        lengths = self.mtp_lengths if mtp else self.lengths
+        lengths = self.mtp_lengths if mtp else self.mla_lengths
         for s, st, n in zip(batch.slots, batch.starts, batch.lens):
             lengths[s] = st + n
 
     def rollback(self, slot: int, length: int) -> None:
-        """Keep only the first `length` trunk tokens of `slot`; tokens beyond must come from the
-        last `keep_states` forward of that slot."""
-        hist = self._hist.get(slot)
-        if length == self.lengths[slot]:
-            return
-        if hist is None:
-            raise RuntimeError(f"slot {slot}: rollback needs a keep_states forward")
-        for i, (start, states, window) in hist.items():
-            j = length - start
-            if not 0 <= j < states.shape[0]:
-                raise RuntimeError(f"slot {slot}: rollback to {length} outside the recorded span")
-            self.ssm[i][slot].copy_(states[j])
-            km1 = self.conv[i].shape[-1]
-            self.conv[i][slot].copy_(window[:, j:j + km1])
-        self.lengths[slot] = length
-        self._hist.pop(slot, None)
+        """Keep the first `length` trunk tokens of `slot` (see KDAStates.rollback)."""
+        self.kda.rollback(slot, length)
+        self.mla_lengths[slot] = length
 
     def rollback_mtp(self, slot: int, length: int) -> None:
         """MTP rows are attention-only: dropping entries is a length change."""
         self.mtp_lengths[slot] = min(self.mtp_lengths[slot], length)
 
-    # ---- KDA state access (used by kda.KDAttention) -------------------------------------
-    def kda_conv_in(self, layer: int, batch: SeqBatch, b: int) -> torch.Tensor:
-        st = self.conv[layer][batch.slots[b]]
-        return torch.zeros_like(st) if batch.starts[b] == 0 else st
-
-    def kda_conv_out(self, layer: int, batch: SeqBatch, b: int, window: torch.Tensor) -> None:
-        """window [3C, K-1+n]: cached columns followed by this forward's pre-conv rows."""
-        slot = batch.slots[b]
-        km1 = self.conv[layer].shape[-1]
-        if batch.keep_states:
-            start, states, _ = self._hist.setdefault(slot, {}).get(layer, (batch.starts[b], None, None))
-            self._hist[slot][layer] = (batch.starts[b], states, window.clone())
-        self.conv[layer][slot].copy_(window[:, window.shape[-1] - km1:])
-
-    def kda_state_in(self, layer: int, batch: SeqBatch, b: int) -> torch.Tensor:
-        st = self.ssm[layer][batch.slots[b]]
-        return torch.zeros_like(st) if batch.starts[b] == 0 else st
-
-    def kda_state_out(self, layer: int, batch: SeqBatch, b: int, state: torch.Tensor) -> None:
-        self.ssm[layer][batch.slots[b]].copy_(state)
-
-    def kda_record_history(self, layer: int, batch: SeqBatch, b: int, states: torch.Tensor) -> None:
-        """states [n+1, H, dk, dv]: the state before and after each new token."""
-        slot = batch.slots[b]
-        _, _, window = self._hist.setdefault(slot, {}).get(layer, (None, None, None))
-        self._hist[slot][layer] = (batch.starts[b], states, window)
-
-    def begin(self, batch: SeqBatch) -> None:
-        """Drop stale rollback history of the batch's slots before a new trunk forward."""
-        for s in batch.slots:
-            self._hist.pop(s, None)
-
-    # ---- MLA rows ------------------------------------------------------------------------
-    def write_rows(self, table: dict[int, torch.Tensor], layer: int, slot: int, start: int, rows: torch.Tensor) -> torch.Tensor:
-        """Store rows [n, W] at positions start.. and return all rows [start+n, W] of the slot."""
-        buf = table[layer][slot]
+    def mla_rows(self, name: str, layer: int, batch: SeqBatch, b: int, rows: torch.Tensor) -> torch.Tensor:
+        """Store rows [n, W] at the sequence's new positions; return all its rows [start+n, W]."""
+        buf = self.rows[name, layer][batch.slots[b]]
+        start = batch.starts[b]
         buf[start:start + rows.shape[0]].copy_(rows)
         return buf[: start + rows.shape[0]]

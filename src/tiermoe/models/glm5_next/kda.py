@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .cache import Glm5NextCache, SeqBatch
+from .cache import KDAStates, SeqBatch
 from .config import Glm5NextConfig
 
 
@@ -151,61 +151,62 @@ class KDAttention(nn.Module):
         self.o_norm.weight = nn.Parameter(torch.ones(self.head_dim))
         self.o_proj = nn.Linear(c, hid, bias=False)
 
-    def _conv(self, qkv: torch.Tensor, batch: SeqBatch, cache: Glm5NextCache) -> torch.Tensor:
+    def _conv(self, qkv: torch.Tensor, batch: SeqBatch, states: KDAStates) -> torch.Tensor:
         """Causal depthwise conv + SiLU over each sequence, continuing its cached window."""
         w = self.conv1d.weight  # [3C, 1, K] fp32
         out = torch.empty_like(qkv)  # [T, 3C]
+        layer = self.layer_idx
         decode = [b for b, n in enumerate(batch.lens) if n == 1]
         if decode:
             rows = torch.tensor([batch.cu[b] for b in decode], device=qkv.device)
-            states = torch.stack([cache.kda_conv_in(self.layer_idx, batch, b) for b in decode])  # [B,3C,K-1]
-            win = torch.cat([states, qkv[rows].unsqueeze(-1)], dim=-1)  # [B, 3C, K]
+            past = torch.stack([states.conv(layer, batch.slots[b]) for b in decode])  # [B, 3C, K-1]
+            win = torch.cat([past, qkv[rows].unsqueeze(-1)], dim=-1)  # [B, 3C, K]
             y = F.silu(F.conv1d(win.to(w.dtype), w, groups=w.shape[0]))  # [B, 3C, 1]
             out[rows] = y[..., 0].to(qkv.dtype)
             for j, b in enumerate(decode):
-                cache.kda_conv_out(self.layer_idx, batch, b, win[j])
+                states.set_conv(layer, batch, b, win[j])
         for b, n in enumerate(batch.lens):
             if n == 1:
                 continue
             lo = batch.cu[b]
-            win = torch.cat([cache.kda_conv_in(self.layer_idx, batch, b), qkv[lo:lo + n].t()], dim=-1)
+            win = torch.cat([states.conv(layer, batch.slots[b]), qkv[lo:lo + n].t()], dim=-1)  # [3C, K-1+n]
             y = F.silu(F.conv1d(win.unsqueeze(0).to(w.dtype), w, groups=w.shape[0]))  # [1, 3C, n]
             out[lo:lo + n] = y[0].t().to(qkv.dtype)
-            cache.kda_conv_out(self.layer_idx, batch, b, win)
+            states.set_conv(layer, batch, b, win)
         return out
 
-    def forward(self, x: torch.Tensor, batch: SeqBatch, cache: Glm5NextCache) -> torch.Tensor:
-        """x [T, hidden] (flat tokens of the batch) -> [T, hidden]."""
+    def forward(self, x: torch.Tensor, batch: SeqBatch, states: KDAStates) -> torch.Tensor:
+        """x [T, hidden] (flat tokens of the batch) -> [T, hidden]; updates the slots' states."""
         t = x.shape[0]
-        h, d = self.num_heads, self.head_dim
+        h, d, layer = self.num_heads, self.head_dim, self.layer_idx
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3C]
-        qkv = self._conv(qkv, batch, cache)
+        qkv = self._conv(qkv, batch, states)
         q, k, v = (z.reshape(t, h, d) for z in qkv.split(self.qkv_dim, dim=-1))
         g = self.forget_gate(x)  # [T, H, dk] fp32
         beta = torch.sigmoid(self.b_proj(x))  # [T, H]
         core = torch.empty(t, h, d, dtype=torch.float32, device=x.device)
 
         decode = [b for b, n in enumerate(batch.lens) if n == 1 and not batch.keep_states]
-        if decode:
+        if decode:  # all single-token sequences in one recurrent step
             rows = torch.tensor([batch.cu[b] for b in decode], device=x.device)
-            s0 = torch.stack([cache.kda_state_in(self.layer_idx, batch, b) for b in decode])  # [B,H,dk,dv]
+            s0 = torch.stack([states.ssm(layer, batch.slots[b]) for b in decode])  # [B, H, dk, dv]
             o, s1, _ = kda_recurrent(q[rows, None], k[rows, None], v[rows, None], g[rows, None], beta[rows, None], s0)
             core[rows] = o[:, 0]
             for j, b in enumerate(decode):
-                cache.kda_state_out(self.layer_idx, batch, b, s1[j])
+                states.set_ssm(layer, batch, b, s1[j])
         for b, n in enumerate(batch.lens):
             if n == 1 and not batch.keep_states:
                 continue
             lo, hi = batch.cu[b], batch.cu[b] + n
-            s0 = cache.kda_state_in(self.layer_idx, batch, b)[None]
+            s0 = states.ssm(layer, batch.slots[b])[None]
             args = (q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], g[None, lo:hi], beta[None, lo:hi], s0)
             if batch.keep_states:
-                o, s1, hist = kda_recurrent(*args, keep_states=True)
-                cache.kda_record_history(self.layer_idx, batch, b, hist[:, 0])
+                o, s1, steps = kda_recurrent(*args, keep_states=True)
+                states.set_ssm(layer, batch, b, s1[0], steps[:, 0])
             else:
                 o, s1 = kda_chunked(*args)
+                states.set_ssm(layer, batch, b, s1[0])
             core[lo:hi] = o[0]
-            cache.kda_state_out(self.layer_idx, batch, b, s1[0])
 
         core = core.to(x.dtype)
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d)

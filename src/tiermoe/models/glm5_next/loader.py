@@ -17,10 +17,10 @@ import torch
 import torch.nn as nn
 
 from tiermoe.errors import UserError
+from tiermoe.moe.experts import ResidentExperts
 
 from .config import Glm5NextConfig, load_config
 from .model import Glm5NextModel
-from .moe import ResidentExperts
 from .weights import Checkpoint
 
 PREFIXES = ("model.language_model.", "model.", "language_model.model.", "")
@@ -109,13 +109,13 @@ def load_expert_layer(
 
 def load_model(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-    load_experts: bool = True, mtp: bool = True,
+    expert_backend=None, mtp: bool = True,
 ) -> Glm5NextModel:
     """Build the model from `model_dir` (config.json + safetensors).
 
-    `load_experts=False` leaves `model.moe_experts` empty for an engine that serves routed
-    experts from its own store; `mtp=True` loads the MTP layer when the config declares one
-    (num_nextn_predict_layers > 0). A missing tensor is a one-line UserError."""
+    expert_backend: an ExpertBackend serving routed experts (e.g. the tiered store); when None,
+    every routed expert is loaded resident. mtp: load the MTP layer when the config declares
+    one (num_nextn_predict_layers > 0). A missing tensor is a one-line UserError."""
     cfg = load_config(model_dir)
     ck = Checkpoint(model_dir)
     prefix = detect_prefix(ck)
@@ -128,11 +128,11 @@ def load_model(
             raise UserError(f"{ck.source}: tensor for '{name}' has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
         keep32 = name.endswith(_FP32_SUFFIXES)
         _set_param(model, name, t.to(device=device, dtype=torch.float32 if keep32 else dtype).clone())
-    experts = ResidentExperts(cfg.swiglu_limit)
-    if load_experts:
-        layers = [i for i in cfg.moe_layers() if with_mtp or i < cfg.num_hidden_layers]
-        for i in layers:
-            experts.add_layer(i, *load_expert_layer(ck, prefix, i, cfg.n_routed_experts, dtype, device))
-    model.moe_experts = experts
+    if expert_backend is None:
+        expert_backend = ResidentExperts(cfg.swiglu_limit)
+        for m in model.moe_layers():
+            expert_backend.add_layer(m.layer, *load_expert_layer(ck, prefix, m.layer, cfg.n_routed_experts, dtype, device))
+    model.set_expert_backend(expert_backend)
     model.checkpoint_prefix = prefix
+    model.dtype, model.device = dtype, torch.device(device)
     return model.eval()

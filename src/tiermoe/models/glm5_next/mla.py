@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .cache import Glm5NextCache, SeqBatch
+from .cache import SeqBatch
 from .config import Glm5NextConfig
 from .layers import RMSNorm
 
@@ -117,9 +117,12 @@ class MLAttention(nn.Module):
         self.hands_on = layer_idx < cfg.num_hidden_layers and cfg.hands_topk_on(layer_idx)
 
     def forward(
-        self, x: torch.Tensor, batch: SeqBatch, cache: Glm5NextCache, prev_sel: list[torch.Tensor] | None,
+        self, x: torch.Tensor, batch: SeqBatch, cache, prev_sel: list[torch.Tensor] | None,
     ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """x [T, hidden] -> ([T, hidden], per-sequence selections for a following shared layer)."""
+        """x [T, hidden] -> ([T, hidden], per-sequence selections for a following shared layer).
+
+        `cache.mla_rows(name, layer, batch, b, rows)` stores this forward's rows of sequence b
+        and returns all of its rows (see cache.py)."""
         t = x.shape[0]
         q_resid = self.q_a_layernorm(self.q_a_proj(x))  # [T, q_lora]
         q = self.q_b_proj(q_resid).view(t, self.num_heads, self.dk)
@@ -131,11 +134,11 @@ class MLAttention(nn.Module):
             raise RuntimeError(f"layer {self.layer_idx}: shared DSA layer without a previous selection")
         out = torch.empty(t, self.num_heads, self.dv, dtype=x.dtype, device=x.device)
         sels = []
-        for b, (slot, start, n) in enumerate(zip(batch.slots, batch.starts, batch.lens)):
+        for b, (start, n) in enumerate(zip(batch.starts, batch.lens)):
             lo, hi = batch.cu[b], batch.cu[b] + n
-            lat = cache.write_rows(cache.latent, self.layer_idx, slot, start, latent[lo:hi])  # [L, r]
+            lat = cache.mla_rows("latent", self.layer_idx, batch, b, latent[lo:hi])  # [L, r]
             if self.indexer is not None:
-                all_rows = cache.write_rows(cache.index, self.layer_idx, slot, start, rows[lo:hi])
+                all_rows = cache.mla_rows("index", self.layer_idx, batch, b, rows[lo:hi])  # [L, 2d]
                 sel = self.indexer.select(iq[lo:hi], iw[lo:hi], all_rows, start)
             else:
                 sel = prev_sel[b]

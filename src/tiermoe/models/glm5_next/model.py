@@ -1,9 +1,10 @@
 """The glm5_next text model: embeddings -> mHC decoder stack -> stream mean -> norm -> lm_head,
 plus the optional MTP (next-n prediction) layer used for speculative decoding.
 
-All sequence state lives in a `Glm5NextCache`; `forward` takes flat tokens of several
-sequences (`SeqBatch`) so a serving engine can mix prefill chunks and decode steps. Routed
-experts go through `self.moe_experts` (see moe.py), which the engine may replace.
+All sequence state lives in a cache object (`Glm5NextCache`, or the engine adapter's view of
+the paged KV cache); `forward` takes flat tokens of several sequences (`SeqBatch`) so prefill
+chunks and decode steps mix in one call. Routed experts go through `self.expert_backend`
+(see moe.py), which the engine replaces with its tiered store.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tiermoe.moe.experts import ResidentExperts
+
 from .cache import Glm5NextCache, SeqBatch
 from .config import Glm5NextConfig
 from .kda import KDAttention
 from .layers import MLP, HyperConnection, RMSNorm
 from .mla import MLAttention
-from .moe import MoE, MoEExpertsFn, ResidentExperts
+from .moe import MoE
 
 
 class DecoderLayer(nn.Module):
@@ -35,21 +38,20 @@ class DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(*hc)
 
     def forward(
-        self, streams: torch.Tensor, batch: SeqBatch, cache: Glm5NextCache,
-        prev_sel: list[torch.Tensor] | None, experts: MoEExpertsFn,
+        self, streams: torch.Tensor, batch: SeqBatch, cache, prev_sel: list[torch.Tensor] | None,
     ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """streams [T, N, D] -> (streams [T, N, D], DSA selection handed to the next layer)."""
         post, comb, h = self.attn_hc.pre(streams)
         h = self.input_layernorm(h)
         sel = None
         if self.is_kda:
-            h = self.self_attn(h, batch, cache)
+            h = self.self_attn(h, batch, cache.kda)
         else:
             h, sel = self.self_attn(h, batch, cache, prev_sel)
         streams = HyperConnection.post(h, streams, post, comb)
         post, comb, h = self.ffn_hc.pre(streams)
         h = self.post_attention_layernorm(h)
-        h = self.mlp(h, experts) if self.is_moe else self.mlp(h)
+        h = self.mlp(h)
         return HyperConnection.post(h, streams, post, comb), sel
 
 
@@ -80,15 +82,12 @@ class MTPLayer(nn.Module):
         self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(
-        self, emb: torch.Tensor, prev_hidden: torch.Tensor, batch: SeqBatch, cache: Glm5NextCache,
-        experts: MoEExpertsFn,
-    ) -> torch.Tensor:
+    def forward(self, emb: torch.Tensor, prev_hidden: torch.Tensor, batch: SeqBatch, cache) -> torch.Tensor:
         """emb [T, D] (embeddings of t_{i+1}), prev_hidden [T, D] (h_i) -> MTP hidden [T, D]."""
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(prev_hidden)], dim=-1))
         a, _ = self.self_attn(self.input_layernorm(x), batch, cache, None)
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x), experts)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Glm5NextModel(nn.Module):
@@ -102,8 +101,21 @@ class Glm5NextModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = MTPLayer(cfg) if with_mtp else None
-        # The routed-expert seam; the serving engine swaps in its tiered store here.
-        self.moe_experts: MoEExpertsFn = ResidentExperts(cfg.swiglu_limit)
+        self.expert_backend = None
+        self.set_expert_backend(ResidentExperts(cfg.swiglu_limit))
+
+    def moe_layers(self) -> list[MoE]:
+        """MoE blocks in execution order (trunk, then the MTP layer when loaded)."""
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def set_expert_backend(self, backend) -> None:
+        """Route every MoE layer's experts through `backend` (an ExpertBackend: resident
+        experts by default, the tiered store when serving)."""
+        self.expert_backend = backend
+        for m in self.moe_layers():
+            m.backend = backend
+        if hasattr(backend, "attach"):
+            backend.attach(self.moe_layers())
 
     def new_cache(self, num_slots: int, max_len: int) -> Glm5NextCache:
         p = self.embed_tokens.weight
@@ -117,12 +129,13 @@ class Glm5NextModel(nn.Module):
         if input_ids.shape[0] != batch.num_tokens:
             raise ValueError(f"input_ids has {input_ids.shape[0]} tokens, batch expects {batch.num_tokens}")
         cache.check(batch)
-        cache.begin(batch)
+        cache.kda.begin(batch)
         x = F.embedding(input_ids, self.embed_tokens.weight)  # [T, D]
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, N, D]
         sel = None
         for layer in self.layers:
-            streams, sel = layer(streams, batch, cache, sel, self.moe_experts)
+            streams, sel = layer(streams, batch, cache, sel)
+        cache.kda.commit(batch)
         cache.commit(batch)
         return self.norm(streams.mean(dim=1))
 
@@ -140,7 +153,7 @@ class Glm5NextModel(nn.Module):
             raise RuntimeError("model was loaded without its MTP layer")
         cache.check(batch, mtp=True)
         emb = F.embedding(next_ids, self.embed_tokens.weight)
-        h = self.mtp(emb, prev_hidden, batch, cache, self.moe_experts)
+        h = self.mtp(emb, prev_hidden, batch, cache)
         cache.commit(batch, mtp=True)
         return h
 
