@@ -51,7 +51,9 @@ def test_report_markdown_and_plots(results, tmp_path, capsys):
                     "Quality panel (teacher-forced)", "Quality panel reference", "Decode floor"):  # fmt: skip
         assert heading in body, heading
     assert "Command: `tiermoe" in body or "Command: `" in body
-    assert "| C2 |" in body and "per-stream / floor" in body  # floor given: rates as a share of it
+    assert "| C2 |" in body and "C1 / floor" in body  # floor given: C1 rates as a share of it
+    c1 = next(line for line in body.splitlines() if line.startswith("| C1 |"))
+    assert c1.endswith(" % |")
     assert "| 1.000 | 0.0000 |" in body  # same model: top-1 1.0, KL 0
     for stem in ("sweep_a", "sweep_b", "stream"):
         png = plots / f"{stem}.png"
