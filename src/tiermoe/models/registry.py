@@ -19,6 +19,7 @@ FAMILIES: dict[str, str] = {
     "mixtral": "tiermoe.models.qwen3_moe",
     "glm4_moe": "tiermoe.models.glm4_moe",
     "deepseek_v3": "tiermoe.models.deepseek_v3",
+    "glm5_next": "tiermoe.models.glm5_next",
 }
 
 

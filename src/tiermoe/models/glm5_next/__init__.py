@@ -17,3 +17,8 @@ __all__ = [
     "load_config",
     "load_model",
 ]
+
+# Family entry points for tiermoe.models.registry.
+from .engine import build_model, build_spec  # noqa: E402
+
+__all__ += ["build_model", "build_spec"]

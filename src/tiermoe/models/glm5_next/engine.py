@@ -1,0 +1,145 @@
+"""glm5_next behind the serving engine's model interface (the family entry points).
+
+The registry imports this package and calls `build_spec(hf_config, path)` for sizing and
+`build_model(path, hf_config, device=, dtype=, expert_backend=)` for the model, which then
+behaves like the generic decoder: `forward(ForwardBatch, kv_caches) -> hidden [T, H]`,
+`logits(hidden) -> [N, V] fp32`, `cache_shapes()`, `moe_layers()`, `expert_backend`.
+
+MLA latent and indexer rows live in the engine's paged KV cache (per-token shapes from
+`cache_shapes`; KDA layers need none). KDA conv/recurrent state lives here, keyed by the
+engine's sequence slot: a sequence must start at token 0 or continue where its slot stopped,
+so prefix caching cannot be used with this family (a resume from cached pages raises).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tiermoe.models.batch import ForwardBatch
+from tiermoe.models.families_common import ConfigReader
+from tiermoe.models.spec import MLASpec, ModelSpec
+
+from .cache import KDAStates, SeqBatch
+from .config import Glm5NextConfig, load_config
+from .loader import detect_prefix, load_model
+from .model import Glm5NextModel
+from .moe import moe_spec
+from .weights import Checkpoint
+
+
+@dataclass(frozen=True)
+class Glm5NextSpec(ModelSpec):
+    """ModelSpec whose checkpoint keys carry the detected prefix (model.language_model. for the
+    multimodal checkpoint layout)."""
+
+    key_prefix: str = "model."
+
+    def expert_keys(self, layer: int, expert: int) -> tuple[str, str, str]:
+        base = f"{self.key_prefix}layers.{layer}.mlp.experts.{expert}"
+        return (f"{base}.gate_proj.weight", f"{base}.up_proj.weight", f"{base}.down_proj.weight")
+
+
+def build_spec(hf_config, path: str) -> Glm5NextSpec:
+    """Engine-facing summary of a glm5_next checkpoint (`path` names its config.json)."""
+    model_dir = Path(path).parent
+    cfg = load_config(model_dir)
+    text = getattr(hf_config, "text_config", None) or hf_config
+    return Glm5NextSpec(
+        arch="glm5_next",
+        hf_config=hf_config,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_hidden_layers,
+        rms_norm_eps=cfg.rms_norm_eps,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_attention_heads,
+        head_dim=cfg.qk_head_dim,
+        attention="mla",
+        mla=MLASpec(cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, 0, cfg.v_head_dim, False),
+        dense_intermediate_size=cfg.intermediate_size,
+        moe=moe_spec(cfg),
+        moe_layers=tuple(i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)),
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        eos_token_ids=ConfigReader(text, path).eos_ids() or ConfigReader(hf_config, path).eos_ids(),
+        max_position_embeddings=cfg.max_position_embeddings,
+        extra={"recurrent_state": True, "mtp_layer": cfg.mtp_layer_idx if cfg.num_nextn_predict_layers else None},
+        key_prefix=detect_prefix(Checkpoint(model_dir)),
+    )
+
+
+class _PagedView:
+    """The cache interface of the glm5_next layers over the engine's paged KV cache."""
+
+    def __init__(self, kda: KDAStates, kv_caches: list[dict[str, torch.Tensor]], fb: ForwardBatch):
+        self.kda, self.kv, self.fb = kda, kv_caches, fb
+
+    def check(self, batch: SeqBatch) -> None:
+        pass  # capacity and page ownership are the scheduler's
+
+    def commit(self, batch: SeqBatch) -> None:
+        pass
+
+    def mla_rows(self, name: str, layer: int, batch: SeqBatch, b: int, rows: torch.Tensor) -> torch.Tensor:
+        cache = self.kv[layer][name]
+        flat = cache.view(-1, cache.shape[-1])  # [pages * page_size, W]
+        s = self.fb.seqs[b]
+        flat[self.fb.slot_mapping[s.q_start:s.q_start + s.q_len]] = rows.to(flat.dtype)
+        return flat[s.kv_index]
+
+
+class Glm5NextEngineModel(nn.Module):
+    """Adapter: engine ForwardBatch + paged KV cache -> Glm5NextModel."""
+
+    def __init__(self, model: Glm5NextModel, spec: Glm5NextSpec, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.model, self.spec = model, spec
+        self.device, self.dtype = torch.device(device), dtype
+        self.kda = KDAStates(model.cfg, self.device, dtype)
+
+    @property
+    def expert_backend(self):
+        return self.model.expert_backend
+
+    def cache_shapes(self) -> list[dict[str, tuple[int, ...]]]:
+        cfg: Glm5NextConfig = self.model.cfg
+        out = []
+        for i in range(cfg.num_hidden_layers):
+            if cfg.is_kda(i):
+                out.append({})
+            elif cfg.shares_topk(i):
+                out.append({"latent": (cfg.kv_lora_rank,)})
+            else:
+                out.append({"latent": (cfg.kv_lora_rank,), "index": (2 * cfg.index_head_dim,)})
+        return out
+
+    def moe_layers(self) -> list:
+        return self.model.moe_layers()
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_caches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        seqs = batch.seqs
+        sb = SeqBatch([s.slot for s in seqs], [s.ctx_len - s.q_len for s in seqs], [s.q_len for s in seqs])
+        if sb.cu[:-1] != [s.q_start for s in seqs]:
+            raise ValueError("ForwardBatch sequences are not laid out back to back")
+        return self.model(batch.input_ids, sb, _PagedView(self.kda, kv_caches, batch))
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden).float()
+
+
+def build_model(model_dir, hf_config=None, *, device="cpu", dtype=None, expert_backend=None) -> Glm5NextEngineModel:
+    """Load a glm5_next checkpoint (or packed store directory) for the engine."""
+    model_dir = Path(model_dir)
+    if hf_config is None:
+        from tiermoe.models.registry import load_hf_config
+
+        hf_config = load_hf_config(model_dir)
+    spec = build_spec(hf_config, str(model_dir / "config.json"))
+    dtype = dtype or torch.float32
+    model = load_model(model_dir, dtype=dtype, device=device, expert_backend=expert_backend, mtp=False)
+    return Glm5NextEngineModel(model, spec, torch.device(device), dtype).eval()
