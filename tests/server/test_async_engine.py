@@ -55,14 +55,14 @@ def test_abort_frees_the_sequence(tokenizer):
                 break  # leaving the iterator aborts the request
         for _ in range(100):
             stats = await engine.stats()
-            if stats["num_running"] == 0:
+            if stats["running"] == 0:
                 break
             await asyncio.sleep(0.01)
         await engine.shutdown()
         return stats
 
     stats = asyncio.run(main())
-    assert stats["num_running"] == 0 and stats["aborted"] == 1
+    assert stats["running"] == 0 and stats["aborted"] == 1
 
 
 def test_fault_fails_only_the_affected_request(tokenizer):

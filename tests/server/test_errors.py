@@ -1,8 +1,6 @@
 """Every bad request is a 4xx with the OpenAI error body (never a 500), plus auth/limits/faults."""
 
-import json
 import threading
-import time
 
 import httpx
 import openai

@@ -100,3 +100,20 @@ def test_reasoning_opened_by_prompt_and_plain_answers():
     q = ReasoningParser()
     assert q.feed("<thi") == ("", "")
     assert q.feed("s is plain") == ("", "<this is plain")
+
+
+def test_metrics_export_engine_expert_tiers():
+    from tiermoe.server.metrics import Metrics
+
+    m = Metrics()
+    stats = {"running": 1, "kv_usage": 0.25, "experts": {
+        "slots": {"hits": 120, "misses": 30, "capacity": 9}, "host": {"hits": 25, "misses": 5},
+        "disk": {"reads": 5, "bytes_read": 10}, "decode_tokens": 10, "per_decode_token": {"slots_hits": 12.0}}}
+    text = m.render(stats, running=1, waiting=0).decode()
+    assert 'tiermoe_expert_hits_total{tier="slots"} 120.0' in text
+    assert 'tiermoe_expert_misses_total{tier="host"} 5.0' in text
+    assert 'tiermoe_expert_hits_total{tier="disk"} 5.0' in text
+    assert 'tiermoe_expert_per_decode_token{kind="slots_hits"} 12.0' in text
+    assert "tiermoe_kv_cache_usage_ratio 0.25" in text and "tiermoe_engine_running 1.0" in text
+    summary = m.summary(stats, 1, 0)
+    assert summary["expert_tiers_per_decode_token"]["slots"] == {"hits": 12.0, "misses": 3.0}

@@ -260,11 +260,12 @@ class AsyncEngine:
 
     # ---- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
-        core = self.core
         live: set[str] = set()  # ids the core holds, as seen from this thread
         try:
             while True:
-                busy = bool(live) and self._has_work()
+                # step whenever the core has work, even with no live request: a core may
+                # only release an aborted sequence's pages inside step()
+                busy = self._has_work()
                 try:
                     cmd = self._commands.get_nowait() if busy else self._commands.get(timeout=self._idle_poll_s)
                 except queue.Empty:
@@ -277,7 +278,7 @@ class AsyncEngine:
                         cmd = self._commands.get_nowait()
                     except queue.Empty:
                         cmd = None
-                if live and self._has_work():
+                if self._has_work():
                     self._step(live)
         except BaseException:  # pragma: no cover - a bug in this loop itself
             log.exception("engine thread crashed")

@@ -238,8 +238,8 @@ class ScriptedEngineCore:
         used = sum(len(s.prompt_ids) + s.generated for s in self._running.values())
         capacity = self.max_model_len * self.max_num_seqs
         return {
-            "num_running": len(self._running),
-            "num_waiting": len(self._waiting),
+            "running": len(self._running),
+            "waiting": len(self._waiting),
             "kv_usage": used / capacity if capacity else 0.0,
             "prefix_cache_pages": len(self._pages),
             **self.counters,

@@ -8,9 +8,6 @@ error body (errors.py chooses the shape by path).
 
 from __future__ import annotations
 
-import json
-import time
-
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -34,7 +31,6 @@ def register(app) -> None:
 
 
 def _block_text(block, param: str) -> str:
-    extra = block.model_extra or {}
     if block.type == "text" and isinstance(block.text, str):
         return block.text
     raise bad_request(f"content block of type {block.type!r} is not supported here (text only)", param=param)
@@ -228,5 +224,3 @@ async def _stream(ctx: ServerContext, mid: str, run: ChoiceRun):
     finally:
         run.abort()
 
-
-__all__ = ["register", "to_chat", "json"]

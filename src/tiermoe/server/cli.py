@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -126,7 +127,7 @@ def serve(args) -> int:
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=max(1, int(args.drain_timeout)), lifespan="on")
-    server = uvicorn.Server(config)
+    server = _Server(config)
     host = f"[{args.host}]" if ":" in args.host else args.host
     try:
         asyncio.run(_run(server, f"http://{host}:{args.port}"))
@@ -135,6 +136,25 @@ def serve(args) -> int:
     if not server.started:
         raise UserError(f"server did not start on {args.host}:{args.port} (address in use?)")
     return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises a caught SIGTERM after its graceful shutdown (exit status -15);
+        here SIGTERM means "drain and stop", so the process exits 0 once drained."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM:
+                self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+    return Server
+
+
+def _Server(config):
+    return _server_class()(config)
 
 
 async def _run(server, url: str) -> None:

@@ -5,9 +5,10 @@ level figures (TTFT, inter-token latency, tokens, outcomes) are recorded by the 
 happen; engine figures (KV usage, queue, per-tier expert hits and misses) come from the
 engine's `stats()` snapshot taken at scrape time and are exported by `EngineCollector`.
 
-Engine stats keys understood (all optional): num_running, num_waiting, kv_usage (0..1),
-decode_tokens, tiers: {tier: {"hits": n, "misses": n}}. Any other top-level number is
-exported as a gauge `tiermoe_engine_<key>`.
+Engine stats keys understood (all optional): kv_usage (0..1) and the expert store's block,
+`experts` (or `tiers`): {tier: {"hits": n, "misses": n, ...}, "disk": {"reads": n, ...},
+"decode_tokens": n, "per_decode_token": {name: x}}. Any other top-level number is exported
+as a gauge `tiermoe_engine_<key>`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,25 @@ def _percentile(values, q: float) -> float | None:
     return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
 
 
+def expert_tiers(snap: dict) -> dict[str, dict[str, float]]:
+    """{tier: {"hits", "misses"}} from the engine's expert counters (disk reads count as disk hits)."""
+    block = snap.get("experts") if isinstance(snap.get("experts"), dict) else snap.get("tiers")
+    tiers: dict[str, dict[str, float]] = {}
+    for tier, row in (block or {}).items():
+        if not isinstance(row, dict):
+            continue
+        entry = {k: float(row[k]) for k in ("hits", "misses") if _num(row.get(k))}
+        if not entry and _num(row.get("reads")):
+            entry = {"hits": float(row["reads"])}
+        if entry:
+            tiers[str(tier)] = entry
+    return tiers
+
+
+def _num(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 class EngineCollector:
     """Exports the latest engine stats snapshot (refreshed by the /metrics handler)."""
 
@@ -47,16 +67,21 @@ class EngineCollector:
         yield kv
         hits = CounterMetricFamily("tiermoe_expert_hits", "Routed-expert picks served by each tier", labels=["tier"])
         misses = CounterMetricFamily("tiermoe_expert_misses", "Routed-expert picks each tier had to fetch", labels=["tier"])
-        for tier, row in (snap.get("tiers") or {}).items():
-            if isinstance(row, dict):
-                if isinstance(row.get("hits"), (int, float)):
-                    hits.add_metric([str(tier)], float(row["hits"]))
-                if isinstance(row.get("misses"), (int, float)):
-                    misses.add_metric([str(tier)], float(row["misses"]))
+        for tier, row in expert_tiers(snap).items():
+            if "hits" in row:
+                hits.add_metric([tier], row["hits"])
+            if "misses" in row:
+                misses.add_metric([tier], row["misses"])
         yield hits
         yield misses
+        experts = snap.get("experts") if isinstance(snap.get("experts"), dict) else {}
+        per_tok = GaugeMetricFamily("tiermoe_expert_per_decode_token", "Expert-store events per decode token", labels=["kind"])
+        for kind, value in (experts.get("per_decode_token") or {}).items():
+            if _num(value):
+                per_tok.add_metric([str(kind)], float(value))
+        yield per_tok
         for key, value in snap.items():
-            if key == "kv_usage" or isinstance(value, bool) or not isinstance(value, (int, float)):
+            if key == "kv_usage" or not _num(value):
                 continue
             name = "tiermoe_engine_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
             g = GaugeMetricFamily(name, f"engine stat {key}")
@@ -133,12 +158,13 @@ class Metrics:
             "ttft_s": {"p50": _percentile(ttft, 0.5), "p90": _percentile(ttft, 0.9), "n": len(ttft)},
             "inter_token_latency_s": {"p50": _percentile(itl, 0.5), "p90": _percentile(itl, 0.9), "n": len(itl)},
         }
-        tiers = engine_stats.get("tiers") if isinstance(engine_stats.get("tiers"), dict) else None
-        decode = engine_stats.get("decode_tokens")
-        if tiers and isinstance(decode, (int, float)) and decode > 0:
-            out["per_decode_token"] = {
-                tier: {k: v / decode for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-                for tier, row in tiers.items()
-                if isinstance(row, dict)
-            }
+        tiers = expert_tiers(engine_stats)
+        if tiers:
+            out["expert_tiers"] = tiers
+            block = engine_stats.get("experts") or engine_stats.get("tiers") or {}
+            decode = block.get("decode_tokens", engine_stats.get("decode_tokens"))
+            if _num(decode) and decode > 0:
+                out["expert_tiers_per_decode_token"] = {
+                    tier: {k: v / decode for k, v in row.items()} for tier, row in tiers.items()
+                }
         return out
