@@ -142,6 +142,8 @@ def run(args, batches: list[int]) -> dict:
     from tiermoe.kernels.triton import fused_moe as fm
     from tiermoe.kernels.triton import tiered as tt
 
+    from tiermoe.kernels.naive import NaiveExperts
+
     dims = TINY if args.tiny else GLM
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = dev.type == "cuda"
@@ -168,7 +170,15 @@ def run(args, batches: list[int]) -> dict:
         res["bandwidth"] = measure_bandwidth(torch, pools[0], r)
     cfgs = {"decode": fm.get_config(lay, 1, dev), "prefill": fm.get_config(lay, max(args.prefill_tokens, 17), dev)}
     if args.tune and gpu:
-        cfgs, res["tuning"] = tune(torch, fm, lay, pools[0], pop[0], k, args, gen)
+        from tiermoe.kernels.triton import tuning
+
+        recs = pools[0].to(dev)
+        cfgs, res["tuning"] = tuning.tune(lay, recs, pop[0], k, args.prefill_tokens, gen)
+        del recs
+        torch.cuda.empty_cache()
+        cfg_path = Path(args.out).with_name("moe_configs.json") if args.out else Path("moe_configs.json")
+        tuning.save_configs(cfg_path, torch.cuda.get_device_name(dev), lay, cfgs)
+        res["tuning"]["written"] = str(cfg_path)
     res["configs"] = cfgs
     new_stack = lambda nl, s: _stack(tt, lay, pools[:nl], shared[:nl], s, k, max(batches), dev, top, cfgs)  # noqa: E731
     if args.exact_layers:
@@ -178,9 +188,11 @@ def run(args, batches: list[int]) -> dict:
     for t in batches:
         res["decode"][str(t)] = decode_bench(torch, stack, pop, t, args.warmup, args.steps, k, gen, gpu)
     if not args.no_baseline:
-        base = Baseline(torch, lay, pools, shared, top, slots, dev, k)
+        base = NaiveExperts(lay, pools, shared, [t_[:slots] for t_ in top], k, dev)
         for t in batches:
-            res["decode"][str(t)]["baseline"] = base.decode_bench(pop, t, args.baseline_steps, gen)
+            d = res["decode"][str(t)]
+            d["baseline"] = baseline_decode(torch, base, pop, t, args.baseline_steps, k, gen, gpu, "torch")
+            d["baseline_copy_triton"] = baseline_decode(torch, base, pop, t, args.baseline_steps, k, gen, gpu, "triton")
         del base
     if args.prefill_tokens:
         res["prefill"] = prefill_bench(torch, stack, pop, args, k, gen, gpu, lay, pools, shared, top, slots)
@@ -303,8 +315,10 @@ def exactness(torch, new_stack, pop, args, e_n, k, gen, gpu, batches) -> dict:
             step = make_stepper(torch, stack, ids, w, h0, gpu)
             runs.append(torch.stack([step(i).clone() for i in range(args.exact_steps)]))
             if gpu and b == 1.0:  # all experts in HBM: the kernels' own speed against the HBM floor
+                s0 = stack.stats().clone()
                 sec = _timed(torch, gpu, lambda: [step(i % args.exact_steps) for i in range(20)])
-                timing = {"per_layer_ms_all_resident": 1e3 * sec / 20 / n_l}
+                d = (stack.stats() - s0).sum(0).tolist()
+                timing = {"per_layer_ms_all_resident": 1e3 * sec / 20 / n_l, "unique_per_layer": d[0] / 20 / n_l}
             del stack, step
             if gpu:
                 torch.cuda.empty_cache()
@@ -316,6 +330,8 @@ def exactness(torch, new_stack, pop, args, e_n, k, gen, gpu, batches) -> dict:
 
 
 def prefill_bench(torch, stack, pop, args, k, gen, gpu, lay, pools, shared, top, slots) -> dict:
+    from tiermoe.kernels.naive import NaiveExperts
+
     n = args.prefill_tokens
     ids, w = sample_routing(torch, pop, n, k, gen)
     h0 = torch.randn(n, lay.hidden, device=pop.device, generator=gen).to(torch.bfloat16)
@@ -331,7 +347,141 @@ def prefill_bench(torch, stack, pop, args, k, gen, gpu, lay, pools, shared, top,
            "resident_used_per_layer": (used & resident).sum().item() / pop.shape[0]}  # fmt: skip
     del stager
     if not args.no_baseline:
-        base = Baseline(torch, lay, pools, shared, top, slots, pop.device, k)
-        sec = _timed(torch, gpu, lambda: base.forward(h0, ids, w))
-        out["baseline"] = {"chunk_ms": 1e3 * sec, "tok_s": n / sec}
+        base = NaiveExperts(lay, pools, shared, [t_[:slots] for t_ in top], k, pop.device)
+        for name, compute in (("baseline", "torch"), ("baseline_copy_triton", "triton")):
+            base.compute = compute
+            sec = _timed(torch, gpu, lambda: base.forward(h0, ids, w))
+            out[name] = {"chunk_ms": 1e3 * sec, "tok_s": n / sec}
     return out
+
+
+def baseline_decode(torch, base, pop, t, steps, k, gen, gpu, compute) -> dict:
+    """The naive path (blocking copies per layer, no cache, no graph) on the same workload."""
+    base.compute = compute
+    ids, w = decode_routing(torch, pop, steps + 2, t, k, gen)
+    state = {"h": torch.randn(t, base.layout.hidden, device=pop.device, generator=gen).to(torch.bfloat16)}
+
+    def step(i):
+        state["h"] = base.forward(state["h"], ids[i], w[i])
+
+    for i in range(2):
+        step(i)
+    c0 = base.copied
+    sec = _timed(torch, gpu, lambda: [step(i) for i in range(2, 2 + steps)])
+    return {"compute": compute, "steps": steps, "step_ms": 1e3 * sec / steps, "per_token_ms": 1e3 * sec / steps / t,
+            "tok_s": steps * t / sec, "copied_per_step": (base.copied - c0) / steps}  # fmt: skip
+
+
+def measure_bandwidth(torch, pool, r: int) -> dict:
+    """HBM copy, pinned host -> GPU copy engine, zero-copy kernel read, bf16 matmul: this GPU, now."""
+    from tiermoe.kernels.triton.cache_manager import gather_records
+
+    dev = torch.device("cuda")
+    n = 2**30
+    a = torch.empty(n, dtype=torch.uint8, device=dev).random_()
+    b = torch.empty_like(a)
+    b.copy_(a)
+    hbm = gbps(2 * n * 10, _timed(torch, True, lambda: [b.copy_(a) for _ in range(10)]))
+    del a, b
+    e_n = pool.shape[0]
+    dst = torch.empty(e_n, r, dtype=torch.uint8, device=dev)
+    dst.copy_(pool, non_blocking=True)
+    whole = gbps(e_n * r, _timed(torch, True, lambda: dst.copy_(pool, non_blocking=True)))
+    m = min(64, e_n)
+    per_rec = gbps(m * r, _timed(torch, True, lambda: [dst[i].copy_(pool[i], non_blocking=True) for i in range(m)]))
+    src = torch.tensor([pool.data_ptr() + i * r for i in range(m)], dtype=torch.int64, device=dev)
+    dsts = torch.tensor([dst.data_ptr() + i * r for i in range(m)], dtype=torch.int64, device=dev)
+    cnt = torch.tensor([m], dtype=torch.int32, device=dev)
+    dst[:m].zero_()
+    gather_records(src, dsts, cnt, r)
+    ok = bool(torch.equal(dst[:m], pool[:m].to(dev)))
+    zc = gbps(m * r, _timed(torch, True, lambda: [gather_records(src, dsts, cnt, r) for _ in range(3)]) / 3)
+    del dst
+    x = torch.randn(8192, 8192, device=dev).to(torch.bfloat16)
+    x @ x
+    tf = 2 * 8192**3 * 5 / _timed(torch, True, lambda: [x @ x for _ in range(5)]) / 1e12
+    del x
+    torch.cuda.empty_cache()
+    return {"hbm_copy_GBps": hbm, "h2d_pinned_GBps": whole, "h2d_pinned_per_record_GBps": per_rec,
+            "zero_copy_read_GBps": zc, "zero_copy_verified": ok, "bf16_matmul_TFLOPs": tf}  # fmt: skip
+
+
+def add_floors(res: dict, lay) -> None:
+    """Hardware floor of the measured work: max(resident bytes / HBM, streamed bytes / PCIe[, flops])."""
+    bw = res.get("bandwidth")
+    if not bw:
+        return
+    hbm = bw["hbm_copy_GBps"] * 1e9
+    pcie = max(bw["h2d_pinned_GBps"], bw["zero_copy_read_GBps"]) * 1e9
+    wb, r, n_l = lay.weight_bytes, lay.length, res["model"]["layers"]
+    res["floor_model"] = {"hbm_GBps": hbm / 1e9, "pcie_GBps": pcie / 1e9, "bytes": "weight bytes (no padding)"}
+    for t, d in res.get("decode", {}).items():
+        t = int(t)
+        hits, misses, adm = d["hits_per_step"], d["misses_per_step"], d["admitted_per_step"]
+        floor = max((hits + n_l) * wb / hbm, misses * wb / pcie)  # + n_l: one shared expert per layer
+        d["floor_step_ms"] = 1e3 * floor
+        d["floor_per_token_ms"] = 1e3 * floor / t
+        d["pct_of_floor"] = 100 * floor / (d["step_ms"] / 1e3)
+        d["bytes_per_token"] = {"pcie": (adm * r + (misses - adm) * wb) / t, "hbm": ((hits + adm + n_l) * wb + adm * r) / t, "cpu": 0}
+        for key in ("baseline", "baseline_copy_triton"):
+            if key in d:
+                d[key]["ratio_ours_faster"] = d[key]["step_ms"] / d["step_ms"]
+    ex = res.get("exactness", {}).get("batches", {})
+    for t, d in ex.items():
+        if "per_layer_ms_all_resident" in d:
+            floor = (d["unique_per_layer"] + 1) * wb / hbm
+            d["floor_per_layer_ms"] = 1e3 * floor
+            d["pct_of_floor"] = 100 * floor / (d["per_layer_ms_all_resident"] / 1e3)
+    p = res.get("prefill")
+    if p:
+        m = res["model"]
+        flops = 2 * p["tokens"] * (m["top_k"] + 1) * 3 * m["hidden"] * m["inter"] * n_l
+        terms = {"pcie_s": p["staged_per_layer"] * n_l * wb / pcie,
+                 "hbm_s": (p["resident_used_per_layer"] + 1) * n_l * wb / hbm,
+                 "compute_s": flops / (bw["bf16_matmul_TFLOPs"] * 1e12)}  # fmt: skip
+        floor = max(terms.values())
+        p["floor"] = {**terms, "chunk_ms": 1e3 * floor, "tok_s": p["tokens"] / floor}
+        p["pct_of_floor"] = 100 * p["tok_s"] / p["floor"]["tok_s"]
+        for key in ("baseline", "baseline_copy_triton"):
+            if key in p:
+                p[key]["ratio_ours_faster"] = p["tok_s"] / p[key]["tok_s"]
+
+
+def summary(res: dict) -> str:
+    m = res["model"]
+    lines = [f"moe-gpu {res['date']} {res['env'].get('gpu', 'cpu')}: {m['layers']} layers x {m['experts']} experts "
+             f"({m['kind']}, {m['record_bytes'] / 2**20:.2f} MiB/record), {m['slots_per_layer']} GPU slots/layer"]  # fmt: skip
+    bw = res.get("bandwidth")
+    if bw:
+        lines.append(f"  bandwidth GB/s: HBM copy {bw['hbm_copy_GBps']:.0f}, pinned H2D {bw['h2d_pinned_GBps']:.1f} "
+                     f"(per record {bw['h2d_pinned_per_record_GBps']:.1f}), zero-copy read {bw['zero_copy_read_GBps']:.1f}; "
+                     f"bf16 mm {bw['bf16_matmul_TFLOPs']:.0f} TFLOP/s")  # fmt: skip
+    ex = res.get("exactness")
+    if ex:
+        lines.append(f"  exactness ({ex['layers']} layers, {ex['steps']} steps, budgets 100/10/0 %): "
+                     f"{'bit-identical' if ex['all_bit_identical'] else 'MISMATCH'}")  # fmt: skip
+        for t, d in ex["batches"].items():
+            if "pct_of_floor" in d:
+                lines.append(f"    all-resident T={t}: {1e3 * d['per_layer_ms_all_resident']:.1f} us/layer "
+                             f"(HBM floor {1e3 * d['floor_per_layer_ms']:.1f} us, {d['pct_of_floor']:.0f} %)")  # fmt: skip
+    for t, d in res.get("decode", {}).items():
+        s = (f"  decode T={t}: {d['step_ms']:.2f} ms/step, {d['per_token_ms']:.2f} ms/token, {1e3 * d['per_layer_ms']:.0f} us/layer, "
+             f"hit {100 * d['hit_rate']:.1f} %")  # fmt: skip
+        if "pct_of_floor" in d:
+            s += f", floor {d['floor_step_ms']:.2f} ms -> {d['pct_of_floor']:.0f} % of floor"
+        if "baseline" in d:
+            s += f"; naive torch {d['baseline']['step_ms']:.1f} ms ({d['baseline'].get('ratio_ours_faster', 0):.2f}x)"
+        lines.append(s)
+    p = res.get("prefill")
+    if p:
+        s = f"  prefill {p['tokens']}: {p['tok_s']:.0f} tok/s ({p['chunk_ms']:.0f} ms/chunk)"
+        if "floor" in p:
+            s += f", floor {p['floor']['tok_s']:.0f} tok/s -> {p['pct_of_floor']:.0f} %"
+        if "baseline" in p:
+            s += f"; naive torch {p['baseline']['tok_s']:.0f} tok/s"
+        lines.append(s)
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -108,6 +108,12 @@ def fused_moe_ref(
     return out.to(torch.bfloat16)
 
 
+def rmsnorm(h: torch.Tensor) -> torch.Tensor:
+    """bf16 RMS norm without weight (the synthetic stack's pre-MoE norm)."""
+    hf = h.float()
+    return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+
+
 # ----------------------------------------------------------------------------- align
 
 

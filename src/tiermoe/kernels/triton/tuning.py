@@ -1,0 +1,139 @@
+"""Launch-configuration search for the fused MoE kernel (run on the target GPU).
+
+Decode (BLOCK_M = 16, T <= 16) and prefill buckets are tuned separately, each stage
+(gate_up, down) in turn with the other fixed, on records resident in HBM. Decode candidates
+are timed inside a CUDA graph of `reps` calls with different routing per call, so launch
+overhead and L2 reuse do not decide the winner; prefill candidates are timed eagerly (each
+call is milliseconds). The result is merged into configs.json under the device's name.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from tiermoe.kernels.layout import ExpertLayout
+from tiermoe.kernels.triton.fused_moe import CONFIG_PATH, default_config, fused_moe, shape_key
+
+
+def _decode_candidates(layout: ExpertLayout) -> list[dict]:
+    g = layout.group_size or 128
+    out = []
+    for bn, bk, ns in itertools.product((16, 32, 64), (64, 128), (3, 5)):
+        if layout.kind != "bf16" and g % bk:
+            continue
+        out.append({"BM": 16, "BN": bn, "BK": bk, "num_warps": 4, "num_stages": ns})
+    return out
+
+
+def _prefill_candidates(layout: ExpertLayout, bm: int) -> list[dict]:
+    shapes = [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4), (128, 32, 8, 4), (256, 64, 8, 3)]
+    return [{"BM": bm, "BN": bn, "BK": bk, "num_warps": nw, "num_stages": ns} for bn, bk, nw, ns in shapes]
+
+
+def _sample(pop: torch.Tensor, tokens: int, k: int, gen: torch.Generator, shared_row: int):
+    ids = torch.multinomial(pop.expand(tokens, -1).contiguous(), k, False, generator=gen)
+    ids = torch.cat([ids, torch.full((tokens, 1), shared_row, device=pop.device)], 1).to(torch.int32)
+    w = torch.cat([torch.softmax(torch.rand(tokens, k, device=pop.device, generator=gen), -1),
+                   torch.ones(tokens, 1, device=pop.device)], 1)  # fmt: skip
+    return ids, w
+
+
+def _time_decode(layout, table, pop, k, cfg, tokens, gen, reps=16) -> float:
+    """Seconds per fused_moe call (graph of `reps` calls with fresh routing each)."""
+    shared_row = table.numel() - 1
+    calls = [_sample(pop, tokens, k, gen, shared_row) for _ in range(reps)]
+    x = torch.randn(tokens, layout.hidden, device=table.device, generator=gen).to(torch.bfloat16)
+    for ids, w in calls[:2]:
+        fused_moe(x, ids, w, table, layout, config=cfg)  # compile outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for ids, w in calls:
+            fused_moe(x, ids, w, table, layout, config=cfg)
+    g.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(3):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / 1e3 / (3 * reps)
+
+
+def _time_prefill(layout, table, pop, k, cfg, tokens, gen) -> float:
+    ids, w = _sample(pop, tokens, k, gen, table.numel() - 1)
+    x = torch.randn(tokens, layout.hidden, device=table.device, generator=gen).to(torch.bfloat16)
+    fused_moe(x, ids, w, table, layout, config=cfg)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(3):
+        fused_moe(x, ids, w, table, layout, config=cfg)
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / 1e3 / 3
+
+
+def tune(layout: ExpertLayout, records: torch.Tensor, pop: torch.Tensor, top_k: int, prefill_tokens: int,
+         gen: torch.Generator, time_budget_s: float = 150.0, log=print) -> tuple[dict, dict]:  # fmt: skip
+    """Best {"decode": cfg, "prefill": cfg} for records uint8 [E, R] on the GPU; plus a report."""
+    e_n = records.shape[0]
+    table = records.data_ptr() + torch.arange(e_n + 1, device=records.device, dtype=torch.int64) * layout.length
+    table[-1] = records.data_ptr()  # shared row: any record
+    deadline = time.perf_counter() + time_budget_s
+    report: dict = {"decode": [], "prefill": []}
+
+    def search(bucket, base, cands_for_stage, timer):
+        best = {"gate_up": dict(base["gate_up"]), "down": dict(base["down"])}
+        best_t = timer(best)
+        report[bucket].append({"config": json.loads(json.dumps(best)), "s": best_t})
+        for stage in ("gate_up", "down"):
+            for cand in cands_for_stage:
+                if time.perf_counter() > deadline:
+                    return best, best_t
+                trial = {**best, stage: cand}
+                if stage == "gate_up" and cand["BM"] != best["down"]["BM"]:
+                    trial["down"] = {**best["down"], "BM": cand["BM"]}
+                try:
+                    t = timer(trial)
+                except Exception as exc:  # a config may not compile (resources); skip it
+                    report[bucket].append({"config": trial, "error": str(exc).splitlines()[0][:200]})
+                    continue
+                report[bucket].append({"config": trial, "s": t})
+                if t < best_t:
+                    best, best_t = trial, t
+        return best, best_t
+
+    def dec_timer(cfg):
+        return _time_decode(layout, table, pop, top_k, cfg, 1, gen) + _time_decode(layout, table, pop, top_k, cfg, 4, gen)
+
+    dec, dec_t = search("decode", default_config(layout, 1), _decode_candidates(layout), dec_timer)
+    log(f"tune decode: {dec} ({dec_t * 1e6:.1f} us for T=1 + T=4)")
+    pre_best, pre_t = None, float("inf")
+    if prefill_tokens:
+        for bm in (64, 128):
+            base = default_config(layout, prefill_tokens)
+            base = {s: {**c, "BM": bm} for s, c in base.items()}
+            timer = lambda cfg: _time_prefill(layout, table, pop, top_k, cfg, prefill_tokens, gen)  # noqa: E731
+            cfg, t = search("prefill", base, _prefill_candidates(layout, bm), timer)
+            if t < pre_t:
+                pre_best, pre_t = cfg, t
+        log(f"tune prefill: {pre_best} ({pre_t * 1e3:.2f} ms per {prefill_tokens}-token layer)")
+    out = {"decode": dec, "prefill": pre_best or default_config(layout, max(prefill_tokens, 17))}
+    return out, {"decode_s": dec_t, "prefill_s": pre_t if pre_best else None, "trials": report}
+
+
+def save_configs(path: str | Path, device_name: str, layout: ExpertLayout, cfgs: dict, base: str | Path = CONFIG_PATH) -> None:
+    """Merge `cfgs` into the JSON at `base` (the package's) and write it to `path`."""
+    try:
+        data = json.loads(Path(base).read_text())
+    except FileNotFoundError:
+        data = {}
+    data.setdefault("format", 1)
+    data.setdefault("devices", {}).setdefault(device_name, {})[shape_key(layout)] = cfgs
+    Path(path).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
