@@ -15,15 +15,15 @@ ARGS = ["--max-tokens", "60", "--tail-seconds", "0.02", "--bin-seconds", "0.1"]
 @pytest.mark.parametrize("burst, rc_want, verdict", [(False, 0, "PASS"), (True, 1, "FAIL")])
 def test_stream_rate_end_to_end(burst, rc_want, verdict, tmp_path, capsys):
     out = tmp_path / "sr.json"
-    with serve(Behaviour(decode_s_per_token=0.02, natural_len=40, burst=burst)) as url:
+    with serve(Behaviour(decode_s_per_token=0.02, natural_len=50, burst=burst)) as url:
         rc, text = run_bench(["stream-rate", "--url", url, *ARGS, "--out", str(out)], capsys)
     assert rc == rc_want, text
     assert text.startswith(verdict)
     r = load(out)
     assert r["kind"] == "tiermoe.bench.stream-rate" and r["verdict"] == verdict
-    assert r["completion_tokens"] == 40 and r["events"] == 40
+    assert r["completion_tokens"] == 50 and r["events"] == 50
     assert r["timeline"][-1][1] == r["total_chars"]
-    assert sum(b["events"] for b in r["bins"]) == 40
+    assert sum(b["events"] for b in r["bins"]) == 50
     if burst:  # half the text arrives in the final flush
         assert r["fraction_in_tail"] >= 0.45 and r["fraction_by_midpoint"] < 0.40
     else:

