@@ -45,7 +45,7 @@ log = logging.getLogger("tiermoe.store")
 class ExpertStore:
     def __init__(self, manifest: Manifest, *, device: torch.device, dtype: torch.dtype, n_slots: int, n_host: int,
                  policy: str, rates: dict[int, float] | None, static_hot: int, direct_io: bool, reader_threads: int,
-                 verify: str, preload: bool, prefetch_limit: int | None):
+                 verify: str, preload: bool, prefetch_limit: int | None, measured_rates: bool = False):
         self.manifest = manifest
         self.layout = manifest.layout
         self.device = device
@@ -77,7 +77,7 @@ class ExpertStore:
         self._explicit_steps = False
         self._step_tokens = 1
         if preload and rates:
-            self.residency.warm_start(rates)
+            self.residency.warm_start(rates, seed=measured_rates)
         self._load_residents()
 
     # -- construction ----------------------------------------------------------------------
@@ -102,7 +102,8 @@ class ExpertStore:
         rates, _, _ = key_rates(m, stats_file, config_top_k(m.config))
         return cls(m, device=dev, dtype=dtype or m.dtype, n_slots=plan.n_slots, n_host=plan.n_host, policy=policy,
                    rates=rates, static_hot=static_hot, direct_io=direct_io, reader_threads=reader_threads,
-                   verify=verify, preload=preload, prefetch_limit=prefetch_limit)
+                   verify=verify, preload=preload, prefetch_limit=prefetch_limit,
+                   measured_rates=stats_file is not None)
 
     def _load_residents(self) -> None:
         """Read every key the policies hold (warm start / static set) into its tier."""

@@ -87,9 +87,10 @@ class Policy:
 
     def _on_remove(self, key: int) -> None: ...
 
-    def warm_start(self, rates: Mapping[int, float], exclude: Collection[int] = ()) -> list[int]:
-        """Seed statistics from expected picks per step; fill free room with the hottest keys
-        not in `exclude` (e.g. the keys a faster tier already holds).
+    def warm_start(self, rates: Mapping[int, float], exclude: Collection[int] = (), *, seed: bool = True) -> list[int]:
+        """Fill free room with the hottest keys not in `exclude` (e.g. the keys a faster tier
+        already holds); with `seed`, also seed usage statistics from the rates (expected uses
+        per step). Pass seed=False when the rates are a mere guess (uniform routing).
 
         Returns the keys inserted (hottest first) so the caller can load their data.
         """
@@ -187,13 +188,14 @@ class LFU(Policy):
             return True
         return self._score.get(key, 0.0) > self._score.get(victim, 0.0)
 
-    def warm_start(self, rates: Mapping[int, float], exclude: Collection[int] = ()) -> list[int]:
-        # Steady state of a decayed counter for a key used `r` times per step: r / (1 - decay).
-        horizon = 1.0 / (1.0 - self.decay) if self.decay < 1.0 else 1000.0
-        for k, r in rates.items():
-            self._score[k] = self._score.get(k, 0.0) + r * horizon * self._inc
-        self._rebuild()
-        return super().warm_start(rates, exclude)
+    def warm_start(self, rates: Mapping[int, float], exclude: Collection[int] = (), *, seed: bool = True) -> list[int]:
+        if seed:
+            # Steady state of a decayed counter for a key used `r` times per step: r / (1 - decay).
+            horizon = 1.0 / (1.0 - self.decay) if self.decay < 1.0 else 1000.0
+            for k, r in rates.items():
+                self._score[k] = self._score.get(k, 0.0) + r * horizon * self._inc
+            self._rebuild()
+        return super().warm_start(rates, exclude, seed=seed)
 
 
 class Clock(Policy):
@@ -243,9 +245,9 @@ class Clock(Policy):
             return k
         return None
 
-    def warm_start(self, rates: Mapping[int, float], exclude: Collection[int] = ()) -> list[int]:
-        added = super().warm_start(rates, exclude)
-        for k in added:
+    def warm_start(self, rates: Mapping[int, float], exclude: Collection[int] = (), *, seed: bool = True) -> list[int]:
+        added = super().warm_start(rates, exclude, seed=seed)
+        for k in added if seed else ():
             self._ref[self._pos[k]] = True  # loaded because they are hot: one free pass
         return added
 

@@ -57,10 +57,11 @@ class Residency:
         self.slots.step()
         self.host.step()
 
-    def warm_start(self, rates: Mapping[int, float]) -> tuple[list[int], list[int]]:
-        """Seed both policies; return (keys to load into slots, keys to load into host)."""
-        in_slots = self.slots.warm_start(rates)
-        in_host = self.host.warm_start(rates, exclude=self.slots.keys())
+    def warm_start(self, rates: Mapping[int, float], *, seed: bool = True) -> tuple[list[int], list[int]]:
+        """Fill both tiers by rate (seeding policy statistics too if `seed`); return
+        (keys to load into slots, keys to load into host)."""
+        in_slots = self.slots.warm_start(rates, seed=seed)
+        in_host = self.host.warm_start(rates, exclude=self.slots.keys(), seed=seed)
         return in_slots, in_host
 
     def _room(self, policy: Policy, key: int, protect: Collection[int]) -> tuple[bool, int | None]:
