@@ -73,22 +73,17 @@ def _fill(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         return normal(0.1, 1.0)
     if "conv1d" in name:
         return normal(1.0 / math.sqrt(p.shape[-1]))
-    if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
-        return normal(1.0 / math.sqrt(p.shape[-1]))
     return normal(1.0 / math.sqrt(p.shape[-1]))  # linear weights [out, in], hc fn
 
 
 def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0, with_mtp: bool = True) -> Path:
     """Create `out_dir` with config.json, model.safetensors and tokenizer files; returns it."""
-    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer, Glm5NextForConditionalGeneration
     from transformers import Glm5NextConfig as HFConfig
-    from transformers import Glm5NextForConditionalGeneration
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     vocab = save_tokenizer(out)
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(str(out))
     text = dict(TINY_TEXT_CONFIG, vocab_size=vocab, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     cfg = HFConfig(text_config=text, vision_config=TINY_VISION_CONFIG, tie_word_embeddings=False)
