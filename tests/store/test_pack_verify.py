@@ -173,3 +173,36 @@ def test_verify_missing_or_truncated_store(tmp_path, capsys):
     assert "truncated" in err and err.count("\n") == 1 and "Traceback" not in err
     (tmp_path / "st" / "experts.bin").unlink()
     assert main(["verify", str(tmp_path / "st")]) == 2
+
+
+def test_pack_refuses_when_disk_is_too_small(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    make_checkpoint(tmp_path / "src")
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10**6, 10**6 - 1000, 1000))
+    with pytest.raises(UserError, match="more disk space"):
+        pack(tmp_path / "src", tmp_path / "st", **QUIET)
+
+
+def test_pack_real_transformers_checkpoint(tmp_path):
+    """A checkpoint written by transformers' own save_pretrained (Qwen3-MoE naming)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "src")
+    pack(tmp_path / "src", tmp_path / "st", **QUIET)
+    m = load_manifest(tmp_path / "st")
+    assert m.moe_layers == [0, 1] and m.experts_per_layer == {0: 4, 1: 4}
+    experts = model.model.layers[1].mlp.experts
+    with ExpertStore.open(tmp_path / "st", host_expert_gb=0, gpu_expert_gb=0, reader_threads=2) as st:
+        gu, dn = st.fetch(1, [3])[3]
+    assert torch.equal(gu, experts.gate_up_proj[3]) and torch.equal(dn, experts.down_proj[3])
+    idx = json.loads((tmp_path / "st" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.1.mlp.gate.weight" in idx and "lm_head.weight" in idx or "model.embed_tokens.weight" in idx
+    assert not any(".experts." in k for k in idx)

@@ -272,6 +272,16 @@ def _write_dense(ck: Checkpoint, out: Path, shard_bytes: int, journal: Journal, 
     return {"index": DENSE_INDEX, "shards": names, "tensors": len(weight_map)}
 
 
+def _check_space(out: Path, path: Path, need: int) -> None:
+    """UserError up front instead of ENOSPC hours into a pack."""
+    have = path.stat().st_size if path.exists() else 0
+    for f in out.glob("model-*.safetensors"):
+        have += f.stat().st_size
+    free = shutil.disk_usage(out).free
+    if need - have > free:
+        raise UserError(f"{out}: needs {(need - have) / 2**30:.1f} GiB more disk space, {free / 2**30:.1f} GiB free")
+
+
 def pack(
     src: str | os.PathLike,
     out: str | os.PathLike,
@@ -312,6 +322,7 @@ def pack(
     if shas:
         log(f"resuming: {len(shas)} of {len(keys)} records already written")
     path = out / EXPERTS_NAME
+    _check_space(out, path, len(keys) * layout.length + ck.dense_nbytes())
     rf = _RecordFile(path, len(keys) * layout.length, direct_io, notes)
     bar = tqdm(total=len(keys) * layout.length, initial=len(shas) * layout.length, unit="B", unit_scale=True,
                unit_divisor=1024, desc="experts", disable=not progress)
