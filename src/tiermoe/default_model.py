@@ -101,7 +101,9 @@ def is_complete(model_dir: Path) -> bool:
 
     if prov.get("converter_version") != CONVERTER_VERSION:
         return False
-    needed = {"config.json", "tokenizer.json", *index.get("weight_map", {}).values()}
+    needed = {"config.json", *index.get("weight_map", {}).values()}
+    if prov.get("tokenizer"):
+        needed.add("tokenizer.json")
     return all((model_dir / f).is_file() for f in needed)
 
 

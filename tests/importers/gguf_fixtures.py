@@ -7,7 +7,11 @@ accelerate requirement), which maps and un-permutes GGUF tensors independently o
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from unittest import mock
+
+import gguf
 
 import numpy as np
 import torch
@@ -92,17 +96,34 @@ def write_gguf(path: Path, arch: str, *, tied: bool = True, seed: int = 0, extra
 def transformers_reference(gguf_path: Path, **config_overrides):
     """The model transformers builds from a GGUF file (fp32, eval mode)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     gguf_path = Path(gguf_path)
-    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    for key, value in config_overrides.items():
-        setattr(config, key, value)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
+    # Two speed-ups that leave the result unchanged: open the file once (GGUFReader walks every
+    # tokenizer entry, seconds for a 49k vocabulary) and memoise gguf's tensor-name table, which
+    # transformers rebuilds for each of ~400 modules (~10 s). Both are pure functions of input.
+    readers: dict[str, gguf.GGUFReader] = {}
+    real_reader = gguf.GGUFReader
+
+    def reader(path, *args, **kwargs):
+        key = str(Path(path).resolve())
+        if key not in readers:
+            readers[key] = real_reader(path, *args, **kwargs)
+        return readers[key]
+
+    name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+    with mock.patch.object(gguf, "GGUFReader", reader), mock.patch.object(gguf, "get_tensor_name_map", name_map):
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        for key, value in config_overrides.items():
+            setattr(config, key, value)
+        with no_init_weights():  # every weight is loaded below; random init would cost seconds
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     assert not unexpected, unexpected
     assert set(missing) <= {"lm_head.weight"}, missing
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.eval()
+
