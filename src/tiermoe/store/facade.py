@@ -259,9 +259,13 @@ class ExpertStore:
 
     # -- moves ------------------------------------------------------------------------------
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One record copy, queued on the current stream on CUDA. The host side (a source still
+        being read, or a destination still being written by a D2H copy) gets an event, so the
+        CPU never writes there before the queued copy is done."""
         dst.copy_(src, non_blocking=self._cuda)
-        if src.device.type == "cpu":
-            self._events.record(src)
+        for t in (src, dst):
+            if t.device.type == "cpu":
+                self._events.record(t)
 
     def _to_device(self, src: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self.record_bytes, dtype=torch.uint8, device=self.device)
