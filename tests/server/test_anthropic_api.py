@@ -81,3 +81,10 @@ def test_errors_use_anthropic_shape(anthropic_client):
     assert e.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.BadRequestError):
         anthropic_client.messages.create(model="scripted", max_tokens=10**6, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_thinking_budget_tokens(anthropic_client):
+    m = anthropic_client.messages.create(model="scripted", max_tokens=300, thinking={"type": "enabled", "budget_tokens": 6},
+                                         messages=[{"role": "user", "content": "THINK_LONG"}])
+    thinking = next(b for b in m.content if b.type == "thinking")
+    assert len(thinking.thinking) < 40 and m.content[-1].text == "Done thinking."

@@ -217,3 +217,37 @@ def test_health_stats_metrics(server, client):
                  "tiermoe_requests_total", "tiermoe_generation_tokens_total", "tiermoe_kv_cache_usage_ratio",
                  "tiermoe_requests_waiting"):
         assert name in metrics
+
+
+def test_stream_n_choices_interleave(client):
+    chunks = list(client.chat.completions.create(model="scripted", messages=_user("Name three primary colors"), n=2, stream=True,
+                                                 extra_body={"chat_template_kwargs": {"enable_thinking": False}}))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert texts == {0: "Red, yellow, blue", 1: "Red, yellow, blue"}
+
+
+def test_glm_tool_format_round_trip(tokenizer):
+    import openai
+
+    from conftest import start_server
+
+    with start_server(tokenizer, core_kwargs={"tool_format": "glm"}) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        calls = {}
+        for ch in c.chat.completions.create(model="scripted", messages=_user("What is the weather in Paris?"), tools=WEATHER, stream=True):
+            for tc in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+                entry = calls.setdefault(tc.index, {"name": None, "arguments": ""})
+                entry["name"] = tc.function.name or entry["name"]
+                entry["arguments"] += tc.function.arguments or ""
+        assert calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"]) == {"city": "Paris"}
+        r = c.chat.completions.create(model="scripted", messages=_user("What is the weather in Paris?"), tools=WEATHER,
+                                      tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        assert r.choices[0].message.tool_calls[0].function.arguments == '{"city": "Paris"}'
+
+
+def test_cors_off_by_default(server):
+    r = httpx.options(server.url + "/v1/models", headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "GET"})
+    assert "access-control-allow-origin" not in r.headers

@@ -100,11 +100,13 @@ class ChoiceRun:
             self.tools.feed(self._forced_text)  # the prompt already holds the call's opening
 
     def abort(self) -> None:
+        """Stop this choice (client gone, or the request failed elsewhere); idempotent."""
         if not self._done:
             self._done = True
             self.ctx.engine.abort(self._engine_id)
             if self.finish_reason is None:
                 self.finish_reason = "abort"
+                self.ctx.metrics.observe_finish(self)
 
     @property
     def reasoning_text(self) -> str:
