@@ -30,24 +30,27 @@ def test_random_records_are_valid():
     assert (s > 0).all()
 
 
-def _stack_inputs(layers=2, e=8, k=2, t=2, steps=3, seed=0):
+def _stack_inputs(device, layers=2, e=8, k=2, t=2, steps=3, seed=0):
     lay = expert_layout("int4", 64, 32, 32)
     gen = torch.Generator().manual_seed(seed)
-    pools = [T.random_records(lay, e, torch.device("cpu"), gen) for _ in range(layers)]
-    shared = [T.random_records(lay, 1, torch.device("cpu"), gen)[0] for _ in range(layers)]
+    pools = []
+    for _ in range(layers):  # pinned host pools (plain memory on CPU-only machines)
+        pool = T.pin_host(e * lay.length).view(e, lay.length)
+        pool.copy_(T.random_records(lay, e, torch.device("cpu"), gen))
+        pools.append(pool)
+    shared = [T.random_records(lay, 1, torch.device("cpu"), gen)[0].to(device) for _ in range(layers)]
     ids = torch.stack([torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]) for _ in range(steps * layers)])
     ids = torch.cat([ids, torch.full((steps * layers, t, 1), e)], -1).view(steps, layers, t, k + 1).to(torch.int32)
     w = torch.cat([torch.rand(steps, layers, t, k, generator=gen), torch.ones(steps, layers, t, 1)], -1)
     h0 = torch.randn(t, 64, generator=gen).to(torch.bfloat16)
-    return lay, pools, shared, ids, w, h0
+    return lay, pools, shared, ids.to(device), w.to(device), h0.to(device)
 
 
 @pytest.mark.slow
-def test_tiered_decode_and_prefill_match_naive():
-    lay, pools, shared, ids, w, h0 = _stack_inputs()
-    cpu = torch.device("cpu")
-    stack = T.TieredExperts(lay, pools, shared, 3, 2, 2, cpu, warm=[[0, 1, 2], [3, 4, 5]])
-    naive = NaiveExperts(lay, pools, shared, [[0], [1]], 2, cpu)
+def test_tiered_decode_and_prefill_match_naive(device):
+    lay, pools, shared, ids, w, h0 = _stack_inputs(device)
+    stack = T.TieredExperts(lay, pools, shared, 3, 2, 2, device, warm=[[0, 1, 2], [3, 4, 5]])
+    naive = NaiveExperts(lay, pools, shared, [[0], [1]], 2, device)
     h_t, h_n = h0, h0
     for i in range(ids.shape[0]):
         h_t = stack.decode_step(h_t, ids[i], w[i])
@@ -55,10 +58,10 @@ def test_tiered_decode_and_prefill_match_naive():
     assert ((h_t.float() - h_n.float()).norm() / h_n.float().norm()) < 2e-2
     assert stack.stats()[:, 0].sum() > 0 and naive.copied > 0
     # prefill of a 20-token chunk (torch align path) through the staging plan
-    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(device)
     pids = torch.stack([torch.stack([torch.randperm(8)[:2] for _ in range(20)]) for _ in range(2)])
-    pids = torch.cat([pids, torch.full((2, 20, 1), 8)], -1).to(torch.int32)
-    pw = torch.cat([torch.rand(2, 20, 2), torch.ones(2, 20, 1)], -1)
+    pids = torch.cat([pids, torch.full((2, 20, 1), 8)], -1).to(torch.int32).to(device)
+    pw = torch.cat([torch.rand(2, 20, 2), torch.ones(2, 20, 1)], -1).to(device)
     before = [c.ptr_table.clone() for c in stack.caches]
     out = stack.prefill(x, pids, pw, stack.make_stager())
     ref = naive.forward(x, pids, pw)

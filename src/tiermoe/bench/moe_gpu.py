@@ -157,6 +157,8 @@ def run(args, batches: list[int]) -> dict:
     res["model"] = dict(dims, layers=n_layers, shared_experts=1, kind=args.kind, record_bytes=r, weight_bytes=wb,
                         slots_per_layer=slots, budget=slots / e_n)  # fmt: skip
     t0 = time.perf_counter()
+    log = lambda msg: print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)  # noqa: E731
+    log(f"building {n_layers} layers x {e_n} experts in pinned host RAM ({n_layers * e_n * r / 2**30:.1f} GiB)")
     pools, shared = [], []
     for _ in range(n_layers):  # random records made on the device, then parked in pinned host RAM
         pool = tt.pin_host(e_n * r).view(e_n, r)
@@ -167,11 +169,14 @@ def run(args, batches: list[int]) -> dict:
     pop = load_popularity(args.stats, n_layers, e_n).to(dev)  # [L, E]
     top = torch.argsort(pop, dim=1, descending=True).tolist()  # most popular first
     if gpu:
+        log("bandwidths")
         res["bandwidth"] = measure_bandwidth(torch, pools[0], r)
+        log(json.dumps({k_: round(v, 1) if isinstance(v, float) else v for k_, v in res["bandwidth"].items()}))
     cfgs = {"decode": fm.get_config(lay, 1, dev), "prefill": fm.get_config(lay, max(args.prefill_tokens, 17), dev)}
     if args.tune and gpu:
         from tiermoe.kernels.triton import tuning
 
+        log("tuning launch configurations")
         recs = pools[0].to(dev)
         cfgs, res["tuning"] = tuning.tune(lay, recs, pop[0], k, args.prefill_tokens, gen)
         del recs
@@ -182,21 +187,27 @@ def run(args, batches: list[int]) -> dict:
     res["configs"] = cfgs
     new_stack = lambda nl, s: _stack(tt, lay, pools[:nl], shared[:nl], s, k, max(batches), dev, top, cfgs)  # noqa: E731
     if args.exact_layers:
+        log("exactness: budgets 100 / 10 / 0 %")
         res["exactness"] = exactness(torch, new_stack, pop, args, e_n, k, gen, gpu, batches)
     stack = new_stack(n_layers, slots)
     res["decode"] = {}
     for t in batches:
+        log(f"decode T={t}")
         res["decode"][str(t)] = decode_bench(torch, stack, pop, t, args.warmup, args.steps, k, gen, gpu)
+        log(f"  {res['decode'][str(t)]['step_ms']:.2f} ms/step, hit rate {res['decode'][str(t)]['hit_rate']:.3f}")
     if not args.no_baseline:
         base = NaiveExperts(lay, pools, shared, [t_[:slots] for t_ in top], k, dev)
         for t in batches:
+            log(f"baseline decode T={t}")
             d = res["decode"][str(t)]
             d["baseline"] = baseline_decode(torch, base, pop, t, args.baseline_steps, k, gen, gpu, "torch")
             d["baseline_copy_triton"] = baseline_decode(torch, base, pop, t, args.baseline_steps, k, gen, gpu, "triton")
         del base
     if args.prefill_tokens:
+        log(f"prefill {args.prefill_tokens} tokens")
         res["prefill"] = prefill_bench(torch, stack, pop, args, k, gen, gpu, lay, pools, shared, top, slots)
     add_floors(res, lay)
+    res["total_s"] = round(time.perf_counter() - t0, 1)
     return res
 
 

@@ -267,19 +267,20 @@ def token_bucket(tokens: int) -> str:
 
 
 def default_config(layout: ExpertLayout, tokens: int) -> dict:
-    """Heuristic launch configuration when configs.json has no entry."""
+    """Heuristic launch configuration when configs.json has no entry (fits any record shape)."""
     g = layout.group_size or 128
-    bk = min(128, g) if layout.kind != "bf16" else 64
+    dims = {"gate_up": (layout.inter, layout.hidden), "down": (layout.hidden, layout.inter)}
     if _INTERPRET:
-        bn = min(32, layout.inter, layout.hidden)
-        bk = min(bk, 32, layout.inter, layout.hidden)
-        stage = {"BM": 16, "BN": bn, "BK": bk, "num_warps": 4, "num_stages": 1}
-        return {"gate_up": dict(stage), "down": dict(stage)}
-    if tokens <= DECODE_MAX_TOKENS:
-        stage = {"BM": 16, "BN": 32, "BK": bk, "num_warps": 4, "num_stages": 4}
-        return {"gate_up": dict(stage), "down": dict(stage)}
-    stage = {"BM": 64, "BN": 128, "BK": min(bk, 64), "num_warps": 8, "num_stages": 3}
-    return {"gate_up": dict(stage), "down": dict(stage)}
+        bm, bn, bk, nw, ns = 16, 32, 32, 4, 1
+    elif tokens <= DECODE_MAX_TOKENS:
+        bm, bn, bk, nw, ns = 16, 32, 128, 4, 4
+    else:
+        bm, bn, bk, nw, ns = 64, 128, 64, 8, 3
+    cfg = {}
+    for stage, (n, kd) in dims.items():
+        k_cap = min(bk, kd, g) if layout.kind != "bf16" else min(bk, kd, 64)
+        cfg[stage] = {"BM": bm, "BN": min(bn, n), "BK": k_cap, "num_warps": nw, "num_stages": ns}
+    return cfg
 
 
 def get_config(layout: ExpertLayout, tokens: int, device: torch.device | None = None) -> dict:
