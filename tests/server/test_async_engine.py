@@ -95,15 +95,16 @@ def test_unnamed_step_exception_fails_running_requests_and_thread_survives(token
     async def main():
         engine = AsyncEngine(Flaky(tokenizer=tokenizer))
         engine.start()
-        await engine.add_request("x", _ids(tokenizer, "a"), SamplingParams())  # admitted, fails in step
-        first = await _collect(engine, "y", _ids(tokenizer, "b"))
-        second = await _collect(engine, "z", _ids(tokenizer, "c"))
+        first = await _collect(engine, "x", _ids(tokenizer, "a"))  # running when the step raises
+        second = await _collect(engine, "y", _ids(tokenizer, "b"))
+        stats = await engine.stats()
         await engine.shutdown()
-        return first, second
+        return first, second, stats
 
-    first, second = asyncio.run(main())
+    first, second, stats = asyncio.run(main())
     assert first[-1].finish_reason == "error" and "kernel exploded" in first[-1].error
     assert second[-1].finish_reason == "stop"
+    assert stats["running"] == 0 and stats["engine_step_errors"] == 1
 
 
 def test_invalid_request_raises_before_streaming(tokenizer):
