@@ -56,7 +56,7 @@ def test_context_limits(client):
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("min_p", 2), ("presence_penalty", 3), ("frequency_penalty", -9),
-    ("repetition_penalty", 0), ("top_k", -5), ("n", 0), ("max_tokens", 0), ("max_tokens", -3),
+    ("repetition_penalty", 0), ("top_k", -5), ("n", 0), ("max_tokens", 0), ("max_tokens", -3), ("logit_bias", {"5": 10}),
 ])
 def test_invalid_sampling_values(client, field, value):
     err = _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=MSG, extra_body={field: value})

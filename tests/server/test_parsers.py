@@ -117,3 +117,10 @@ def test_metrics_export_engine_expert_tiers():
     assert "tiermoe_kv_cache_usage_ratio 0.25" in text and "tiermoe_engine_running 1.0" in text
     summary = m.summary(stats, 1, 0)
     assert summary["expert_tiers_per_decode_token"]["slots"] == {"hits": 12.0, "misses": 3.0}
+
+
+def test_single_call_limit_drops_later_calls():
+    text = render_reply(ScriptedReply(tool_calls=[("get_weather", {"city": "A"}), ("get_weather", {"city": "B"})]), "hermes")
+    parser = HermesToolParser(TOOLS, max_calls=1)
+    content, calls = _run(parser, text, 2)
+    assert list(calls) == [0] and len(parser.calls) == 1 and content == ""

@@ -109,6 +109,8 @@ def _template_kwargs(req) -> tuple[dict, int | None]:
 async def _prompt(ctx: ServerContext, req) -> tuple[str, list[int], object]:
     messages, functions, choice = to_chat(req)
     plan = plan_tools(functions, choice, can_parse=True)
+    if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use:
+        plan.max_calls = 1
     kwargs, _ = _template_kwargs(req)
     text = await ctx.render_chat(messages, plan.template_tools, kwargs) + ctx.forced_text(plan)
     return text, await ctx.encode(text), plan

@@ -27,6 +27,7 @@ class ToolPlan:
     parse: bool
     force: bool = False  # tool_choice required / named: the prompt opens the call
     forced_name: str | None = None
+    max_calls: int | None = None  # 1 when parallel_tool_calls is false
 
 
 def text_content(content, param: str) -> str:

@@ -113,6 +113,8 @@ class ServerContext:
 
     def sampling_params(self, *, max_tokens: int, structured: dict | None = None, **fields) -> SamplingParams:
         """Build and validate SamplingParams; None-valued fields keep their defaults."""
+        if fields.pop("logit_bias", None):
+            raise bad_request("logit_bias is not supported by this server", param="logit_bias")
         kwargs = {k: v for k, v in fields.items() if v is not None}
         if kwargs.get("top_k") == -1:
             kwargs["top_k"] = 0
@@ -185,7 +187,7 @@ class ServerContext:
         tools = None
         forced = ""
         if plan is not None and plan.parse:
-            tools = self.tool_parser_cls(plan.functions, id_prefix=id_prefix)
+            tools = self.tool_parser_cls(plan.functions, id_prefix=id_prefix, max_calls=plan.max_calls)
             forced = self.forced_text(plan)
         parser = None
         if reasoning and self.reasoning_enabled and not forced:

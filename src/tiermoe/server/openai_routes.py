@@ -45,7 +45,7 @@ def _sampling_fields(req) -> dict:
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-        min_tokens=req.min_tokens,
+        min_tokens=req.min_tokens, logit_bias=req.logit_bias,
     )
 
 
@@ -85,6 +85,8 @@ async def chat(request: Request, ctx: ServerContext) -> Response:
     if choice is not None and not isinstance(choice, str):
         choice = {"name": choice.function.name}
     plan = plan_tools([t.function.model_dump(exclude_none=True) for t in req.tools or []], choice, can_parse=True)
+    if req.parallel_tool_calls is False:
+        plan.max_calls = 1
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
     if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:

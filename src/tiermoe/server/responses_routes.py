@@ -151,6 +151,8 @@ async def create_response(request: Request, ctx: ServerContext) -> Response:
             raise bad_request(f"tool type {tool.type!r} is not supported (function tools only)", param=f"tools[{i}].type")
         functions.append({"name": tool.name, "description": tool.description or "", "parameters": tool.parameters or {"type": "object", "properties": {}}})
     plan = plan_tools(functions, _tool_choice(req.tool_choice), can_parse=True)
+    if req.parallel_tool_calls is False:
+        plan.max_calls = 1
     fmt = req.text.format if req.text and req.text.format else None
     spec = structured_spec(fmt.type, fmt.schema_, "text.format") if fmt else None
     kwargs = {}

@@ -75,10 +75,11 @@ class ToolParser:
     start_marker = "<tool_call>"
     end_marker = "</tool_call>"
 
-    def __init__(self, tools: list[dict] | None = None, *, id_prefix: str = "call_"):
+    def __init__(self, tools: list[dict] | None = None, *, id_prefix: str = "call_", max_calls: int | None = None):
         # tools: OpenAI function definitions ({"name", "parameters", ...}) by name
         self.tools = {t["name"]: t for t in (tools or []) if isinstance(t, dict) and "name" in t}
         self.id_prefix = id_prefix
+        self.max_calls = max_calls  # parallel_tool_calls=false: 1; later calls are dropped
         self.calls: list[ToolCall] = []
         self.content = ""
         self._buf = ""
@@ -166,7 +167,12 @@ class ToolParser:
             self.content += text
         return text
 
+    def _dropped(self, call: _Open) -> bool:
+        return self.max_calls is not None and call.index >= self.max_calls
+
     def _progress(self, call: _Open) -> list[ToolCallDelta]:
+        if self._dropped(call):
+            return []
         part = self.parse_partial(call.body)
         deltas = []
         if part.name and not call.name_sent:
@@ -186,6 +192,8 @@ class ToolParser:
                 self._next_index -= 1
                 raw = self.start_marker + call.body + (self.end_marker if complete else "")
                 return self._append(raw), []
+        if self._dropped(call):
+            return "", []
         deltas = []
         if not call.name_sent:
             deltas.append(ToolCallDelta(call.index, id=call.id, name=parsed.name, arguments=""))
