@@ -251,3 +251,16 @@ def test_glm_tool_format_round_trip(tokenizer):
 def test_cors_off_by_default(server):
     r = httpx.options(server.url + "/v1/models", headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "GET"})
     assert "access-control-allow-origin" not in r.headers
+
+
+def test_named_tool_choice_streams_the_forced_call(client):
+    calls = {}
+    for ch in client.chat.completions.create(model="scripted", messages=_user("What is the weather in Paris?"), tools=WEATHER,
+                                             tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True):
+        for tc in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+            entry = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+            if tc.id:
+                entry.update(id=tc.id, name=tc.function.name)
+            entry["arguments"] += tc.function.arguments or ""
+    assert calls[0]["id"] and calls[0]["name"] == "get_weather"
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris"}

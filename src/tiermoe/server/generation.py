@@ -71,6 +71,7 @@ class ChoiceRun:
         self.reasoning = reasoning
         self.tools = tools
         self._forced_text = forced_text
+        self._forced_deltas: list[ToolCallDelta] = []
         self.thinking_budget = thinking_budget
         self._engine_id = request_id
         self._segment = 0
@@ -97,7 +98,9 @@ class ChoiceRun:
         """Submit to the engine; raises InvalidRequest / EngineShutdown before any output."""
         self._stream = await self.ctx.engine.add_request(self._engine_id, self.prompt_ids, self.params)
         if self._forced_text and self.tools is not None:
-            self.tools.feed(self._forced_text)  # the prompt already holds the call's opening
+            # the prompt already holds the call's opening; what it announces (the forced
+            # call's id and name) goes out with the first delta
+            _, self._forced_deltas = self.tools.feed(self._forced_text)
 
     def abort(self) -> None:
         """Stop this choice (client gone, or the request failed elsewhere); idempotent."""
@@ -124,7 +127,8 @@ class ChoiceRun:
             while not self._done:
                 out = await self._stream.__anext__()
                 now = time.monotonic()
-                delta = Delta()
+                delta = Delta(tool_calls=self._forced_deltas)
+                self._forced_deltas = []
                 if out.prompt_tokens and self._segment == 0:
                     self.prompt_tokens = out.prompt_tokens
                     self.cached_tokens = out.cached_tokens
@@ -273,4 +277,8 @@ class ChoiceRun:
         if len(prompt) >= self.ctx.max_model_len:
             self._finish("length", delta)
             return
-        self._stream = await self.ctx.engine.add_request(self._engine_id, prompt, params)
+        try:
+            self._stream = await self.ctx.engine.add_request(self._engine_id, prompt, params)
+        except Exception as exc:  # refused (shutting down, or the core's own limits)
+            self.error = f"could not continue after the thinking budget: {exc}"
+            self._finish("error", delta)

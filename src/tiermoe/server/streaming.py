@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from contextlib import aclosing
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -18,8 +19,10 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tiermoe.server.errors import APIError
+from tiermoe.server.errors import APIError, sse_error_event
 from tiermoe.server.generation import ChoiceRun, Delta
+
+log = logging.getLogger("tiermoe.server")
 
 
 def sse(data: dict | str, event: str | None = None) -> str:
@@ -60,6 +63,13 @@ class EventStream(Response):
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 except OSError:
                     pass  # the client went away mid-send
+                except Exception as exc:  # a bug mid-stream: tell the client in-band, end cleanly
+                    log.exception("stream failed")
+                    err = sse_error_event(scope.get("path", ""), f"internal server error: {type(exc).__name__}")
+                    try:
+                        await send({"type": "http.response.body", "body": err.encode(), "more_body": False})
+                    except OSError:
+                        pass
                 tg.cancel_scope.cancel()
         finally:
             if self.on_close is not None:
