@@ -95,6 +95,21 @@ def test_parity_against_transformers_fp32(ckpt, ours, prompts):
     assert top1 == 1.0 and kl < 1e-6
 
 
+def test_bf16_bit_exact_against_eager_reference(ckpt, prompts):
+    """In bf16 every op mirrors the reference's dtype handling: logits are bit-identical to
+    transformers run with its eager experts loop (its default grouped_mm path accumulates the
+    k expert outputs in fp32 instead, which the engine's combine_experts does not)."""
+    from transformers import Glm5NextForConditionalGeneration
+
+    ref = Glm5NextForConditionalGeneration.from_pretrained(str(ckpt), dtype=torch.bfloat16,
+                                                           experts_implementation="eager").eval()
+    ours_bf16 = load_model(ckpt, dtype=torch.bfloat16)
+    ids = prompts[1]
+    with torch.no_grad():
+        want = ref(input_ids=torch.tensor([ids])).logits[0]
+    assert torch.equal(_ours_full(ours_bf16, ids), want)
+
+
 def test_sparse_selection_is_a_strict_subset(ours, prompts):
     """At the end of a long prompt the indexer keeps topk/P whole pools plus the query's own
     incomplete pool (the always-selected tail), not the whole context."""
