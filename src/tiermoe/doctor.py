@@ -261,7 +261,8 @@ def plan(report: dict) -> dict:
     decisions: list[dict] = []
     warnings: list[str] = []
     usable = mem["usable_bytes"]
-    limit_note = " (cgroup limit)" if mem["cgroup_limit_bytes"] is not None and mem["cgroup_limit_bytes"] <= mem["available_bytes"] else ""
+    limit = mem["cgroup_limit_bytes"]
+    limit_note = " (cgroup limit)" if limit is not None and limit <= mem["available_bytes"] else ""
     if gpu.get("available"):
         dev = gpu["devices"][0]
         decisions.append(
@@ -332,7 +333,10 @@ def run_checks(disk_dir: Path | None = None, disk_mib: int = 64) -> dict:
     from tiermoe.default_model import cache_dir
 
     report = {"gpu": check_gpu(), "memory": check_memory(), "cpu": check_cpu()}
-    report["disk"] = check_disk(disk_dir or cache_dir(), disk_mib) if disk_mib > 0 else {"ok": False, "reason": "skipped (--disk-mib 0)"}
+    if disk_mib > 0:
+        report["disk"] = check_disk(disk_dir or cache_dir(), disk_mib)
+    else:
+        report["disk"] = {"ok": False, "reason": "skipped (--disk-mib 0)"}
     report["plan"] = plan(report)
     return report
 
@@ -355,8 +359,8 @@ def render(report: dict) -> str:
         lines.append(f"  none: {gpu.get('reason')}")
     lines += [
         "Memory",
-        f"  RAM: {_b(mem['available_bytes'])} available of {_b(mem['total_bytes'])}; cgroup limit {_b(mem['cgroup_limit_bytes'])};"
-        f" usable {_b(mem['usable_bytes'])}",
+        f"  RAM: {_b(mem['available_bytes'])} available of {_b(mem['total_bytes'])};"
+        f" cgroup limit {_b(mem['cgroup_limit_bytes'])}; usable {_b(mem['usable_bytes'])}",
         f"  memlock limit: soft {_b(mem['memlock_soft_bytes'])}, hard {_b(mem['memlock_hard_bytes'])}",
         "CPU",
         f"  {cpu['model']}: {cpu['usable_cores']} usable core(s) of {cpu['cores']}",

@@ -50,7 +50,10 @@ CALIBRATION_TEXT = [
 ]
 CALIBRATION_CHATS = [
     ("What is the capital of France?", "The capital of France is Paris."),
-    ("Give me three tips for sleeping better.", "Keep a regular schedule, avoid screens before bed, and keep your room cool and dark."),
+    (
+        "Give me three tips for sleeping better.",
+        "Keep a regular schedule, avoid screens before bed, and keep your room cool and dark.",
+    ),
     ("Translate 'good morning' into Spanish.", "'Good morning' in Spanish is 'buenos días'."),
     ("How many legs does a spider have?", "A spider has eight legs."),
 ]
