@@ -29,7 +29,17 @@ def register(subparsers) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length in tokens (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together per step")
     p.add_argument("--max-queue", type=int, default=256, help="requests allowed to wait beyond --max-num-seqs (then 429)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per engine step (chunked prefill)")
+    p.add_argument("--kv-cache-gb", type=float, default=None, help="memory for KV pages (default: sized by the engine)")
+    p.add_argument("--seed", type=int, default=None, help="engine sampling seed")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    store = p.add_argument_group("expert store (packed stores only; read by the engine)")
+    store.add_argument("--mode", choices=("exact", "fast"), default="exact", help="fast: let the CPU lane compute cold experts")
+    store.add_argument("--gpu-expert-gb", type=float, default=None, help="GPU memory for the expert slot cache")
+    store.add_argument("--host-expert-gb", type=float, default=None, help="pinned host RAM for the host expert tier")
+    store.add_argument("--expert-policy", choices=("lru", "lfu", "clock", "static"), default=None, help="cache policy (default lfu)")
+    store.add_argument("--expert-stats", default=None, help="routing statistics file for the warm start")
+    store.add_argument("--no-direct-io", action="store_true", help="read the store without O_DIRECT")
     p.add_argument("--dtype", default="auto", help="activation dtype: auto, bfloat16, float16, float32")
     p.add_argument("--tool-call-parser", choices=("auto", "hermes", "glm"), default="auto",
                    help="tool-call format of the model's output (auto: from the model / chat template)")
@@ -63,6 +73,10 @@ def _check_args(args) -> None:
         raise UserError("--max-num-seqs must be at least 1")
     if args.max_queue < 0:
         raise UserError("--max-queue must be >= 0")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+        raise UserError("--max-num-batched-tokens must be at least 1")
+    if args.kv_cache_gb is not None and args.kv_cache_gb <= 0:
+        raise UserError("--kv-cache-gb must be > 0")
     if args.thinking_budget is not None and args.thinking_budget < 0:
         raise UserError("--thinking-budget must be >= 0")
     if args.model and not args.scripted and not Path(args.model).exists():
