@@ -186,6 +186,7 @@ def test_pack_refuses_when_disk_is_too_small(tmp_path, monkeypatch):
         pack(tmp_path / "src", tmp_path / "st", **QUIET)
 
 
+@pytest.mark.slow  # importing transformers dominates (6-12 s)
 def test_pack_real_transformers_checkpoint(tmp_path):
     """A checkpoint written by transformers' own save_pretrained (Qwen3-MoE naming)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
