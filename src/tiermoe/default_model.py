@@ -124,9 +124,15 @@ def ensure_default_model(
         return target
     say = progress or (lambda msg: print(f"tiermoe: {msg}", file=sys.stderr, flush=True))
     source = embedded_gguf_path()
-    target.parent.mkdir(parents=True, exist_ok=True)
     lock_path = target.parent / f".{target.name}.lock"
-    with open(lock_path, "w") as lock:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(lock_path, "w")  # noqa: SIM115 (closed below)
+    except OSError as exc:
+        raise UserError(
+            f"{target.parent}: cannot write the model cache ({exc.strerror or exc}); set TIERMOE_CACHE_DIR"
+        ) from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting; wait for it
         try:
             if is_complete(target):

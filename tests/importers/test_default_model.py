@@ -98,3 +98,11 @@ def test_interrupted_conversion_leaves_no_cache(monkeypatch, tmp_path):
     target = default_model.ensure_default_model(progress=lambda _m: None)
     assert default_model.is_complete(target) and not leftover.exists()
     assert sorted(p.name for p in models.iterdir() if not p.name.endswith(".lock")) == [target.name]
+
+
+def test_unwritable_cache_is_a_user_error(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("TIERMOE_CACHE_DIR", str(blocker / "cache"))
+    with pytest.raises(UserError, match="cannot write the model cache.*TIERMOE_CACHE_DIR"):
+        default_model.ensure_default_model(progress=lambda _m: None)

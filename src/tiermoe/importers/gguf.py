@@ -207,8 +207,11 @@ def gguf_to_hf(
             f"{g.path}: general.architecture '{g.arch}' is not supported"
             f" (supported: {', '.join(sorted(families.CONVERTERS))})"
         )
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    except OSError as exc:
+        raise UserError(f"{out_dir}: cannot create the output directory ({exc.strerror or exc})") from None
     try:
         t0 = time.monotonic()
         context = g.arch_int("context_length", 0) or None
@@ -250,6 +253,9 @@ def gguf_to_hf(
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         tmp.rename(out_dir)
+    except OSError as exc:  # disk full, permissions: the user's to fix, not a traceback
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"{out_dir}: writing the checkpoint failed ({exc.strerror or exc})") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
