@@ -111,7 +111,7 @@ def build_core(args):
         if exc.name and exc.name.startswith("tiermoe"):
             raise UserError("this install has no model engine (tiermoe.engine.build); use --scripted to test the server") from None
         raise
-    options = {k: v for k, v in vars(args).items() if k != "handler"}
+    options = {k: v for k, v in vars(args).items() if k not in ("handler", "api_key")}
     return build_engine_core(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                              max_num_seqs=args.max_num_seqs, options=options)
 
