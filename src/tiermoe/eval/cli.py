@@ -16,7 +16,9 @@ def register(subparsers) -> None:
     par.add_argument("--reference", help="reference checkpoint for transformers (default: --model)")
     par.add_argument("--device", default=None)
     par.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    par.add_argument("--chunk", type=int, default=32, help="prefill chunk size of our engine (tokens)")
     par.set_defaults(handler=_parity)
+    _register_tiers(sub)
 
 
 def _parity(args) -> int:
@@ -30,8 +32,39 @@ def _parity(args) -> int:
 
         with tempfile.TemporaryDirectory(prefix="tiermoe-tiny-") as tmp:
             write_tiny(args.tiny, tmp)
-            result = run_parity(tmp, None, device, dtype, arch=args.tiny)
+            result = run_parity(tmp, None, device, dtype, arch=args.tiny, chunk=args.chunk)
     else:
-        result = run_parity(args.model, args.reference, device, dtype)
+        result = run_parity(args.model, args.reference, device, dtype, chunk=args.chunk)
     print(format_result(result))
     return 0
+
+
+def _register_tiers(sub) -> None:
+    t = sub.add_parser("tiers", help="bit-identical logits across expert tier sizes of a packed store")
+    t.add_argument("--model", required=True, help="packed store directory")
+    t.add_argument("--device", default=None)
+    t.add_argument("--gpu-fractions", default="1.0,0.1,0.0", help="shares of all experts in device slots")
+    t.add_argument("--host-fractions", default="all,0.1,0.0",
+                   help="shares of all experts in host RAM ('all' = default sizing)")
+    t.set_defaults(handler=_tiers)
+
+
+def _tiers(args) -> int:
+    import json
+
+    from tiermoe.engine.build import resolve_device
+    from tiermoe.errors import UserError
+    from tiermoe.eval.tiers import run_tiers
+
+    try:
+        gpu = [float(x) for x in args.gpu_fractions.split(",")]
+        host = [None if x == "all" else float(x) for x in args.host_fractions.split(",")]
+    except ValueError:
+        raise UserError("--gpu-fractions/--host-fractions: comma-separated numbers (or 'all')") from None
+    result = run_tiers(args.model, resolve_device(args.device), gpu, host)
+    for r in result["configs"]:
+        print(f"gpu {r['gpu_fraction']:.2f} host {r['host_fraction'] if r['host_fraction'] is not None else 'all'}: "
+              f"{'bit-identical' if r['bit_identical'] else 'DIFFERENT'} ({r['positions']} positions)")
+    print(json.dumps({k: v for k, v in result.items() if k != "configs"} | {"configs": [
+        {k: v for k, v in r.items() if k != "counters"} for r in result["configs"]]}))
+    return 0 if result["all_bit_identical"] else 1

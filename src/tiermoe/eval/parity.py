@@ -75,7 +75,10 @@ def compare(ref: torch.Tensor, ours: torch.Tensor) -> dict:
 def reference_logits(ref_path: str | Path, prompts: list[list[int]], device: str, dtype: torch.dtype) -> list[torch.Tensor]:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(ref_path), dtype=dtype).to(device).eval()
+    # The eager experts loop is transformers' defining implementation (grouped_mm, its default,
+    # is a fused rewrite of it that rounds differently in bf16).
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(ref_path), dtype=dtype,
+                                                              experts_implementation="eager").to(device).eval()
     outs = []
     with torch.no_grad():
         for ids in prompts:
@@ -84,7 +87,11 @@ def reference_logits(ref_path: str | Path, prompts: list[list[int]], device: str
     return outs
 
 
-def run_parity(model: str, reference: str | None, device: str, dtype_name: str, arch: str | None = None) -> dict:
+def run_parity(model: str, reference: str | None, device: str, dtype_name: str, arch: str | None = None,
+               chunk: int = 32, fp32_floor: bool = True) -> dict:
+    """Our engine vs transformers at the same dtype. For reduced precision (bf16/fp16) also
+    reports both sides against the transformers fp32 logits ("noise floor"): how far the
+    reference's own low-precision run is from fp32, next to how far ours is."""
     from tiermoe.engine.build import build_engine_core, is_packed_store
     from tiermoe.errors import UserError
     from tiermoe.models.loader import parse_dtype
@@ -99,11 +106,16 @@ def run_parity(model: str, reference: str | None, device: str, dtype_name: str, 
     longest = max(len(p) for p in prompts)
     if longest >= engine.max_model_len:
         raise UserError(f"parity prompts need a context of {longest + 1} tokens")
-    ours = [engine_logits(engine, p) for p in prompts]
-    refs = reference_logits(reference, prompts, str(engine.model.device), dtype)
-    result = compare(torch.cat(refs), torch.cat(ours))
-    return {"arch": arch or engine.model.spec.arch, "dtype": str(dtype).replace("torch.", ""),
-            "device": str(engine.model.device), **result}
+    ours = torch.cat([engine_logits(engine, p, chunk) for p in prompts])
+    refs = torch.cat(reference_logits(reference, prompts, str(engine.model.device), dtype))
+    result = compare(refs, ours)
+    out = {"arch": arch or engine.model.spec.arch, "dtype": str(dtype).replace("torch.", ""),
+           "device": str(engine.model.device), "chunk": chunk, **result}
+    if fp32_floor and dtype != torch.float32:
+        exact = torch.cat(reference_logits(reference, prompts, str(engine.model.device), torch.float32))
+        out["ours_vs_ref_fp32"] = compare(exact, ours)
+        out["ref_vs_ref_fp32"] = compare(exact, refs)
+    return out
 
 
 def format_result(result: dict) -> str:

@@ -134,7 +134,8 @@ def load_model(
     with ExitStack() as stack:
         index = TensorIndex(model_dir, stack)
         for name, param in list(model.named_parameters()):
-            keep_fp32 = name.endswith("e_score_correction_bias")
+            owner_name, _, attr = name.rpartition(".")
+            keep_fp32 = attr in getattr(model.get_submodule(owner_name), "fp32_params", ())
             _assign(model, name, index.get(name, torch.float32 if keep_fp32 else dtype, device))
         if expert_backend is None:
             expert_backend = _load_resident_experts(spec, index, dtype, device)

@@ -54,6 +54,7 @@ def build_spec(hf_config, path: str) -> ModelSpec:
         shared_intermediate_size=shared,
         shared_expert_gated=bool(shared),
         shared_expert_name="shared_expert",
+        fp32_combine_weights=arch == "mixtral",
     )
     return ModelSpec(
         arch=arch,

@@ -39,6 +39,7 @@ class MoESpec:
     shared_expert_gated: bool = False  # qwen2_moe: sigmoid(shared_expert_gate(x)) * shared(x)
     shared_expert_name: str = "shared_experts"  # checkpoint module name of the shared expert
     swiglu_limit: float | None = None
+    fp32_combine_weights: bool = False  # softmax routers: keep combine weights fp32 (mixtral) or cast
 
 
 @dataclass(frozen=True)

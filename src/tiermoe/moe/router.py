@@ -22,6 +22,8 @@ class Router(nn.Module):
         self.weight = empty_param(moe.num_experts, hidden)
         if moe.scoring == "sigmoid_noaux":
             self.e_score_correction_bias = empty_param(moe.num_experts)
+            # Kept in fp32 whatever the model dtype, as the reference does: routing is discrete.
+            self.fp32_params = ("weight", "e_score_correction_bias")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_ids [T, k] long, topk_weights [T, k])."""
@@ -31,11 +33,11 @@ class Router(nn.Module):
 
     def _softmax(self, x):
         logits = F.linear(x, self.weight)  # [T, E] in the model dtype
-        probs = F.softmax(logits, dtype=torch.float, dim=-1)
+        probs = F.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.moe.top_k, dim=-1)
         if self.moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights.to(logits.dtype)
+        return ids, (weights if self.moe.fp32_combine_weights else weights.to(logits.dtype))
 
     def _sigmoid_noaux(self, x):
         m = self.moe

@@ -22,8 +22,10 @@ from tiermoe.models.spec import ModelSpec
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [q, Hq, D], k [ctx, Hk, D], v [ctx, Hk, Dv] -> [q, Hq, Dv]; causal with q at the end."""
     q_len, ctx = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    gqa = qh.shape[0] != kh.shape[0]
+    # 4-D [1, heads, len, D] as the reference passes them: SDPA picks its fused kernels (and
+    # their rounding) by rank, and 3-D inputs fall back to a different kernel.
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    gqa = qh.shape[1] != kh.shape[1]
     if q_len == ctx:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     elif q_len == 1:
@@ -32,7 +34,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
         rows = torch.arange(q_len, device=q.device)[:, None] + (ctx - q_len)
         mask = torch.arange(ctx, device=q.device)[None, :] <= rows  # [q, ctx]
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 class GQAttention(nn.Module):
