@@ -24,7 +24,7 @@ def _engine(path, max_model_len=None, **options):
                              options=options)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "deepseek_v3", "glm5_next"])
 def test_batched_equals_alone(arch, tiny_dir):
     engine = _engine(tiny_dir(arch))
     params = SamplingParams(max_tokens=20, ignore_eos=True)

@@ -34,7 +34,9 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
         self.model_info = model_info or {"arch": model.spec.arch}
-        self.kv = KVPages(num_pages, page_size)
+        # Recurrent-state families cannot resume from a cached prefix: their state is per slot.
+        recurrent = bool(getattr(model.spec, "extra", {}).get("recurrent_state"))
+        self.kv = KVPages(num_pages, page_size, prefix_caching=not recurrent)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_batched_tokens)
         self.runner = ModelRunner(model, num_pages, page_size, seed=seed)
         self._lock = threading.Lock()

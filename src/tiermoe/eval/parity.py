@@ -72,13 +72,20 @@ def compare(ref: torch.Tensor, ours: torch.Tensor) -> dict:
     }
 
 
+# Families whose causal-LM head lives in a class AutoModelForCausalLM does not map.
+REFERENCE_CLASSES = {"glm5_next": "Glm5NextForConditionalGeneration"}
+
+
 def reference_logits(ref_path: str | Path, prompts: list[list[int]], device: str, dtype: torch.dtype) -> list[torch.Tensor]:
     import transformers
 
     # The eager experts loop is transformers' defining implementation (grouped_mm, its default,
     # is a fused rewrite of it that rounds differently in bf16).
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(ref_path), dtype=dtype,
-                                                              experts_implementation="eager").to(device).eval()
+    config = transformers.AutoConfig.from_pretrained(str(ref_path))
+    cls = REFERENCE_CLASSES.get(config.model_type, transformers.AutoModelForCausalLM)
+    if isinstance(cls, str):
+        cls = getattr(transformers, cls)
+    model = cls.from_pretrained(str(ref_path), dtype=dtype, experts_implementation="eager").to(device).eval()
     outs = []
     with torch.no_grad():
         for ids in prompts:

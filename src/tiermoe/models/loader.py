@@ -128,7 +128,12 @@ def load_model(
     expert_backend: an ExpertBackend serving routed experts (e.g. the tiered store); when None
     every expert is loaded resident.
     """
-    spec = load_spec(model_dir)
+    hf_config = load_hf_config(model_dir)
+    module = family_module(hf_config.model_type, str(Path(model_dir) / "config.json"))
+    if hasattr(module, "build_model"):  # families with their own structure (glm5_next)
+        dtype = dtype or checkpoint_dtype(hf_config)
+        return module.build_model(model_dir, hf_config, device=device, dtype=dtype, expert_backend=expert_backend)
+    spec = module.build_spec(hf_config, str(Path(model_dir) / "config.json"))
     dtype = dtype or checkpoint_dtype(spec.hf_config)
     model = CausalLM(spec)
     with ExitStack() as stack:

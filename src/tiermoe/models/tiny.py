@@ -53,7 +53,7 @@ def _configs(vocab: int, eos: int, pad: int) -> dict[str, tuple[str, dict]]:
     }
 
 
-TINY_ARCHS = ("qwen3_moe", "glm4_moe", "deepseek_v3", "qwen2_moe", "olmoe", "mixtral")
+TINY_ARCHS = ("qwen3_moe", "glm4_moe", "deepseek_v3", "glm5_next", "qwen2_moe", "olmoe", "mixtral")
 
 
 @torch.no_grad()
@@ -77,6 +77,10 @@ def write_tiny(arch: str, out_dir: str | Path, seed: int = 0, dtype: str = "floa
     """Write a tiny random `arch` checkpoint (config, safetensors, tokenizer) to out_dir."""
     import transformers
 
+    if arch == "glm5_next":  # its own writer: vision stub, MTP layer appended
+        from tiermoe.models.glm5_next.tiny import write_tiny_checkpoint
+
+        return write_tiny_checkpoint(out_dir, seed=seed)
     tok = build_tokenizer()
     configs = _configs(len(tok), tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id)
     if arch not in configs:
