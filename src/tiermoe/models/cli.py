@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def register(subparsers) -> None:
-    from tiermoe.models.tiny import TINY_ARCHS
+    from tiermoe.models.registry import TINY_ARCHS
 
     p = subparsers.add_parser("tiny", help="write a small seeded random checkpoint of ARCH")
     p.add_argument("arch", metavar="ARCH", help=f"one of: {', '.join(TINY_ARCHS)}")

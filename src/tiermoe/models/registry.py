@@ -23,6 +23,10 @@ FAMILIES: dict[str, str] = {
 }
 
 
+# Families `tiermoe tiny` can write (torch-free constant so the CLI parser stays light).
+TINY_ARCHS = ("qwen3_moe", "glm4_moe", "deepseek_v3", "glm5_next", "qwen2_moe", "olmoe", "mixtral")
+
+
 def read_config_json(model_dir: str | Path) -> dict:
     path = Path(model_dir) / "config.json"
     if not Path(model_dir).exists():

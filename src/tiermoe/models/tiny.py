@@ -53,7 +53,7 @@ def _configs(vocab: int, eos: int, pad: int) -> dict[str, tuple[str, dict]]:
     }
 
 
-TINY_ARCHS = ("qwen3_moe", "glm4_moe", "deepseek_v3", "glm5_next", "qwen2_moe", "olmoe", "mixtral")
+from tiermoe.models.registry import TINY_ARCHS  # noqa: E402,F401  (re-exported)
 
 
 @torch.no_grad()

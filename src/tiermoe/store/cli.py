@@ -90,13 +90,16 @@ def _sim(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers) -> None:
-    from tiermoe.store.records import QUANT_KINDS
+# Mirrors store.records.QUANT_KINDS; spelled out so building the CLI parser imports no torch
+# (a test checks the two agree).
+QUANT_CHOICES = ("bf16", "fp16", "fp32", "int8", "int4")
 
+
+def register(subparsers) -> None:
     p = subparsers.add_parser("pack", help="pack a Hugging Face MoE checkpoint into an expert store")
     p.add_argument("src", help="checkpoint directory (config.json + *.safetensors)")
     p.add_argument("out", help="output store directory")
-    p.add_argument("--quant", choices=QUANT_KINDS, default="bf16", help="routed-expert storage format (default bf16)")
+    p.add_argument("--quant", choices=QUANT_CHOICES, default="bf16", help="routed-expert storage format (default bf16)")
     p.add_argument("--group-size", type=int, default=128, help="int8/int4 group size along the input dim (default 128)")
     p.add_argument("--shard-size-gb", type=float, default=2.0, help="size of non-expert safetensors shards (default 2)")
     p.add_argument("--no-direct-io", action="store_true", help="buffered writes/reads instead of O_DIRECT")
@@ -116,7 +119,7 @@ def register(subparsers) -> None:
     p.add_argument("--gpu-expert-gb", type=float, default=None, help="GiB of device memory for expert slots")
     p.add_argument("--host-expert-gb", type=float, default=None, help="GiB of host RAM for experts")
     p.add_argument("--stats", default=None, help="routing statistics JSON (layers.<L> -> per-expert counts)")
-    p.add_argument("--quant", choices=QUANT_KINDS, default="bf16", help="for an unpacked checkpoint: format to plan for")
+    p.add_argument("--quant", choices=QUANT_CHOICES, default="bf16", help="for an unpacked checkpoint: format to plan for")
     p.add_argument("--group-size", type=int, default=128)
     p.set_defaults(handler=_plan)
 
