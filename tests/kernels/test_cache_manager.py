@@ -11,9 +11,10 @@ from tiermoe.kernels.triton import fused_moe as F
 REC = 8192  # bytes per fake record in the pure-cache tests
 
 
-def _fake_cache(e, s, device, admit_max=None):
+def _fake_cache(e, s, device, admit_max=None, admission_filter=True):
     host = torch.arange(e, dtype=torch.int64, device=device) * REC + (1 << 40)  # addresses only
-    return C.ExpertCache(host, 1 << 20, s, REC, extra_ptrs=torch.tensor([7], device=device), admit_max=admit_max)
+    return C.ExpertCache(host, 1 << 20, s, REC, extra_ptrs=torch.tensor([7], device=device), admit_max=admit_max,
+                         admission_filter=admission_filter, decay_shift=3)  # fmt: skip
 
 
 def _twin_state(cache):
@@ -31,18 +32,19 @@ def _check_equal(cache, st):
 
 
 @pytest.mark.parametrize(
-    "e,s,tokens,k,admit_max",
-    [(12, 4, 1, 3, None), (12, 4, 2, 3, None), (10, 3, 3, 2, 2), (9, 9, 2, 2, None), (8, 0, 1, 3, None), (16, 6, 1, 4, 1)],
-)
-def test_cache_step_matches_twin(e, s, tokens, k, admit_max, device):
-    cache = _fake_cache(e, s, device, admit_max)
+    "e,s,tokens,k,admit_max,filt",
+    [(12, 4, 1, 3, None, True), (12, 4, 2, 3, None, False), (10, 3, 3, 2, 2, True), (9, 9, 2, 2, None, True),
+     (8, 0, 1, 3, None, True), (16, 6, 1, 4, 1, False)],
+)  # fmt: skip
+def test_cache_step_matches_twin(e, s, tokens, k, admit_max, filt, device):
+    cache = _fake_cache(e, s, device, admit_max, filt)
     st = _twin_state(cache)
     gen = torch.Generator().manual_seed(e * 100 + s)
     popular = torch.linspace(3.0, 0.2, e)  # skewed picks, so hits and evictions both happen
     for step in range(25):
         ids = torch.stack([torch.multinomial(popular, k, generator=gen) for _ in range(tokens)])
         C.cache_step(cache, ids.to(device))
-        R.cache_step_ref(st, ids, cache.admit_max)
+        R.cache_step_ref(st, ids, cache.admit_max, filt, 3)
         _check_equal(cache, st)
     lookups, hits, misses, admitted = st["stats"].tolist()
     assert lookups == hits + misses and admitted <= misses
@@ -62,11 +64,27 @@ def test_warm_start_then_hits(device):
     st = _twin_state(cache)
     ids = torch.tensor([[5, 6, 0]])
     C.cache_step(cache, ids.to(device))
-    R.cache_step_ref(st, ids, cache.admit_max)
+    R.cache_step_ref(st, ids, cache.admit_max, True, 3)
     _check_equal(cache, st)
     assert cache.stats.tolist() == [3, 2, 1, 1]
     # the admitted expert 0 replaced one of the unused warm experts (7 or 8), not 5 or 6
     assert set(cache.slot_expert.tolist()) in ({5, 6, 0, 8}, {5, 6, 7, 0})
+
+
+def test_admission_filter_protects_popular_experts(device):
+    cache = _fake_cache(10, 2, device)
+    cache.warm_start([0, 1])
+    rate = torch.zeros(10)
+    rate[0], rate[1] = 0.9, 0.8
+    cache.warm_frequencies(rate.to(device))
+    for e in (5, 6, 7):  # one-off picks of rare experts: read in place, never admitted
+        C.cache_step(cache, torch.tensor([[e]], device=device))
+    assert sorted(cache.slot_expert.tolist()) == [0, 1] and cache.stats.tolist()[3] == 0
+    plain = _fake_cache(10, 2, device, admission_filter=False)
+    plain.warm_start([0, 1])
+    for e in (5, 6, 7):
+        C.cache_step(plain, torch.tensor([[e]], device=device))
+    assert 0 not in plain.slot_expert.tolist() and plain.stats.tolist()[3] == 3  # plain CLOCK churns
 
 
 def test_gather_records_copies_bytes(device):

@@ -171,7 +171,8 @@ def run(args, batches: list[int]) -> dict:
     if gpu:
         log("bandwidths")
         res["bandwidth"] = measure_bandwidth(torch, pools[0], r)
-        log(json.dumps({k_: round(v, 1) if isinstance(v, float) else v for k_, v in res["bandwidth"].items()}))
+        shown = {k_: v for k_, v in res["bandwidth"].items() if k_ != "gather_sweep_GBps"}
+        log(json.dumps({k_: round(v, 1) if isinstance(v, float) else v for k_, v in shown.items()}))
     cfgs = {"decode": fm.get_config(lay, 1, dev), "prefill": fm.get_config(lay, max(args.prefill_tokens, 17), dev)}
     if args.tune and gpu:
         from tiermoe.kernels.triton import tuning
@@ -185,7 +186,9 @@ def run(args, batches: list[int]) -> dict:
         tuning.save_configs(cfg_path, torch.cuda.get_device_name(dev), lay, cfgs)
         res["tuning"]["written"] = str(cfg_path)
     res["configs"] = cfgs
-    new_stack = lambda nl, s: _stack(tt, lay, pools[:nl], shared[:nl], s, k, max(batches), dev, top, cfgs)  # noqa: E731
+    rates = (pop * k).clamp(max=1.0)  # expected picks per token: warm start of the admission filter
+    gather = res.get("bandwidth", {}).get("gather")
+    new_stack = lambda nl, s: _stack(tt, lay, pools[:nl], shared[:nl], s, k, max(batches), dev, top, cfgs, rates, gather)  # noqa: E731
     if args.exact_layers:
         log("exactness: budgets 100 / 10 / 0 %")
         res["exactness"] = exactness(torch, new_stack, pop, args, e_n, k, gen, gpu, batches)
@@ -223,8 +226,9 @@ def _env(torch, dev) -> dict:
     return env
 
 
-def _stack(tt, lay, pools, shared, slots, k, max_t, dev, top, cfgs):
-    st = tt.TieredExperts(lay, pools, shared, slots, k, max_t, dev, warm=[t[:slots] for t in top])
+def _stack(tt, lay, pools, shared, slots, k, max_t, dev, top, cfgs, rates, gather):
+    st = tt.TieredExperts(lay, pools, shared, slots, k, max_t, dev, warm=[t[:slots] for t in top],
+                          warm_rates=list(rates[: len(pools)]), gather=gather)  # fmt: skip
     st.decode_config, st.prefill_config = cfgs["decode"], cfgs["prefill"]
     return st
 
@@ -301,10 +305,34 @@ def decode_bench(torch, stack, pop, t, warmup, steps, k, gen, gpu) -> dict:
     sec = _timed(torch, gpu, lambda: [step(i) for i in range(warmup, warmup + steps)])
     d = (stack.stats() - s0).sum(0).tolist()  # lookups, hits, misses, admitted over all layers
     n_l = len(stack.caches)
+    prof = profile_step(torch, stack, ids[warmup], w[warmup], h0) if gpu and t == 1 else None
     out = {"tokens": t, "steps": steps, "step_ms": 1e3 * sec / steps, "per_token_ms": 1e3 * sec / steps / t,
            "per_layer_ms": 1e3 * sec / steps / n_l, "tok_s": steps * t / sec}  # fmt: skip
     out.update(per_step_counts(d, steps, n_l))
+    if prof:
+        out["kernels_us_per_step"] = prof
     return out
+
+
+def profile_step(torch, stack, ids, w, h0) -> dict:
+    """GPU time per kernel name for one eager decode step (torch profiler), microseconds."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        stack.decode_step(h0, ids, w)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                stack.decode_step(h0, ids, w)
+            torch.cuda.synchronize()
+        out = {}
+        for evt in prof.key_averages():
+            us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+            if us:
+                out[evt.key[:60]] = round(us / 3, 1)
+        return dict(sorted(out.items(), key=lambda kv: -kv[1])[:12])
+    except Exception as exc:  # profiling is a diagnostic, never fatal
+        return {"error": str(exc).splitlines()[0][:200]}
 
 
 def per_step_counts(d, steps, n_l) -> dict:
@@ -326,10 +354,12 @@ def exactness(torch, new_stack, pop, args, e_n, k, gen, gpu, batches) -> dict:
             step = make_stepper(torch, stack, ids, w, h0, gpu)
             runs.append(torch.stack([step(i).clone() for i in range(args.exact_steps)]))
             if gpu and b == 1.0:  # all experts in HBM: the kernels' own speed against the HBM floor
+                if t == 1:
+                    timing["kernels_us_per_step"] = profile_step(torch, stack, ids[0], w[0], h0)
                 s0 = stack.stats().clone()
                 sec = _timed(torch, gpu, lambda: [step(i % args.exact_steps) for i in range(20)])
                 d = (stack.stats() - s0).sum(0).tolist()
-                timing = {"per_layer_ms_all_resident": 1e3 * sec / 20 / n_l, "unique_per_layer": d[0] / 20 / n_l}
+                timing.update({"per_layer_ms_all_resident": 1e3 * sec / 20 / n_l, "unique_per_layer": d[0] / 20 / n_l})
             del stack, step
             if gpu:
                 torch.cuda.empty_cache()
@@ -418,7 +448,18 @@ def measure_bandwidth(torch, pool, r: int) -> dict:
     dst[:m].zero_()
     gather_records(src, dsts, cnt, r)
     ok = bool(torch.equal(dst[:m], pool[:m].to(dev)))
-    zc = gbps(m * r, _timed(torch, True, lambda: [gather_records(src, dsts, cnt, r) for _ in range(3)]) / 3)
+    sweep = {}  # gather kernel launch: the zero-copy read rate it reaches decides decode speed
+    for chunk in (8192, 16384, 32768):
+        for progs in (132, 264, 528, 1056):
+            if r % chunk:
+                continue
+            g = dict(chunk_bytes=chunk, programs=progs, num_warps=8)
+            gather_records(src, dsts, cnt, r, **g)
+            sec = _timed(torch, True, lambda: [gather_records(src, dsts, cnt, r, **g) for _ in range(3)]) / 3
+            sweep[f"{chunk}/{progs}"] = gbps(m * r, sec)
+    best = max(sweep, key=sweep.get)
+    zc = sweep[best]
+    chunk, progs = (int(x) for x in best.split("/"))
     del dst
     x = torch.randn(8192, 8192, device=dev).to(torch.bfloat16)
     x @ x
@@ -426,7 +467,8 @@ def measure_bandwidth(torch, pool, r: int) -> dict:
     del x
     torch.cuda.empty_cache()
     return {"hbm_copy_GBps": hbm, "h2d_pinned_GBps": whole, "h2d_pinned_per_record_GBps": per_rec,
-            "zero_copy_read_GBps": zc, "zero_copy_verified": ok, "bf16_matmul_TFLOPs": tf}  # fmt: skip
+            "zero_copy_read_GBps": zc, "zero_copy_verified": ok, "bf16_matmul_TFLOPs": tf, "gather_sweep_GBps": sweep,
+            "gather": {"chunk": chunk, "programs": progs, "warps": 8}}  # fmt: skip
 
 
 def add_floors(res: dict, lay) -> None:

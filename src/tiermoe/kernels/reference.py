@@ -149,27 +149,33 @@ def moe_align_ref(topk_ids: torch.Tensor, block_m: int, nb_max: int) -> tuple[to
 # ----------------------------------------------------------------------------- cache
 
 
-def cache_step_ref(state: dict[str, torch.Tensor], topk_ids: torch.Tensor, admit_max: int) -> dict[str, torch.Tensor]:
+def cache_step_ref(state: dict[str, torch.Tensor], topk_ids: torch.Tensor, admit_max: int,
+                   admission_filter: bool = True, decay_shift: int = 8) -> dict[str, torch.Tensor]:  # fmt: skip
     """Twin of triton.cache_manager.cache_step, on a dict of CPU tensors (mutated and returned).
 
     state keys: ptr_table [E'] i64, host_addr [E] i64, slot_addr [S] i64, slot_expert [S] i32,
     expert_slot [E] i32, ref [S] i32, clock [2] i32 (hand, stamp), copy_src/copy_dst [M] i64,
-    n_copy [1] i32, stats [4] i64 (lookups, hits, misses, admitted).
+    n_copy [1] i32, stats [4] i64 (lookups, hits, misses, admitted), freq [E] i32.
 
     One decode step of one layer: the distinct routed experts of the batch, in first-pick
-    order, are looked up; hits set their slot's reference bit; up to `admit_max` misses (in
-    first-pick order) are admitted into victims found by a CLOCK sweep from the hand (first
-    sweep: slots with a clear bit, clearing set bits as it passes; second sweep if needed).
-    Slots holding an expert of this batch are never victims. An evicted expert's table entry
-    goes back to its host address; an admitted one's to its slot; (src, dst) go to the copy
-    list for the gather kernel.
+    order, are looked up; every expert's pick frequency decays and the picked ones gain 1024;
+    hits set their slot's reference bit and are pinned for this step. A CLOCK sweep from the
+    hand picks one victim for each of the first min(misses, free slots, admit_max) misses
+    (first sweep: slots with a clear bit, clearing set bits as it passes; second sweep if
+    needed). Miss j meets victim j; with the filter it is admitted only if its frequency
+    exceeds the victim expert's (an empty slot always admits). An evicted expert's table
+    entry goes back to its host address, an admitted one's to its slot; (src, dst) go to the
+    copy list in admission order. Victims that were not taken keep their expert, bit clear.
     """
     st = state
     ids = topk_ids.reshape(-1).tolist()
     uniq = list(dict.fromkeys(ids))
     s_n = st["slot_addr"].numel()
     st["clock"][1] += 1
-    es, se, ref = st["expert_slot"], st["slot_expert"], st["ref"]
+    es, se, ref, freq = st["expert_slot"], st["slot_expert"], st["ref"], st["freq"]
+    picked = torch.zeros_like(freq)
+    picked[torch.tensor(uniq, dtype=torch.int64)] = 1024
+    freq.copy_(freq - (freq >> decay_shift) + picked)
     hits = [e for e in uniq if int(es[e]) >= 0]
     misses = [e for e in uniq if int(es[e]) < 0]
     inuse = {int(es[e]) for e in hits}
@@ -195,9 +201,13 @@ def cache_step_ref(state: dict[str, torch.Tensor], topk_ids: torch.Tensor, admit
         st["clock"][0] = (h + order.index(victims[-1]) + 1) % s_n
     for s in inuse:
         ref[s] = 1
+    n = 0
     for j, e in enumerate(misses[:a]):
         v = victims[j]
+        ref[v] = 0
         old = int(se[v])
+        if admission_filter and old >= 0 and int(freq[e]) <= int(freq[old]):
+            continue
         if old >= 0:
             es[old] = -1
             st["ptr_table"][old] = st["host_addr"][old]
@@ -205,10 +215,11 @@ def cache_step_ref(state: dict[str, torch.Tensor], topk_ids: torch.Tensor, admit
         es[e] = v
         ref[v] = 1
         st["ptr_table"][e] = st["slot_addr"][v]
-        st["copy_src"][j] = st["host_addr"][e]
-        st["copy_dst"][j] = st["slot_addr"][v]
-    st["n_copy"][0] = a
-    st["stats"] += torch.tensor([len(uniq), len(hits), len(misses), a], dtype=st["stats"].dtype)
+        st["copy_src"][n] = st["host_addr"][e]
+        st["copy_dst"][n] = st["slot_addr"][v]
+        n += 1
+    st["n_copy"][0] = n
+    st["stats"] += torch.tensor([len(uniq), len(hits), len(misses), n], dtype=st["stats"].dtype)
     return st
 
 

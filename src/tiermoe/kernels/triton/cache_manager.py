@@ -6,9 +6,13 @@ reads the router's picks on the device and:
 
   1. dedups the batch's picks (first-pick order) and looks each expert up (expert_slot);
   2. marks hits: their slots get the reference bit and are pinned for this step;
-  3. chooses victims for up to `admit_max` misses with a CLOCK sweep from the hand (first
+  3. updates each expert's decayed pick frequency (integer, so the twin matches bit for bit);
+  4. chooses victims for up to `admit_max` misses with a CLOCK sweep from the hand (first
      sweep takes clear-bit slots and clears set bits it passes; a second sweep if needed);
-  4. rewrites the pointer table: evicted experts point back at their pinned host copy, the
+     a miss is admitted only if it is picked more often than the victim's expert (a
+     TinyLFU-style filter: under steady popularity plain CLOCK churns, admitting every miss
+     and evicting experts that come back; the filter converges to the popular set);
+  5. rewrites the pointer table: evicted experts point back at their pinned host copy, the
      admitted ones at their new slot; fills the (src, dst) copy list;
 
 then `_gather_kernel` copies the admitted records host -> slot (the loads cross PCIe, the
@@ -33,6 +37,7 @@ Contract of the tables (`ExpertCache` owns them, one per layer):
   victims     int32 [S]        victim slots in sweep order (scratch)
   copy_src/copy_dst int64 [M], n_copy int32 [1]   the gather list of the last step
   stats       int64 [4]        cumulative (lookups, hits, misses, admitted), unique experts
+  freq        int32 [E]        decayed pick counts (1024 per pick, decay 1 - 2^-shift per step)
 """
 
 from __future__ import annotations
@@ -45,8 +50,9 @@ import triton.language as tl
 @triton.jit
 def _cache_step_kernel(
     ids_ptr, P, ptr_table_ptr, host_addr_ptr, slot_addr_ptr, slot_expert_ptr, expert_slot_ptr,
-    ref_ptr, clock_ptr, emark_ptr, victims_ptr, copy_src_ptr, copy_dst_ptr, n_copy_ptr, stats_ptr,
-    S, ADMIT_MAX, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+    ref_ptr, clock_ptr, emark_ptr, victims_ptr, copy_src_ptr, copy_dst_ptr, n_copy_ptr, stats_ptr, freq_ptr,
+    S, E, ADMIT_MAX, FILTER: tl.constexpr, SHIFT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     # ---- picks: dedup in first-pick order, lookup
     offs_p = tl.arange(0, BLOCK_P)
@@ -66,6 +72,12 @@ def _cache_step_kernel(
     stamp = tl.load(clock_ptr + 1) + 1
     tl.store(emark_ptr + ids, stamp, mask=first)
     tl.debug_barrier()
+    # ---- pick frequencies: f <- f - f / 2^SHIFT + 1024 * picked (integer: exact, reproducible)
+    offs_e = tl.arange(0, BLOCK_E)
+    ok_e = offs_e < E
+    f = tl.load(freq_ptr + offs_e, mask=ok_e, other=0)
+    picked = tl.load(emark_ptr + offs_e, mask=ok_e, other=0, cache_modifier=".cg") == stamp
+    tl.store(freq_ptr + offs_e, f - (f >> SHIFT) + tl.where(picked, 1024, 0), mask=ok_e)
     # ---- slots: in use this step (hit), CLOCK sweep
     offs_s = tl.arange(0, BLOCK_S)
     ok_s = offs_s < S
@@ -96,36 +108,46 @@ def _cache_step_kernel(
     last1 = tl.max(tl.where(vic1, rot, -1), axis=0)
     last2 = tl.max(tl.where(vic2, rot, -1), axis=0)
     cleared = cand2 & ((need2 > 0) | (rot < last1))
-    new_ref = tl.where(is_vic | inuse, 1, tl.where(cleared, 0, refv))
+    new_ref = tl.where(inuse, 1, tl.where(cleared | is_vic, 0, refv))  # admitted victims get 1 below
     new_hand = tl.where(need2 > 0, (hand + last2 + 1) % s_safe, tl.where(a > 0, (hand + last1 + 1) % s_safe, hand))
     tl.store(ref_ptr + offs_s, new_ref, mask=ok_s)
     tl.store(victims_ptr + vrank, offs_s, mask=is_vic)
-    # evictions: the old expert goes back to its host copy
-    evict = is_vic & (old >= 0)
-    tl.store(expert_slot_ptr + old, -1, mask=evict)
-    tl.store(ptr_table_ptr + old, tl.load(host_addr_ptr + old, mask=evict, other=0), mask=evict)
     tl.debug_barrier()
-    # ---- admissions: miss j (first-pick order) -> victim j (sweep order)
-    adm = miss & (miss_rank < a)
-    v = tl.load(victims_ptr + miss_rank, mask=adm, other=0, cache_modifier=".cg")
+    # ---- admissions: miss j (first-pick order) meets victim j (sweep order); with FILTER it
+    # enters only if it is picked more often than the victim's expert (empty slots always)
+    cand = miss & (miss_rank < a)
+    v = tl.load(victims_ptr + miss_rank, mask=cand, other=0, cache_modifier=".cg")
+    old_e = tl.load(slot_expert_ptr + v, mask=cand, other=-1)
+    if FILTER:
+        f_new = tl.load(freq_ptr + ids, mask=cand, other=0, cache_modifier=".cg")
+        f_old = tl.load(freq_ptr + old_e, mask=cand & (old_e >= 0), other=-1, cache_modifier=".cg")
+        adm = cand & (f_new > f_old)
+    else:
+        adm = cand
+    pos = tl.sum((adm[None, :] & earlier).to(tl.int32), axis=1)  # compact copy-list position
+    n_adm = tl.sum(adm.to(tl.int32), axis=0)
+    evict = adm & (old_e >= 0)
+    tl.store(expert_slot_ptr + old_e, -1, mask=evict)  # the old expert goes back to its host copy
+    tl.store(ptr_table_ptr + old_e, tl.load(host_addr_ptr + old_e, mask=evict, other=0), mask=evict)
     sa = tl.load(slot_addr_ptr + v, mask=adm, other=0)
     ha = tl.load(host_addr_ptr + ids, mask=adm, other=0)
     tl.store(slot_expert_ptr + v, ids, mask=adm)
     tl.store(expert_slot_ptr + ids, v, mask=adm)
     tl.store(ptr_table_ptr + ids, sa, mask=adm)
-    tl.store(copy_src_ptr + miss_rank, ha, mask=adm)
-    tl.store(copy_dst_ptr + miss_rank, sa, mask=adm)
-    tl.store(n_copy_ptr, a)
+    tl.store(ref_ptr + v, 1, mask=adm)
+    tl.store(copy_src_ptr + pos, ha, mask=adm)
+    tl.store(copy_dst_ptr + pos, sa, mask=adm)
+    tl.store(n_copy_ptr, n_adm)
     tl.store(clock_ptr, new_hand)
     tl.store(clock_ptr + 1, stamp)
     tl.store(stats_ptr, tl.load(stats_ptr) + n_first.to(tl.int64))
     tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + n_hit.to(tl.int64))
     tl.store(stats_ptr + 2, tl.load(stats_ptr + 2) + n_miss.to(tl.int64))
-    tl.store(stats_ptr + 3, tl.load(stats_ptr + 3) + a.to(tl.int64))
+    tl.store(stats_ptr + 3, tl.load(stats_ptr + 3) + n_adm.to(tl.int64))
 
 
 @triton.jit
-def _gather_kernel(src_ptr, dst_ptr, n_ptr, WORDS: tl.constexpr, CHUNK: tl.constexpr, NPROG: tl.constexpr):
+def _gather_kernel(src_ptr, dst_ptr, n_ptr, NPROG, WORDS: tl.constexpr, CHUNK: tl.constexpr):
     """Copy n records (WORDS int32 words each) src[j] -> dst[j]; work spread over NPROG programs."""
     pid = tl.program_id(0)
     n = tl.load(n_ptr)
@@ -151,7 +173,7 @@ def gather_records(copy_src: torch.Tensor, copy_dst: torch.Tensor, n_copy: torch
     if record_bytes % chunk_bytes:
         raise ValueError(f"record length {record_bytes} is not a multiple of 4096")
     _gather_kernel[(programs,)](
-        copy_src, copy_dst, n_copy, WORDS=record_bytes // 4, CHUNK=chunk_bytes // 4, NPROG=programs, num_warps=num_warps
+        copy_src, copy_dst, n_copy, programs, WORDS=record_bytes // 4, CHUNK=chunk_bytes // 4, num_warps=num_warps
     )
 
 
@@ -165,7 +187,7 @@ class ExpertCache:
 
     def __init__(self, host_addr: torch.Tensor, slot_base: int, num_slots: int, record_bytes: int,
                  *, extra_ptrs: torch.Tensor | None = None, admit_max: int | None = None,
-                 max_picks: int = 128) -> None:  # fmt: skip
+                 max_picks: int = 128, admission_filter: bool = True, decay_shift: int = 8) -> None:  # fmt: skip
         dev = host_addr.device
         e = host_addr.numel()
         self.num_experts, self.num_slots, self.record_bytes = e, int(num_slots), int(record_bytes)
@@ -186,12 +208,15 @@ class ExpertCache:
         self.copy_dst = torch.zeros(max_picks, **i64)
         self.n_copy = torch.zeros(1, **i32)
         self.stats = torch.zeros(4, **i64)
+        self.freq = torch.zeros(e, **i32)  # decayed pick counts, 1024 per pick
+        self.admission_filter, self.decay_shift = bool(admission_filter), int(decay_shift)
         self.max_picks = max_picks
-        self.gather_programs = 264  # programs of the gather kernel (2 per SM on an H100/H200)
+        # gather kernel launch (2 programs per SM of an H100/H200 by default; the bench tunes it)
+        self.gather_programs, self.gather_chunk, self.gather_warps = 264, 16384, 8
 
     def state(self) -> dict[str, torch.Tensor]:
         names = ("ptr_table", "host_addr", "slot_addr", "slot_expert", "expert_slot", "ref", "clock",
-                 "copy_src", "copy_dst", "n_copy", "stats")  # fmt: skip
+                 "copy_src", "copy_dst", "n_copy", "stats", "freq")  # fmt: skip
         return {n: getattr(self, n) for n in names}
 
     def warm_start(self, experts: list[int]) -> list[tuple[int, int]]:
@@ -209,6 +234,14 @@ class ExpertCache:
             self.ptr_table[idx] = self.slot_addr[:n]
         return [(e, s) for s, e in enumerate(experts)]
 
+    def warm_frequencies(self, picks_per_step: torch.Tensor) -> None:
+        """Seed the pick-frequency estimates with expected picks per step [E] (e.g. from stats).
+
+        The steady state of f <- f - f / 2^shift + 1024 * picked is 1024 * 2^shift * rate.
+        """
+        f = picks_per_step.to(torch.float64).clamp(min=0) * (1024 << self.decay_shift)
+        self.freq.copy_(f.round().to(torch.int32))
+
     def reset_stats(self) -> None:
         self.stats.zero_()
 
@@ -216,7 +249,8 @@ class ExpertCache:
         """One decode step: cache decisions for the routed picks topk_ids [T, K], then gather."""
         cache_step(self, topk_ids)
         if gather and self.num_slots:
-            gather_records(self.copy_src, self.copy_dst, self.n_copy, self.record_bytes, programs=self.gather_programs)
+            gather_records(self.copy_src, self.copy_dst, self.n_copy, self.record_bytes, chunk_bytes=self.gather_chunk,
+                           programs=self.gather_programs, num_warps=self.gather_warps)  # fmt: skip
 
 
 def cache_step(cache: ExpertCache, topk_ids: torch.Tensor) -> None:
@@ -230,5 +264,7 @@ def cache_step(cache: ExpertCache, topk_ids: torch.Tensor) -> None:
     _cache_step_kernel[(1,)](
         ids, p, cache.ptr_table, cache.host_addr, cache.slot_addr, cache.slot_expert, cache.expert_slot,
         cache.ref, cache.clock, cache.emark, cache.victims, cache.copy_src, cache.copy_dst, cache.n_copy,
-        cache.stats, cache.num_slots, cache.admit_max, BLOCK_P=bp, BLOCK_S=bs, num_warps=4 if bp * bp <= 8192 else 8,
+        cache.stats, cache.freq, cache.num_slots, cache.num_experts, cache.admit_max, FILTER=cache.admission_filter,
+        SHIFT=cache.decay_shift, BLOCK_P=bp, BLOCK_S=bs, BLOCK_E=max(16, triton.next_power_of_2(cache.num_experts)),
+        num_warps=4 if bp * bp <= 8192 else 8,
     )  # fmt: skip

@@ -66,11 +66,13 @@ class TieredExperts:
 
     host_pools[l]: uint8 [E, R] (pinned); shared[l]: uint8 [R] GPU record of layer l's shared
     expert (table row E); slots: GPU slots per layer; warm[l]: experts to preload (most
-    popular first); max_tokens: largest decode batch.
+    popular first); warm_rates[l]: expected picks per step [E] seeding the admission filter;
+    max_tokens: largest decode batch; gather: launch parameters of the gather kernel.
     """
 
     def __init__(self, layout: ExpertLayout, host_pools: list[torch.Tensor], shared: list[torch.Tensor], slots: int,
-                 top_k: int, max_tokens: int, device: torch.device, warm: list[list[int]] | None = None) -> None:  # fmt: skip
+                 top_k: int, max_tokens: int, device: torch.device, warm: list[list[int]] | None = None,
+                 warm_rates: list[torch.Tensor] | None = None, gather: dict | None = None) -> None:  # fmt: skip
         self.layout, self.pools, self.shared = layout, host_pools, shared
         self.top_k, self.device, self.num_slots = top_k, device, int(slots)
         self.num_experts = host_pools[0].shape[0]
@@ -85,6 +87,10 @@ class TieredExperts:
             if warm is not None and self.num_slots:
                 for e, s in cache.warm_start(warm[l]):
                     buf[s].copy_(pool[e])
+            if warm_rates is not None:
+                cache.warm_frequencies(warm_rates[l].to(device))
+            if gather:
+                cache.gather_programs, cache.gather_chunk, cache.gather_warps = gather["programs"], gather["chunk"], gather["warps"]
             self.slot_bufs.append(buf)
             self.caches.append(cache)
         self.decode_config: dict | None = None
