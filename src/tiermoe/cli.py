@@ -22,6 +22,7 @@ _SUBCOMMAND_MODULES = (
     "tiermoe.store.cli",  # pack, verify, plan, sim
     "tiermoe.server.cli",  # serve
     "tiermoe.doctor",  # doctor
+    "tiermoe.importers.cli",  # import-gguf
 )
 
 

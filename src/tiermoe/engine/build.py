@@ -20,7 +20,8 @@ PAGE_SIZE = 16
 def add_engine_args(p, model_positional: bool = False) -> None:
     """Flags shared by every command that runs a model."""
     if not model_positional:
-        p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or packed store")
+        p.add_argument("--model", default=None,
+                       help="Hugging Face checkpoint directory or packed store (default: the embedded model)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default="auto", help="auto (checkpoint dtype), bfloat16, float16, float32")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")

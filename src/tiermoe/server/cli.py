@@ -61,7 +61,9 @@ def _served_name(args) -> str:
         return "scripted"
     if args.model:
         return Path(args.model.rstrip("/")).name or args.model
-    return "default"
+    from tiermoe.default_model import MODEL_NAME
+
+    return MODEL_NAME
 
 
 def _check_args(args) -> None:
@@ -138,6 +140,7 @@ def serve(args) -> int:
         thinking_budget=args.thinking_budget,
         cors_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
         drain_timeout_s=args.drain_timeout,
+        aliases=["default"] if not args.model and not args.served_model_name else None,
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=max(1, int(args.drain_timeout)), lifespan="on")

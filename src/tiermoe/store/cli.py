@@ -10,6 +10,8 @@ from tiermoe.errors import UserError
 
 
 def _pack(args: argparse.Namespace) -> int:
+    if str(args.src).endswith(".gguf"):
+        return _pack_gguf(args)
     from tiermoe.store.pack import pack
 
     res = pack(args.src, args.out, quant=args.quant, group_size=args.group_size,
@@ -95,9 +97,32 @@ def _sim(args: argparse.Namespace) -> int:
 QUANT_CHOICES = ("bf16", "fp16", "fp32", "int8", "int4")
 
 
+def _pack_gguf(args: argparse.Namespace) -> int:
+    """A GGUF source is imported to a Hugging Face checkpoint (dequantised) in a temporary
+    directory next to OUT, then packed like any checkpoint."""
+    import shutil
+    import tempfile
+
+    from tiermoe.importers import gguf_to_hf
+
+    src = Path(args.src)
+    if not src.is_file():
+        raise UserError(f"{src}: no such file")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".gguf-import-", dir=out.parent))
+    try:
+        print(f"importing {src} ...", file=sys.stderr)
+        gguf_to_hf(src, tmp / "hf")
+        args.src = str(tmp / "hf")
+        return _pack(args)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("pack", help="pack a Hugging Face MoE checkpoint into an expert store")
-    p.add_argument("src", help="checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("src", help="checkpoint directory (config.json + *.safetensors) or a .gguf file")
     p.add_argument("out", help="output store directory")
     p.add_argument("--quant", choices=QUANT_CHOICES, default="bf16", help="routed-expert storage format (default bf16)")
     p.add_argument("--group-size", type=int, default=128, help="int8/int4 group size along the input dim (default 128)")
