@@ -111,6 +111,8 @@ def _add_stream_rate(sub) -> None:
     _server_args(p)
     p.add_argument("--max-tokens", type=_positive(int), default=None, help="cap the story (default: natural end)")
     p.add_argument("--prompt-tokens", type=int, default=0, help="random text before the request (long-prompt check)")
+    p.add_argument("--min-tokens", type=int, default=0,
+                   help="ask the server (vLLM-style min_tokens) not to stop before N tokens")
     p.add_argument("--mid-fraction", type=float, default=0.40, help="min share of text by the time midpoint")
     p.add_argument("--tail-seconds", type=_positive(float), default=1.0, help="length of the final window")
     p.add_argument("--tail-fraction", type=float, default=0.10, help="max share of text in the final window")
@@ -127,6 +129,7 @@ def _run_stream_rate(args) -> int:
         model=args.model,
         max_tokens=args.max_tokens,
         prompt_tokens=args.prompt_tokens,
+        min_tokens=args.min_tokens,
         mid_fraction_min=args.mid_fraction,
         tail_seconds=args.tail_seconds,
         tail_fraction_max=args.tail_fraction,

@@ -31,6 +31,7 @@ class StreamRateConfig:
     model: str | None = None
     max_tokens: int | None = None  # None: natural end
     prompt_tokens: int = 0  # random text ahead of the story request (0: none)
+    min_tokens: int = 0  # vLLM-style min_tokens: keeps an untrained model from ending early
     mid_fraction_min: float = MID_FRACTION_MIN
     tail_seconds: float = TAIL_SECONDS
     tail_fraction_max: float = TAIL_FRACTION_MAX
@@ -114,6 +115,8 @@ async def run_stream_rate(cfg: StreamRateConfig) -> dict:
             text, _n, _src = await sized_random_text(rng, cfg.prompt_tokens, count)
             prompt = f"{text}\n\nIgnore the words above. {prompt}"
         body = http.chat_payload(model, [{"role": "user", "content": prompt}], cfg.max_tokens)
+        if cfg.min_tokens:
+            body["min_tokens"] = cfg.min_tokens
         res = await http.stream(c, "/v1/chat/completions", body)
     arrivals = [(e.t, len(e.text)) for e in res.events if e.text]
     verdict = delivery_verdict(arrivals, cfg.mid_fraction_min, cfg.tail_seconds, cfg.tail_fraction_max)
@@ -124,6 +127,7 @@ async def run_stream_rate(cfg: StreamRateConfig) -> dict:
         config={
             "max_tokens": cfg.max_tokens,
             "prompt_tokens": cfg.prompt_tokens,
+            "min_tokens": cfg.min_tokens,
             "mid_fraction_min": cfg.mid_fraction_min,
             "tail_seconds": cfg.tail_seconds,
             "tail_fraction_max": cfg.tail_fraction_max,
