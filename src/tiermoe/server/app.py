@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tiermoe.engine.async_engine import AsyncEngine
-from tiermoe.server import anthropic_routes, openai_routes, responses_routes
+from tiermoe.server import anthropic_routes, openai_routes, openapi, responses_routes
 from tiermoe.server.chat import openai_messages, plan_tools
 from tiermoe.server.context import ServerConfig, ServerContext
 from tiermoe.server.errors import APIError, bad_request, error_body, install_handlers, is_anthropic_path
@@ -37,7 +37,7 @@ log = logging.getLogger("tiermoe.server")
 OPEN_PATHS = {"/health", "/metrics", "/ping"}
 KNOWN_PATHS = {
     "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
-    "/tokenize", "/detokenize", "/v1/models", "/health", "/metrics", "/stats", "/ping",
+    "/tokenize", "/detokenize", "/v1/models", "/health", "/metrics", "/stats", "/ping", "/openapi.json",
 }
 
 
@@ -46,13 +46,16 @@ class Guard:
 
     Checks the API key (constant-time; `Authorization: Bearer` or Anthropic's `x-api-key`),
     refuses bodies over the limit by Content-Length (413; chunked bodies are capped while
-    read), and counts responses per endpoint and status.
+    read), bounds concurrent API requests (429 + Retry-After beyond `max_connections`; probes
+    are never refused, so a saturated server still answers /health), and counts responses per
+    endpoint and status.
     """
 
     def __init__(self, app, ctx: ServerContext):
         self.app = app
         self.ctx = ctx
         self.key = ctx.config.api_key.encode() if ctx.config.api_key else None
+        self.active = 0  # API requests being handled now (single event loop: no lock needed)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -81,7 +84,19 @@ class Guard:
                 return await _send_error(counted_send, path, bad_request("invalid Content-Length header"))
             if too_big:
                 return await _send_error(counted_send, path, too_large(self.ctx.config.max_body_bytes))
-        await self.app(scope, receive, counted_send)
+        limit = self.ctx.config.max_connections
+        if limit is None or path in OPEN_PATHS:
+            return await self.app(scope, receive, counted_send)
+        if self.active >= limit:
+            metrics.rejected.inc()
+            err = APIError(429, f"too many concurrent requests ({self.active}, limit {limit}); retry shortly",
+                           code="too_many_connections", headers={"Retry-After": str(self.ctx.config.retry_after_s)})
+            return await _send_error(counted_send, path, err)
+        self.active += 1
+        try:
+            await self.app(scope, receive, counted_send)
+        finally:
+            self.active -= 1
 
 
 async def _send_error(send, path: str, err: APIError) -> None:
@@ -89,6 +104,8 @@ async def _send_error(send, path: str, err: APIError) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if err.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    for k, v in (err.headers or {}).items():
+        headers.append((k.lower().encode("latin-1"), str(v).encode("latin-1")))
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -107,17 +124,26 @@ def create_app(
     cors_origins: list[str] | None = None,
     drain_timeout_s: float = 30.0,
     aliases: list[str] | None = None,
+    request_timeout_s: float | None = None,
+    max_connections: int | None = None,
 ) -> FastAPI:
     """An ASGI app serving `engine` under `served_model_name`.
 
     max_model_len caps the context below the engine's own; max_queue bounds how many requests
     may wait beyond the engine's running capacity before new ones get 429 + Retry-After.
     tool_format: "hermes" | "glm" | None (detect). reasoning: parse <think> (None: detect).
+    request_timeout_s: a generation still running after this long is aborted (504, or an
+    in-stream error). max_connections: concurrent API requests before 429 (None: the engine's
+    capacity + max_queue + 32, so requests still reading or tokenizing their bodies are bounded
+    too; probes are not counted).
     """
+    if max_connections is None:
+        max_connections = engine.capacity + max_queue + 32
     config = ServerConfig(
         served_model_name=served_model_name, api_key=api_key, max_model_len=max_model_len, max_queue=max_queue,
         max_body_bytes=max_body_bytes, tool_format=tool_format, reasoning=reasoning, thinking_budget=thinking_budget,
         cors_origins=list(cors_origins or []), aliases=list(aliases or []),
+        request_timeout_s=request_timeout_s, max_connections=max_connections,
     )
     ctx = ServerContext(engine, config)
 
@@ -131,7 +157,7 @@ def create_app(
             await engine.shutdown(drain_timeout=drain_timeout_s)
             ctx.close()
 
-    app = FastAPI(title="tiermoe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="tiermoe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.ctx = ctx
     install_handlers(app)
     app.add_middleware(Guard, ctx=ctx)
@@ -189,6 +215,7 @@ def create_app(
     openai_routes.register(app)
     responses_routes.register(app)
     anthropic_routes.register(app)
+    openapi.install(app)
     return app
 
 

@@ -47,6 +47,10 @@ def register(subparsers) -> None:
     p.add_argument("--allowed-origins", default="", help="comma-separated CORS origins (default: CORS off)")
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted (413 beyond)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let running requests finish on SIGTERM")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="abort a generation running longer than this many seconds (504, or an in-stream error)")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="concurrent API requests before 429 (default: --max-num-seqs + --max-queue + 32)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--scripted", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--scripted-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -81,6 +85,12 @@ def _check_args(args) -> None:
         raise UserError("--kv-cache-gb must be > 0")
     if args.thinking_budget is not None and args.thinking_budget < 0:
         raise UserError("--thinking-budget must be >= 0")
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        raise UserError("--request-timeout must be > 0")
+    if args.max_connections is not None and args.max_connections < 1:
+        raise UserError("--max-connections must be at least 1")
+    if not args.max_body_mb > 0:
+        raise UserError("--max-body-mb must be > 0")
     if args.model and not args.scripted and not Path(args.model).exists():
         raise UserError(f"model path {args.model} does not exist")
 
@@ -114,8 +124,30 @@ def build_core(args):
             raise UserError("this install has no model engine (tiermoe.engine.build); use --scripted to test the server") from None
         raise
     options = {k: v for k, v in vars(args).items() if k not in ("handler", "api_key")}
-    return build_engine_core(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                             max_num_seqs=args.max_num_seqs, options=options)
+    try:
+        return build_engine_core(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                                 max_num_seqs=args.max_num_seqs, options=options)
+    except (UserError, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # allocation, pinning, a missing or unreadable file: one line, exit 2
+        log.debug("engine start-up failed", exc_info=True)
+        raise UserError(startup_error(exc, args)) from None
+
+
+def startup_error(exc: BaseException, args) -> str:
+    """One line saying what failed while building the engine, and what to change."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    low = first.lower()
+    if isinstance(exc, MemoryError) or "allocate" in low or "out of memory" in low:
+        return (f"cannot allocate memory while loading the model ({first}); lower --kv-cache-gb, --host-expert-gb, "
+                f"--gpu-expert-gb or --max-model-len")
+    if "pin" in low or "mlock" in low or "memlock" in low or "hostregister" in low or "hostalloc" in low:
+        return (f"cannot pin (page-lock) host memory ({first}); raise the memlock limit (ulimit -l) "
+                f"or lower --host-expert-gb")
+    if isinstance(exc, OSError):
+        name = getattr(exc, "filename", None) or args.model
+        return f"{name}: {exc.strerror or first}"
+    return f"cannot start the engine for {args.model or 'the default model'}: {type(exc).__name__}: {first}"
 
 
 def serve(args) -> int:
@@ -140,6 +172,8 @@ def serve(args) -> int:
         thinking_budget=args.thinking_budget,
         cors_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
         drain_timeout_s=args.drain_timeout,
+        request_timeout_s=args.request_timeout,
+        max_connections=args.max_connections,
         aliases=["default"] if not args.model and not args.served_model_name else None,
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,

@@ -36,6 +36,8 @@ class ServerConfig:
     cors_origins: list[str] = field(default_factory=list)
     retry_after_s: int = 1
     aliases: list[str] = field(default_factory=list)  # other names accepted as `model`
+    request_timeout_s: float | None = None  # a generation running longer is aborted (504 / in-stream error)
+    max_connections: int | None = None  # concurrent API requests (probes excluded) before 429
 
 
 class ServerContext:
@@ -137,12 +139,37 @@ class ServerContext:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return await self._off_loop(lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)))
+        """Token ids of `text`. A text far beyond the context is refused (400) after tokenizing
+        growing prefixes of it, never the whole: tokenizing 30 MB takes about a minute on the one
+        tokenizer thread, which would stall every other request.
+        """
+        if len(text) <= 4 * self.max_model_len:
+            return await self._off_loop(lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)))
+        return await self._off_loop(self._encode_bounded, text, add_special_tokens)
+
+    def _encode_bounded(self, text: str, add_special_tokens: bool) -> list[int]:
+        limit = self.max_model_len + 64  # slack: a cut through a word or special token adds a few
+        k = 4 * self.max_model_len
+        while k < len(text):
+            n = len(self.tokenizer.encode(text[:k], add_special_tokens=add_special_tokens))
+            if n > limit:
+                raise bad_request(
+                    f"This model's maximum context length is {self.max_model_len} tokens; the prompt is longer "
+                    f"({n} tokens in its first {k} characters, of {len(text)})",
+                    code="context_length_exceeded",
+                )
+            k *= 4
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     async def render_chat(
         self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None, add_generation_prompt: bool = True
     ) -> str:
         """Apply the chat template; a template that refuses the conversation is a 400."""
+        if len(messages) >= self.max_model_len:  # each message renders to at least one token
+            raise bad_request(
+                f"{len(messages)} messages cannot fit in this model's context of {self.max_model_len} tokens",
+                param="messages", code="context_length_exceeded",
+            )
         kwargs = dict(template_kwargs or {})
         for reserved in ("messages", "tools", "add_generation_prompt", "tokenize", "conversation"):
             kwargs.pop(reserved, None)

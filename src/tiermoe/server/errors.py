@@ -33,6 +33,7 @@ _OPENAI_TYPES = {
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
+    504: "timeout_error",
 }
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
@@ -45,6 +46,7 @@ _ANTHROPIC_TYPES = {
     429: "rate_limit_error",
     500: "api_error",
     503: "overloaded_error",
+    504: "timeout_error",
 }
 
 

@@ -17,6 +17,7 @@ prompt. The engine's prefix cache makes the resubmission cheap; the client sees 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator
@@ -81,6 +82,7 @@ class ChoiceRun:
         self.text = ""  # all visible text after stop handling (before reasoning/tool split)
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # when params.prompt_logprobs is set
         self.prompt_tokens = len(prompt_ids)
         self.cached_tokens = 0
         self.completion_tokens = 0
@@ -92,6 +94,10 @@ class ChoiceRun:
         self.t_submit = time.monotonic()
         self.t_first: float | None = None
         self._t_last: float | None = None
+        # per-request timeout (loop clock); past it the engine request is aborted
+        self.timeout_s: float | None = ctx.config.request_timeout_s
+        self._deadline = asyncio.get_running_loop().time() + self.timeout_s if self.timeout_s else None
+        self.timed_out = False
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -125,13 +131,23 @@ class ChoiceRun:
     async def deltas(self) -> AsyncIterator[Delta]:
         try:
             while not self._done:
-                out = await self._stream.__anext__()
+                if self._deadline is None:
+                    out = await self._stream.__anext__()
+                else:
+                    try:
+                        async with asyncio.timeout_at(self._deadline):
+                            out = await self._stream.__anext__()
+                    except TimeoutError:
+                        yield self._time_out()
+                        return
                 now = time.monotonic()
                 delta = Delta(tool_calls=self._forced_deltas)
                 self._forced_deltas = []
                 if out.prompt_tokens and self._segment == 0:
                     self.prompt_tokens = out.prompt_tokens
                     self.cached_tokens = out.cached_tokens
+                if out.prompt_logprobs is not None and self._segment == 0:
+                    self.prompt_logprobs = out.prompt_logprobs
                 if out.new_token_ids:
                     self._timing(now, len(out.new_token_ids))
                     over = self._accept(out.new_token_ids, out.logprobs, delta)
@@ -156,6 +172,15 @@ class ChoiceRun:
         finally:
             if not self._done:
                 self.abort()
+
+    def _time_out(self) -> Delta:
+        """The request ran past the server's --request-timeout: abort it, finish with an error."""
+        self.ctx.engine.abort(self._engine_id)
+        self.timed_out = True
+        self.error = f"request timed out after {self.timeout_s:g} s (server --request-timeout)"
+        delta = Delta()
+        self._finish("error", delta)
+        return delta
 
     def _accept(self, ids: list[int], logprobs: list[TokenLogprob] | None, delta: Delta) -> bool:
         """Feed new tokens through the layers; True when the thinking budget ran out.
@@ -260,9 +285,7 @@ class ChoiceRun:
         self._prior_tokens = len(self.token_ids)
         self.completion_tokens = self._prior_tokens
         params = SamplingParams(**{k: getattr(self.params, k) for k in SamplingParams.__dataclass_fields__})
-        for key, value in vars(self.params).items():  # fields added outside the dataclass (structured)
-            if key not in SamplingParams.__dataclass_fields__:
-                setattr(params, key, value)
+        params.prompt_logprobs = None  # the first segment already delivered them
         if params.max_tokens is not None:
             left = params.max_tokens - self._prior_tokens
             if left < 1:

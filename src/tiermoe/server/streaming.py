@@ -121,6 +121,8 @@ async def drain(runs: list[ChoiceRun]) -> None:
             r.abort()
     failed = [r for r in runs if r.finish_reason == "error"]
     if failed:
+        if failed[0].timed_out:
+            raise APIError(504, failed[0].error, code="request_timeout")
         raise APIError(500, failed[0].error or "engine error", code="engine_error")
 
 
