@@ -11,10 +11,14 @@ from tiermoe.kernels.triton import fused_moe as F
 REC = 8192  # bytes per fake record in the pure-cache tests
 
 
-def _fake_cache(e, s, device, admit_max=None, admission_filter=True):
+SCRATCH_BASE = 1 << 30
+
+
+def _fake_cache(e, s, device, admit_max=None, admission_filter=True, scratch=0):
     host = torch.arange(e, dtype=torch.int64, device=device) * REC + (1 << 40)  # addresses only
     return C.ExpertCache(host, 1 << 20, s, REC, extra_ptrs=torch.tensor([7], device=device), admit_max=admit_max,
-                         admission_filter=admission_filter, decay_shift=3)  # fmt: skip
+                         admission_filter=admission_filter, decay_shift=3, scratch_base=SCRATCH_BASE,
+                         scratch_slots=scratch)  # fmt: skip
 
 
 def _twin_state(cache):
@@ -32,19 +36,19 @@ def _check_equal(cache, st):
 
 
 @pytest.mark.parametrize(
-    "e,s,tokens,k,admit_max,filt",
-    [(12, 4, 1, 3, None, True), (12, 4, 2, 3, None, False), (10, 3, 3, 2, 2, True), (9, 9, 2, 2, None, True),
-     (8, 0, 1, 3, None, True), (16, 6, 1, 4, 1, False)],
+    "e,s,tokens,k,admit_max,filt,scratch",
+    [(12, 4, 1, 3, None, True, 3), (12, 4, 2, 3, None, False, 0), (10, 3, 3, 2, 2, True, 2),
+     (9, 9, 2, 2, None, True, 0), (8, 0, 1, 3, None, True, 3), (16, 6, 1, 4, 1, False, 4)],
 )  # fmt: skip
-def test_cache_step_matches_twin(e, s, tokens, k, admit_max, filt, device):
-    cache = _fake_cache(e, s, device, admit_max, filt)
+def test_cache_step_matches_twin(e, s, tokens, k, admit_max, filt, scratch, device):
+    cache = _fake_cache(e, s, device, admit_max, filt, scratch)
     st = _twin_state(cache)
     gen = torch.Generator().manual_seed(e * 100 + s)
     popular = torch.linspace(3.0, 0.2, e)  # skewed picks, so hits and evictions both happen
     for step in range(25):
         ids = torch.stack([torch.multinomial(popular, k, generator=gen) for _ in range(tokens)])
         C.cache_step(cache, ids.to(device))
-        R.cache_step_ref(st, ids, cache.admit_max, filt, 3)
+        R.cache_step_ref(st, ids, cache.admit_max, filt, 3, (SCRATCH_BASE, scratch, REC))
         _check_equal(cache, st)
     lookups, hits, misses, admitted = st["stats"].tolist()
     assert lookups == hits + misses and admitted <= misses
@@ -110,7 +114,9 @@ def test_cached_moe_is_bit_exact_for_any_budget(device):
     outs = {}
     for s in (0, 3, e):
         slots = torch.zeros(max(s, 1), lay.length, dtype=torch.uint8, device=device)
-        cache = C.ExpertCache(host_ptrs[:e], slots.data_ptr(), s, lay.length, extra_ptrs=host_ptrs[e:], max_picks=8)
+        scratch = torch.zeros(2, lay.length, dtype=torch.uint8, device=device)
+        cache = C.ExpertCache(host_ptrs[:e], slots.data_ptr(), s, lay.length, extra_ptrs=host_ptrs[e:], max_picks=8,
+                              scratch_base=scratch.data_ptr(), scratch_slots=1 if s == 3 else 2)  # fmt: skip
         cache.gather_programs = 4
         res = []
         for ids, x in zip(steps, xs):
@@ -118,7 +124,7 @@ def test_cached_moe_is_bit_exact_for_any_budget(device):
             cache.step(ids)
             full = torch.cat([ids, torch.full((1, 1), e, device=device)], 1)
             w = torch.tensor([[0.7, 0.3, 1.0]], device=device)
-            res.append(F.fused_moe(x.to(device), full, w, cache.ptr_table, lay))
+            res.append(F.fused_moe(x.to(device), full, w, cache.step_table, lay))
         outs[s] = torch.cat(res)
         for slot, ex in enumerate(cache.slot_expert.tolist()[:s]):
             if ex >= 0:

@@ -150,7 +150,8 @@ def moe_align_ref(topk_ids: torch.Tensor, block_m: int, nb_max: int) -> tuple[to
 
 
 def cache_step_ref(state: dict[str, torch.Tensor], topk_ids: torch.Tensor, admit_max: int,
-                   admission_filter: bool = True, decay_shift: int = 8) -> dict[str, torch.Tensor]:  # fmt: skip
+                   admission_filter: bool = True, decay_shift: int = 8, scratch: tuple[int, int, int] = (0, 0, 0),
+                   ) -> dict[str, torch.Tensor]:  # fmt: skip
     """Twin of triton.cache_manager.cache_step, on a dict of CPU tensors (mutated and returned).
 
     state keys: ptr_table [E'] i64, host_addr [E] i64, slot_addr [S] i64, slot_expert [S] i32,
@@ -166,6 +167,9 @@ def cache_step_ref(state: dict[str, torch.Tensor], topk_ids: torch.Tensor, admit
     exceeds the victim expert's (an empty slot always admits). An evicted expert's table
     entry goes back to its host address, an admitted one's to its slot; (src, dst) go to the
     copy list in admission order. Victims that were not taken keep their expert, bit clear.
+    scratch = (base, rows, record_bytes): misses not admitted are staged, in first-pick order,
+    into the first `rows` scratch rows for this step (appended to the copy list); step_table
+    is ptr_table with those rows.
     """
     st = state
     ids = topk_ids.reshape(-1).tolist()
@@ -218,7 +222,14 @@ def cache_step_ref(state: dict[str, torch.Tensor], topk_ids: torch.Tensor, admit
         st["copy_src"][n] = st["host_addr"][e]
         st["copy_dst"][n] = st["slot_addr"][v]
         n += 1
-    st["n_copy"][0] = n
+    base, rows, rec = scratch
+    st["step_table"].copy_(st["ptr_table"])
+    rejected = [e for e in misses if int(es[e]) < 0]
+    for q, e in enumerate(rejected[:rows]):
+        st["copy_src"][n + q] = st["host_addr"][e]
+        st["copy_dst"][n + q] = base + q * rec
+        st["step_table"][e] = base + q * rec
+    st["n_copy"][0] = n + min(len(rejected), rows)
     st["stats"] += torch.tensor([len(uniq), len(hits), len(misses), n], dtype=st["stats"].dtype)
     return st
 

@@ -14,8 +14,10 @@ reads the router's picks on the device and:
      and evicting experts that come back; the filter converges to the popular set);
   5. rewrites the pointer table: evicted experts point back at their pinned host copy, the
      admitted ones at their new slot; fills the (src, dst) copy list;
+  6. stages the misses it did not admit into shared scratch rows for this step only (when a
+     scratch area is configured) and writes `step_table` = ptr_table with those rows;
 
-then `_gather_kernel` copies the admitted records host -> slot (the loads cross PCIe, the
+then `_gather_kernel` copies the admitted (and staged) records host -> GPU (the loads cross PCIe, the
 stores stay in HBM), sized by the device-side count, so no host round trip happens anywhere.
 The MoE kernel that follows reads admitted experts from their slot and any miss that was not
 admitted (more misses than free slots) in place from host memory.
@@ -38,6 +40,11 @@ Contract of the tables (`ExpertCache` owns them, one per layer):
   copy_src/copy_dst int64 [M], n_copy int32 [1]   the gather list of the last step
   stats       int64 [4]        cumulative (lookups, hits, misses, admitted), unique experts
   freq        int32 [E]        decayed pick counts (1024 per pick, decay 1 - 2^-shift per step)
+  step_table  int64 [E_total]  the table the MoE kernel reads this step (ptr_table + scratch rows)
+  smark/saddr int32/int64 [E]  scratch staging marks of the last step (scratch)
+
+The scratch area (scratch_base, scratch_slots records) may be shared by all layers of a
+stack: stream order puts each layer's gather after the previous layer's MoE kernel.
 """
 
 from __future__ import annotations
@@ -51,8 +58,9 @@ import triton.language as tl
 def _cache_step_kernel(
     ids_ptr, P, ptr_table_ptr, host_addr_ptr, slot_addr_ptr, slot_expert_ptr, expert_slot_ptr,
     ref_ptr, clock_ptr, emark_ptr, victims_ptr, copy_src_ptr, copy_dst_ptr, n_copy_ptr, stats_ptr, freq_ptr,
-    S, E, ADMIT_MAX, FILTER: tl.constexpr, SHIFT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+    step_table_ptr, smark_ptr, saddr_ptr, scratch_base, SCRATCH, R,
+    S, E, E_TOTAL, ADMIT_MAX, FILTER: tl.constexpr, SHIFT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     # ---- picks: dedup in first-pick order, lookup
     offs_p = tl.arange(0, BLOCK_P)
@@ -137,7 +145,26 @@ def _cache_step_kernel(
     tl.store(ref_ptr + v, 1, mask=adm)
     tl.store(copy_src_ptr + pos, ha, mask=adm)
     tl.store(copy_dst_ptr + pos, sa, mask=adm)
-    tl.store(n_copy_ptr, n_adm)
+    # misses not admitted: staged for this step only in the scratch rows (the gather kernel
+    # reads host memory faster than the MoE kernel's in-place reads), else read in place
+    rej = miss & (adm == 0)
+    q = tl.sum((rej[None, :] & earlier).to(tl.int32), axis=1)
+    stg = rej & (q < SCRATCH)
+    n_stg = tl.sum(stg.to(tl.int32), axis=0)
+    scr = scratch_base + q.to(tl.int64) * R
+    tl.store(copy_src_ptr + n_adm + q, tl.load(host_addr_ptr + ids, mask=stg, other=0), mask=stg)
+    tl.store(copy_dst_ptr + n_adm + q, scr, mask=stg)
+    tl.store(smark_ptr + ids, stamp, mask=stg)
+    tl.store(saddr_ptr + ids, scr, mask=stg)
+    tl.store(n_copy_ptr, n_adm + n_stg)
+    tl.debug_barrier()
+    # ---- this step's table: the canonical one with the scratch rows of staged misses
+    offs_t = tl.arange(0, BLOCK_T)
+    ok_t = offs_t < E_TOTAL
+    canon = tl.load(ptr_table_ptr + offs_t, mask=ok_t, other=0, cache_modifier=".cg")
+    staged = tl.load(smark_ptr + offs_t, mask=offs_t < E, other=0, cache_modifier=".cg") == stamp
+    s_addr = tl.load(saddr_ptr + offs_t, mask=staged, other=0, cache_modifier=".cg")
+    tl.store(step_table_ptr + offs_t, tl.where(staged, s_addr, canon), mask=ok_t)
     tl.store(clock_ptr, new_hand)
     tl.store(clock_ptr + 1, stamp)
     tl.store(stats_ptr, tl.load(stats_ptr) + n_first.to(tl.int64))
@@ -187,7 +214,8 @@ class ExpertCache:
 
     def __init__(self, host_addr: torch.Tensor, slot_base: int, num_slots: int, record_bytes: int,
                  *, extra_ptrs: torch.Tensor | None = None, admit_max: int | None = None,
-                 max_picks: int = 128, admission_filter: bool = True, decay_shift: int = 8) -> None:  # fmt: skip
+                 max_picks: int = 128, admission_filter: bool = True, decay_shift: int = 8,
+                 scratch_base: int = 0, scratch_slots: int = 0) -> None:  # fmt: skip
         dev = host_addr.device
         e = host_addr.numel()
         self.num_experts, self.num_slots, self.record_bytes = e, int(num_slots), int(record_bytes)
@@ -210,13 +238,17 @@ class ExpertCache:
         self.stats = torch.zeros(4, **i64)
         self.freq = torch.zeros(e, **i32)  # decayed pick counts, 1024 per pick
         self.admission_filter, self.decay_shift = bool(admission_filter), int(decay_shift)
+        self.step_table = self.ptr_table.clone()  # what this step's MoE kernel reads
+        self.smark = torch.zeros(e, **i32)
+        self.saddr = torch.zeros(e, **i64)
+        self.scratch_base, self.scratch_slots = int(scratch_base), int(scratch_slots)
         self.max_picks = max_picks
         # gather kernel launch (2 programs per SM of an H100/H200 by default; the bench tunes it)
         self.gather_programs, self.gather_chunk, self.gather_warps = 264, 16384, 8
 
     def state(self) -> dict[str, torch.Tensor]:
         names = ("ptr_table", "host_addr", "slot_addr", "slot_expert", "expert_slot", "ref", "clock",
-                 "copy_src", "copy_dst", "n_copy", "stats", "freq")  # fmt: skip
+                 "copy_src", "copy_dst", "n_copy", "stats", "freq", "step_table")  # fmt: skip
         return {n: getattr(self, n) for n in names}
 
     def warm_start(self, experts: list[int]) -> list[tuple[int, int]]:
@@ -248,7 +280,7 @@ class ExpertCache:
     def step(self, topk_ids: torch.Tensor, *, gather: bool = True) -> None:
         """One decode step: cache decisions for the routed picks topk_ids [T, K], then gather."""
         cache_step(self, topk_ids)
-        if gather and self.num_slots:
+        if gather and (self.num_slots or self.scratch_slots):
             gather_records(self.copy_src, self.copy_dst, self.n_copy, self.record_bytes, chunk_bytes=self.gather_chunk,
                            programs=self.gather_programs, num_warps=self.gather_warps)  # fmt: skip
 
@@ -264,7 +296,9 @@ def cache_step(cache: ExpertCache, topk_ids: torch.Tensor) -> None:
     _cache_step_kernel[(1,)](
         ids, p, cache.ptr_table, cache.host_addr, cache.slot_addr, cache.slot_expert, cache.expert_slot,
         cache.ref, cache.clock, cache.emark, cache.victims, cache.copy_src, cache.copy_dst, cache.n_copy,
-        cache.stats, cache.freq, cache.num_slots, cache.num_experts, cache.admit_max, FILTER=cache.admission_filter,
-        SHIFT=cache.decay_shift, BLOCK_P=bp, BLOCK_S=bs, BLOCK_E=max(16, triton.next_power_of_2(cache.num_experts)),
-        num_warps=4 if bp * bp <= 8192 else 8,
+        cache.stats, cache.freq, cache.step_table, cache.smark, cache.saddr, cache.scratch_base, cache.scratch_slots,
+        cache.record_bytes, cache.num_slots, cache.num_experts, cache.ptr_table.numel(), cache.admit_max,
+        FILTER=cache.admission_filter, SHIFT=cache.decay_shift, BLOCK_P=bp, BLOCK_S=bs,
+        BLOCK_E=max(16, triton.next_power_of_2(cache.num_experts)),
+        BLOCK_T=max(16, triton.next_power_of_2(cache.ptr_table.numel())), num_warps=4 if bp * bp <= 8192 else 8,
     )  # fmt: skip

@@ -67,23 +67,30 @@ class TieredExperts:
     host_pools[l]: uint8 [E, R] (pinned); shared[l]: uint8 [R] GPU record of layer l's shared
     expert (table row E); slots: GPU slots per layer; warm[l]: experts to preload (most
     popular first); warm_rates[l]: expected picks per step [E] seeding the admission filter;
-    max_tokens: largest decode batch; gather: launch parameters of the gather kernel.
+    max_tokens: largest decode batch; gather: launch parameters of the gather kernel;
+    stage_misses: copy misses that are not admitted into scratch rows for their step (the
+    gather kernel streams host memory faster than the MoE kernel reads it in place).
     """
 
     def __init__(self, layout: ExpertLayout, host_pools: list[torch.Tensor], shared: list[torch.Tensor], slots: int,
                  top_k: int, max_tokens: int, device: torch.device, warm: list[list[int]] | None = None,
-                 warm_rates: list[torch.Tensor] | None = None, gather: dict | None = None) -> None:  # fmt: skip
+                 warm_rates: list[torch.Tensor] | None = None, gather: dict | None = None,
+                 stage_misses: bool = True) -> None:  # fmt: skip
         self.layout, self.pools, self.shared = layout, host_pools, shared
         self.top_k, self.device, self.num_slots = top_k, device, int(slots)
         self.num_experts = host_pools[0].shape[0]
         r = layout.length
         self.slot_bufs, self.caches = [], []
+        # misses not admitted are staged here for their step (shared by all layers: stream order)
+        picks = max(16, max_tokens * top_k)
+        self.scratch = torch.empty(picks if stage_misses else 1, r, dtype=torch.uint8, device=device)
         for l, pool in enumerate(host_pools):
             buf = torch.empty(max(self.num_slots, 1), r, dtype=torch.uint8, device=device)
             host_addr = pool.data_ptr() + torch.arange(self.num_experts, dtype=torch.int64) * r
             extra = torch.tensor([shared[l].data_ptr()], dtype=torch.int64)
             cache = ExpertCache(host_addr.to(device), buf.data_ptr(), self.num_slots, r, extra_ptrs=extra.to(device),
-                                max_picks=max(16, max_tokens * top_k))  # fmt: skip
+                                max_picks=picks, scratch_base=self.scratch.data_ptr(),
+                                scratch_slots=picks if stage_misses else 0)  # fmt: skip
             if warm is not None and self.num_slots:
                 for e, s in cache.warm_start(warm[l]):
                     buf[s].copy_(pool[e])
@@ -102,7 +109,7 @@ class TieredExperts:
         cache = self.caches[l]
         cache.step(ids_full[:, : self.top_k])
         cfg = self.decode_config or get_config(self.layout, x.shape[0], x.device)
-        return fused_moe(x, ids_full, w, cache.ptr_table, self.layout, config=cfg)
+        return fused_moe(x, ids_full, w, cache.step_table, self.layout, config=cfg)
 
     def decode_step(self, h: torch.Tensor, ids_full: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """All layers: h <- h + MoE_l(rmsnorm(h)). ids_full/w [L, T, K+1]. No host sync."""
