@@ -101,6 +101,7 @@ def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         completion_tokens=max(a.completion_tokens, b.completion_tokens),
         cached_tokens=b.cached_tokens or a.cached_tokens,
         error=b.error,
+        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
     )
 
 

@@ -4,6 +4,12 @@ add_request / abort_request may be called from another thread (the async bridge)
 enqueue. step() drains the queues, schedules, runs one forward pass and returns the new
 tokens of every request that produced one. A failure inside a forward pass fails the requests
 of that step (finish_reason "error") and the engine keeps serving the rest.
+
+Structured output: a request with `params.structured` gets a grammar matcher when it is added
+(a grammar that does not compile is an InvalidRequest); the runner masks its logits each step
+and the engine ends it with "stop" as soon as the grammar is complete. Prompt logprobs: the
+runner collects them during prefill and they go out with the request's first output; such a
+request does not take pages from the prefix cache (cached positions have no logits).
 """
 
 from __future__ import annotations
@@ -23,6 +29,34 @@ from tiermoe.scheduler.scheduler import Scheduler
 log = logging.getLogger("tiermoe.engine")
 
 
+class _KVPages(KVPages):
+    """KVPages that skips prefix-cache reuse for prompts whose prompt logprobs are still owed.
+
+    The scheduler looks prefixes up by token ids only, so such prompts are recognised by
+    content (a same-prompt request without prompt logprobs may then also miss the cache once).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.no_reuse: dict[tuple[int, ...], int] = {}  # prompt -> requests needing full prefill
+
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        if self.no_reuse and tuple(token_ids) in self.no_reuse:
+            self.queries += len(token_ids)
+            return []
+        return super().match_prefix(token_ids)
+
+    def hold(self, prompt: tuple[int, ...]) -> None:
+        self.no_reuse[prompt] = self.no_reuse.get(prompt, 0) + 1
+
+    def unhold(self, prompt: tuple[int, ...]) -> None:
+        left = self.no_reuse.get(prompt, 0) - 1
+        if left > 0:
+            self.no_reuse[prompt] = left
+        else:
+            self.no_reuse.pop(prompt, None)
+
+
 class LLMEngine:
     def __init__(self, model, tokenizer, *, max_model_len: int, max_num_seqs: int, max_batched_tokens: int,
                  num_pages: int, page_size: int = 16, model_info: dict | None = None, seed: int | None = None):
@@ -36,9 +70,9 @@ class LLMEngine:
         self.model_info = model_info or {"arch": model.spec.arch}
         # Recurrent-state families cannot resume from a cached prefix: their state is per slot.
         recurrent = bool(getattr(model.spec, "extra", {}).get("recurrent_state"))
-        self.kv = KVPages(num_pages, page_size, prefix_caching=not recurrent)
+        self.kv = _KVPages(num_pages, page_size, prefix_caching=not recurrent)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_batched_tokens)
-        self.runner = ModelRunner(model, num_pages, page_size, seed=seed)
+        self.runner = ModelRunner(model, num_pages, page_size, seed=seed, tokenizer=tokenizer, eos_ids=self.eos_token_ids)
         self._lock = threading.Lock()
         self._incoming: deque[Request] = deque()
         self._aborts: deque[str] = deque()
@@ -64,10 +98,16 @@ class LLMEngine:
             raise InvalidRequest(
                 f"max_tokens={max_tokens} is too large: the prompt is {n} tokens and the context is "
                 f"{self.max_model_len}, so at most {room} tokens can be generated", "max_tokens")
+        if params.logit_bias and any(t >= self.vocab_size for t in params.logit_bias):
+            raise InvalidRequest(f"logit_bias keys must be token ids in [0, {self.vocab_size})", "logit_bias")
+        grammar = self.runner.build_grammar(params.structured) if params.structured is not None else None
         req = Request(request_id, list(prompt_token_ids), params, max_tokens)
         with self._lock:
             if request_id in self._live:
                 raise InvalidRequest(f"duplicate request id {request_id!r}", "request_id")
+            self.runner.add_request(request_id, params, n, grammar)
+            if params.prompt_logprobs is not None:
+                self.kv.hold(tuple(req.prompt_ids))
             self._live[request_id] = req
             self._incoming.append(req)
 
@@ -139,16 +179,25 @@ class LLMEngine:
                 outputs.append(self._finish(req, "abort"))
         return outputs
 
-    def _finish(self, req: Request, reason: str, new_ids=None, logprobs=None, error: str | None = None) -> RequestOutput:
+    def _finish(self, req: Request, reason: str, new_ids=None, logprobs=None, error: str | None = None,
+                prompt_logprobs=None) -> RequestOutput:
         self.scheduler.finish(req, reason)
+        self._prompt_logprobs_done(req)
         self.runner.release(req)
         with self._lock:
             self._live.pop(req.request_id, None)
-        return self._output(req, new_ids or [], logprobs, True, reason, error)
+        return self._output(req, new_ids or [], logprobs, True, reason, error, prompt_logprobs)
 
-    def _output(self, req, new_ids, logprobs, finished, reason, error=None) -> RequestOutput:
+    def _output(self, req, new_ids, logprobs, finished, reason, error=None, prompt_logprobs=None) -> RequestOutput:
         return RequestOutput(req.request_id, new_ids, finished, reason, logprobs, len(req.prompt_ids),
-                             len(req.output_ids), req.cached_tokens, error)
+                             len(req.output_ids), req.cached_tokens, error, prompt_logprobs)
+
+    def _prompt_logprobs_done(self, req: Request) -> list | None:
+        """The request's prompt logprobs (once), releasing its hold on prefix-cache bypass."""
+        if req.params.prompt_logprobs is None or req.request_id not in self.runner.prompt_logprobs:
+            return None
+        self.kv.unhold(tuple(req.prompt_ids))
+        return self.runner.take_prompt_logprobs(req)
 
     def _append_tokens(self, reqs: list[Request], result) -> list[RequestOutput]:
         tokens = result.tokens.tolist()  # the one host sync of the step
@@ -164,11 +213,18 @@ class LLMEngine:
                 k = req.params.logprobs
                 top = list(zip(top_ids[i][:k], top_vals[i][:k])) if k and top_ids is not None else []
                 lp = [TokenLogprob(tok, chosen[i], top)]
-            reason = self._stop_reason(req, tok)
+            plp = self._prompt_logprobs_done(req) if len(req.output_ids) == 1 else None
+            reason, error = self._stop_reason(req, tok), None
+            if req.params.structured is not None and reason in (None, "length"):
+                complete, error = self.runner.advance_grammar(req)
+                if error is not None:
+                    reason, error = "error", f"structured output: {error}"
+                elif complete:
+                    reason = "stop"
             if reason:
-                outputs.append(self._finish(req, reason, [tok], lp))
+                outputs.append(self._finish(req, reason, [tok], lp, error, plp))
             else:
-                outputs.append(self._output(req, [tok], lp, False, None))
+                outputs.append(self._output(req, [tok], lp, False, None, None, plp))
         return outputs
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:

@@ -36,6 +36,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token (0: only the chosen)
     min_tokens: int = 0
+    # Constrained decoding: {"type": "json_object"} | {"type": "json_schema", "schema": {...}}
+    # | {"type": "regex", "pattern": "..."} (see StructuredSpec below); None: unconstrained.
+    structured: dict | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit, in [-100, 100]
+    prompt_logprobs: int | None = None  # top alternatives per prompt token (0: only the prompt token's own)
 
     @property
     def greedy(self) -> bool:
@@ -70,6 +75,24 @@ class SamplingParams:
             raise InvalidRequest("top_logprobs must be in [0, 20]", "top_logprobs")
         if self.seed is not None and not isinstance(self.seed, int):
             raise InvalidRequest("seed must be an integer", "seed")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidRequest("logit_bias must map token ids to numbers", "logit_bias")
+            for tid, bias in self.logit_bias.items():
+                if not isinstance(tid, int) or isinstance(tid, bool) or tid < 0:
+                    raise InvalidRequest(f"logit_bias key {tid!r} is not a token id", "logit_bias")
+                finite("logit_bias", bias)
+                if not -100.0 <= bias <= 100.0:
+                    raise InvalidRequest(f"logit_bias for token {tid} must be in [-100, 100]", "logit_bias")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool)
+            or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise InvalidRequest("prompt_logprobs must be an integer in [0, 20]", "prompt_logprobs")
+        if self.structured is not None:
+            kind = self.structured.get("type") if isinstance(self.structured, dict) else None
+            if kind not in ("json_object", "json_schema", "regex"):
+                raise InvalidRequest("structured must have type json_object, json_schema or regex", "response_format")
 
 
 @dataclass
@@ -94,6 +117,9 @@ class RequestOutput:
     completion_tokens: int = 0  # total so far
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set when finish_reason == "error"
+    # Only in a request's first output, when SamplingParams.prompt_logprobs was set: one entry
+    # per prompt token (its logprob given the tokens before it), None for the first token.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 # Structured output request carried to the sampler: {"type": "json_object"} or

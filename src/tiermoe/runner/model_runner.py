@@ -3,15 +3,27 @@ runs the model and samples.
 
 The KV cache is one set of tensors per layer, [pages, page_size, *per-token shape], sized once
 at start-up; pages are handed out by the scheduler's KVPages.
+
+Per-request sampling state lives here too, keyed by request id and dropped by `release`:
+seeded generators, prepared logit_bias tensors, grammar matchers (structured output) and
+prompt logprobs being collected. Prompt logprobs: while a request that asked for them is
+prefilling, the logits of every prompt position of its chunk are computed (in slices of
+PROMPT_LOGITS_ROWS rows, so a long chunk never materialises [T, V] at once) and the logprob of
+the next prompt token plus the top-k are stored by position; chunked prefill fills the list
+over several steps, and a preempted prefill simply overwrites the same positions.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tiermoe.engine.protocol import TokenLogprob
 from tiermoe.models.batch import build_forward_batch
-from tiermoe.runner.sampler import SampleResult, SampleRow, sample
+from tiermoe.runner.sampler import SampleResult, SampleRow, bias_tensors, sample
+from tiermoe.runner.structured import GrammarBackend, RequestGrammar
 from tiermoe.scheduler.request import Request
+
+PROMPT_LOGITS_ROWS = 256  # prompt positions turned into logits at a time
 
 
 def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
@@ -26,7 +38,8 @@ def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model, num_pages: int, page_size: int, seed: int | None = None):
+    def __init__(self, model, num_pages: int, page_size: int, seed: int | None = None, tokenizer=None,
+                 eos_ids: list[int] | None = None):
         self.model, self.page_size = model, page_size
         self.device, self.dtype = model.device, model.dtype
         self.kv_caches = [
@@ -36,6 +49,12 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(seed if seed is not None else torch.seed())
+        vocab = model.spec.vocab_size
+        self.grammar_backend = GrammarBackend(tokenizer, vocab, list(eos_ids or [])) if tokenizer is not None else None
+        self.grammars: dict[str, RequestGrammar] = {}
+        self.biases: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # request id -> per prompt position (None at 0 and until computed)
+        self.prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
 
     def generator_for(self, req: Request) -> torch.Generator | None:
         if req.params.seed is None or req.params.greedy:
@@ -47,11 +66,44 @@ class ModelRunner:
             self.generators[req.request_id] = gen
         return gen
 
-    def release(self, req: Request) -> None:
-        self.generators.pop(req.request_id, None)
+    def add_request(self, request_id: str, params, prompt_len: int, grammar: RequestGrammar | None = None) -> None:
+        """Per-request state that must exist before the first step (called by the engine)."""
+        if grammar is not None:
+            self.grammars[request_id] = grammar
+        if params.logit_bias:
+            self.biases[request_id] = bias_tensors(params.logit_bias, self.device)
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs[request_id] = [None] * prompt_len
 
-    def forward(self, items: list[tuple[Request, int]], all_logits: bool = False) -> torch.Tensor:
-        """Run the model over the scheduled tokens; logits [N, V] fp32 at the requested rows."""
+    def build_grammar(self, spec: dict) -> RequestGrammar:
+        """A matcher for a structured spec; InvalidRequest when it cannot be served."""
+        if self.grammar_backend is None:
+            from tiermoe.engine.protocol import InvalidRequest
+
+            raise InvalidRequest("structured output needs the model's tokenizer", "response_format")
+        return self.grammar_backend.build(spec)
+
+    def release(self, req: Request) -> None:
+        rid = req.request_id
+        self.generators.pop(rid, None)
+        self.grammars.pop(rid, None)
+        self.biases.pop(rid, None)
+        self.prompt_logprobs.pop(rid, None)
+
+    def take_prompt_logprobs(self, req: Request) -> list[TokenLogprob | None] | None:
+        """The finished prompt logprobs of `req` (once; None if it did not ask)."""
+        return self.prompt_logprobs.pop(req.request_id, None)
+
+    def advance_grammar(self, req: Request) -> tuple[bool, str | None]:
+        """After tokens were appended to req.output_ids: (grammar complete, error message or None)."""
+        g = self.grammars.get(req.request_id)
+        if g is None:
+            return False, None
+        g.sync(req.output_ids)
+        err = g.error
+        return (err is None and g.stopped), err
+
+    def _run(self, items: list[tuple[Request, int]], all_logits: bool = False):
         chunks = [
             (req.all_ids[req.num_computed : req.num_computed + n], req.num_computed, req.pages, req.slot)
             for req, n in items
@@ -60,16 +112,57 @@ class ModelRunner:
         backend = getattr(self.model, "expert_backend", None)
         if hasattr(backend, "begin_step"):
             backend.begin_step(batch.num_tokens, decode=all(n == 1 for _, n in items))
-        hidden = self.model(batch, self.kv_caches)
+        return batch, self.model(batch, self.kv_caches)  # hidden [T, H]
+
+    def forward(self, items: list[tuple[Request, int]], all_logits: bool = False) -> torch.Tensor:
+        """Run the model over the scheduled tokens; logits [N, V] fp32 at the requested rows."""
+        batch, hidden = self._run(items, all_logits)
         return self.model.logits(hidden[batch.logits_index])
 
     def execute(self, items: list[tuple[Request, int]], eos_ids: tuple[int, ...]) -> tuple[list[Request], SampleResult | None]:
         """Forward + sample for the requests whose every known token is computed after this step."""
-        logits = self.forward(items)
+        batch, hidden = self._run(items)
+        if self.prompt_logprobs:
+            self._collect_prompt_logprobs(items, batch, hidden)
+        logits = self.model.logits(hidden[batch.logits_index])  # [N, V]
         done = [i for i, (req, n) in enumerate(items) if req.num_computed + n == req.num_tokens]
         if not done:
             return [], None
         reqs = [items[i][0] for i in done]
-        rows = [SampleRow(r.params, r.prompt_ids, r.output_ids, self.generator_for(r), eos_ids) for r in reqs]
+        rows = [SampleRow(r.params, r.prompt_ids, r.output_ids, self.generator_for(r), eos_ids,
+                          bias=self.biases.get(r.request_id)) for r in reqs]
+        constrained = [i for i, r in enumerate(reqs) if r.request_id in self.grammars]
+        if constrained:  # host work from host-side token lists; one small copy to the device
+            masks = self.grammar_backend.allowed_masks([self.grammars[reqs[i].request_id] for i in constrained],
+                                                       [reqs[i].output_ids for i in constrained], logits.device)
+            for j, i in enumerate(constrained):
+                rows[i].allowed = masks[j]
         idx = torch.tensor(done, dtype=torch.long, device=logits.device)
         return reqs, sample(logits.index_select(0, idx), rows, self.default_generator)
+
+    def _collect_prompt_logprobs(self, items, batch, hidden: torch.Tensor) -> None:
+        """Logprob of each next prompt token (and the top-k) at every prompt position computed now.
+
+        Syncs with the host, but only for requests that asked for prompt logprobs.
+        """
+        for (req, n), seq in zip(items, batch.seqs):
+            store = self.prompt_logprobs.get(req.request_id)
+            if store is None or req.output_ids:
+                continue
+            k = req.params.prompt_logprobs or 0
+            start = req.num_computed  # prompt position of the chunk's first token
+            # positions p in [start, start + n) predict prompt token p + 1 (the last one, if it
+            # is the prompt's last, predicts the first output token: not a prompt logprob)
+            last = min(start + n, len(req.prompt_ids) - 1)
+            for p0 in range(start, last, PROMPT_LOGITS_ROWS):
+                p1 = min(p0 + PROMPT_LOGITS_ROWS, last)
+                rows = hidden[seq.q_start + (p0 - start) : seq.q_start + (p1 - start)]  # [R, H]
+                lp = torch.log_softmax(self.model.logits(rows), dim=-1)  # [R, V]
+                target = torch.tensor(req.prompt_ids[p0 + 1 : p1 + 1], dtype=torch.long, device=lp.device)
+                chosen = lp.gather(1, target[:, None])[:, 0].tolist()
+                if k:
+                    top_vals, top_ids = torch.topk(lp, k, dim=-1)
+                    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+                for j, p in enumerate(range(p0, p1)):
+                    top = list(zip(top_ids[j], top_vals[j])) if k else []
+                    store[p + 1] = TokenLogprob(req.prompt_ids[p + 1], chosen[j], top)

@@ -1,7 +1,10 @@
-"""Batched sampler: penalties, temperature, top-k, top-p, min-p, per-request seeds.
+"""Batched sampler: penalties, logit bias, grammar masks, temperature, top-k, top-p, min-p, seeds.
 
 Everything stays on the logits' device: no `.item()` or `.tolist()` inside, so on a GPU the
 only host sync per step is the engine reading the chosen token ids once for the whole batch.
+Order per row: penalties, then `logit_bias`, then the grammar's allowed-token mask (rows with
+a response_format; the mask was computed on the host by runner/structured.py and copied in),
+then greedy argmax or filtered sampling. Returned logprobs are the raw model distribution.
 Random rows sample with the exponential-race form of Gumbel-max (argmax(p / q), q ~ Exp(1)),
 drawn from each request's own generator when it has a seed, so a seeded request gives the
 same tokens whatever else is in the batch.
@@ -23,6 +26,8 @@ class SampleRow:
     output_ids: list[int]
     generator: torch.Generator | None
     eos_ids: tuple[int, ...] = ()
+    allowed: torch.Tensor | None = None  # [V] bool on the logits' device: the grammar's allowed tokens
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids [B] long, values [B]) prepared logit_bias
 
 
 @dataclass
@@ -52,6 +57,25 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     return logits
 
 
+def bias_tensors(logit_bias: dict[int, float], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's logit_bias as (ids [B], values [B]) tensors (built once per request by the runner)."""
+    ids = torch.tensor(list(logit_bias.keys()), dtype=torch.long, device=device)
+    vals = torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=device)
+    return ids, vals
+
+
+def _apply_bias_and_masks(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    for i, row in enumerate(rows):
+        bias = row.bias
+        if bias is None and row.params.logit_bias:
+            bias = bias_tensors(row.params.logit_bias, logits.device)
+        if bias is not None:
+            logits[i].index_add_(0, bias[0], bias[1].to(logits.dtype))
+        if row.allowed is not None:
+            logits[i].masked_fill_(~row.allowed, float("-inf"))
+    return logits
+
+
 def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """logits [V] of one row, already divided by temperature -> filtered logits [V]."""
     if p.top_k and p.top_k > 0 and p.top_k < logits.shape[-1]:
@@ -76,6 +100,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
     if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
            or r.params.min_tokens for r in rows):
         logits = _apply_penalties(logits.clone(), rows)
+    if any(r.allowed is not None or r.bias is not None or r.params.logit_bias for r in rows):
+        logits = _apply_bias_and_masks(logits.clone(), rows)
     tokens = torch.argmax(logits, dim=-1)  # [N]; greedy rows keep this
     for i, row in enumerate(rows):
         p = row.params
