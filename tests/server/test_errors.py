@@ -56,7 +56,8 @@ def test_context_limits(client):
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("min_p", 2), ("presence_penalty", 3), ("frequency_penalty", -9),
-    ("repetition_penalty", 0), ("top_k", -5), ("n", 0), ("max_tokens", 0), ("max_tokens", -3), ("logit_bias", {"5": 10}),
+    ("repetition_penalty", 0), ("top_k", -5), ("n", 0), ("max_tokens", 0), ("max_tokens", -3),
+    ("logit_bias", {"5": 101}), ("logit_bias", {"five": 1}), ("logit_bias", {"99999999": 1}), ("logit_bias", {"-1": 1}),
 ])
 def test_invalid_sampling_values(client, field, value):
     err = _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=MSG, extra_body={field: value})

@@ -8,6 +8,7 @@ is never entered by two threads at once from this process).
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -115,12 +116,13 @@ class ServerContext:
 
     def sampling_params(self, *, max_tokens: int, structured: dict | None = None, **fields) -> SamplingParams:
         """Build and validate SamplingParams; None-valued fields keep their defaults."""
-        if fields.pop("logit_bias", None):
-            raise bad_request("logit_bias is not supported by this server", param="logit_bias")
+        logit_bias = fields.pop("logit_bias", None)
         kwargs = {k: v for k, v in fields.items() if v is not None}
         if kwargs.get("top_k") == -1:
             kwargs["top_k"] = 0
-        params = SamplingParams(max_tokens=max_tokens, **kwargs)
+        params = SamplingParams(max_tokens=max_tokens, structured=structured, **kwargs)
+        if logit_bias:
+            params.logit_bias = self.logit_bias(logit_bias)
         if "seed" in kwargs and not -(2**63) <= kwargs["seed"] < 2**63:
             raise bad_request("seed must fit in 64 bits", param="seed")
         for tid in params.stop_token_ids:
@@ -130,9 +132,24 @@ class ServerContext:
             params.validate()
         except InvalidRequest as exc:
             raise bad_request(str(exc), param=exc.param) from None
-        # proposed SamplingParams.structured; set as an attribute until the field exists
-        params.structured = structured
         return params
+
+    def logit_bias(self, raw: dict) -> dict[int, float]:
+        """OpenAI logit_bias (token id as a string -> bias in [-100, 100]) -> {id: bias}; else 400."""
+        out: dict[int, float] = {}
+        for key, value in raw.items():
+            try:
+                tid = int(key)
+            except (TypeError, ValueError):
+                raise bad_request(f"logit_bias key {key!r} is not a token id", param="logit_bias") from None
+            if not 0 <= tid < self.vocab_size:
+                raise bad_request(f"logit_bias key {tid} is outside the vocabulary [0, {self.vocab_size})",
+                                  param="logit_bias")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or not -100 <= value <= 100:
+                raise bad_request(f"logit_bias value for token {tid} must be a number in [-100, 100]", param="logit_bias")
+            out[tid] = float(value)
+        return out
 
     # ---- tokenizer work, off the event loop ------------------------------------------------------
     async def _off_loop(self, fn, *args):

@@ -125,6 +125,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     thinking_budget: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
+    return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens as "token_id:N"
 
 
 # ---- OpenAI completions --------------------------------------------------------------------
@@ -138,6 +139,8 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
     response_format: ResponseFormat | None = None
+    return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens as "token_id:N"
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM: logprobs of the prompt tokens
 
 
 # ---- OpenAI responses ----------------------------------------------------------------------
