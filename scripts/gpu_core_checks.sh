@@ -13,8 +13,8 @@ py=${PYTHON:-python3}
   $py -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name(0))'
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 } | tee "$out/env.txt"
-for arch in qwen3_moe glm4_moe deepseek_v3 qwen2_moe olmoe mixtral; do
-  $py -m tiermoe.cli eval parity --tiny "$arch" --device cuda --dtype bfloat16 2>>"$out/stderr.log" | tail -1 | tee -a "$out/parity_bf16_cuda.jsonl"
+for arch in ${ARCHS:-qwen3_moe glm4_moe deepseek_v3 glm5_next qwen2_moe olmoe mixtral}; do
+  $py -m tiermoe.cli eval parity --tiny "$arch" --device cuda --dtype bfloat16 --chunk ${CHUNK:-32} 2>>"$out/stderr.log" | tail -1 | tee -a "$out/parity_bf16_cuda.jsonl"
 done
 tmp=$(mktemp -d)
 $py -m tiermoe.cli tiny glm4_moe "$tmp/src" --dtype bfloat16 >/dev/null 2>>"$out/stderr.log"
