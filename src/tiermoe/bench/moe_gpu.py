@@ -170,7 +170,9 @@ def run(args, batches: list[int]) -> dict:
     top = torch.argsort(pop, dim=1, descending=True).tolist()  # most popular first
     if gpu:
         log("bandwidths")
-        res["bandwidth"] = measure_bandwidth(torch, pools[0], r)
+        from tiermoe.kernels.triton.probe import measure_bandwidth
+
+        res["bandwidth"] = measure_bandwidth(pools[0], r)
         shown = {k_: v for k_, v in res["bandwidth"].items() if k_ != "gather_sweep_GBps"}
         log(json.dumps({k_: round(v, 1) if isinstance(v, float) else v for k_, v in shown.items()}))
     cfgs = {"decode": fm.get_config(lay, 1, dev), "prefill": fm.get_config(lay, max(args.prefill_tokens, 17), dev)}
@@ -305,7 +307,7 @@ def decode_bench(torch, stack, pop, t, warmup, steps, k, gen, gpu) -> dict:
     sec = _timed(torch, gpu, lambda: [step(i) for i in range(warmup, warmup + steps)])
     d = (stack.stats() - s0).sum(0).tolist()  # lookups, hits, misses, admitted over all layers
     n_l = len(stack.caches)
-    prof = profile_step(torch, stack, ids[warmup], w[warmup], h0) if gpu and t == 1 else None
+    prof = _profile(stack, ids[warmup], w[warmup], h0) if gpu and t == 1 else None
     out = {"tokens": t, "steps": steps, "step_ms": 1e3 * sec / steps, "per_token_ms": 1e3 * sec / steps / t,
            "per_layer_ms": 1e3 * sec / steps / n_l, "tok_s": steps * t / sec}  # fmt: skip
     out.update(per_step_counts(d, steps, n_l))
@@ -314,25 +316,11 @@ def decode_bench(torch, stack, pop, t, warmup, steps, k, gen, gpu) -> dict:
     return out
 
 
-def profile_step(torch, stack, ids, w, h0) -> dict:
-    """GPU time per kernel name for one eager decode step (torch profiler), microseconds."""
-    try:
-        from torch.profiler import ProfilerActivity, profile
+def _profile(stack, ids, w, h0) -> dict:
+    """GPU microseconds per kernel name for one eager decode step (diagnostic)."""
+    from tiermoe.kernels.triton.probe import kernel_times
 
-        stack.decode_step(h0, ids, w)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                stack.decode_step(h0, ids, w)
-            torch.cuda.synchronize()
-        out = {}
-        for evt in prof.key_averages():
-            us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
-            if us:
-                out[evt.key[:60]] = round(us / 3, 1)
-        return dict(sorted(out.items(), key=lambda kv: -kv[1])[:12])
-    except Exception as exc:  # profiling is a diagnostic, never fatal
-        return {"error": str(exc).splitlines()[0][:200]}
+    return kernel_times(lambda: stack.decode_step(h0, ids, w))
 
 
 def per_step_counts(d, steps, n_l) -> dict:
@@ -355,7 +343,7 @@ def exactness(torch, new_stack, pop, args, e_n, k, gen, gpu, batches) -> dict:
             runs.append(torch.stack([step(i).clone() for i in range(args.exact_steps)]))
             if gpu and b == 1.0:  # all experts in HBM: the kernels' own speed against the HBM floor
                 if t == 1:
-                    timing["kernels_us_per_step"] = profile_step(torch, stack, ids[0], w[0], h0)
+                    timing["kernels_us_per_step"] = _profile(stack, ids[0], w[0], h0)
                 s0 = stack.stats().clone()
                 sec = _timed(torch, gpu, lambda: [step(i % args.exact_steps) for i in range(20)])
                 d = (stack.stats() - s0).sum(0).tolist()
@@ -423,52 +411,6 @@ def baseline_decode(torch, base, pop, t, steps, k, gen, gpu, compute) -> dict:
     sec = _timed(torch, gpu, lambda: [step(i) for i in range(2, 2 + steps)])
     return {"compute": compute, "steps": steps, "step_ms": 1e3 * sec / steps, "per_token_ms": 1e3 * sec / steps / t,
             "tok_s": steps * t / sec, "copied_per_step": (base.copied - c0) / steps}  # fmt: skip
-
-
-def measure_bandwidth(torch, pool, r: int) -> dict:
-    """HBM copy, pinned host -> GPU copy engine, zero-copy kernel read, bf16 matmul: this GPU, now."""
-    from tiermoe.kernels.triton.cache_manager import gather_records
-
-    dev = torch.device("cuda")
-    n = 2**30
-    a = torch.empty(n, dtype=torch.uint8, device=dev).random_()
-    b = torch.empty_like(a)
-    b.copy_(a)
-    hbm = gbps(2 * n * 10, _timed(torch, True, lambda: [b.copy_(a) for _ in range(10)]))
-    del a, b
-    e_n = pool.shape[0]
-    dst = torch.empty(e_n, r, dtype=torch.uint8, device=dev)
-    dst.copy_(pool, non_blocking=True)
-    whole = gbps(e_n * r, _timed(torch, True, lambda: dst.copy_(pool, non_blocking=True)))
-    m = min(64, e_n)
-    per_rec = gbps(m * r, _timed(torch, True, lambda: [dst[i].copy_(pool[i], non_blocking=True) for i in range(m)]))
-    src = torch.tensor([pool.data_ptr() + i * r for i in range(m)], dtype=torch.int64, device=dev)
-    dsts = torch.tensor([dst.data_ptr() + i * r for i in range(m)], dtype=torch.int64, device=dev)
-    cnt = torch.tensor([m], dtype=torch.int32, device=dev)
-    dst[:m].zero_()
-    gather_records(src, dsts, cnt, r)
-    ok = bool(torch.equal(dst[:m], pool[:m].to(dev)))
-    sweep = {}  # gather kernel launch: the zero-copy read rate it reaches decides decode speed
-    for chunk in (4096, 16384, 32768):
-        for progs in (132, 264, 528):
-            if r % chunk:
-                continue
-            g = dict(chunk_bytes=chunk, programs=progs, num_warps=8)
-            gather_records(src, dsts, cnt, r, **g)
-            sec = _timed(torch, True, lambda: [gather_records(src, dsts, cnt, r, **g) for _ in range(3)]) / 3
-            sweep[f"{chunk}/{progs}"] = gbps(m * r, sec)
-    best = max(sweep, key=sweep.get)
-    zc = sweep[best]
-    chunk, progs = (int(x) for x in best.split("/"))
-    del dst
-    x = torch.randn(8192, 8192, device=dev).to(torch.bfloat16)
-    x @ x
-    tf = 2 * 8192**3 * 5 / _timed(torch, True, lambda: [x @ x for _ in range(5)]) / 1e12
-    del x
-    torch.cuda.empty_cache()
-    return {"hbm_copy_GBps": hbm, "h2d_pinned_GBps": whole, "h2d_pinned_per_record_GBps": per_rec,
-            "zero_copy_read_GBps": zc, "zero_copy_verified": ok, "bf16_matmul_TFLOPs": tf, "gather_sweep_GBps": sweep,
-            "gather": {"chunk": chunk, "programs": progs, "warps": 8}}  # fmt: skip
 
 
 def add_floors(res: dict, lay) -> None:
