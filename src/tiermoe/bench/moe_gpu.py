@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -114,10 +113,6 @@ def layer_count(args, layer_bytes: int) -> int:
         return args.layers
     fit = int(args.host_gib * 2**30 // layer_bytes)
     return max(12, min(args.max_layers, fit)) if not args.tiny else 2
-
-
-def gbps(nbytes: float, seconds: float) -> float:
-    return nbytes / seconds / 1e9 if seconds > 0 else math.inf
 
 
 def median(xs: list[float]) -> float:
