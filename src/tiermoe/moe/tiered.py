@@ -6,6 +6,14 @@ arithmetic, so a bf16 store gives bit-identical logits whatever the tier sizes (
 
 Layer-ahead prefetch: before computing layer L, the next MoE layer's router is applied to
 layer L's input and the predicted experts' disk reads are started, so they overlap compute.
+
+Fast mode (`mode="fast"`): in decode steps, the CPU lane (cpu_lane.py) computes the coldest
+misses from the host tier's record bytes while the device computes the rest; the two partial
+sums are added. Exact mode never touches the lane, so its arithmetic is unchanged.
+CUDA hand-off, this version: one device->host copy of the layer input when the lane has work,
+and one host wait per layer (LaneJob.wait) before the lane's pinned partial sum is copied up
+and added; no per-expert synchronisation. A mapped-memory mailbox (see moe/README.md) would
+remove the host wait: the GPU would poll a done-flag in mapped pinned memory instead.
 """
 
 from __future__ import annotations
@@ -15,29 +23,73 @@ from pathlib import Path
 import torch
 
 from tiermoe.errors import UserError
-from tiermoe.moe.experts import combine_experts
+from tiermoe.moe.experts import combine_experts, expert_mlp
+
+MODES = ("exact", "fast")
+
+
+def lane_options(options: dict, device: str) -> dict:
+    """CpuLane keyword arguments from engine options (flag names cpu_lane_*)."""
+    threads = options.get("cpu_lane_threads")
+    if threads is None:
+        # On a CPU run the device path computes on the same cores: give the lane half of them.
+        threads = torch.get_num_threads() if str(device).startswith("cuda") else max(1, torch.get_num_threads() // 2)
+    cache_gb = options.get("cpu_lane_cache_gb")
+    out = {
+        "max_experts": int(options.get("cpu_lane_experts") if options.get("cpu_lane_experts") is not None else 4),
+        "max_tokens": int(options.get("cpu_lane_max_tokens") or 16),
+        "threads": int(threads),
+        "workers": int(options.get("cpu_lane_workers") or 1),
+        "cache_bytes": int((1.0 if cache_gb is None else float(cache_gb)) * 2**30),
+        "disk": not options.get("cpu_lane_no_disk", False),
+    }
+    if out["max_experts"] < 0 or out["threads"] < 1 or out["workers"] < 1 or out["cache_bytes"] < 0:
+        raise UserError("--cpu-lane-*: expert count and cache size must be >= 0, threads and workers >= 1")
+    return out
 
 
 class TieredExperts:
-    def __init__(self, store, swiglu_limit: float | None = None, prefetch: bool = True):
+    def __init__(self, store, swiglu_limit: float | None = None, prefetch: bool = True, mode: str = "exact",
+                 lane: dict | None = None):
         self.store = store
         self.swiglu_limit = swiglu_limit
         self.prefetch = prefetch
         self.next_router: dict[int, tuple[int, object]] = {}  # layer -> (next MoE layer, its router)
+        self.lane = None
+        self._lane_args = lane or {}
+        self._lane_step = False  # the current step is a decode step the lane may serve
+        self._decode = True
+        self.mode = "exact"
+        self.set_mode(mode)
 
     @classmethod
     def open(cls, path: Path, *, device: str, dtype: torch.dtype, options: dict) -> "TieredExperts":
         from tiermoe.store.facade import ExpertStore
 
-        if options.get("mode", "exact") == "fast":
-            raise UserError("--mode fast: the CPU lane is not available in this build; use --mode exact")
+        mode = options.get("mode") or "exact"
+        if mode not in MODES:
+            raise UserError(f"--mode {mode!r}: choose exact or fast")
+        lane = lane_options(options, device)
         store = ExpertStore.open(
             path, device=device, dtype=dtype,
             gpu_expert_gb=options.get("gpu_expert_gb"), host_expert_gb=options.get("host_expert_gb"),
             policy=options.get("expert_policy") or "lfu", stats_file=options.get("expert_stats"),
             direct_io=not options.get("no_direct_io", False),
         )
-        return cls(store)
+        return cls(store, mode=mode, lane=lane)
+
+    def set_mode(self, mode: str) -> None:
+        """Switch between exact (no lane) and fast (lane on in decode); the lane's threads and
+        repack cache are created on the first switch to fast and kept afterwards."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode == "fast" and self.lane is None:
+            from tiermoe.moe.cpu_lane import CpuLane
+
+            self.lane = CpuLane(self.store.layout, swiglu_limit=self.swiglu_limit, act_dtype=self.store.dtype,
+                                **self._lane_args)
+        self.mode = mode
+        self._lane_step = False
 
     def attach(self, moe_layers: list) -> None:
         """Called by the loader with the model's MoE layers in order (for layer-ahead prefetch)."""
@@ -45,9 +97,15 @@ class TieredExperts:
             self.next_router[cur.layer] = (nxt.layer, nxt.gate)
         if moe_layers and moe_layers[0].moe.swiglu_limit is not None:
             self.swiglu_limit = moe_layers[0].moe.swiglu_limit
+            if self.lane is not None:
+                self.lane.swiglu_limit = self.swiglu_limit
 
     def begin_step(self, tokens: int, decode: bool) -> None:
         self.store.begin_step(tokens=tokens, decode=decode)
+        self._decode = decode
+        self._lane_step = self.mode == "fast" and decode and tokens <= self.lane.max_tokens
+        if self._lane_step:
+            self.lane.prune(self.store)
 
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         ahead = self.next_router.get(layer)
@@ -55,10 +113,51 @@ class TieredExperts:
             next_layer, router = ahead
             next_ids, _ = router(x)  # [T, k] predicted picks of the next MoE layer
             self.store.prefetch(next_layer, torch.unique(next_ids).tolist())
-        return combine_experts(x, topk_ids, topk_weights, lambda ids: self.store.fetch(layer, ids), self.swiglu_limit)
+        fetch = lambda ids: self.store.fetch(layer, ids)  # noqa: E731
+        if not self._lane_step:
+            return combine_experts(x, topk_ids, topk_weights, fetch, self.swiglu_limit)
+        expert_ids = torch.unique(topk_ids).tolist()  # sorted ascending
+        job = self.lane.submit(self.store, layer, x, topk_ids, topk_weights,
+                               self.lane.assign(self.store, layer, expert_ids), decode=self._decode)
+        if job is None:
+            return combine_experts(x, topk_ids, topk_weights, fetch, self.swiglu_limit)
+        try:
+            on_lane = set(job.ids)
+            out = combine_subset(x, topk_ids, topk_weights, [e for e in expert_ids if e not in on_lane], fetch,
+                                 self.swiglu_limit)
+        except BaseException:
+            job.cancel()
+            raise
+        partial = job.wait()  # [T, H] fp32 on the CPU: the one host wait of this layer
+        if out.device.type != "cpu":
+            partial = partial.pin_memory().to(out.device, non_blocking=True)
+        return (out.float() + partial).to(x.dtype)
 
     def counters(self) -> dict:
-        return self.store.counters()
+        c = self.store.counters()
+        c["mode"] = self.mode
+        if self.lane is not None:
+            c["cpu_lane"] = self.lane.counters(self.store.c.decode_tokens)
+        return c
 
     def close(self) -> None:
+        if self.lane is not None:
+            self.lane.close()
         self.store.close()
+
+
+def combine_subset(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_ids: list[int],
+                   weights_of, swiglu_limit: float | None) -> torch.Tensor:
+    """combine_experts restricted to `expert_ids` (the ones the lane does not compute):
+    x [T, H] -> [T, H], same per-expert arithmetic and ascending visiting order."""
+    out = torch.zeros_like(x)
+    if not expert_ids:
+        return out
+    weights = weights_of(expert_ids)
+    for e in expert_ids:
+        top_k_pos, token_idx = torch.where((topk_ids == e).t())
+        gate_up, down = weights[e]
+        y = expert_mlp(x[token_idx], gate_up, down, swiglu_limit)
+        y = y * topk_weights[token_idx, top_k_pos, None]
+        out.index_add_(0, token_idx, y.to(out.dtype))
+    return out

@@ -71,6 +71,9 @@ class ExpertStore:
         self._host_of: dict[int, int] = {}
         self._pending: dict[int, tuple[torch.Tensor, Future, int]] = {}  # key -> (buf, read, step)
         self._prefetched: set[int] = set()  # pending keys whose read prefetch() started
+        # Keys the CPU lane is reading in place (see lane_records): never chosen as victims, and
+        # for disk-only ones the staging buffer + read the lane owns until lane_release.
+        self._held: dict[int, tuple[torch.Tensor | None, Future | None]] = {}
         self._prefetch_limit = prefetch_limit if prefetch_limit is not None else max(64, 4 * reader_threads)
         self.c = StoreCounters()
         self._last_layer: int | None = None
@@ -224,7 +227,7 @@ class ExpertStore:
         self._auto_step(layer)
         ids = list(dict.fromkeys(int(e) for e in expert_ids))
         keys = [self.key(layer, e) for e in ids]
-        protect = set(keys)
+        protect = set(keys) | self._held.keys()
         for k in keys:  # issue every disk read of this call first: a deep queue
             if k not in self._pending and self.residency.tier(k) == "disk":
                 self._start_read(k, self.c.steps)
@@ -256,6 +259,63 @@ class ExpertStore:
                     self._settle(buf, fut)
             raise
         return out
+
+    # -- CPU lane: read records where they sit ----------------------------------------------
+    def heat(self, layer: int, expert: int) -> float:
+        """How hot an expert is for the replacement policy (LFU decayed uses; 0.0 for policies
+        without a score). The CPU lane's cost model sends the coldest misses to the CPU."""
+        score = getattr(self.residency.host, "score", None) or getattr(self.residency.slots, "score", None)
+        return float(score(self.key(layer, expert))) if score else 0.0
+
+    def lane_records(self, layer: int, expert_ids: list[int], *, disk: bool = True) -> dict[int, tuple[torch.Tensor, Future | None]]:
+        """Record bytes for the CPU lane without any tier move: {expert id: (uint8 [record_bytes]
+        on the CPU, pending read or None)}.
+
+        Host-resident experts come back as read-only views into their host entry (no copy).
+        Disk-only experts (when `disk`) get a staging buffer and an O_DIRECT read (sha256-checked
+        in the reader; wait on the future before reading the buffer); the record is used once and
+        not admitted. Experts in slots, or on disk with disk=False, are left out: the caller
+        computes them on the normal path. Each returned expert counts as one use for the policy
+        and the tier counters, and stays held (never a victim of fetch) until `lane_release`.
+        Call from the thread that calls fetch; the lane's workers only read the buffers.
+        """
+        out: dict[int, tuple[torch.Tensor, Future | None]] = {}
+        for e in dict.fromkeys(int(x) for x in expert_ids):
+            k = self.key(layer, e)
+            if k in self._held:
+                raise RuntimeError(f"layer {layer} expert {e} is already held by the CPU lane")
+            tier = self.residency.tier(k)
+            if tier == "slots" or (tier == "disk" and not disk):
+                continue
+            if tier == "host":
+                buf = self._host.entry(self._host_of[k])
+                self._events.wait(buf)  # a queued device->host demotion may still be writing it
+                fut = None
+            else:
+                if k in self._pending:  # a prefetch already started this read
+                    buf, fut, _ = self._pending.pop(k)
+                    if k in self._prefetched:
+                        self._prefetched.discard(k)
+                        self.c.prefetch_used += 1
+                else:
+                    buf = self._staging.get()
+                    fut = self._reader.submit(self.manifest.records[k], buf)
+                self.c.disk_bytes += self.record_bytes
+                self.c.moved(self.record_bytes)
+            self.residency.slots.touch(k)
+            self.residency.host.touch(k)
+            self.c.use(tier)
+            self._held[k] = (buf if fut is not None else None, fut)
+            out[e] = (buf, fut)
+        return out
+
+    def lane_release(self, layer: int, expert_ids: list[int]) -> None:
+        """End the CPU lane's hold on these experts (after its reads of them are done)."""
+        for e in expert_ids:
+            k = self.key(layer, int(e))
+            held = self._held.pop(k, None)
+            if held is not None and held[0] is not None:
+                self._settle(held[0], held[1])
 
     # -- moves ------------------------------------------------------------------------------
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -343,6 +403,10 @@ class ExpertStore:
         )
 
     def close(self) -> None:
+        for k in list(self._held):
+            buf, fut = self._held.pop(k)
+            if buf is not None:
+                self._settle(buf, fut)
         for k in list(self._pending):
             buf, fut, _ = self._pending.pop(k)
             self._settle(buf, fut)
