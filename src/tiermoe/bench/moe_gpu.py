@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exact-layers", type=int, default=6, help="layers of the exactness check (0 skips)")
     p.add_argument("--exact-steps", type=int, default=12, help="decode steps of the exactness check")
     p.add_argument("--no-baseline", action="store_true", help="skip the plain-torch baseline")
+    p.add_argument("--no-stage-misses", action="store_true",
+                   help="read misses that are not admitted in place (no scratch staging)")  # fmt: skip
     p.add_argument("--tune", action="store_true", help="tune launch configs first (written next to --out)")
     p.add_argument("--stats", default=str(STATS_FILE), help="per-layer expert pick counts (JSON)")
     p.add_argument("--seed", type=int, default=0)
@@ -185,7 +187,8 @@ def run(args, batches: list[int]) -> dict:
     res["configs"] = cfgs
     rates = (pop * k).clamp(max=1.0)  # expected picks per token: warm start of the admission filter
     gather = res.get("bandwidth", {}).get("gather")
-    new_stack = lambda nl, s: _stack(tt, lay, pools[:nl], shared[:nl], s, k, max(batches), dev, top, cfgs, rates, gather)  # noqa: E731
+    stage = not args.no_stage_misses
+    new_stack = lambda nl, s: _stack(tt, lay, pools[:nl], shared[:nl], s, k, max(batches), dev, top, cfgs, rates, gather, stage)  # noqa: E731
     if args.exact_layers:
         log("exactness: budgets 100 / 10 / 0 %")
         res["exactness"] = exactness(torch, new_stack, pop, args, e_n, k, gen, gpu, batches)
@@ -223,9 +226,9 @@ def _env(torch, dev) -> dict:
     return env
 
 
-def _stack(tt, lay, pools, shared, slots, k, max_t, dev, top, cfgs, rates, gather):
+def _stack(tt, lay, pools, shared, slots, k, max_t, dev, top, cfgs, rates, gather, stage):
     st = tt.TieredExperts(lay, pools, shared, slots, k, max_t, dev, warm=[t[:slots] for t in top],
-                          warm_rates=list(rates[: len(pools)]), gather=gather)  # fmt: skip
+                          warm_rates=list(rates[: len(pools)]), gather=gather, stage_misses=stage)  # fmt: skip
     st.decode_config, st.prefill_config = cfgs["decode"], cfgs["prefill"]
     return st
 
@@ -424,8 +427,10 @@ def add_floors(res: dict, lay) -> None:
         d["floor_step_ms"] = 1e3 * floor
         d["floor_per_token_ms"] = 1e3 * floor / t
         d["pct_of_floor"] = 100 * floor / (d["step_ms"] / 1e3)
-        # every miss crosses PCIe once, as a gather into a slot or a scratch row (then read in HBM)
-        d["bytes_per_token"] = {"pcie": misses * r / t, "hbm": ((hits + misses + n_l) * wb + misses * r) / t, "cpu": 0}
+        # every miss crosses PCIe once: gathered into a slot / scratch row (then read in HBM), or read in place
+        staged = misses if not res["args"].get("no_stage_misses") else adm
+        pcie = staged * r + (misses - staged) * wb
+        d["bytes_per_token"] = {"pcie": pcie / t, "hbm": ((hits + staged + n_l) * wb + staged * r) / t, "cpu": 0}
         for key in ("baseline", "baseline_copy_triton"):
             if key in d:
                 d[key]["ratio_ours_faster"] = d[key]["step_ms"] / d["step_ms"]
