@@ -1,0 +1,170 @@
+"""Helpers shared by the reliability tests: in-process servers, `tiermoe serve` subprocesses,
+and the error-body shape checks every refusal must pass."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """uvicorn serving `app` in a background thread and event loop (same process)."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.port = free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error", lifespan="on",
+                                timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.app = app
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+def scripted_server(*, max_model_len: int = 1024, max_num_seqs: int = 8, step_delay_s: float = 0.0, script=None,
+                    **app_kwargs) -> ServerThread:
+    """A ScriptedEngineCore behind the real app (real tokenizer, real continuous batching)."""
+    from tiermoe.engine.async_engine import AsyncEngine
+    from tiermoe.engine.scripted import ScriptedEngineCore
+    from tiermoe.models.tiny_tokenizer import build_tokenizer
+    from tiermoe.server.app import create_app
+
+    core = ScriptedEngineCore(script, tokenizer=build_tokenizer(), max_model_len=max_model_len,
+                              max_num_seqs=max_num_seqs, step_delay_s=step_delay_s)
+    engine = AsyncEngine(core)
+    app_kwargs.setdefault("served_model_name", "scripted")
+    app_kwargs.setdefault("max_model_len", max_model_len)
+    server = ServerThread(create_app(engine, **app_kwargs))
+    server.core, server.engine = core, engine
+    return server
+
+
+def is_anthropic(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def header(response, name: str) -> str:
+    """A response header from httpx (str values) or schemathesis (list values) responses."""
+    for key, value in response.headers.items():
+        if key.lower() == name:
+            return value[0] if isinstance(value, list) else value
+    return ""
+
+
+def assert_error_body(path: str, response) -> dict:
+    """The body of an error response has the API's own shape (OpenAI, or Anthropic on
+    /v1/messages*), a non-empty message, JSON content type, and no traceback."""
+    assert header(response, "content-type").startswith("application/json"), (path, response.headers)
+    text = response.text
+    assert "Traceback" not in text and 'File "' not in text, text[:500]
+    body = response.json()
+    if is_anthropic(path):
+        assert body.get("type") == "error", body
+        err = body["error"]
+        assert set(err) == {"type", "message"}, body
+    else:
+        err = body["error"]
+        assert set(err) == {"message", "type", "param", "code"}, body
+        assert err["param"] is None or isinstance(err["param"], str)
+        assert err["code"] is None or isinstance(err["code"], str)
+    assert isinstance(err["message"], str) and err["message"], body
+    assert isinstance(err["type"], str) and err["type"], body
+    return err
+
+
+def healthy(url: str, timeout: float = 10.0) -> bool:
+    """/health answers 200 and a trivial chat request completes."""
+    r = httpx.get(url + "/health", timeout=timeout)
+    if r.status_code != 200:
+        return False
+    r = httpx.post(url + "/v1/chat/completions", timeout=timeout,
+                   json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
+    return r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+class ServeProcess:
+    """`python -m tiermoe.cli serve ARGS` as a user runs it; waits for /health."""
+
+    def __init__(self, args: list[str], *, env: dict | None = None, startup_s: float = 120.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "tiermoe.cli", "serve", "--port", str(self.port), *args]
+        self.env = {**ENV, **(env or {})}
+        self.startup_s = startup_s
+        self.proc: subprocess.Popen | None = None
+        self._err: list[str] = []
+
+    def start(self) -> "ServeProcess":
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=self.env,
+                                     cwd=str(ROOT))
+        threading.Thread(target=self._pump, daemon=True).start()
+        deadline = time.monotonic() + self.startup_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return self
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server did not become healthy: {self.stderr[-2000:]}")
+
+    def _pump(self) -> None:
+        for line in self.proc.stderr:
+            self._err.append(line)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self._err)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
+
+    def __enter__(self) -> "ServeProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run_cli(args: list[str], timeout: float = 120.0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tiermoe.cli", *args], capture_output=True, text=True, env=ENV,
+                          timeout=timeout, cwd=str(ROOT))
