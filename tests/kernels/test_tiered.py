@@ -51,11 +51,14 @@ def test_tiered_decode_and_prefill_match_naive(device):
     lay, pools, shared, ids, w, h0 = _stack_inputs(device)
     stack = T.TieredExperts(lay, pools, shared, 3, 2, 2, device, warm=[[0, 1, 2], [3, 4, 5]])
     naive = NaiveExperts(lay, pools, shared, [[0], [1]], 2, device)
-    h_t, h_n = h0, h0
+    staged = T.TieredExperts(lay, pools, shared, 1, 2, 2, device, warm=[[0], [3]], stage_misses=True)
+    h_t, h_n, h_s = h0, h0, h0
     for i in range(ids.shape[0]):
         h_t = stack.decode_step(h_t, ids[i], w[i])
         h_n = naive.forward(h_n, ids[i], w[i])
+        h_s = staged.decode_step(h_s, ids[i], w[i])
     assert ((h_t.float() - h_n.float()).norm() / h_n.float().norm()) < 2e-2
+    assert torch.equal(h_s, h_t)  # misses staged in scratch rows: same bits
     assert stack.stats()[:, 0].sum() > 0 and naive.copied > 0
     # prefill of a 20-token chunk (torch align path) through the staging plan
     x = torch.randn(20, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(device)

@@ -53,8 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exact-layers", type=int, default=6, help="layers of the exactness check (0 skips)")
     p.add_argument("--exact-steps", type=int, default=12, help="decode steps of the exactness check")
     p.add_argument("--no-baseline", action="store_true", help="skip the plain-torch baseline")
-    p.add_argument("--no-stage-misses", action="store_true",
-                   help="read misses that are not admitted in place (no scratch staging)")  # fmt: skip
+    p.add_argument("--stage-misses", action="store_true",
+                   help="gather misses that are not admitted into scratch rows instead of reading them in place")  # fmt: skip
     p.add_argument("--tune", action="store_true", help="tune launch configs first (written next to --out)")
     p.add_argument("--stats", default=str(STATS_FILE), help="per-layer expert pick counts (JSON)")
     p.add_argument("--seed", type=int, default=0)
@@ -187,7 +187,7 @@ def run(args, batches: list[int]) -> dict:
     res["configs"] = cfgs
     rates = (pop * k).clamp(max=1.0)  # expected picks per token: warm start of the admission filter
     gather = res.get("bandwidth", {}).get("gather")
-    stage = not args.no_stage_misses
+    stage = bool(args.stage_misses)
     new_stack = lambda nl, s: _stack(tt, lay, pools[:nl], shared[:nl], s, k, max(batches), dev, top, cfgs, rates, gather, stage)  # noqa: E731
     if args.exact_layers:
         log("exactness: budgets 100 / 10 / 0 %")
@@ -428,7 +428,7 @@ def add_floors(res: dict, lay) -> None:
         d["floor_per_token_ms"] = 1e3 * floor / t
         d["pct_of_floor"] = 100 * floor / (d["step_ms"] / 1e3)
         # every miss crosses PCIe once: gathered into a slot / scratch row (then read in HBM), or read in place
-        staged = misses if not res["args"].get("no_stage_misses") else adm
+        staged = misses if res["args"].get("stage_misses") else adm
         pcie = staged * r + (misses - staged) * wb
         d["bytes_per_token"] = {"pcie": pcie / t, "hbm": ((hits + staged + n_l) * wb + staged * r) / t, "cpu": 0}
         for key in ("baseline", "baseline_copy_triton"):
