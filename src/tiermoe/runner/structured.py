@@ -32,9 +32,10 @@ from tiermoe.engine.protocol import InvalidRequest
 
 log = logging.getLogger("tiermoe.structured")
 
-# JSON compile options: flexible whitespace lets a model format JSON the way it was trained to,
-# but bounded, so a weak model cannot spend its whole budget on blanks between two values.
-JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,32}"}
+# JSON whitespace between tokens: none, one space or tab, or one line break plus indentation, so
+# compact, "a": 1 style and pretty-printed JSON all pass, but a weak model cannot spend its
+# budget on runs of blank lines. A schema's own "x-guidance" options take precedence.
+JSON_OPTIONS = {"whitespace_pattern": r"[ \t]?|\r?\n[ \t]{0,40}"}
 
 
 class RequestGrammar:

@@ -61,11 +61,17 @@ def usage_dict(runs: list[ChoiceRun]) -> dict:
     }
 
 
-def _chat_logprobs(ctx: ServerContext, items: list[TokenLogprob], top_n: int) -> dict:
+def _token_key(ctx: ServerContext, as_ids: bool):
+    """How a token is named in logprobs: its text, or "token_id:N" (vLLM's return_tokens_as_token_ids)."""
+    return (lambda tid: f"token_id:{tid}") if as_ids else ctx.token_texts.text
+
+
+def _chat_logprobs(ctx: ServerContext, items: list[TokenLogprob], top_n: int, as_ids: bool = False) -> dict:
     texts = ctx.token_texts
+    key = _token_key(ctx, as_ids)
 
     def entry(tid: int, lp: float) -> dict:
-        return {"token": texts.text(tid), "logprob": lp, "bytes": list(texts.bytes(tid))}
+        return {"token": key(tid), "logprob": lp, "bytes": list(texts.bytes(tid))}
 
     return {
         "content": [
@@ -105,6 +111,7 @@ async def chat(request: Request, ctx: ServerContext) -> Response:
     budget = req.thinking_budget
     if budget is None and isinstance(template_kwargs.get("thinking_budget"), int):
         budget = template_kwargs["thinking_budget"]
+    as_ids = req.return_tokens_as_token_ids
     rid = ctx.new_id("chatcmpl-")
     runs = []
     for i in range(req.n):
@@ -121,7 +128,8 @@ async def chat(request: Request, ctx: ServerContext) -> Response:
     created = int(time.time())
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return EventStream(_chat_stream(ctx, rid, created, runs, top_n, include_usage), on_close=lambda: [r.abort() for r in runs])
+        return EventStream(_chat_stream(ctx, rid, created, runs, top_n, include_usage, as_ids),
+                           on_close=lambda: [r.abort() for r in runs])
     await until_disconnect(request, drain(runs))
     choices = []
     for run in runs:
@@ -136,7 +144,7 @@ async def chat(request: Request, ctx: ServerContext) -> Response:
         choices.append({
             "index": run.index,
             "message": message,
-            "logprobs": _chat_logprobs(ctx, run.logprobs, top_n) if run.params.logprobs is not None else None,
+            "logprobs": _chat_logprobs(ctx, run.logprobs, top_n, as_ids) if run.params.logprobs is not None else None,
             "finish_reason": _finish(run),
         })
     body = {"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name, "choices": choices,
@@ -154,7 +162,8 @@ def _check_structured(ctx: ServerContext, spec: dict | None, run: ChoiceRun) -> 
         log.warning("request %s: output does not satisfy its response_format", run.request_id)
 
 
-async def _chat_stream(ctx: ServerContext, rid: str, created: int, runs: list[ChoiceRun], top_n: int, include_usage: bool):
+async def _chat_stream(ctx: ServerContext, rid: str, created: int, runs: list[ChoiceRun], top_n: int, include_usage: bool,
+                       as_ids: bool = False):
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
     extra = {"usage": None} if include_usage else {}
 
@@ -165,7 +174,7 @@ async def _chat_stream(ctx: ServerContext, rid: str, created: int, runs: list[Ch
         for run in runs:
             yield chunk(run.index, {"role": "assistant", "content": ""})
         async for run, d in merged(runs):
-            event = from_delta(ctx, run, d, chunk, top_n)
+            event = from_delta(ctx, run, d, chunk, top_n, as_ids)
             if event:
                 yield event
             if d.finish_reason == "error":
@@ -179,7 +188,7 @@ async def _chat_stream(ctx: ServerContext, rid: str, created: int, runs: list[Ch
             run.abort()
 
 
-def from_delta(ctx: ServerContext, run: ChoiceRun, d: Delta, chunk, top_n: int) -> str:
+def from_delta(ctx: ServerContext, run: ChoiceRun, d: Delta, chunk, top_n: int, as_ids: bool = False) -> str:
     """One Delta -> the SSE chunk(s) OpenAI clients expect."""
     delta: dict = {}
     if d.reasoning:
@@ -196,7 +205,7 @@ def from_delta(ctx: ServerContext, run: ChoiceRun, d: Delta, chunk, top_n: int) 
                 item["function"] = {"arguments": tc.arguments}
             calls.append(item)
         delta["tool_calls"] = calls
-    logprobs = _chat_logprobs(ctx, d.logprobs, top_n) if (d.logprobs and run.params.logprobs is not None) else None
+    logprobs = _chat_logprobs(ctx, d.logprobs, top_n, as_ids) if (d.logprobs and run.params.logprobs is not None) else None
     finish = _finish(run) if d.finish_reason else None
     if not delta and logprobs is None and finish is None:
         return ""
@@ -228,17 +237,33 @@ async def _prompts(ctx: ServerContext, prompt) -> list[tuple[str, list[int]]]:
     return out
 
 
-def _completion_logprobs(ctx: ServerContext, run: ChoiceRun, items: list[TokenLogprob], offset: int) -> dict:
+def _completion_logprobs(ctx: ServerContext, ids: list[int], items: list[TokenLogprob | None], top_n: int,
+                         offset: int, as_ids: bool = False) -> dict:
+    """Legacy completions logprobs for tokens `ids`; an item of None (the first prompt token under
+    echo) has a null logprob and null top_logprobs. Offsets advance by each token's text."""
     texts = ctx.token_texts
+    key = _token_key(ctx, as_ids)
     tokens, lps, tops, offsets = [], [], [], []
-    for it in items:
-        t = texts.text(it.token_id)
-        tokens.append(t)
-        lps.append(it.logprob)
-        tops.append({texts.text(tid): lp for tid, lp in it.top[: run.params.logprobs or 0]} or None)
+    for tid, it in zip(ids, items):
+        tokens.append(key(tid))
+        lps.append(it.logprob if it is not None else None)
+        tops.append(({key(t): lp for t, lp in it.top[:top_n]} or None) if it is not None else None)
         offsets.append(offset)
-        offset += len(t)
+        offset += len(texts.text(tid))
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _choice_logprobs(ctx: ServerContext, run: ChoiceRun, prompt_ids: list[int], echo: bool, as_ids: bool,
+                     score_only: bool) -> dict | None:
+    """A finished choice's logprobs; with echo they start with the prompt's (OpenAI legacy semantics)."""
+    if run.params.logprobs is None:
+        return None
+    top_n = run.params.logprobs or 0
+    items: list[TokenLogprob | None] = [] if score_only else list(run.logprobs)
+    ids = [it.token_id for it in items]
+    if echo:  # a core without prompt logprobs leaves them null
+        ids, items = list(prompt_ids) + ids, list(run.prompt_logprobs or [None] * len(prompt_ids)) + items
+    return _completion_logprobs(ctx, ids, items, top_n, 0, as_ids)
 
 
 async def complete(request: Request, ctx: ServerContext) -> Response:
@@ -250,6 +275,9 @@ async def complete(request: Request, ctx: ServerContext) -> Response:
         raise bad_request("best_of other than n is not supported", param="best_of")
     if req.echo and req.stream:
         raise bad_request("echo is not supported with stream", param="echo")
+    # echo with max_tokens 0 scores the prompt only (one token is generated and dropped)
+    score_only = req.echo and req.max_tokens == 0
+    as_ids = req.return_tokens_as_token_ids
     rf = req.response_format
     spec = structured_spec(rf.type, rf.json_schema.schema_ if rf and rf.json_schema else None) if rf else None
     prompts = await _prompts(ctx, req.prompt)
@@ -257,9 +285,11 @@ async def complete(request: Request, ctx: ServerContext) -> Response:
     rid = ctx.new_id("cmpl-")
     runs = []
     for p_idx, (text, ids) in enumerate(prompts):
-        max_tokens = ctx.check_context(len(ids), req.max_tokens, "prompt", "max_tokens")
+        max_tokens = ctx.check_context(len(ids), 1 if score_only else req.max_tokens, "prompt", "max_tokens")
         for i in range(req.n):
             params = ctx.sampling_params(max_tokens=max_tokens, structured=spec, logprobs=req.logprobs, **_sampling_fields(req))
+            if req.echo and req.logprobs is not None:
+                params.prompt_logprobs = req.logprobs
             if params.seed is not None:
                 params.seed += i
             k = p_idx * req.n + i
@@ -277,7 +307,8 @@ async def complete(request: Request, ctx: ServerContext) -> Response:
                 async for run, d in merged(runs):
                     lp = None
                     if d.logprobs and run.params.logprobs is not None:
-                        lp = _completion_logprobs(ctx, run, d.logprobs, offsets[run.index])
+                        lp = _completion_logprobs(ctx, [it.token_id for it in d.logprobs], d.logprobs,
+                                                  run.params.logprobs or 0, offsets[run.index], as_ids)
                     offsets[run.index] += len(d.content)
                     if d.content or d.finish_reason or lp:
                         finish = _finish(run) if d.finish_reason else None
@@ -294,10 +325,15 @@ async def complete(request: Request, ctx: ServerContext) -> Response:
     choices = []
     for run in runs:
         _check_structured(ctx, spec, run)
-        prefix = prompts[run.index // req.n][0] if req.echo else ""
-        lp = _completion_logprobs(ctx, run, run.logprobs, len(prefix)) if run.params.logprobs is not None else None
-        choices.append({"index": run.index, "text": prefix + run.content, "logprobs": lp, "finish_reason": _finish(run)})
+        prompt_text, prompt_ids = prompts[run.index // req.n]
+        prefix = prompt_text if req.echo else ""
+        lp = _choice_logprobs(ctx, run, prompt_ids, req.echo, as_ids, score_only)
+        text = prefix + ("" if score_only else run.content)
+        finish = "length" if score_only and run.finish_reason != "error" else _finish(run)
+        choices.append({"index": run.index, "text": text, "logprobs": lp, "finish_reason": finish})
     usage = usage_dict(runs)
+    if score_only:
+        usage["completion_tokens"] = 0
     usage["prompt_tokens"] = sum(len(ids) for _, ids in prompts)
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     return JSONResponse({**base, "choices": choices, "usage": usage})

@@ -140,7 +140,6 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     response_format: ResponseFormat | None = None
     return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens as "token_id:N"
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM: logprobs of the prompt tokens
 
 
 # ---- OpenAI responses ----------------------------------------------------------------------
