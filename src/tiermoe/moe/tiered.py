@@ -59,6 +59,7 @@ class TieredExperts:
         self._lane_args = lane or {}
         self._lane_step = False  # the current step is a decode step the lane may serve
         self._decode = True
+        self._fast_decode_tokens = 0  # decode tokens computed in fast mode (for lane experts/token)
         self.mode = "exact"
         self.set_mode(mode)
 
@@ -104,6 +105,8 @@ class TieredExperts:
         self.store.begin_step(tokens=tokens, decode=decode)
         self._decode = decode
         self._lane_step = self.mode == "fast" and decode and tokens <= self.lane.max_tokens
+        if self.mode == "fast" and decode:
+            self._fast_decode_tokens += tokens
         if self._lane_step:
             self.lane.prune(self.store)
 
@@ -137,7 +140,7 @@ class TieredExperts:
         c = self.store.counters()
         c["mode"] = self.mode
         if self.lane is not None:
-            c["cpu_lane"] = self.lane.counters(self.store.c.decode_tokens)
+            c["cpu_lane"] = self.lane.counters(self._fast_decode_tokens)
         return c
 
     def close(self) -> None:

@@ -1,0 +1,147 @@
+"""`tiermoe eval paired-kl --model STORE`: how far fast mode (CPU lane on) is from exact mode.
+
+Same process, same store, same tokens: each prompt is first greedy-decoded with the lane off
+(exact mode), recording the logits of every generated position; then the SAME token sequence
+is teacher-forced with the lane on, one decode step per token (the lane only serves decode
+steps), and the logits at the same positions are compared: mean and max KL(exact || fast),
+top-1 agreement. Both runs compute every generated position in a single-token decode step;
+prompts are prefilled identically in both (prefill never uses the lane).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from tiermoe.engine.protocol import SamplingParams
+from tiermoe.errors import UserError
+from tiermoe.scheduler.request import Request
+
+DEFAULT_TEXTS = [
+    "What is the capital of France? Answer in one sentence and explain how you know.",
+    "Write a short story about a robot who loves the sea, the stars and the mountains.",
+    "Mixture-of-Experts models route each token to a few experts out of many; explain why this saves compute.",
+    "List the numbers from one to twenty, separated by commas, then say which of them are prime.",
+]
+
+
+def register_paired_kl(sub) -> None:
+    """Add `paired-kl` to the `tiermoe eval` subcommands."""
+    p = sub.add_parser("paired-kl", help="fast mode (CPU lane) vs exact mode on the same tokens of a packed store")
+    p.add_argument("--model", required=True, help="packed store directory")
+    p.add_argument("--tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
+    p.add_argument("--prompts", nargs="+", default=None, metavar="TEXT", help="prompt texts (default: a fixed set of 4)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto", help="activation dtype: auto, bfloat16, float16, float32")
+    p.add_argument("--gpu-expert-gb", type=float, default=None, help="GPU slot tier size for routed experts")
+    p.add_argument("--host-expert-gb", type=float, default=None, help="host RAM tier size for routed experts")
+    p.add_argument("--expert-policy", default="lfu", help="expert cache replacement policy: lru, lfu, clock, static")
+    p.add_argument("--expert-stats", default=None, help="routing statistics file for the cache warm start")
+    p.add_argument("--no-direct-io", action="store_true", help="allow a filesystem without O_DIRECT")
+    p.add_argument("--cpu-lane-experts", type=int, default=4, help="most experts per layer the CPU lane computes")
+    p.add_argument("--cpu-lane-threads", type=int, default=None, help="torch threads of the CPU lane")
+    p.add_argument("--cpu-lane-cache-gb", type=float, default=None, help="memory for repacked lane experts (default 1)")
+    p.set_defaults(handler=_paired_kl)
+
+
+def _paired_kl(args) -> int:
+    from tiermoe.engine.build import resolve_device
+
+    if args.tokens < 1:
+        raise UserError("--tokens must be at least 1")
+    options = {k: getattr(args, k) for k in ("gpu_expert_gb", "host_expert_gb", "expert_policy", "expert_stats",
+                                             "no_direct_io", "cpu_lane_experts", "cpu_lane_threads", "cpu_lane_cache_gb")}
+    result = run_paired_kl(args.model, device=resolve_device(args.device), dtype=args.dtype, tokens=args.tokens,
+                           texts=args.prompts, options=options)
+    lane = result["cpu_lane"]
+    print(f"paired KL over {result['positions']} positions: mean {result['kl_mean']:.3g}, max {result['kl_max']:.3g}, "
+          f"top-1 agreement {result['top1']:.4f}; CPU lane {lane['per_decode_token']:.2f} experts/token "
+          f"({lane['kernel']}), waited {lane['wait_s']:.2f} s")
+    print(json.dumps(result))
+    return 0
+
+
+def prompt_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Chat-templated token ids of each text (plain encoding without a chat template)."""
+    out = []
+    for text in texts:
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        else:
+            ids = list(tokenizer.encode(text))
+        if not ids:
+            raise UserError(f"prompt {text!r} encodes to no tokens")
+        out.append(ids)
+    return out
+
+
+def decode_logits(engine, prompt: list[int], n: int, forced: list[int] | None = None,
+                  chunk: int = 32) -> tuple[list[int], torch.Tensor]:
+    """Greedy-decode (or, with `forced`, teacher-force) n tokens after `prompt`.
+
+    Returns (the n tokens, logits [n, V] fp32 on the CPU), where logits[i] is what the model
+    predicted for token i. Every one of the n positions is computed in a one-token decode step
+    (the prompt's last token included), so the CPU lane sees each of them.
+    """
+    req = Request("paired-kl", list(prompt), SamplingParams(max_tokens=n), n)
+    if not engine.kv.allocate(req.pages, len(prompt) + n):
+        raise UserError(f"KV cache too small for a {len(prompt) + n}-token paired-KL sequence")
+    tokens, rows = [], []
+    try:
+        body = len(prompt) - 1
+        for start in range(0, body, chunk):
+            k = min(chunk, body - start)
+            engine.runner.forward([(req, k)])
+            req.num_computed += k
+        for i in range(n):
+            logits = engine.runner.forward([(req, 1)])[-1].float().cpu()  # [V]
+            req.num_computed += 1
+            tok = forced[i] if forced is not None else int(logits.argmax())
+            rows.append(logits)
+            tokens.append(tok)
+            req.output_ids.append(tok)
+    finally:
+        engine.kv.release(req.pages)
+    return tokens, torch.stack(rows)
+
+
+def run_paired_kl(store: str, *, device: str = "cpu", dtype: str = "auto", tokens: int = 64,
+                  texts: list[str] | None = None, options: dict | None = None) -> dict:
+    """Exact greedy decode, then the same tokens teacher-forced in fast mode; metrics dict."""
+    from pathlib import Path
+
+    from tiermoe.engine.build import build_engine_core, is_packed_store
+    from tiermoe.eval.parity import compare
+    from tiermoe.moe.tiered import TieredExperts
+
+    if not is_packed_store(Path(store)):
+        raise UserError(f"{store}: not a packed store (needs manifest.json and experts.bin; see tiermoe pack)")
+    opts = {k: v for k, v in (options or {}).items() if v is not None}
+    engine = build_engine_core(store, device=device, dtype=dtype, max_num_seqs=1, options={**opts, "mode": "fast"})
+    backend = engine.model.expert_backend
+    if not isinstance(backend, TieredExperts):
+        raise UserError(f"{store}: the model does not serve its experts from the store, nothing to compare")
+    try:
+        prompts = prompt_ids(engine.tokenizer, texts or DEFAULT_TEXTS)
+        longest = max(len(p) for p in prompts) + tokens
+        if longest > engine.max_model_len:
+            raise UserError(f"--tokens {tokens}: prompt plus tokens need a context of {longest}, "
+                            f"the model has {engine.max_model_len}")
+        t0 = time.perf_counter()
+        backend.set_mode("exact")
+        exact = [decode_logits(engine, p, tokens) for p in prompts]
+        t1 = time.perf_counter()
+        backend.set_mode("fast")
+        fast = [decode_logits(engine, p, tokens, forced=toks)[1] for p, (toks, _) in zip(prompts, exact)]
+        t2 = time.perf_counter()
+        result = compare(torch.cat([lg for _, lg in exact]), torch.cat(fast))
+        counters = backend.counters()
+    finally:
+        backend.close()
+    return {"store": str(store), "device": str(engine.model.device), "dtype": str(engine.model.dtype).replace("torch.", ""),
+            "prompts": len(prompts), "tokens_per_prompt": tokens, **result,
+            "exact_s": round(t1 - t0, 3), "fast_s": round(t2 - t1, 3), "cpu_lane": counters.get("cpu_lane", {})}
