@@ -93,6 +93,19 @@ def _check_args(args) -> None:
         raise UserError("--max-body-mb must be > 0")
     if args.model and not args.scripted and not Path(args.model).exists():
         raise UserError(f"model path {args.model} does not exist")
+    if args.model and not args.scripted:
+        _check_store(Path(args.model))
+
+
+def _check_store(path: Path) -> None:
+    """A packed store missing one of its two halves would otherwise be read as a plain
+    checkpoint and fail on the first expert tensor it cannot find, naming neither file."""
+    if not path.is_dir():
+        return
+    parts = {name: (path / name).is_file() for name in ("manifest.json", "experts.bin")}
+    if any(parts.values()) and not all(parts.values()):
+        missing = next(name for name, present in parts.items() if not present)
+        raise UserError(f"{path}: packed expert store without its {missing}; re-run `tiermoe pack` into this directory")
 
 
 def _check_port(host: str, port: int) -> None:
@@ -138,12 +151,12 @@ def startup_error(exc: BaseException, args) -> str:
     """One line saying what failed while building the engine, and what to change."""
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
     low = first.lower()
-    if isinstance(exc, MemoryError) or "allocate" in low or "out of memory" in low:
-        return (f"cannot allocate memory while loading the model ({first}); lower --kv-cache-gb, --host-expert-gb, "
-                f"--gpu-expert-gb or --max-model-len")
     if "pin" in low or "mlock" in low or "memlock" in low or "hostregister" in low or "hostalloc" in low:
         return (f"cannot pin (page-lock) host memory ({first}); raise the memlock limit (ulimit -l) "
                 f"or lower --host-expert-gb")
+    if isinstance(exc, (MemoryError, OverflowError)) or "allocate" in low or "out of memory" in low:
+        return (f"cannot allocate memory while loading the model ({first}); lower --kv-cache-gb, --host-expert-gb, "
+                f"--gpu-expert-gb or --max-model-len (pinned host memory is also bounded by `ulimit -l`)")
     if isinstance(exc, OSError):
         name = getattr(exc, "filename", None) or args.model
         return f"{name}: {exc.strerror or first}"
