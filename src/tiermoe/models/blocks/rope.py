@@ -1,8 +1,8 @@
 """Rotary position embeddings.
 
-inv_freq and the attention scaling come from the family's own transformers RotaryEmbedding
-class (so default, linear, yarn, llama3 and partial-rotary variants are all computed by the
-reference code); cos/sin are formed the same way the reference does, per token position.
+cos/sin come from the family's own transformers RotaryEmbedding module (so default, linear,
+yarn, llama3 and partial-rotary variants are computed by the reference code, and bit for bit the
+way the installed transformers version forms them on this device), per token position.
 """
 
 from __future__ import annotations
@@ -14,15 +14,14 @@ from torch import nn
 class Rotary(nn.Module):
     def __init__(self, rotary_cls, hf_config):
         super().__init__()
-        ref = rotary_cls(config=hf_config)
-        self.register_buffer("inv_freq", ref.inv_freq.detach().clone().float(), persistent=False)
-        self.scaling = float(ref.attention_scaling)
+        self.ref = rotary_cls(config=hf_config)
 
+    @torch.no_grad()
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, rotary_dim] in `dtype`."""
-        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)[None, :]  # [T, R/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        probe = torch.empty(0, dtype=dtype, device=positions.device)  # carries dtype/device only
+        cos, sin = self.ref(probe, positions[None, :])  # [1, T, R]
+        return cos[0], sin[0]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
