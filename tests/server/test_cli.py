@@ -58,7 +58,7 @@ def test_missing_model_path_is_one_line_error(tmp_path):
 def test_served_name_defaults():
     parser = _serve_parser()
     assert _served_name(parser.parse_args(["serve", "/models/GLM-5.3-Flash/"])) == "GLM-5.3-Flash"
-    assert _served_name(parser.parse_args(["serve"])) == "default"
+    assert _served_name(parser.parse_args(["serve"])) == "smollm2-135m-instruct"
     assert _served_name(parser.parse_args(["serve", "x", "--served-model-name", "glm"])) == "glm"
 
 

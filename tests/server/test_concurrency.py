@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import start_server
+from server_harness import start_server
 from tiermoe.engine.scripted import STORY
 
 N_TOKENS = 40

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import start_server
+from server_harness import start_server
 
 MSG = [{"role": "user", "content": "hi"}]
 

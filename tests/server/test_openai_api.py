@@ -232,7 +232,7 @@ def test_stream_n_choices_interleave(client):
 def test_glm_tool_format_round_trip(tokenizer):
     import openai
 
-    from conftest import start_server
+    from server_harness import start_server
 
     with start_server(tokenizer, core_kwargs={"tool_format": "glm"}) as s:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)

@@ -31,7 +31,7 @@ MSG = [{"role": "user", "content": "Plan a trip. Answer in JSON."}]
 @pytest.fixture(scope="module")
 def tiny(tiny_dir):
     """(server, openai client, engine core, checkpoint path) for a tiny qwen3_moe checkpoint."""
-    from conftest import ServerThread
+    from server_harness import ServerThread
     from tiermoe.engine.async_engine import AsyncEngine
     from tiermoe.engine.build import build_engine_core
     from tiermoe.server.app import create_app

@@ -3,7 +3,7 @@ import random
 import pytest
 import torch
 
-from conftest import expert_weights, make_checkpoint
+from store_fixtures import expert_weights, make_checkpoint
 from tiermoe.store.facade import ExpertStore
 from tiermoe.store.pack import pack
 

@@ -5,7 +5,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import expert_weights, make_checkpoint
+from store_fixtures import expert_weights, make_checkpoint
 from tiermoe.cli import main
 from tiermoe.errors import StoreIntegrityError, UserError
 from tiermoe.store import pack as pack_mod

@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import STATS_FILE
+from store_fixtures import STATS_FILE
 from tiermoe.cli import main
 from tiermoe.errors import UserError
 from tiermoe.store.planner import build_plan, expected_hits, host_memory_available, load_stats, size_tiers
