@@ -68,6 +68,7 @@ def _record(kind, g=None, hidden=64, inter=32, seed=0):
     ("int8", 32, torch.bfloat16, "int8pack", 2e-2),
     ("int8", 32, torch.float32, "dequant", 1e-5),
     ("bf16", None, torch.float32, "float", 1e-5),
+    ("bf16", None, torch.bfloat16, "float", 2e-2),
     ("fp32", None, torch.float32, "float", 1e-5),
 ])
 def test_expert_forward_equals_reference_expert(kind, g, act, kernel, tol):

@@ -131,7 +131,7 @@ def pack_expert(layout: RecordLayout, rec: torch.Tensor, kernel: str, act: torch
     """Record bytes (uint8 [record_bytes], CPU) -> kernel operands. float/dequant operands are
     views into `rec` (valid only while the record is held); int4/int8 ones own their memory."""
     if kernel == "float":
-        return PackedExpert(kernel, (section_view(layout, rec, "gate_up"),), (section_view(layout, rec, "down"),))
+        return PackedExpert(kernel, (section_view(layout, rec, "gate_up"),), (section_view(layout, rec, "down"),), 0, act)
     ops = []
     nbytes = 0
     for prefix in ("gate_up", "down"):
@@ -165,7 +165,10 @@ def linear(x: torch.Tensor, op: tuple, kernel: str, layout: RecordLayout, act: t
             acc += torch.ops.aten._weight_int8pack_mm(xb[:, j * g : (j + 1) * g].contiguous(), qg[j], sg[j])
         return acc
     if kernel == "float":
-        return F.linear(x, op[0].float())
+        w = op[0]  # the record's own dtype, a view
+        if w.dtype == act and act != torch.float32:
+            return F.linear(x.to(act), w).float()  # oneDNN/cpublas reduced-precision GEMM: fp32 sums
+        return F.linear(x, w.float())
     q, s = op
     return F.linear(x, dequantize_groupwise(q, s, layout.bits, g, torch.float32))
 
@@ -192,10 +195,10 @@ class PackCache:
     def __len__(self) -> int:
         return len(self._items)
 
-    def get(self, key: tuple[int, int]) -> PackedExpert | None:
+    def get(self, key: tuple[int, int], touch: bool = True) -> PackedExpert | None:
         with self._lock:
             p = self._items.get(key)
-            if p is not None:
+            if p is not None and touch:
                 self._items.move_to_end(key)
             return p
 
@@ -271,8 +274,8 @@ class LaneJob:
 
 class CpuLane:
     def __init__(self, layout: RecordLayout, *, max_experts: int = 4, max_tokens: int = 16, threads: int | None = None,
-                 workers: int = 1, cache_bytes: int = 1 << 30, disk: bool = True, swiglu_limit: float | None = None,
-                 act_dtype: torch.dtype = torch.bfloat16):
+                 workers: int = 1, cache_bytes: int = 1 << 30, disk: bool | None = None, swiglu_limit: float | None = None,
+                 act_dtype: torch.dtype = torch.bfloat16, device: str = "cpu"):
         self.layout = layout
         # Kernel inputs at the model's own precision: bf16 is the fast path (and what a bf16
         # model computes in anyway); an fp32 model gets fp32 inputs, slower but not coarser.
@@ -282,7 +285,10 @@ class CpuLane:
         self.max_tokens = max(1, int(max_tokens))
         self.workers = max(1, int(workers))
         self.threads = max(self.workers, int(threads or torch.get_num_threads()))
-        self.disk = disk
+        # Disk-only experts: both lanes pay the read; the CPU also pays a repack (int kernels),
+        # worth it only where the device path is dequantize + matmul on the same CPU.
+        repacks = self.kernel in ("int4pack", "int8pack")
+        self.disk = (not repacks or torch.device(device).type == "cpu") if disk is None else bool(disk)
         self.swiglu_limit = swiglu_limit
         self.cache = PackCache(cache_bytes)
         self.c = LaneCounters()
@@ -296,9 +302,10 @@ class CpuLane:
 
         Experts in device slots stay on the device (reading them there is free). Of the misses,
         host-resident ones come first (the lane reads them where they sit; the device would have
-        to copy them over PCIe), then disk-only ones (both lanes pay the read; the CPU skips the
-        copy); within each, the coldest by the policy's score, since hot misses are the ones
-        worth admitting to slots through the normal path. At most max_experts per layer.
+        to copy them over PCIe): those whose repack is cached (GEMV only), then the others (a
+        repack costs several GEMVs); then disk-only ones, if `disk` (both lanes pay the read).
+        Within each class the coldest by the policy's score go first, since hot misses are the
+        ones worth admitting to slots through the normal path. At most max_experts per layer.
         """
         if self.max_experts == 0:
             return []
@@ -307,7 +314,8 @@ class CpuLane:
             tier = store.tier_of(layer, e)
             if tier == "slots" or (tier == "disk" and not self.disk):
                 continue
-            cands.append((tier != "host", store.heat(layer, e), e))
+            rank = 2 if tier == "disk" else (0 if self.cache.get((layer, e), touch=False) is not None else 1)
+            cands.append((rank, store.heat(layer, e), e))
         cands.sort()
         return sorted(e for _, _, e in cands[: self.max_experts])
 
@@ -377,7 +385,7 @@ class CpuLane:
 
     def counters(self, decode_tokens: int) -> dict:
         return {**self.c.as_dict(), "per_decode_token": self.c.decode_experts / max(1, decode_tokens),
-                "kernel": self.kernel, "act_dtype": str(self.act).removeprefix("torch."), "threads": self.threads, "workers": self.workers,
+                "disk": self.disk, "kernel": self.kernel, "act_dtype": str(self.act).removeprefix("torch."), "threads": self.threads, "workers": self.workers,
                 "max_experts_per_layer": self.max_experts, "cache_entries": len(self.cache),
                 "cache_bytes": self.cache.bytes}
 

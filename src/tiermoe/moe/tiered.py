@@ -41,7 +41,8 @@ def lane_options(options: dict, device: str) -> dict:
         "threads": int(threads),
         "workers": int(options.get("cpu_lane_workers") or 1),
         "cache_bytes": int((1.0 if cache_gb is None else float(cache_gb)) * 2**30),
-        "disk": not options.get("cpu_lane_no_disk", False),
+        "disk": options.get("cpu_lane_disk"),  # None: auto (see CpuLane)
+        "device": str(device),
     }
     if out["max_experts"] < 0 or out["threads"] < 1 or out["workers"] < 1 or out["cache_bytes"] < 0:
         raise UserError("--cpu-lane-*: expert count and cache size must be >= 0, threads and workers >= 1")
