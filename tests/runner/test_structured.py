@@ -139,3 +139,32 @@ def test_matcher_resyncs_after_rollback(engine):
     assert not g.stopped and g.tokens == ids[:2] and g.error is None
     g.sync(ids)
     assert g.stopped
+
+
+def test_reasoning_then_constrained_answer(engine):
+    """"open": free reasoning text up to </think>, then the schema; "optional" also lets the
+    model skip thinking. A bias on </think> keeps the random model's reasoning short."""
+    tok = engine.tokenizer
+    close = tok.convert_tokens_to_ids("</think>")
+    prompt = tok.encode("Think, then answer in JSON. <think>")
+    for mode in ("open", "optional"):
+        params = SamplingParams(max_tokens=100, temperature=1.0, seed=4, logit_bias={close: 6.0},
+                                structured={"type": "json_schema", "schema": SCHEMA, "reasoning": mode})
+        text = tok.decode(generate_ids(engine, [prompt], params)[0], skip_special_tokens=False)
+        head, sep, answer = text.partition("</think>")
+        assert sep or mode == "optional"
+        if mode == "optional" and sep:
+            assert head.startswith("<think>")
+        jsonschema.validate(json.loads((answer if sep else head).replace("<|im_end|>", "")), SCHEMA)
+
+
+def test_lark_spec_and_best_effort(engine):
+    prompt = engine.tokenizer.encode("yes or no?")
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=0,
+                            structured={"type": "lark", "grammar": 'start: "yes" | "no" | "maybe so"'})
+    assert _text(engine, generate_ids(engine, [prompt], params)[0]) in ("yes", "no", "maybe so")
+    broken = {"type": "lark", "grammar": "start: (", "best_effort": True}
+    out = generate_ids(engine, [prompt], SamplingParams(max_tokens=3, ignore_eos=True, structured=broken))[0]
+    assert len(out) == 3  # served unconstrained
+    with pytest.raises(InvalidRequest):
+        engine.add_request("strict", prompt, SamplingParams(structured={"type": "lark", "grammar": "start: ("}))

@@ -162,7 +162,9 @@ def test_response_format_json_schema(client):
 def test_completions(client):
     r = client.completions.create(model="scripted", prompt="Tell me a story", max_tokens=6, logprobs=2, echo=True)
     assert r.choices[0].text.startswith("Tell me a story") and r.choices[0].finish_reason == "length"
-    assert r.usage.completion_tokens == 6 and len(r.choices[0].logprobs.tokens) == 6
+    # echo: the prompt's tokens come first (OpenAI legacy completions), the first with a null logprob
+    assert r.usage.completion_tokens == 6 and len(r.choices[0].logprobs.tokens) == r.usage.prompt_tokens + 6
+    assert r.choices[0].logprobs.token_logprobs[0] is None
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="scripted", prompt="Tell me a story", max_tokens=6, stream=True) if c.choices)
     assert r.choices[0].text == "Tell me a story" + streamed

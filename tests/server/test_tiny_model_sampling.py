@@ -26,6 +26,7 @@ SCHEMA = {
     "additionalProperties": False,
 }
 MSG = [{"role": "user", "content": "Plan a trip. Answer in JSON."}]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}  # else a think block may come first
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +49,14 @@ def test_chat_json_schema_greedy_and_sampled(tiny):
     _, client, _, _ = tiny
     fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA}}
     greedy = client.chat.completions.create(model="tiny", messages=MSG, response_format=fmt, max_tokens=80,
-                                            temperature=0)
+                                            temperature=0, extra_body=NO_THINKING)
     sampled = client.chat.completions.create(model="tiny", messages=MSG, response_format=fmt, max_tokens=80,
-                                             temperature=1.0, seed=3, n=2)
+                                             temperature=1.0, seed=3, n=2, extra_body=NO_THINKING)
     for choice in greedy.choices + sampled.choices:
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
     stream = client.chat.completions.create(model="tiny", messages=MSG, response_format=fmt, max_tokens=80,
-                                            temperature=0, stream=True)
+                                            temperature=0, stream=True, extra_body=NO_THINKING)
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == greedy.choices[0].message.content
 
@@ -132,3 +133,17 @@ def test_panel_token_ids_teacher_forcing_is_exact(tiny, tmp_path):
     assert r["positions_misaligned"] == 0
     assert r["top1_agreement"] == 1.0 and r["mean_kl"] < 1e-6
     assert r["greedy_exact_fraction"] == 1.0
+
+
+def test_json_answer_after_reasoning(tiny):
+    """Thinking on: the model may think first, and the JSON comes after </think> (a bias on
+    </think> keeps the random model's reasoning short)."""
+    _, client, core, _ = tiny
+    close = core.tokenizer.convert_tokens_to_ids("</think>")
+    fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA}}
+    r = client.chat.completions.create(model="tiny", messages=MSG, response_format=fmt, max_tokens=120, n=3,
+                                       temperature=1.0, seed=11, logit_bias={str(close): 8})
+    for choice in r.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    assert any(getattr(c.message, "reasoning_content", None) for c in r.choices)

@@ -72,7 +72,8 @@ class LLMEngine:
         recurrent = bool(getattr(model.spec, "extra", {}).get("recurrent_state"))
         self.kv = _KVPages(num_pages, page_size, prefix_caching=not recurrent)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_batched_tokens)
-        self.runner = ModelRunner(model, num_pages, page_size, seed=seed, tokenizer=tokenizer, eos_ids=self.eos_token_ids)
+        self.runner = ModelRunner(model, num_pages, page_size, seed=seed, tokenizer=tokenizer,
+                                  eos_ids=self.eos_token_ids)
         self._lock = threading.Lock()
         self._incoming: deque[Request] = deque()
         self._aborts: deque[str] = deque()
@@ -100,7 +101,14 @@ class LLMEngine:
                 f"{self.max_model_len}, so at most {room} tokens can be generated", "max_tokens")
         if params.logit_bias and any(t >= self.vocab_size for t in params.logit_bias):
             raise InvalidRequest(f"logit_bias keys must be token ids in [0, {self.vocab_size})", "logit_bias")
-        grammar = self.runner.build_grammar(params.structured) if params.structured is not None else None
+        grammar = None
+        if params.structured is not None:
+            try:
+                grammar = self.runner.build_grammar(params.structured)
+            except InvalidRequest as exc:
+                if not params.structured.get("best_effort"):
+                    raise
+                log.warning("request %s: serving without its grammar (%s)", request_id, exc)
         req = Request(request_id, list(prompt_token_ids), params, max_tokens)
         with self._lock:
             if request_id in self._live:
@@ -215,7 +223,7 @@ class LLMEngine:
                 lp = [TokenLogprob(tok, chosen[i], top)]
             plp = self._prompt_logprobs_done(req) if len(req.output_ids) == 1 else None
             reason, error = self._stop_reason(req, tok), None
-            if req.params.structured is not None and reason in (None, "length"):
+            if reason in (None, "length") and req.request_id in self.runner.grammars:
                 complete, error = self.runner.advance_grammar(req)
                 if error is not None:
                     reason, error = "error", f"structured output: {error}"

@@ -91,8 +91,9 @@ class SamplingParams:
             raise InvalidRequest("prompt_logprobs must be an integer in [0, 20]", "prompt_logprobs")
         if self.structured is not None:
             kind = self.structured.get("type") if isinstance(self.structured, dict) else None
-            if kind not in ("json_object", "json_schema", "regex"):
-                raise InvalidRequest("structured must have type json_object, json_schema or regex", "response_format")
+            if kind not in ("json_object", "json_schema", "regex", "lark"):
+                raise InvalidRequest("structured must have type json_object, json_schema, regex or lark",
+                                     "response_format")
 
 
 @dataclass
@@ -124,7 +125,14 @@ class RequestOutput:
 
 # Structured output request carried to the sampler: {"type": "json_object"} or
 # {"type": "json_schema", "schema": {...}} or {"type": "regex", "pattern": "..."}.
+# Also {"type": "lark", "grammar": "..."} (llguidance Lark; the server's forced tool calls), and
+# any of them may carry "reasoning": "open" | "optional" (free text up to </think> first).
 StructuredSpec = dict
+
+# Whitespace allowed between JSON tokens under a grammar: none, one space or tab, or one line
+# break plus indentation. Compact, `"a": 1` style and pretty-printed JSON all pass, but a weak
+# model cannot spend its budget on runs of blank lines. (llguidance `whitespace_pattern`.)
+JSON_WHITESPACE = r"[ \t]?|\r?\n[ \t]{0,40}"
 
 
 class EngineCore:

@@ -5,8 +5,8 @@ Each constrained request owns one `llguidance.LLMatcher`, built when the request
 sampling, the matcher is brought up to date with the request's `output_ids` and asked for
 the set of tokens that keep the output inside the grammar; the sampler sets every other
 logit to -inf before greedy or random choice. After the engine appends the chosen token,
-`advance` feeds it to the matcher and reports whether the grammar is complete (the engine
-then ends the request with "stop") or broken.
+`ModelRunner.advance_grammar` feeds it to the matcher and reports whether the grammar is
+complete (the engine then ends the request with "stop") or broken.
 
 Why the matcher is synced from `output_ids` instead of trusting a push per sampled token:
 the scheduler may preempt a request and recompute it, and a failed step may drop a token;
@@ -14,28 +14,25 @@ the scheduler may preempt a request and recompute it, and a failed step may drop
 reflect exactly that list (consuming what it has not seen, rolling back what it saw but the
 list no longer holds).
 
-Host work: masks are computed on the CPU from host-side token lists (no device sync); the
-packed bitmask [G, V/32] int32 is copied to the device and unpacked there. Rows without a
-grammar cost nothing. EOS: the llguidance tokenizer is told every engine EOS id, so EOS is
+Host work, no device sync: masks are computed on the CPU from host-side token lists while the
+step's forward pass is still running on the GPU; the packed bitmask [G, V/32] int32 goes to the
+device from pinned memory without blocking and is unpacked there. Rows without a grammar cost
+nothing. EOS: the llguidance tokenizer is told every engine EOS id, so EOS is
 allowed exactly when the grammar accepts and is the only choice once the grammar has stopped.
 """
 
 from __future__ import annotations
 
 import json
-import logging
+import re
 import threading
 
 import torch
 
-from tiermoe.engine.protocol import InvalidRequest
+from tiermoe.engine.protocol import JSON_WHITESPACE, InvalidRequest
 
-log = logging.getLogger("tiermoe.structured")
-
-# JSON whitespace between tokens: none, one space or tab, or one line break plus indentation, so
-# compact, "a": 1 style and pretty-printed JSON all pass, but a weak model cannot spend its
-# budget on runs of blank lines. A schema's own "x-guidance" options take precedence.
-JSON_OPTIONS = {"whitespace_pattern": r"[ \t]?|\r?\n[ \t]{0,40}"}
+# Bounded JSON whitespace (see protocol.JSON_WHITESPACE); a schema's own "x-guidance" options win.
+JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
 
 
 class RequestGrammar:
@@ -104,37 +101,63 @@ class GrammarBackend:
                                      "response_format")
             return self._ll_tokenizer
 
-    @staticmethod
-    def grammar_text(spec: dict) -> str:
-        """A structured spec -> llguidance grammar (JSON text); InvalidRequest if malformed."""
-        import llguidance
+    def marker(self, text: str) -> str:
+        """A Lark terminal for `text`: the token itself when it is one token (special tokens
+        can only be matched that way), else the literal string."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False) if self.tokenizer is not None else []
+        return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(text)
 
+    def grammar_text(self, spec: dict) -> str:
+        """A structured spec -> Lark grammar text for llguidance; InvalidRequest if malformed.
+
+        spec["reasoning"] ("open": the prompt opened a think block; "optional": the model may
+        open one) lets free reasoning text up to </think> come before the constrained answer.
+        """
         kind = spec.get("type") if isinstance(spec, dict) else None
         if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
-        if kind == "json_schema":
+            body = "%json " + json.dumps({"type": "object", "x-guidance": JSON_OPTIONS})
+        elif kind == "json_schema":
             schema = spec.get("schema")
             if isinstance(schema, bool):
                 schema = {} if schema else {"not": {}}
             if not isinstance(schema, dict):
                 raise InvalidRequest("json_schema needs a schema object", "response_format")
-            try:
-                return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
-            except ValueError as exc:
-                raise InvalidRequest(f"invalid JSON schema: {exc}", "response_format") from None
-        if kind == "regex":
+            # the schema's own x-guidance options (if any) win over ours
+            options = {**JSON_OPTIONS, **(schema.get("x-guidance") or {})}
+            body = "%json " + json.dumps({**schema, "x-guidance": options})
+        elif kind == "regex":
             pattern = spec.get("pattern")
             if not isinstance(pattern, str):
                 raise InvalidRequest("regex needs a pattern string", "response_format")
-            return llguidance.LLMatcher.grammar_from_regex(pattern)
-        raise InvalidRequest(f"unsupported structured output type {kind!r}", "response_format")
+            import llguidance
+
+            body = "/" + llguidance.regex_to_lark(pattern, "") + "/"
+        elif kind == "lark":
+            grammar = spec.get("grammar")
+            if not isinstance(grammar, str):
+                raise InvalidRequest("lark needs a grammar string", "response_format")
+            body = "tiermoe_answer"
+        else:
+            raise InvalidRequest(f"unsupported structured output type {kind!r}", "response_format")
+        lines = []
+        reasoning = spec.get("reasoning")
+        if reasoning in ("open", "optional"):
+            think = f'/(?s:.*)/ {self.marker("</think>")} /[ \\t\\r\\n]*/'
+            lines.append(f"start: ({self.marker('<think>')} {think})? tiermoe_body" if reasoning == "optional"
+                         else f"start: {think} tiermoe_body")
+        else:
+            lines.append("start: tiermoe_body")
+        lines.append(f"tiermoe_body: {body}")
+        if kind == "lark":  # the caller's grammar, its start rule renamed so ours stays the root
+            lines.append(re.sub(r"^start(\s*:)", r"tiermoe_answer\1", spec["grammar"], flags=re.M))
+        return "\n".join(lines) + "\n"
 
     def build(self, spec: dict) -> RequestGrammar:
         """A fresh matcher for `spec`; InvalidRequest when the grammar does not compile."""
         import llguidance
 
         tok = self._llg()
-        grammar = self.grammar_text(spec)
+        grammar = llguidance.LLMatcher.grammar_from_lark(self.grammar_text(spec))
         matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
         if matcher.is_error():
             message = matcher.get_error().strip().splitlines()[0]
@@ -154,13 +177,14 @@ class GrammarBackend:
         for g, ids in zip(grammars, output_ids):
             g.sync(ids)
         shape = lnp.get_bitmask_shape(len(grammars), self._llg().vocab_size)
-        bits = torch.full(shape, -1, dtype=torch.int32)  # [G, W] packed, little-endian bit order
+        pinned = torch.device(device).type == "cuda"  # so the copy below need not wait for the GPU
+        bits = torch.full(shape, -1, dtype=torch.int32, pin_memory=pinned)  # [G, W] packed, little-endian bits
         live = [(g.matcher, i) for i, g in enumerate(grammars) if not g.matcher.is_error()]
         if live:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
             self._executor.unsafe_compute_mask_ptr(live, bits.data_ptr(), shape[1] * 4, shape[0])
-        return unpack_bitmask(bits.to(device), self.vocab_size)
+        return unpack_bitmask(bits.to(device, non_blocking=pinned), self.vocab_size)
 
 
 def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ from tiermoe.server.errors import APIError, bad_request
 from tiermoe.server.generation import ChoiceRun
 from tiermoe.server.metrics import Metrics
 from tiermoe.server.reasoning import ReasoningParser
+from tiermoe.server.structured import lark_marker
 from tiermoe.server.tool_parsers import ToolParser, detect_tool_format, get_tool_parser
 
 
@@ -236,6 +237,16 @@ class ServerContext:
         parser = None
         if reasoning and self.reasoning_enabled and not forced:
             parser = ReasoningParser(prompt_opens_reasoning=prompt_text.rstrip().endswith("<think>"))
+        if forced and params.structured is None:
+            # a forced call's arguments follow its tool's schema (served unconstrained if the
+            # schema has features the grammar engine cannot compile)
+            grammar = tools.forced_grammar(plan.forced_name, lambda t: lark_marker(self.tokenizer, t))
+            if grammar:
+                params.structured = {"type": "lark", "grammar": grammar, "best_effort": True}
+        if parser is not None and params.structured is not None and not prompt_text.rstrip().endswith("</think>"):
+            # the constrained answer may come after a think block (already open, or the model's
+            # choice); a prompt ending in a closed block has thinking switched off
+            params.structured = {**params.structured, "reasoning": "open" if parser.in_reasoning else "optional"}
         budget = thinking_budget if thinking_budget is not None else self.config.thinking_budget
         return ChoiceRun(
             self, request_id, prompt_ids, params, index=index, stop=stop, reasoning=parser, tools=tools,

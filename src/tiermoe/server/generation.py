@@ -286,6 +286,8 @@ class ChoiceRun:
         self.completion_tokens = self._prior_tokens
         params = SamplingParams(**{k: getattr(self.params, k) for k in SamplingParams.__dataclass_fields__})
         params.prompt_logprobs = None  # the first segment already delivered them
+        if params.structured is not None:  # the think block is closed now: the answer comes next
+            params.structured = {k: v for k, v in params.structured.items() if k != "reasoning"}
         if params.max_tokens is not None:
             left = params.max_tokens - self._prior_tokens
             if left < 1:

@@ -2,7 +2,9 @@
 
 The spec travels to the engine as `SamplingParams.structured` (the shape of protocol.py's
 `StructuredSpec`: {"type": "json_object"} or {"type": "json_schema", "schema": {...}}); the
-sampler's grammar backend enforces it. The server's part is to refuse a schema that is not a
+sampler's grammar backend (llguidance) enforces it. `ServerContext.make_run` adds
+"reasoning" when the answer may follow a think block, and gives forced tool calls
+(tool_choice required / named) a Lark grammar for the call's rest built by the tool parser. The server's part is to refuse a schema that is not a
 valid JSON Schema (400 before any work is done) and to check the finished output, counting
 outputs that do not satisfy their format (a sampler without grammar support, or a
 generation cut short by max_tokens).
@@ -27,6 +29,13 @@ def structured_spec(kind: str | None, schema: dict | None, param: str = "respons
         check_schema(schema, f"{param}.json_schema.schema")
         return {"type": "json_schema", "schema": schema}
     raise bad_request(f"unsupported response_format type {kind!r}", param=f"{param}.type")
+
+
+def lark_marker(tokenizer, text: str) -> str:
+    """The Lark terminal (llguidance) for a marker string: `<[id]>` when it is one token (a
+    special token can only be matched that way), else the quoted literal."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(text)
 
 
 def check_schema(schema: dict, param: str) -> None:

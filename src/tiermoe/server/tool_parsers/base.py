@@ -15,6 +15,8 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from tiermoe.engine.protocol import JSON_WHITESPACE
+
 
 @dataclass
 class ToolCallDelta:
@@ -100,6 +102,17 @@ class ToolParser:
     def forced_prefix(self, name: str | None) -> str:
         """Text that, appended to the prompt, commits the model to a call (of `name`)."""
         raise NotImplementedError
+
+    def forced_grammar(self, name: str | None, marker) -> str | None:
+        """Lark grammar (llguidance) for what follows `forced_prefix(name)`: the rest of the
+        call(s), argument types from the tools' schemas. `marker(text)` gives the Lark terminal
+        for a marker string (its token when it is one token). None: no grammar for this format."""
+        return None
+
+    def _parameters(self, name: str) -> dict:
+        params = (self.tools.get(name) or {}).get("parameters")
+        schema = params if isinstance(params, dict) and params else {"type": "object"}
+        return {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE, **(schema.get("x-guidance") or {})}}
 
     # ---- streaming -----------------------------------------------------------------------
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:

@@ -64,3 +64,23 @@ class GlmToolParser(ToolParser):
 
     def forced_prefix(self, name: str | None) -> str:
         return "<tool_call>" if name is None else f"<tool_call>{name}\n"
+
+    def forced_grammar(self, name: str | None, marker) -> str | None:
+        """Keys restricted to the function's parameters; values are free text (a value's type
+        is only known after parsing). Needs the four arg markers to be single tokens, so a
+        value's free text cannot swallow its closing marker."""
+        marks = [marker(m) for m in ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")]
+        if any(not m.startswith("<[") for m in marks) or (name is None and not self.tools):
+            return None
+        k0, k1, v0, v1 = marks
+        ws, end = "/[ \\t\\r\\n]*/", marker(self.end_marker)
+        rules = []
+        names = [name] if name is not None else list(self.tools)
+        for i, fn in enumerate(names):
+            keys = list((self._parameters(fn).get("properties") or {}).keys())
+            key = " | ".join(json.dumps(k) for k in keys) if keys else "/[^<]+/"
+            head = "" if name is not None else f"{json.dumps(fn)} {ws} "
+            rules.append(f"call{i}: {head}pair{i}* {end}\npair{i}: {k0} ({key}) {k1} {ws} {v0} /(?s:.*)/ {v1} {ws}")
+        calls = " | ".join(f"call{i}" for i in range(len(names)))
+        more = "" if (name is not None or self.max_calls == 1) else f" ({ws} {marker(self.start_marker)} call)*"
+        return f"start: call{more}\ncall: {calls}\n" + "\n".join(rules) + "\n"

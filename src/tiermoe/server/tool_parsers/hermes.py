@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 
+from tiermoe.engine.protocol import JSON_WHITESPACE
 from tiermoe.server.tool_parsers.base import ParsedBody, PartialCall, ToolParser
 
 _HEAD = re.compile(r'^\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*', re.S)
@@ -87,3 +88,18 @@ class HermesToolParser(ToolParser):
         if name is None:
             return "<tool_call>\n"
         return '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": '
+
+    def forced_grammar(self, name: str | None, marker) -> str | None:
+        ws, end = "/[ \\t\\r\\n]*/", marker(self.end_marker)
+        if name is not None:  # the prompt ends inside the object, just before the arguments
+            return f'start: args {ws} "}}" {ws} {end}\nargs: %json {json.dumps(self._parameters(name))}\n'
+        if not self.tools:
+            return None
+        variants = [
+            {"type": "object", "properties": {"name": {"const": fn}, "arguments": self._parameters(fn)},
+             "required": ["name", "arguments"], "additionalProperties": False}
+            for fn in self.tools
+        ]
+        body = {"anyOf": variants, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+        more = "" if self.max_calls == 1 else f" ({ws} {marker(self.start_marker)} {ws} call)*"
+        return f"start: call{more}\ncall: body {ws} {end}\nbody: %json {json.dumps(body)}\n"
