@@ -32,7 +32,8 @@ def register_paired_kl(sub) -> None:
     p = sub.add_parser("paired-kl", help="fast mode (CPU lane) vs exact mode on the same tokens of a packed store")
     p.add_argument("--model", required=True, help="packed store directory")
     p.add_argument("--tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
-    p.add_argument("--prompts", nargs="+", default=None, metavar="TEXT", help="prompt texts (default: a fixed set of 4)")
+    p.add_argument("--prompts", nargs="+", default=None, metavar="TEXT",
+                   help="prompt texts (default: a fixed set of 4)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto", help="activation dtype: auto, bfloat16, float16, float32")
     p.add_argument("--gpu-expert-gb", type=float, default=None, help="GPU slot tier size for routed experts")
@@ -51,8 +52,9 @@ def _paired_kl(args) -> int:
 
     if args.tokens < 1:
         raise UserError("--tokens must be at least 1")
-    options = {k: getattr(args, k) for k in ("gpu_expert_gb", "host_expert_gb", "expert_policy", "expert_stats",
-                                             "no_direct_io", "cpu_lane_experts", "cpu_lane_threads", "cpu_lane_cache_gb")}
+    keys = ("gpu_expert_gb", "host_expert_gb", "expert_policy", "expert_stats", "no_direct_io",
+            "cpu_lane_experts", "cpu_lane_threads", "cpu_lane_cache_gb")
+    options = {k: getattr(args, k) for k in keys}
     result = run_paired_kl(args.model, device=resolve_device(args.device), dtype=args.dtype, tokens=args.tokens,
                            texts=args.prompts, options=options)
     lane = result["cpu_lane"]
@@ -142,6 +144,6 @@ def run_paired_kl(store: str, *, device: str = "cpu", dtype: str = "auto", token
         counters = backend.counters()
     finally:
         backend.close()
-    return {"store": str(store), "device": str(engine.model.device), "dtype": str(engine.model.dtype).replace("torch.", ""),
-            "prompts": len(prompts), "tokens_per_prompt": tokens, **result,
+    return {"store": str(store), "device": str(engine.model.device),
+            "dtype": str(engine.model.dtype).replace("torch.", ""), "prompts": len(prompts), "tokens_per_prompt": tokens, **result,
             "exact_s": round(t1 - t0, 3), "fast_s": round(t2 - t1, 3), "cpu_lane": counters.get("cpu_lane", {})}

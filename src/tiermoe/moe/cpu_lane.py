@@ -3,28 +3,31 @@
 In decode, a handful of a layer's experts miss the device slot cache. Copying a cold expert
 over PCIe to use it once costs as much as reading it once on the CPU, so the cost model
 (`CpuLane.assign`) sends the coldest misses (host-resident first, then disk-only ones, coldest
-by the replacement policy's score) to host threads, at most `max_experts` per layer, while the
+by the replacement policy's score; see `assign`) to host threads, at most `max_experts` per layer, while the
 device computes the rest. The lane's partial sum (fp32) is added to the device result.
 
 No second copy of the weights: the lane reads the host tier's record bytes in place
 (ExpertStore.lane_records holds them so no concurrent fetch evicts them). torch's CPU kernels
 want their own weight layouts, so quantized records are repacked for them:
-  int4: `_weight_int4pack_mm_for_cpu` (weight-only int4 GEMM, bf16 activations, fp32
-        accumulation); our symmetric nibbles map onto its (q - 8) * scale + zero form with
-        zero = 0, so the repack only moves nibbles and transposes the scales.
+  int4: `_weight_int4pack_mm_for_cpu` (weight-only int4 GEMM, fp32 accumulation); our
+        symmetric nibbles map onto its (q - 8) * scale + zero form with zero = 0, so the
+        repack only moves nibbles and transposes the scales.
   int8: `_weight_int8pack_mm` takes per-row scales only, so each group of G input columns is
         one call on a group-major copy of q, with that group's scales; partials sum in fp32.
-  bf16/fp16/fp32: plain fp32 matmul on the record views (no repack).
+  bf16/fp16/fp32: matmul on the record views (no repack): fp32, or the record's own dtype
+        when the model computes in it (oneDNN's bf16 GEMM sums in fp32; upcasting the weights
+        costs about 6x on a CPU).
   anything the kernels refuse (int4 group size outside 32..256, rows not a multiple of 16):
         dequantize (quant.py reference) + fp32 matmul.
 A repack costs far more than the GEMV it feeds (see README), so repacked experts are cached
 while they stay in the host tier (bounded by `cache_bytes`; dropped when the expert leaves the
 host tier or the budget needs room); disk-only experts are repacked on the fly and dropped.
 
-Not bit-exact: activations enter the quantized kernels as bf16 and the lane sums in another
-order, which is why it is only on in `--mode fast`. Threads: `threads` torch intra-op threads
-split over `workers` Python workers (torch.set_num_threads is per calling thread), so the lane
-never oversubscribes the cores the device path uses on a CPU run.
+Not bit-exact: activations enter the kernels in the model's dtype (bf16: torch's only fast int4
+path), weights are not rounded to it first, and the lane sums in another order, which is why
+it is only on in `--mode fast`. Threads: `threads` torch intra-op threads split over `workers`
+Python workers (torch.set_num_threads is per calling thread), so on a CPU run the lane leaves
+the device path its own cores.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ def lane_kernel(layout: RecordLayout, act: torch.dtype = torch.bfloat16) -> str:
     if layout.kind in FLOAT_KINDS:
         return "float"
     rows_ok = (2 * layout.intermediate) % 16 == 0 and layout.hidden % 16 == 0
-    if layout.bits == 4 and layout.group_size in INT4_GROUP_SIZES and rows_ok and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+    if layout.bits == 4 and layout.group_size in INT4_GROUP_SIZES and rows_ok \
+            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return "int4pack"
     if layout.bits == 8 and act == torch.bfloat16 and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
         return "int8pack"
@@ -127,11 +131,13 @@ class PackedExpert:
     act: torch.dtype = torch.bfloat16  # activation dtype the kernels are fed
 
 
-def pack_expert(layout: RecordLayout, rec: torch.Tensor, kernel: str, act: torch.dtype = torch.bfloat16) -> PackedExpert:
+def pack_expert(layout: RecordLayout, rec: torch.Tensor, kernel: str,
+                act: torch.dtype = torch.bfloat16) -> PackedExpert:
     """Record bytes (uint8 [record_bytes], CPU) -> kernel operands. float/dequant operands are
     views into `rec` (valid only while the record is held); int4/int8 ones own their memory."""
     if kernel == "float":
-        return PackedExpert(kernel, (section_view(layout, rec, "gate_up"),), (section_view(layout, rec, "down"),), 0, act)
+        gate_up, down = section_view(layout, rec, "gate_up"), section_view(layout, rec, "down")
+        return PackedExpert(kernel, (gate_up,), (down,), 0, act)
     ops = []
     nbytes = 0
     for prefix in ("gate_up", "down"):
@@ -150,7 +156,8 @@ def pack_expert(layout: RecordLayout, rec: torch.Tensor, kernel: str, act: torch
     return PackedExpert(kernel, ops[0], ops[1], nbytes, act)
 
 
-def linear(x: torch.Tensor, op: tuple, kernel: str, layout: RecordLayout, act: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def linear(x: torch.Tensor, op: tuple, kernel: str, layout: RecordLayout,
+           act: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x [n, K] fp32 -> x @ W.T [n, N] fp32 with W given by a PackedExpert operand; the
     quantized kernels see x rounded to `act` and round their fp32 sums to `act`."""
     g = layout.group_size
@@ -274,8 +281,8 @@ class LaneJob:
 
 class CpuLane:
     def __init__(self, layout: RecordLayout, *, max_experts: int = 4, max_tokens: int = 16, threads: int | None = None,
-                 workers: int = 1, cache_bytes: int = 1 << 30, disk: bool | None = None, swiglu_limit: float | None = None,
-                 act_dtype: torch.dtype = torch.bfloat16, device: str = "cpu"):
+                 workers: int = 1, cache_bytes: int = 1 << 30, disk: bool | None = None,
+                 swiglu_limit: float | None = None, act_dtype: torch.dtype = torch.bfloat16, device: str = "cpu"):
         self.layout = layout
         # Kernel inputs at the model's own precision: bf16 is the fast path (and what a bf16
         # model computes in anyway); an fp32 model gets fp32 inputs, slower but not coarser.
@@ -385,9 +392,9 @@ class CpuLane:
 
     def counters(self, decode_tokens: int) -> dict:
         return {**self.c.as_dict(), "per_decode_token": self.c.decode_experts / max(1, decode_tokens),
-                "disk": self.disk, "kernel": self.kernel, "act_dtype": str(self.act).removeprefix("torch."), "threads": self.threads, "workers": self.workers,
-                "max_experts_per_layer": self.max_experts, "cache_entries": len(self.cache),
-                "cache_bytes": self.cache.bytes}
+                "disk": self.disk, "kernel": self.kernel, "act_dtype": str(self.act).removeprefix("torch."),
+                "threads": self.threads, "workers": self.workers, "max_experts_per_layer": self.max_experts,
+                "cache_entries": len(self.cache), "cache_bytes": self.cache.bytes}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

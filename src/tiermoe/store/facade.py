@@ -267,7 +267,8 @@ class ExpertStore:
         score = getattr(self.residency.host, "score", None) or getattr(self.residency.slots, "score", None)
         return float(score(self.key(layer, expert))) if score else 0.0
 
-    def lane_records(self, layer: int, expert_ids: list[int], *, disk: bool = True) -> dict[int, tuple[torch.Tensor, Future | None]]:
+    def lane_records(self, layer: int, expert_ids: list[int], *,
+                     disk: bool = True) -> dict[int, tuple[torch.Tensor, Future | None]]:
         """Record bytes for the CPU lane without any tier move: {expert id: (uint8 [record_bytes]
         on the CPU, pending read or None)}.
 
