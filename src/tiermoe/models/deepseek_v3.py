@@ -7,8 +7,8 @@ import math
 
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
-from tiermoe.models.families_common import ConfigReader
-from tiermoe.models.spec import MLASpec, ModelSpec, MoESpec
+from tiermoe.models.families_common import ConfigReader, sigmoid_noaux_moe
+from tiermoe.models.spec import MLASpec, ModelSpec
 
 
 def yarn_softmax_scale(rope_parameters: dict, scale: float) -> float:
@@ -38,18 +38,7 @@ def build_spec(hf_config, path: str) -> ModelSpec:
         rope_interleave=bool(r.get("rope_interleave", True)),
     )
     qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
-    num_experts = r.require("n_routed_experts")
-    moe = MoESpec(
-        num_experts=num_experts,
-        top_k=r.require("num_experts_per_tok"),
-        intermediate_size=r.require("moe_intermediate_size"),
-        scoring="sigmoid_noaux",
-        norm_topk_prob=bool(r.get("norm_topk_prob", True)),
-        routed_scaling_factor=float(r.get("routed_scaling_factor", 1.0)),
-        n_group=r.get("n_group", 1) or 1,
-        topk_group=r.get("topk_group", 1) or 1,
-        shared_intermediate_size=r.require("moe_intermediate_size") * (r.get("n_shared_experts", 1) or 0),
-    )
+    moe = sigmoid_noaux_moe(r)
     first_dense = r.get("first_k_dense_replace", 0) or 0
     heads = r.require("num_attention_heads")
     return ModelSpec(

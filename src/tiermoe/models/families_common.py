@@ -35,3 +35,26 @@ class ConfigReader:
         if eos is None:
             return ()
         return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def sigmoid_noaux_moe(r: ConfigReader):
+    """MoESpec of the GLM-4.x / DeepSeek-V3 routed block: sigmoid scores + correction bias
+    (noaux_tc), group-limited top-k, routed_scaling_factor, n_shared_experts shared experts."""
+    from tiermoe.models.spec import MoESpec
+
+    num_experts = r.require("n_routed_experts")
+    n_group = r.get("n_group", 1) or 1
+    if num_experts % n_group:
+        raise r.unsupported("n_group", "n_routed_experts must be divisible by n_group")
+    inter = r.require("moe_intermediate_size")
+    return MoESpec(
+        num_experts=num_experts,
+        top_k=r.require("num_experts_per_tok"),
+        intermediate_size=inter,
+        scoring="sigmoid_noaux",
+        norm_topk_prob=bool(r.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(r.get("routed_scaling_factor", 1.0)),
+        n_group=n_group,
+        topk_group=r.get("topk_group", 1) or 1,
+        shared_intermediate_size=inter * (r.get("n_shared_experts", 1) or 0),
+    )

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRotaryEmbedding
 
-from tiermoe.models.families_common import ConfigReader
-from tiermoe.models.spec import ModelSpec, MoESpec
+from tiermoe.models.families_common import ConfigReader, sigmoid_noaux_moe
+from tiermoe.models.spec import ModelSpec
 
 
 def build_spec(hf_config, path: str) -> ModelSpec:
@@ -15,21 +15,7 @@ def build_spec(hf_config, path: str) -> ModelSpec:
     r.rope_type()
     hidden, heads = r.require("hidden_size"), r.require("num_attention_heads")
     num_layers = r.require("num_hidden_layers")
-    num_experts = r.require("n_routed_experts")
-    n_group = r.get("n_group", 1) or 1
-    if num_experts % n_group:
-        raise r.unsupported("n_group", "n_routed_experts must be divisible by n_group")
-    moe = MoESpec(
-        num_experts=num_experts,
-        top_k=r.require("num_experts_per_tok"),
-        intermediate_size=r.require("moe_intermediate_size"),
-        scoring="sigmoid_noaux",
-        norm_topk_prob=bool(r.get("norm_topk_prob", True)),
-        routed_scaling_factor=float(r.get("routed_scaling_factor", 1.0)),
-        n_group=n_group,
-        topk_group=r.get("topk_group", 1) or 1,
-        shared_intermediate_size=r.require("moe_intermediate_size") * (r.get("n_shared_experts", 1) or 0),
-    )
+    moe = sigmoid_noaux_moe(r)
     first_dense = r.get("first_k_dense_replace", 0) or 0
     return ModelSpec(
         arch="glm4_moe",
