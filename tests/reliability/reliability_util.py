@@ -164,7 +164,3 @@ class ServeProcess:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-
-def run_cli(args: list[str], timeout: float = 120.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tiermoe.cli", *args], capture_output=True, text=True, env=ENV,
-                          timeout=timeout, cwd=str(ROOT))

@@ -208,7 +208,7 @@ def test_hostile_payloads(payload_server, path):
     statuses: list[int] = []
 
     @given(chat=chat_request(), how=st.integers(0, 2))
-    @settings(max_examples=int(__import__("os").environ.get("FUZZ_N", "80")), deadline=None, suppress_health_check=list(HealthCheck),
+    @settings(max_examples=int(__import__("os").environ.get("FUZZ_N", "50")), deadline=None, suppress_health_check=list(HealthCheck),
               phases=[Phase.explicit, Phase.generate], derandomize=not __import__("os").environ.get("FUZZ_RANDOM"), database=None)
     def run(chat, how):
         statuses.append(check(payload_server, path, to_body(ENDPOINTS[path](chat), how)))
