@@ -19,12 +19,18 @@ from tiermoe.models.blocks.rope import apply_rotary, apply_rotary_interleaved
 from tiermoe.models.spec import ModelSpec
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [q, Hq, D], k [ctx, Hk, D], v [ctx, Hk, Dv] -> [q, Hq, Dv]; causal with q at the end."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dense_qk: bool = False) -> torch.Tensor:
+    """q [q, Hq, D], k [ctx, Hk, D], v [ctx, Hk, Dv] -> [q, Hq, Dv]; causal with q at the end.
+
+    dense_qk: pass q and k as contiguous [1, heads, len, D] (the reference builds them with a
+    concatenation when rotary covers part of the head, or in MLA); otherwise they are the
+    head-transposed views the reference passes. SDPA picks kernels, and so rounding, by rank
+    and memory layout, so both are mirrored.
+    """
     q_len, ctx = q.shape[0], k.shape[0]
-    # 4-D [1, heads, len, D] as the reference passes them: SDPA picks its fused kernels (and
-    # their rounding) by rank, and 3-D inputs fall back to a different kernel.
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if dense_qk:
+        qh, kh = qh.contiguous(), kh.contiguous()
     gqa = qh.shape[1] != kh.shape[1]
     if q_len == ctx:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -74,6 +80,7 @@ class GQAttention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        partial_rotary = cos.shape[-1] != self.head_dim  # the reference concatenates q and k
         k_flat = cache["k"].view(-1, self.num_kv_heads, self.head_dim)
         v_flat = cache["v"].view(-1, self.num_kv_heads, self.head_dim)
         k_flat[batch.slot_mapping] = k.to(k_flat.dtype)
@@ -81,7 +88,8 @@ class GQAttention(nn.Module):
         out = torch.empty(t, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         for s in batch.seqs:
             qs = q[s.q_start : s.q_start + s.q_len]
-            out[s.q_start : s.q_start + s.q_len] = _attend(qs, k_flat[s.kv_index], v_flat[s.kv_index], self.scale)
+            out[s.q_start : s.q_start + s.q_len] = _attend(qs, k_flat[s.kv_index], v_flat[s.kv_index], self.scale,
+                                                              partial_rotary)
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -138,5 +146,5 @@ class MLAttention(nn.Module):
             k_pe = lat[:, None, m.kv_lora_rank :].expand(-1, nh, -1)
             k = torch.cat((k_nope, k_pe), dim=-1)
             qs = q[s.q_start : s.q_start + s.q_len]
-            out[s.q_start : s.q_start + s.q_len] = _attend(qs, k, v, self.scale)
+            out[s.q_start : s.q_start + s.q_len] = _attend(qs, k, v, self.scale, dense_qk=True)
         return self.o_proj(out.reshape(t, -1))
