@@ -100,3 +100,43 @@ def test_pack_cache_budget_lru_and_prune():
     assert len(c) == 2
     assert c.prune(lambda key: key != (0, 1)) == 1
     assert c.get((0, 1)) is None and c.bytes == 40
+
+
+class _FakeStore:
+    """tier_of / heat, the two things the cost model reads."""
+
+    def __init__(self, tiers, heat):
+        self.tiers, self.heats = tiers, heat
+
+    def tier_of(self, layer, e):
+        return self.tiers[e]
+
+    def heat(self, layer, e):
+        return self.heats[e]
+
+
+def test_cost_model_order_and_limit():
+    layout = RecordLayout.build("int4", 64, 32, 32)
+    tiers = {0: "slots", 1: "host", 2: "host", 3: "disk", 4: "host", 5: "disk", 6: "host"}
+    heat = {0: 0.0, 1: 5.0, 2: 1.0, 3: 0.0, 4: 3.0, 5: 9.0, 6: 8.0}
+    lane = cpu_lane.CpuLane(layout, max_experts=3, threads=1, disk=True)
+    try:
+        lane.cache.put((7, 6), PackedExpert("int4pack", (), (), 10))  # expert 6's repack is cached
+        store = _FakeStore(tiers, heat)
+        # cached host first (6), then host coldest first (2, then 4); never slots (0)
+        assert lane.assign(store, 7, list(range(7))) == [2, 4, 6]
+        lane.max_experts = 6
+        assert lane.assign(store, 7, list(range(7))) == [1, 2, 3, 4, 5, 6]  # disk ones last
+        lane.max_experts = 0
+        assert lane.assign(store, 7, list(range(7))) == []
+    finally:
+        lane.close()
+
+
+def test_disk_only_experts_auto():
+    int4 = RecordLayout.build("int4", 64, 32, 32)
+    bf16 = RecordLayout.build("bf16", 64, 32)
+    for layout, device, expect in ((int4, "cuda", False), (int4, "cpu", True), (bf16, "cuda", True)):
+        lane = cpu_lane.CpuLane(layout, threads=1, device=device)
+        assert lane.disk is expect, (layout.kind, device)
+        lane.close()
