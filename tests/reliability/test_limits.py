@@ -181,7 +181,13 @@ def test_request_timeout_aborts_cleanly():
         assert lines[-1] == "data: [DONE]"
         finishes = [ln for ln in lines if '"finish_reason":"error"' in ln]
         errors = [ln for ln in lines if ln.startswith('data: {"error"')]
-        assert len(finishes) == 1 and len(errors) == 1 and "timed out" in errors[0]
+        assert len(finishes) == 1 and len(errors) == 1 and "timed out" in errors[0] and "request_timeout" in errors[0]
+
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=30,
+                          json={"prompt": "Tell me a story", "max_tokens": 1000, "stream": True}) as r:
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and '"finish_reason":"error"' in lines[-3]
+        assert lines[-2].startswith('data: {"error"') and "request_timeout" in lines[-2]
 
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
@@ -189,7 +195,7 @@ def test_request_timeout_aborts_cleanly():
             if stats["engine"]["running"] == 0 and stats["engine"]["waiting"] == 0:
                 break
             time.sleep(0.02)
-        assert stats["engine"]["running"] == 0 and stats["engine"]["aborted"] >= before + 3
+        assert stats["engine"]["running"] == 0 and stats["engine"]["aborted"] >= before + 4
         # a short request still fits in the timeout
         ok = httpx.post(s.url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 8}, timeout=30)
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")

@@ -179,7 +179,7 @@ async def _chat_stream(ctx: ServerContext, rid: str, created: int, runs: list[Ch
                 yield event
             if d.finish_reason == "error":
                 yield sse({"error": {"message": run.error or "engine error", "type": "server_error", "param": None,
-                                     "code": "engine_error"}})
+                                     "code": "request_timeout" if run.timed_out else "engine_error"}})
         if include_usage:
             yield sse({**base, "choices": [], "usage": usage_dict(runs)})
         yield "data: [DONE]\n\n"
@@ -313,6 +313,9 @@ async def complete(request: Request, ctx: ServerContext) -> Response:
                     if d.content or d.finish_reason or lp:
                         finish = _finish(run) if d.finish_reason else None
                         yield sse({**base, "choices": [{"index": run.index, "text": d.content, "logprobs": lp, "finish_reason": finish}]})
+                    if d.finish_reason == "error":  # as on chat: say why, in band
+                        yield sse({"error": {"message": run.error or "engine error", "type": "server_error", "param": None,
+                                             "code": "request_timeout" if run.timed_out else "engine_error"}})
                 if include_usage:
                     yield sse({**base, "choices": [], "usage": usage_dict(runs)})
                 yield "data: [DONE]\n\n"
