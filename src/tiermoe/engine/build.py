@@ -29,12 +29,27 @@ def add_engine_args(p, model_positional: bool = False) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache size (default: sized to fit)")
     p.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling")
-    p.add_argument("--gpu-expert-gb", type=float, default=None, help="GPU slot tier size for routed experts")
-    p.add_argument("--host-expert-gb", type=float, default=None, help="host RAM tier size for routed experts")
-    p.add_argument("--expert-policy", default="lfu", help="expert cache replacement policy: lru, lfu, clock")
-    p.add_argument("--expert-stats", default=None, help="routing statistics file for the cache warm start")
-    p.add_argument("--mode", choices=["exact", "fast"], default="exact", help="fast enables the CPU lane")
-    p.add_argument("--no-direct-io", action="store_true", help="allow a filesystem without O_DIRECT")
+    add_store_args(p)
+
+
+def add_store_args(p, with_mode: bool = True) -> None:
+    """Expert-store flags (read only for packed stores); one definition for every command."""
+    g = p.add_argument_group("expert store (packed stores only)")
+    g.add_argument("--gpu-expert-gb", type=float, default=None,
+                   help="GiB of GPU memory for the expert slot cache (default: free VRAM minus a reserve)")
+    g.add_argument("--host-expert-gb", type=float, default=None,
+                   help="GiB of (pinned) host RAM for the warm tier (default: the memory limit minus a margin)")
+    g.add_argument("--expert-policy", choices=("lru", "lfu", "clock", "static"), default=None,
+                   help="slot cache replacement policy (default lfu)")
+    g.add_argument("--expert-stats", default=None, help="routing statistics file for the cache warm start")
+    g.add_argument("--no-direct-io", action="store_true", help="allow a filesystem without O_DIRECT")
+    if with_mode:
+        g.add_argument("--mode", choices=("exact", "fast"), default="exact",
+                       help="exact: bit-identical (default); fast: the CPU lane computes cold experts")
+    g.add_argument("--cpu-lane-experts", type=int, default=4, help="most experts per layer the CPU lane computes")
+    g.add_argument("--cpu-lane-threads", type=int, default=None, help="torch threads of the CPU lane")
+    g.add_argument("--cpu-lane-cache-gb", type=float, default=None,
+                   help="memory for repacked lane experts (default 1)")
 
 
 def resolve_device(name: str | None) -> str:

@@ -13,18 +13,12 @@ from __future__ import annotations
 import json
 import time
 
-import torch
-
+from tiermoe.engine.prompts import chat_prompt_ids
 from tiermoe.engine.protocol import SamplingParams
 from tiermoe.errors import UserError
+from tiermoe.eval.prompts import EVAL_TEXTS
 from tiermoe.scheduler.request import Request
 
-DEFAULT_TEXTS = [
-    "What is the capital of France? Answer in one sentence and explain how you know.",
-    "Write a short story about a robot who loves the sea, the stars and the mountains.",
-    "Mixture-of-Experts models route each token to a few experts out of many; explain why this saves compute.",
-    "List the numbers from one to twenty, separated by commas, then say which of them are prime.",
-]
 
 
 def register_paired_kl(sub) -> None:
@@ -36,14 +30,9 @@ def register_paired_kl(sub) -> None:
                    help="prompt texts (default: a fixed set of 4)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto", help="activation dtype: auto, bfloat16, float16, float32")
-    p.add_argument("--gpu-expert-gb", type=float, default=None, help="GPU slot tier size for routed experts")
-    p.add_argument("--host-expert-gb", type=float, default=None, help="host RAM tier size for routed experts")
-    p.add_argument("--expert-policy", default="lfu", help="expert cache replacement policy: lru, lfu, clock, static")
-    p.add_argument("--expert-stats", default=None, help="routing statistics file for the cache warm start")
-    p.add_argument("--no-direct-io", action="store_true", help="allow a filesystem without O_DIRECT")
-    p.add_argument("--cpu-lane-experts", type=int, default=4, help="most experts per layer the CPU lane computes")
-    p.add_argument("--cpu-lane-threads", type=int, default=None, help="torch threads of the CPU lane")
-    p.add_argument("--cpu-lane-cache-gb", type=float, default=None, help="memory for repacked lane experts (default 1)")
+    from tiermoe.engine.build import add_store_args
+
+    add_store_args(p, with_mode=False)
     p.set_defaults(handler=_paired_kl)
 
 
@@ -69,12 +58,7 @@ def prompt_ids(tokenizer, texts: list[str]) -> list[list[int]]:
     """Chat-templated token ids of each text (plain encoding without a chat template)."""
     out = []
     for text in texts:
-        if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True, return_dict=False)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        else:
-            ids = list(tokenizer.encode(text))
+        ids = chat_prompt_ids(tokenizer, text)
         if not ids:
             raise UserError(f"prompt {text!r} encodes to no tokens")
         out.append(ids)
@@ -83,6 +67,8 @@ def prompt_ids(tokenizer, texts: list[str]) -> list[list[int]]:
 
 def decode_logits(engine, prompt: list[int], n: int, forced: list[int] | None = None,
                   chunk: int = 32) -> tuple[list[int], torch.Tensor]:
+    import torch
+
     """Greedy-decode (or, with `forced`, teacher-force) n tokens after `prompt`.
 
     Returns (the n tokens, logits [n, V] fp32 on the CPU), where logits[i] is what the model
@@ -114,6 +100,8 @@ def decode_logits(engine, prompt: list[int], n: int, forced: list[int] | None = 
 def run_paired_kl(store: str, *, device: str = "cpu", dtype: str = "auto", tokens: int = 64,
                   texts: list[str] | None = None, options: dict | None = None) -> dict:
     """Exact greedy decode, then the same tokens teacher-forced in fast mode; metrics dict."""
+    import torch
+
     from pathlib import Path
 
     from tiermoe.engine.build import build_engine_core, is_packed_store
@@ -128,7 +116,7 @@ def run_paired_kl(store: str, *, device: str = "cpu", dtype: str = "auto", token
     if not isinstance(backend, TieredExperts):
         raise UserError(f"{store}: the model does not serve its experts from the store, nothing to compare")
     try:
-        prompts = prompt_ids(engine.tokenizer, texts or DEFAULT_TEXTS)
+        prompts = prompt_ids(engine.tokenizer, texts or EVAL_TEXTS)
         longest = max(len(p) for p in prompts) + tokens
         if longest > engine.max_model_len:
             raise UserError(f"--tokens {tokens}: prompt plus tokens need a context of {longest}, "

@@ -14,28 +14,18 @@ from pathlib import Path
 
 import torch
 
+from tiermoe.engine.prompts import chat_prompt_ids
 from tiermoe.engine.protocol import SamplingParams
+from tiermoe.eval.prompts import EVAL_TEXTS
 from tiermoe.scheduler.request import Request
 
-_TEXTS = [
-    "What is the capital of France? Answer in one sentence and explain how you know.",
-    "Write a short story about a robot who loves the sea, the stars and the mountains.",
-    "Mixture-of-Experts models route each token to a few experts out of many; explain why this saves compute.",
-    "List the numbers from one to twenty, separated by commas, then say which of them are prime.",
-]
 
 
 def parity_prompts(tokenizer, vocab_size: int, min_positions: int = 256, seed: int = 1234) -> list[list[int]]:
     """Chat-templated English prompts plus seeded random-id sequences (>= min_positions total)."""
     prompts = []
-    for text in _TEXTS:
-        if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True, return_dict=False)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        else:
-            ids = tokenizer.encode(text)
-        prompts.append(ids)
+    for text in EVAL_TEXTS:
+        prompts.append(chat_prompt_ids(tokenizer, text))
     rng = random.Random(seed)
     limit = min(vocab_size, len(tokenizer))
     while sum(len(p) for p in prompts) < min_positions or len(prompts) < 6:

@@ -23,17 +23,10 @@ def register(subparsers) -> None:
     p.set_defaults(handler=_run)
 
 
-def prompt_ids(tokenizer, text: str, raw: bool) -> list[int]:
-    if not raw and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    return tokenizer.encode(text)
-
-
 def _run(args) -> int:
     from tiermoe.engine.build import build_engine_core
     from tiermoe.engine.llm_engine import generate_ids
+    from tiermoe.engine.prompts import chat_prompt_ids
     from tiermoe.engine.protocol import InvalidRequest, SamplingParams
     from tiermoe.errors import UserError
 
@@ -43,7 +36,7 @@ def _run(args) -> int:
                             top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                             seed=args.seed)
-    ids = prompt_ids(engine.tokenizer, args.prompt, args.raw)
+    ids = chat_prompt_ids(engine.tokenizer, args.prompt, args.raw)
     try:
         out = generate_ids(engine, [ids], params)[0]
     except InvalidRequest as exc:

@@ -11,6 +11,7 @@ import socket
 import sys
 from pathlib import Path
 
+from tiermoe.engine.build import add_store_args
 from tiermoe.errors import UserError
 
 log = logging.getLogger("tiermoe.server")
@@ -33,13 +34,7 @@ def register(subparsers) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=None, help="memory for KV pages (default: sized by the engine)")
     p.add_argument("--seed", type=int, default=None, help="engine sampling seed")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
-    store = p.add_argument_group("expert store (packed stores only; read by the engine)")
-    store.add_argument("--mode", choices=("exact", "fast"), default="exact", help="fast: let the CPU lane compute cold experts")
-    store.add_argument("--gpu-expert-gb", type=float, default=None, help="GPU memory for the expert slot cache")
-    store.add_argument("--host-expert-gb", type=float, default=None, help="pinned host RAM for the host expert tier")
-    store.add_argument("--expert-policy", choices=("lru", "lfu", "clock", "static"), default=None, help="cache policy (default lfu)")
-    store.add_argument("--expert-stats", default=None, help="routing statistics file for the warm start")
-    store.add_argument("--no-direct-io", action="store_true", help="read the store without O_DIRECT")
+    add_store_args(p)
     p.add_argument("--dtype", default="auto", help="activation dtype: auto, bfloat16, float16, float32")
     p.add_argument("--tool-call-parser", choices=("auto", "hermes", "glm"), default="auto",
                    help="tool-call format of the model's output (auto: from the model / chat template)")
