@@ -43,6 +43,7 @@ def add_store_args(p, with_mode: bool = True) -> None:
                    help="slot cache replacement policy (default lfu)")
     g.add_argument("--expert-stats", default=None, help="routing statistics file for the cache warm start")
     g.add_argument("--no-direct-io", action="store_true", help="allow a filesystem without O_DIRECT")
+    g.add_argument("--expert-kernel", choices=("auto", "torch", "triton"), default=None, help="routed-expert compute: auto (Triton on CUDA when the store allows it), torch, triton")
     if with_mode:
         g.add_argument("--mode", choices=("exact", "fast"), default="exact",
                        help="exact: bit-identical (default); fast: the CPU lane computes cold experts")

@@ -4,6 +4,12 @@ The MoE layer calls forward(layer, ...) exactly as with resident experts; the we
 ExpertStore.fetch (GPU slot, host RAM or disk), and `combine_experts` runs the identical
 arithmetic, so a bf16 store gives bit-identical logits whatever the tier sizes (exact mode).
 
+Expert kernel (`--expert-kernel`, options "expert_kernel"): on CUDA, stores the Triton kernel
+reads (bf16/int4/int8 records, bf16 activations, no SwiGLU clamp) are computed by
+triton_backend.TritonExperts: one fused MoE call per layer over a pointer table into the tiers,
+host-tier records read in place. Exact mode is then bit-identical across tier sizes within that
+backend; the torch path (`combine_experts`, dequantized tensors) stays the default elsewhere.
+
 Layer-ahead prefetch: before computing layer L, the next MoE layer's router is applied to
 layer L's input and the predicted experts' disk reads are started, so they overlap compute.
 
@@ -18,6 +24,7 @@ remove the host wait: the GPU would poll a done-flag in mapped pinned memory ins
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -51,8 +58,14 @@ def lane_options(options: dict, device: str) -> dict:
 
 class TieredExperts:
     def __init__(self, store, swiglu_limit: float | None = None, prefetch: bool = True, mode: str = "exact",
-                 lane: dict | None = None):
+                 lane: dict | None = None, kernel: str = "torch", kernel_requested: bool = False):
         self.store = store
+        self.kernel = None  # TritonExperts when kernel == "triton", else the torch path
+        self._kernel_requested = kernel_requested  # chosen explicitly: refuse rather than fall back
+        if kernel == "triton":
+            from tiermoe.moe.triton_backend import TritonExperts
+
+            self.kernel = TritonExperts(store)
         self.swiglu_limit = swiglu_limit
         self.prefetch = prefetch
         self.next_router: dict[int, tuple[int, object]] = {}  # layer -> (next MoE layer, its router)
@@ -66,6 +79,7 @@ class TieredExperts:
 
     @classmethod
     def open(cls, path: Path, *, device: str, dtype: torch.dtype, options: dict) -> "TieredExperts":
+        from tiermoe.moe.triton_backend import ENV_VAR, choose_expert_kernel
         from tiermoe.store.facade import ExpertStore
 
         mode = options.get("mode") or "exact"
@@ -78,7 +92,13 @@ class TieredExperts:
             policy=options.get("expert_policy") or "lfu", stats_file=options.get("expert_stats"),
             direct_io=not options.get("no_direct_io", False),
         )
-        return cls(store, mode=mode, lane=lane)
+        requested = options.get("expert_kernel") or os.environ.get(ENV_VAR)
+        try:
+            kernel = choose_expert_kernel(requested, store, device)
+        except BaseException:
+            store.close()
+            raise
+        return cls(store, mode=mode, lane=lane, kernel=kernel, kernel_requested=(requested or "").lower() == "triton")
 
     def set_mode(self, mode: str) -> None:
         """Switch between exact (no lane) and fast (lane on in decode); the lane's threads and
@@ -101,6 +121,11 @@ class TieredExperts:
             self.swiglu_limit = moe_layers[0].moe.swiglu_limit
             if self.lane is not None:
                 self.lane.swiglu_limit = self.swiglu_limit
+        if self.kernel is not None and self.swiglu_limit is not None:  # the kernel has no clamp
+            if self._kernel_requested:
+                raise UserError("--expert-kernel triton: this model clamps its SwiGLU (swiglu_limit), "
+                                "which the Triton kernel does not; use --expert-kernel torch")
+            self.kernel = None
 
     def begin_step(self, tokens: int, decode: bool) -> None:
         self.store.begin_step(tokens=tokens, decode=decode)
@@ -119,16 +144,23 @@ class TieredExperts:
             self.store.prefetch(next_layer, torch.unique(next_ids).tolist())
         fetch = lambda ids: self.store.fetch(layer, ids)  # noqa: E731
         if not self._lane_step:
+            if self.kernel is not None:
+                return self.kernel.combine(layer, x, topk_ids, topk_weights)
             return combine_experts(x, topk_ids, topk_weights, fetch, self.swiglu_limit)
         expert_ids = torch.unique(topk_ids).tolist()  # sorted ascending
         job = self.lane.submit(self.store, layer, x, topk_ids, topk_weights,
                                self.lane.assign(self.store, layer, expert_ids), decode=self._decode)
         if job is None:
+            if self.kernel is not None:
+                return self.kernel.combine(layer, x, topk_ids, topk_weights)
             return combine_experts(x, topk_ids, topk_weights, fetch, self.swiglu_limit)
         try:
             on_lane = set(job.ids)
-            out = combine_subset(x, topk_ids, topk_weights, [e for e in expert_ids if e not in on_lane], fetch,
-                                 self.swiglu_limit)
+            if self.kernel is not None:
+                out = self.kernel.combine(layer, x, topk_ids, topk_weights, skip=on_lane)
+            else:
+                out = combine_subset(x, topk_ids, topk_weights, [e for e in expert_ids if e not in on_lane], fetch,
+                                     self.swiglu_limit)
         except BaseException:
             job.cancel()
             raise
@@ -140,6 +172,9 @@ class TieredExperts:
     def counters(self) -> dict:
         c = self.store.counters()
         c["mode"] = self.mode
+        c["expert_kernel"] = "torch" if self.kernel is None else "triton"
+        if self.kernel is not None:
+            c["triton"] = self.kernel.counters()
         if self.lane is not None:
             c["cpu_lane"] = self.lane.counters(self._fast_decode_tokens)
         return c

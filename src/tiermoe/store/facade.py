@@ -224,6 +224,40 @@ class ExpertStore:
 
     def fetch_records(self, layer: int, expert_ids: list[int]) -> dict[int, torch.Tensor]:
         """{expert id: raw record bytes, uint8 [record_bytes] on the device} (see records.py)."""
+        return self._fetch_records(layer, expert_ids, in_place=False)
+
+    def device_records(self, layer: int, expert_ids: list[int]) -> dict[int, torch.Tensor]:
+        """{expert id: uint8 [record_bytes] record the compute device can read where it is}, for
+        kernels that take record addresses (the Triton MoE kernel's pointer table).
+
+        Same tier decisions, moves and counters as fetch_records, except that an expert that
+        stays in the host tier comes back as its host entry itself whenever the device can read
+        it in place (always on a CPU device; on CUDA once the entry's chunk is page-locked, which
+        under unified addressing also maps it at the same address): the kernel then reads it
+        over PCIe (zero-copy) instead of the store copying it to the device first. Entries not
+        yet pinned, and disk-only experts that are not admitted, still come back as device
+        copies. Slot entries and host entries stay valid until a later call evicts them; after
+        queueing the kernels that read the returned buffers, call `device_reads_queued` so the
+        CPU never overwrites a host entry those kernels may still be reading.
+        """
+        return self._fetch_records(layer, expert_ids, in_place=True)
+
+    def device_reads_queued(self, bufs) -> None:
+        """The kernels queued on the current stream read these buffers (from device_records):
+        CPU writes into host entries among them wait for those kernels first."""
+        if self._cuda:
+            for b in bufs:
+                if b.device.type == "cpu":
+                    self._events.record(b)
+
+    def _host_readable(self, e: int) -> bool:
+        """Can the compute device read host entry e in place (see device_records)?"""
+        if not self._cuda:
+            return True
+        chunk = self._host._chunks[e // self._host._per_chunk]
+        return chunk.data_ptr() in self._host._registered
+
+    def _fetch_records(self, layer: int, expert_ids: list[int], in_place: bool) -> dict[int, torch.Tensor]:
         self._auto_step(layer)
         ids = list(dict.fromkeys(int(e) for e in expert_ids))
         keys = [self.key(layer, e) for e in ids]
@@ -250,7 +284,7 @@ class ExpertStore:
                     self.c.moved(self.record_bytes)
                 acc = self.residency.access(k, protect)
                 self.c.use(acc.served)
-                out[e] = self._execute(acc, staged)
+                out[e] = self._execute(acc, staged, in_place)
         except BaseException:
             for k in keys:  # leave no orphaned demand reads behind
                 if k in self._pending:
@@ -351,7 +385,7 @@ class ExpertStore:
             self.c.moved(self.record_bytes)
         self._slots.free(s)
 
-    def _execute(self, acc: Access, staged: torch.Tensor | None) -> torch.Tensor:
+    def _execute(self, acc: Access, staged: torch.Tensor | None, in_place: bool = False) -> torch.Tensor:
         k = acc.key
         if acc.served == "slots":
             return self._slots.entry(self._slot_of[k])
@@ -371,6 +405,9 @@ class ExpertStore:
                 return self._slots.entry(s)
             if self.device.type == "cpu":
                 return src
+            if in_place and self._host_readable(he):
+                self.c.moved(self.record_bytes)  # the kernel reads it over PCIe
+                return src
             self.c.host.bytes_out += self.record_bytes
             return self._to_device(src)
         assert staged is not None
@@ -388,7 +425,12 @@ class ExpertStore:
                 dst.copy_(staged)
                 self._host_of[k] = e
                 self.c.host.bytes_in += self.record_bytes
-                return dst if self.device.type == "cpu" else self._to_device(dst)
+                if self.device.type == "cpu":
+                    return dst
+                if in_place and self._host_readable(e):
+                    self.c.moved(self.record_bytes)
+                    return dst
+                return self._to_device(dst)
             if self.device.type == "cpu":
                 return staged.clone()
             return self._to_device(staged)

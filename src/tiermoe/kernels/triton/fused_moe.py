@@ -162,10 +162,11 @@ def _sum_pairs_kernel(y_ptr, out_ptr, K: tl.constexpr, H: tl.constexpr, BH: tl.c
     """out[t, :] = bf16(y[t*K] + y[t*K+1] + ... ), strictly in pick order."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BH + tl.arange(0, BH)
-    acc = tl.load(y_ptr + (t * K).to(tl.int64) * H + offs)
+    ok = offs < H  # H need not be a multiple of BH (e.g. 2880)
+    acc = tl.load(y_ptr + (t * K).to(tl.int64) * H + offs, mask=ok, other=0.0)
     for k in tl.static_range(1, K):
-        acc += tl.load(y_ptr + (t * K + k).to(tl.int64) * H + offs)
-    tl.store(out_ptr + t.to(tl.int64) * H + offs, acc.to(tl.bfloat16))
+        acc += tl.load(y_ptr + (t * K + k).to(tl.int64) * H + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * H + offs, acc.to(tl.bfloat16), mask=ok)
 
 
 @triton.jit
@@ -355,6 +356,6 @@ def fused_moe(
     )  # fmt: skip
     if out is None:
         out = torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
-    bh = min(1024, h)
-    _sum_pairs_kernel[(t, h // bh)](y, out, K=k, H=h, BH=bh)
+    bh = min(1024, triton.next_power_of_2(h))
+    _sum_pairs_kernel[(t, triton.cdiv(h, bh))](y, out, K=k, H=h, BH=bh)
     return out
