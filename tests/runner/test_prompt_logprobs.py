@@ -71,7 +71,7 @@ def test_chunked_prefill_and_prefix_cache_hit(setup):
     assert got["same"][2] == warm["warm"][2] + got["same"][2][2:]  # same greedy tokens as the cached run
     again = _run(engine, {"again": prompts[0]}, {"again": plain})
     assert again["again"][1] > 0  # the prefix cache still serves requests that do not ask
-    assert not engine.kv.no_reuse and not engine.runner.prompt_logprobs
+    assert not engine.runner.prompt_logprobs
 
 
 @pytest.mark.slow

@@ -29,34 +29,6 @@ from tiermoe.scheduler.scheduler import Scheduler
 log = logging.getLogger("tiermoe.engine")
 
 
-class _KVPages(KVPages):
-    """KVPages that skips prefix-cache reuse for prompts whose prompt logprobs are still owed.
-
-    The scheduler looks prefixes up by token ids only, so such prompts are recognised by
-    content (a same-prompt request without prompt logprobs may then also miss the cache once).
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.no_reuse: dict[tuple[int, ...], int] = {}  # prompt -> requests needing full prefill
-
-    def match_prefix(self, token_ids: list[int]) -> list[int]:
-        if self.no_reuse and tuple(token_ids) in self.no_reuse:
-            self.queries += len(token_ids)
-            return []
-        return super().match_prefix(token_ids)
-
-    def hold(self, prompt: tuple[int, ...]) -> None:
-        self.no_reuse[prompt] = self.no_reuse.get(prompt, 0) + 1
-
-    def unhold(self, prompt: tuple[int, ...]) -> None:
-        left = self.no_reuse.get(prompt, 0) - 1
-        if left > 0:
-            self.no_reuse[prompt] = left
-        else:
-            self.no_reuse.pop(prompt, None)
-
-
 class LLMEngine:
     def __init__(self, model, tokenizer, *, max_model_len: int, max_num_seqs: int, max_batched_tokens: int,
                  num_pages: int, page_size: int = 16, model_info: dict | None = None, seed: int | None = None):
@@ -70,7 +42,7 @@ class LLMEngine:
         self.model_info = model_info or {"arch": model.spec.arch}
         # Recurrent-state families cannot resume from a cached prefix: their state is per slot.
         recurrent = bool(getattr(model.spec, "extra", {}).get("recurrent_state"))
-        self.kv = _KVPages(num_pages, page_size, prefix_caching=not recurrent)
+        self.kv = KVPages(num_pages, page_size, prefix_caching=not recurrent)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_batched_tokens)
         self.runner = ModelRunner(model, num_pages, page_size, seed=seed, tokenizer=tokenizer,
                                   eos_ids=self.eos_token_ids)
@@ -114,8 +86,9 @@ class LLMEngine:
             if request_id in self._live:
                 raise InvalidRequest(f"duplicate request id {request_id!r}", "request_id")
             self.runner.add_request(request_id, params, n, grammar)
-            if params.prompt_logprobs is not None:
-                self.kv.hold(tuple(req.prompt_ids))
+            # Prompt logprobs need every prompt position computed: no prefix-cache reuse until
+            # they are delivered.
+            req.reuse_prefix = params.prompt_logprobs is None
             self._live[request_id] = req
             self._incoming.append(req)
 
@@ -201,10 +174,10 @@ class LLMEngine:
                              len(req.output_ids), req.cached_tokens, error, prompt_logprobs)
 
     def _prompt_logprobs_done(self, req: Request) -> list | None:
-        """The request's prompt logprobs (once), releasing its hold on prefix-cache bypass."""
+        """The request's prompt logprobs (once); afterwards its prefix may come from the cache."""
         if req.params.prompt_logprobs is None or req.request_id not in self.runner.prompt_logprobs:
             return None
-        self.kv.unhold(tuple(req.prompt_ids))
+        req.reuse_prefix = True
         return self.runner.take_prompt_logprobs(req)
 
     def _append_tokens(self, reqs: list[Request], result) -> list[RequestOutput]:

@@ -30,6 +30,7 @@ class Request:
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     num_preemptions: int = 0
+    reuse_prefix: bool = True  # False: compute every prompt position (e.g. prompt logprobs owed)
 
     @property
     def all_ids(self) -> list[int]:

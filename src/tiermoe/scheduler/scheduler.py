@@ -58,7 +58,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
             if req.num_computed == 0 and not req.pages:
-                req.pages = self.kv.match_prefix(req.all_ids)
+                req.pages = self.kv.match_prefix(req.all_ids) if req.reuse_prefix else []
                 req.num_computed = len(req.pages) * self.kv.page_size
                 if not req.output_ids:
                     req.cached_tokens = req.num_computed
