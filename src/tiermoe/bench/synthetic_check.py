@@ -43,7 +43,7 @@ def gguf_expert(tensor, e: int) -> torch.Tensor:
     """float32 [N, K] of expert e of a Q4_0 [E, N, K] GGUF tensor (gguf's own dequantizer)."""
     from gguf.quants import dequantize
 
-    return torch.from_numpy(np.ascontiguousarray(dequantize(tensor.data[e], tensor.tensor_type), dtype=np.float32))
+    return torch.from_numpy(np.array(dequantize(tensor.data[e], tensor.tensor_type), dtype=np.float32))
 
 
 def check_synthetic(out: str | Path, samples: int = 4, layers: str = "first,last", seed: int = 0) -> dict:
@@ -98,7 +98,7 @@ def check_synthetic(out: str | Path, samples: int = 4, layers: str = "first,last
                 with safe_open(str(out / STORE_DIR / weight_map[key]), framework="pt") as st:
                     mine = st.get_tensor(key).to(torch.float32)
                 t = tensors[n]
-                theirs = torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
+                theirs = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # a writable copy
                 same_t = torch.equal(mine, theirs.reshape(mine.shape))
                 ok &= same_t
                 if not same_t:

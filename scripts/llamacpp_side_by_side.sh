@@ -1,0 +1,316 @@
+#!/usr/bin/env bash
+# tiermoe vs llama.cpp's MoE expert offload (--n-cpu-moe), one synthetic Qwen3-MoE model, one
+# machine, equal GPU memory for experts and equal CPU threads. Method: docs/side-by-side.md.
+#
+#   scripts/llamacpp_side_by_side.sh prepare        # on a machine with PyPI: .peer/ sdist + .whl/ wheels
+#   scripts/llamacpp_side_by_side.sh start          # GPU machine: every phase, in the background
+#   scripts/llamacpp_side_by_side.sh wait [SECS]    # GPU machine: follow the log; results into $OUT
+#   scripts/llamacpp_side_by_side.sh PHASE          # one phase in the foreground, PHASE one of
+#       setup build model-store tiermoe model-gguf check llamacpp report all
+#
+# State lives in $SBS_DIR on the machine's disk, so phases run as separate commands only while
+# the machine stays warm between them; `start`/`wait` avoid that by running everything in one
+# background job. Every knob is an environment variable (defaults below).
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PY=${PY:-python3}
+SBS_DIR=${SBS_DIR:-$HOME/sbs}
+MODEL_DIR=${MODEL_DIR:-$SBS_DIR/model}
+RES=$SBS_DIR/results
+LOGS=$SBS_DIR/logs
+LAYERS=${LAYERS:-24}
+N_CPU_MOE=${N_CPU_MOE:-16}            # llama.cpp: experts of the first N layers stay on the CPU
+MODEL_ARGS=${MODEL_ARGS:-}            # extra make-qwen3moe flags (e.g. a small shape for a CPU dry run)
+THREADS=${THREADS:-$(nproc)}
+NP=${NP:-4}                           # parallel sequences (C4 needs 4)
+CTX=${CTX:-20480}                     # context per sequence (16k prompt + decode)
+UBATCH=${UBATCH:-4096}                # tokens per engine step (llama.cpp -b/-ub, tiermoe --max-num-batched-tokens)
+PREFILL_SIZES=${PREFILL_SIZES:-4k,16k}
+REPS=${REPS:-3}
+CONC=${CONC:-1,4}
+MAX_TOKENS=${MAX_TOKENS:-256}
+WARMUP_SIZE=${WARMUP_SIZE:-4k}
+TIERMOE_MODES=${TIERMOE_MODES:-exact fast}
+TIERMOE_EXTRA_ARGS=${TIERMOE_EXTRA_ARGS:-}
+LLAMA_EXTRA_ARGS=${LLAMA_EXTRA_ARGS:-}
+LLAMA_CUDA=${LLAMA_CUDA:-auto}        # auto: CUDA build when nvcc is found
+CUDA_ARCH=${CUDA_ARCH:-90}
+SERVER_WAIT=${SERVER_WAIT:-900}
+NAME=qwen3moe-synthetic
+SRC_TGZ=$ROOT/.peer/llama.cpp-src.tar.gz
+LLAMA_SRC=$SBS_DIR/llama.cpp
+LLAMA_BUILD=$SBS_DIR/llama-build
+export PYTHONPATH=$ROOT/src:$SBS_DIR/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+log() { echo "[sbs $(date -u +%H:%M:%S)] $*"; }
+die() { log "ERROR: $*"; exit 1; }
+tm() { $PY -m tiermoe.cli "$@"; }
+json_get() { $PY -c "import json,sys; d=json.load(open(sys.argv[1])); print(eval(sys.argv[2], {}, {'d': d}))" "$1" "$2"; }
+
+phase_prepare() {  # needs PyPI: the llama.cpp sources (trimmed) and the wheels the GPU image lacks
+  mkdir -p "$ROOT/.peer" "$ROOT/.whl"
+  grep -qx '/.peer/' "$ROOT/.git/info/exclude" 2>/dev/null || echo '/.peer/' >> "$ROOT/.git/info/exclude"
+  grep -qx '/.whl/' "$ROOT/.git/info/exclude" 2>/dev/null || echo '/.whl/' >> "$ROOT/.git/info/exclude"
+  local v=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+  [ -f "$ROOT/.peer/llama_cpp_python-$v.tar.gz" ] || \
+    $PY -m pip download --no-deps --no-binary :all: "llama-cpp-python==$v" -d "$ROOT/.peer" || die "sdist download failed"
+  bash "$ROOT/scripts/sbs/trim_llamacpp_sdist.sh" "$ROOT/.peer/llama_cpp_python-$v.tar.gz" "$SRC_TGZ"
+  echo "$v" > "$ROOT/.peer/llama-cpp-python.version"
+  $PY -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 -d "$ROOT/.whl" "gguf==${GGUF_VERSION:-0.19.0}" || die "gguf wheel download failed"
+  log "carry .peer and .whl: $(du -sh "$ROOT/.peer/llama.cpp-src.tar.gz" "$ROOT/.whl" | tr '\n' ' ')"
+}
+
+phase_setup() {
+  mkdir -p "$RES" "$LOGS" "$SBS_DIR/site"
+  if ls "$ROOT"/.whl/*.whl >/dev/null 2>&1 && [ ! -f "$SBS_DIR/site/.installed" ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SBS_DIR/site" \
+      "$ROOT"/.whl/*.whl && touch "$SBS_DIR/site/.installed" || die "wheel install failed"
+  fi
+  $PY -c "import gguf, fastapi, uvicorn, httpx, torch" || die "missing Python packages (run prepare, carry .whl)"
+  [ -f "$RES/env.json" ] || $PY "$ROOT/scripts/sbs/probe.py" "$RES/env.json" --threads "$THREADS" > "$LOGS/probe.log" 2>&1 \
+    || log "probe failed (see logs/probe.log)"
+  git -C "$ROOT" rev-parse HEAD > "$RES/tiermoe-commit.txt" 2>/dev/null || echo unknown > "$RES/tiermoe-commit.txt"
+}
+
+phase_build() {
+  local bin=$LLAMA_BUILD/bin/llama-server
+  if [ -x "$bin" ]; then log "llama-server already built"; return 0; fi
+  [ -f "$SRC_TGZ" ] || die "$SRC_TGZ missing: run 'prepare' on a machine with PyPI and carry .peer"
+  rm -rf "$LLAMA_SRC" && mkdir -p "$SBS_DIR" && tar -xzf "$SRC_TGZ" -C "$SBS_DIR" || die "unpack failed"
+  local cuda=OFF
+  if [ "$LLAMA_CUDA" = ON ] || { [ "$LLAMA_CUDA" = auto ] && command -v nvcc >/dev/null; }; then cuda=ON; fi
+  log "building llama-server (CUDA=$cuda, arch $CUDA_ARCH, $(nproc) jobs)"
+  local t0=$SECONDS
+  cmake -S "$LLAMA_SRC" -B "$LLAMA_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=$cuda \
+    -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
+    -DLLAMA_USE_PREBUILT_UI=OFF > "$LOGS/llama-configure.log" 2>&1 || die "cmake failed (logs/llama-configure.log)"
+  ninja -C "$LLAMA_BUILD" -j "$(nproc)" llama-server > "$LOGS/llama-build.log" 2>&1 || die "build failed (logs/llama-build.log)"
+  { echo "sdist llama-cpp-python $(cat "$ROOT/.peer/llama-cpp-python.version" 2>/dev/null || echo '?')"
+    echo "cuda $cuda arch $CUDA_ARCH, built in $((SECONDS - t0)) s"
+    "$bin" --version 2>&1 | head -5; } > "$RES/llamacpp-version.txt"
+  log "built in $((SECONDS - t0)) s: $(tr '\n' ' ' < "$RES/llamacpp-version.txt")"
+}
+
+make_model() {  # make_model FORMAT
+  local f=$1 meta=$MODEL_DIR/synthetic-$1.json
+  if [ -f "$meta" ] && [ "$(json_get "$meta" "d['spec']['layers']")" = "$LAYERS" ]; then
+    log "$f model present ($meta)"; return 0
+  fi
+  log "writing the $f model ($LAYERS layers) into $MODEL_DIR"
+  # shellcheck disable=SC2086
+  tm bench make-qwen3moe "$MODEL_DIR" --layers "$LAYERS" --formats "$f" --force $MODEL_ARGS \
+    > "$LOGS/make-$f.log" 2>&1 || die "make-qwen3moe $f failed (logs/make-$f.log)"
+  cp "$meta" "$RES/"
+  grep -v '%|' "$LOGS/make-$f.log" | tail -3
+}
+
+phase_model_store() { make_model store; }
+
+phase_model_gguf() {
+  local need
+  need=$(tm bench make-qwen3moe /nonexistent --layers "$LAYERS" --sizes-only $MODEL_ARGS | $PY -c "import json,sys; print(json.load(sys.stdin)['gguf_bytes'])")
+  if [ ! -f "$MODEL_DIR/synthetic-gguf.json" ] && [ -d "$MODEL_DIR/store" ]; then
+    local free
+    free=$($PY -c "import shutil,sys; print(shutil.disk_usage(sys.argv[1]).free)" "$MODEL_DIR")
+    if [ "$free" -lt $((need + need / 20)) ]; then
+      log "not enough disk for the GGUF beside the store: removing the store (its digest stays in results/)"
+      echo "store removed before writing the GGUF (free $free bytes, GGUF needs $need)" >> "$RES/notes.txt"
+      rm -rf "$MODEL_DIR/store"
+    fi
+  fi
+  make_model gguf
+}
+
+phase_check() {
+  if [ -d "$MODEL_DIR/store" ] && [ -f "$MODEL_DIR/model.gguf" ]; then
+    tm bench check-qwen3moe "$MODEL_DIR" > "$RES/check.txt" 2>"$LOGS/check.err"; log "$(tail -1 "$RES/check.txt")"
+  else
+    log "check skipped (store and GGUF are not both on disk); report compares generation digests"
+  fi
+}
+
+expert_gib() {  # GiB of expert weights of N layers (the same bytes per expert in both formats)
+  json_get "$RES/synthetic-store.json" "round($1 * d['spec']['experts'] * d['sizes']['store_bytes_per_expert'] / 2**30, 4)"
+}
+
+wait_http() {  # wait_http URL PID SECONDS
+  $PY - "$1" "$2" "$3" <<'PY'
+import os, sys, time, urllib.request
+url, pid, limit = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+t0 = time.time()
+while time.time() - t0 < limit:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            if r.status == 200:
+                print(f"ready after {time.time() - t0:.0f} s"); sys.exit(0)
+    except Exception:
+        pass
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        print("server exited"); sys.exit(1)
+    time.sleep(2)
+print("timed out"); sys.exit(2)
+PY
+}
+
+stop_pid() {  # stop_pid PID: TERM, then KILL after 60 s (only processes this script started)
+  local pid=$1 n=0
+  kill -TERM "$pid" 2>/dev/null || return 0
+  while kill -0 "$pid" 2>/dev/null && [ $n -lt 60 ]; do sleep 1; n=$((n + 1)); done
+  kill -KILL "$pid" 2>/dev/null
+  wait "$pid" 2>/dev/null
+}
+
+vram_start() {  # vram_start FILE: sample GPU memory every 0.5 s
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 500 > "$1" 2>/dev/null &
+    echo $!
+  else echo 0; fi
+}
+
+measure() {  # measure LABEL URL BENCH...: warm-up, sweep, (panel), into results/
+  local label=$1 url=$2; shift 2
+  local bench=("$@")
+  "${bench[@]}" bench sweep --url "$url" --model "$NAME" --prefill-sizes "$WARMUP_SIZE" --reps 1 --concurrency "$CONC" \
+    --max-tokens 32 --long-prompt 0 --seed 7 --out "$LOGS/warmup-$label.json" > "$LOGS/warmup-$label.log" 2>&1 \
+    || log "warm-up of $label failed (logs/warmup-$label.log)"
+  "${bench[@]}" bench sweep --url "$url" --model "$NAME" --prefill-sizes "$PREFILL_SIZES" --reps "$REPS" \
+    --concurrency "$CONC" --max-tokens "$MAX_TOKENS" --long-prompt 0 --seed 1 --out "$RES/sweep-$label.json" \
+    > "$LOGS/sweep-$label.log" 2>&1 || { log "sweep of $label failed (logs/sweep-$label.log)"; return 1; }
+  grep -E "prefill|decode" "$LOGS/sweep-$label.log" | sed "s/^/  [$label] /"
+}
+
+run_tiermoe() {  # run_tiermoe MODE
+  local mode=$1 label=tiermoe-$1 port=8101 gpu_gb host_gb dio=""
+  [ -d "$MODEL_DIR/store" ] || die "no store in $MODEL_DIR (phase model-store)"
+  gpu_gb=$(expert_gib $((LAYERS - N_CPU_MOE)))
+  host_gb=$($PY -c "print(round($(expert_gib "$LAYERS") + 1, 2))")
+  [ "$($PY -c "import os,sys; print(int(os.path.realpath(sys.argv[1]).startswith('/dev/shm')))" "$MODEL_DIR")" = 1 ] && dio=--no-direct-io
+  local cmd=("$PY" -m tiermoe.cli serve "$MODEL_DIR/store" --host 127.0.0.1 --port $port --served-model-name "$NAME"
+    --max-model-len "$CTX" --max-num-seqs "$NP" --max-num-batched-tokens "$UBATCH" --gpu-expert-gb "$gpu_gb"
+    --host-expert-gb "$host_gb" --mode "$mode" --cpu-lane-threads "$THREADS" $dio $TIERMOE_EXTRA_ARGS)
+  echo "tiermoe ${cmd[*]:3}" > "$RES/cmd-$label.txt"
+  log "tiermoe $mode: --gpu-expert-gb $gpu_gb --host-expert-gb $host_gb"
+  local vpid t0=$SECONDS
+  vpid=$(vram_start "$LOGS/vram-$label.csv")
+  "${cmd[@]}" > "$LOGS/server-$label.log" 2>&1 &
+  local pid=$!
+  if wait_http "http://127.0.0.1:$port/health" $pid "$SERVER_WAIT" > "$LOGS/wait-$label.txt"; then
+    echo "$((SECONDS - t0))" > "$RES/startup-s-$label.txt"
+    measure "$label" "http://127.0.0.1:$port" tm
+    $PY -c "import urllib.request,sys; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:$port/stats').read().decode())" \
+      > "$RES/stats-$label.json" 2>/dev/null
+    if [ "$mode" = "${TIERMOE_MODES%% *}" ]; then  # the first mode's greedy logprobs are the agreement reference
+      tm bench panel make --url "http://127.0.0.1:$port" --model "$NAME" --max-tokens 16 --out "$RES/panel.json" \
+        > "$LOGS/panel-make.log" 2>&1 || log "panel make failed (logs/panel-make.log)"
+    fi
+  else
+    log "tiermoe $mode did not start: $(cat "$LOGS/wait-$label.txt"); tail of its log:"; tail -5 "$LOGS/server-$label.log"
+  fi
+  stop_pid $pid
+  [ "$vpid" != 0 ] && kill "$vpid" 2>/dev/null
+  return 0
+}
+
+phase_tiermoe() { for m in $TIERMOE_MODES; do run_tiermoe "$m"; done; }
+
+phase_llamacpp() {
+  local label=llamacpp port=8102 bin=$LLAMA_BUILD/bin/llama-server
+  [ -x "$bin" ] || die "llama-server not built (phase build)"
+  [ -f "$MODEL_DIR/model.gguf" ] || die "no GGUF in $MODEL_DIR (phase model-gguf)"
+  local cmd=("$bin" -m "$MODEL_DIR/model.gguf" --alias "$NAME" --host 127.0.0.1 --port $port -ngl 999
+    --n-cpu-moe "$N_CPU_MOE" --fit off -t "$THREADS" -tb "$THREADS" -c $((CTX * NP)) -np "$NP" --no-kv-unified
+    -b "$UBATCH" -ub "$UBATCH" -fa on --jinja --no-webui $LLAMA_EXTRA_ARGS)
+  echo "llama-server ${cmd[*]:1}" > "$RES/cmd-$label.txt"
+  log "llama.cpp: --n-cpu-moe $N_CPU_MOE ($((LAYERS - N_CPU_MOE)) of $LAYERS layers' experts on the GPU)"
+  local vpid t0=$SECONDS
+  vpid=$(vram_start "$LOGS/vram-$label.csv")
+  "${cmd[@]}" > "$LOGS/server-$label.log" 2>&1 &
+  local pid=$!
+  if wait_http "http://127.0.0.1:$port/health" $pid "$SERVER_WAIT" > "$LOGS/wait-$label.txt"; then
+    echo "$((SECONDS - t0))" > "$RES/startup-s-$label.txt"
+    grep -E "model buffer size|KV buffer size|compute buffer size|CUDA0|offloaded" "$LOGS/server-$label.log" \
+      > "$RES/llamacpp-buffers.txt"
+    measure "$label" "http://127.0.0.1:$port" $PY "$ROOT/scripts/sbs/bench_llamacpp.py"
+    if [ -f "$RES/panel.json" ]; then
+      $PY "$ROOT/scripts/sbs/bench_llamacpp.py" bench panel score --url "http://127.0.0.1:$port" --model "$NAME" \
+        --panel "$RES/panel.json" --out "$RES/panel-score-llamacpp.json" > "$LOGS/panel-score.log" 2>&1 \
+        || log "panel score failed (logs/panel-score.log)"
+    fi
+  else
+    log "llama-server did not start: $(cat "$LOGS/wait-$label.txt"); tail of its log:"; tail -5 "$LOGS/server-$label.log"
+  fi
+  stop_pid $pid
+  [ "$vpid" != 0 ] && kill "$vpid" 2>/dev/null
+  return 0
+}
+
+phase_report() {
+  $PY "$ROOT/scripts/sbs/report.py" "$SBS_DIR" --layers "$LAYERS" --n-cpu-moe "$N_CPU_MOE" --threads "$THREADS" \
+    --ubatch "$UBATCH" > "$LOGS/report.log" 2>&1 || { tail -5 "$LOGS/report.log"; die "report failed"; }
+  log "table: $RES/side_by_side.md"
+}
+
+phase_all() {
+  phase_setup
+  log "build and model-store in parallel"
+  ( phase_build ) > "$LOGS/phase-build.log" 2>&1 &
+  local bpid=$!
+  phase_model_store
+  wait $bpid && log "build done" || log "build failed: $(tail -2 "$LOGS/phase-build.log")"
+  phase_tiermoe
+  phase_model_gguf
+  phase_check
+  phase_llamacpp
+  phase_report
+  log "DONE"
+}
+
+collect() {  # copy results (and the logs, compressed) into $OUT when the device tool gave one
+  [ -n "${OUT:-}" ] && [ -d "$SBS_DIR" ] || return 0
+  tar -czf "$OUT/sbs-results.tgz" -C "$SBS_DIR" results logs 2>/dev/null
+  [ -f "$RES/side_by_side.md" ] && cp "$RES/side_by_side.md" "$OUT/"
+  [ -f "$SBS_DIR/run.log" ] && tail -c 200000 "$SBS_DIR/run.log" > "$OUT/run.log"
+  return 0
+}
+
+phase_start() {
+  mkdir -p "$SBS_DIR"
+  if [ -f "$SBS_DIR/run.pid" ] && kill -0 "$(cat "$SBS_DIR/run.pid")" 2>/dev/null; then log "already running"; return 0; fi
+  setsid nohup bash "$0" all > "$SBS_DIR/run.log" 2>&1 < /dev/null &
+  echo $! > "$SBS_DIR/run.pid"
+  log "started (pid $(cat "$SBS_DIR/run.pid")); follow with: $0 wait"
+}
+
+phase_wait() {  # wait [SECONDS]: print the log as it grows until DONE or the time is up
+  local limit=${1:-560} t0=$SECONDS seen=0 n
+  while :; do
+    if [ -f "$SBS_DIR/run.log" ]; then
+      n=$(wc -l < "$SBS_DIR/run.log"); [ "$n" -gt "$seen" ] && sed -n "$((seen + 1)),${n}p" "$SBS_DIR/run.log"; seen=$n
+    fi
+    if ! { [ -f "$SBS_DIR/run.pid" ] && kill -0 "$(cat "$SBS_DIR/run.pid")" 2>/dev/null; }; then
+      log "background run finished"; collect; [ -f "$RES/side_by_side.md" ] && cat "$RES/side_by_side.md"; return 0
+    fi
+    [ $((SECONDS - t0)) -ge "$limit" ] && { log "still running; call wait again within 30 s"; collect; return 0; }
+    sleep 5
+  done
+}
+
+case "${1:-}" in
+  prepare) phase_prepare ;;
+  setup) phase_setup ;;
+  build) phase_setup; phase_build; collect ;;
+  model-store) phase_setup; phase_model_store; collect ;;
+  model-gguf) phase_setup; phase_model_gguf; collect ;;
+  check) phase_setup; phase_check; collect ;;
+  tiermoe) phase_setup; phase_tiermoe; collect ;;
+  llamacpp) phase_setup; phase_llamacpp; collect ;;
+  report) phase_setup; phase_report; collect ;;
+  all) phase_all; collect ;;
+  start) phase_start ;;
+  wait) shift; phase_wait "${1:-560}" ;;
+  *) sed -n '2,13p' "$0"; exit 2 ;;
+esac

@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""Side-by-side report: floor, `tiermoe bench report` tables and the comparison table.
+
+python3 scripts/sbs/report.py SBS_DIR --layers L --n-cpu-moe N --threads T --ubatch U
+
+Reads SBS_DIR/results (written by scripts/llamacpp_side_by_side.sh), computes the decode
+floor of this memory budget with `tiermoe bench floor` (bandwidths measured by probe.py), and
+writes results/side_by_side.md: setup (machine, versions, commands, GPU memory of each engine),
+one comparison row per measurement with each engine's rate, the ratio and the share of the
+floor, the agreement of the two engines' outputs, and `tiermoe bench report`'s detailed tables.
+Numbers are only ever read from the result files; a missing file leaves its cells as "-".
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _load(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def _f(x, nd: int = 1) -> str:
+    return "-" if x is None else f"{x:,.{nd}f}"
+
+
+def vram_peak_mib(path: Path) -> float | None:
+    """Peak of nvidia-smi memory.used samples ('timestamp, MiB' lines)."""
+    peak = None
+    for line in _text(path).splitlines():
+        try:
+            v = float(line.split(",")[-1])
+        except ValueError:
+            continue
+        peak = v if peak is None else max(peak, v)
+    return peak
+
+
+def rows_of(sweep: dict | None) -> dict:
+    """{'prefill <n>': tok/s, 'C<c> per-stream': tok/s, 'C<c> aggregate': tok/s} of a sweep result."""
+    out: dict = {}
+    if not sweep:
+        return out
+    for p in sweep.get("prefill", []):
+        out[f"prefill {p['target_tokens']}"] = p.get("median_tok_s")
+    for d in sweep.get("decode", []):
+        out[f"C{d['concurrency']} per-stream"] = d.get("per_stream_tok_s")
+        out[f"C{d['concurrency']} aggregate"] = d.get("aggregate_tok_s")
+    return out
+
+
+def floor_args(meta: dict, env: dict, layers: int, n_cpu_moe: int) -> list[str]:
+    """`tiermoe bench floor` arguments for this budget: (L - N) / L of the expert reads from HBM,
+    the rest from host RAM, split at best between PCIe and the CPU, both sharing host bandwidth."""
+    gpu = (layers - n_cpu_moe) / layers
+    args = ["--bytes-per-expert", str(meta["sizes"]["store_bytes_per_expert"]), "--top-k", str(meta["spec"]["top_k"]),
+            "--moe-layers", str(layers), "--fractions", f"gpu={gpu:.6f},ram={1 - gpu:.6f}", "--balance-host"]
+    for flag, key in (("--hbm-gbs", "hbm_gbs"), ("--pcie-gbs", "pcie_gbs"), ("--cpu-gbs", "host_read_gbs"),
+                      ("--host-gbs", "host_read_gbs")):
+        if env.get(key):
+            args += [flag, str(env[key])]
+    return args
+
+
+def comparison(sweeps: dict, floor: dict | None) -> list[str]:
+    labels = [k for k in sweeps if k.startswith("tiermoe")] + (["llamacpp"] if "llamacpp" in sweeps else [])
+    rows = {k: rows_of(v) for k, v in sweeps.items()}
+    keys = []
+    for r in rows.values():
+        keys += [k for k in r if k not in keys]
+    tier = [k for k in labels if k.startswith("tiermoe")]
+    head = ["measurement (tok/s)"] + labels + (["best tiermoe / llama.cpp"] if tier and "llamacpp" in labels else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    behind = []
+    for key in keys:
+        vals = [rows[lab].get(key) for lab in labels]
+        cells = [_f(v) for v in vals]
+        if tier and "llamacpp" in labels:
+            best = max((rows[t].get(key) or 0.0) for t in tier)
+            ref = rows["llamacpp"].get(key)
+            ratio = best / ref if best and ref else None
+            cells.append(_f(ratio, 2) + ("x" if ratio else ""))
+            if ratio is not None and ratio < 1.0:
+                behind.append(key)
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    if floor and "C1 per-stream" in keys:
+        cells = []
+        for lab in labels:
+            v = rows[lab].get("C1 per-stream")
+            cells.append(_f(100 * v / floor["tok_s"], 0) + " %" if v else "-")
+        lines.append("| C1 per-stream / floor | " + " | ".join(cells) + (" | |" if len(head) > len(labels) + 1 else " |"))
+    lines.append("")
+    if behind:
+        lines.append(f"Rows where tiermoe is not ahead: {', '.join(behind)} (profile below).")
+        lines.append("")
+    return lines
+
+
+def profile(stats: dict | None, label: str, floor: dict | None) -> list[str]:
+    """tiermoe's own counters after the sweep (tier hits, bytes moved, lane work) + the floor's bound lane."""
+    out = [f"#### {label}: engine counters after the sweep", ""]
+    if floor:
+        out.append(f"Floor bound lane: **{floor['bound']}** ({_f(floor['floor_ms'], 2)} ms/token at C1).")
+    eng = (stats or {}).get("engine") or {}
+    flat: dict = {}
+
+    def walk(prefix: str, obj) -> None:
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+            flat[prefix] = obj
+
+    walk("", eng)
+    picked = {k: v for k, v in flat.items() if any(w in k for w in ("hit", "miss", "bytes", "lane", "slot", "host", "disk", "step"))}
+    if picked:
+        out += ["", "| counter | value |", "|---|---|"] + [f"| {k} | {_f(v, 3) if isinstance(v, float) else v} |" for k, v in picked.items()]
+    else:
+        out.append("(no counters recorded)")
+    return out + [""]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("sbs_dir")
+    ap.add_argument("--layers", type=int, required=True)
+    ap.add_argument("--n-cpu-moe", type=int, required=True)
+    ap.add_argument("--threads", type=int, required=True)
+    ap.add_argument("--ubatch", type=int, required=True)
+    a = ap.parse_args()
+    res = Path(a.sbs_dir) / "results"
+    logs = Path(a.sbs_dir) / "logs"
+    env = _load(res / "env.json") or {}
+    meta = _load(res / "synthetic-store.json") or _load(res / "synthetic-gguf.json")
+    if meta is None:
+        print("no synthetic-*.json in results: nothing to report", file=sys.stderr)
+        return 2
+    py = sys.executable
+    floor = None
+    floor_cmd = [py, "-m", "tiermoe.cli", "bench", "floor", *floor_args(meta, env, a.layers, a.n_cpu_moe),
+                 "--out", str(res / "floor.json")]
+    if subprocess.run(floor_cmd, capture_output=True, text=True).returncode == 0:
+        floor = _load(res / "floor.json")
+    sweeps = {}
+    for p in sorted(res.glob("sweep-*.json")):
+        sweeps[p.stem.removeprefix("sweep-")] = _load(p)
+    spec, sizes = meta["spec"], meta["sizes"]
+    gguf_meta, store_meta = _load(res / "synthetic-gguf.json"), _load(res / "synthetic-store.json")
+    gpu_gib = (a.layers - a.n_cpu_moe) * spec["experts"] * sizes["store_bytes_per_expert"] / 2**30
+    md = [f"## Side by side: tiermoe vs llama.cpp expert offload ({dt.date.today().isoformat()})", ""]
+    md += [f"Machine: {env.get('gpu', '?')} (driver {env.get('driver', '?')}, CUDA {env.get('cuda', '?')}), "
+           f"{env.get('cpus', '?')} CPUs, {env.get('mem_total_gib', '?')} GiB RAM; torch {env.get('torch', '?')}. "
+           f"Measured: HBM {env.get('hbm_gbs', '?')} GB/s, pinned host->GPU {env.get('pcie_gbs', '?')} GB/s, "
+           f"host read ({a.threads} threads) {env.get('host_read_gbs', '?')} GB/s.", ""]
+    md += [f"Versions: tiermoe {_text(res / 'tiermoe-commit.txt')[:12] or '?'}; llama.cpp: "
+           f"{' / '.join(_text(res / 'llamacpp-version.txt').splitlines()) or '?'}.", ""]
+    md += [f"Model: random-weight Qwen3-MoE, {a.layers} layers of Qwen3-235B-A22B's MoE shape (hidden {spec['hidden']}, "
+           f"{spec['experts']} experts x intermediate {spec['moe_intermediate']}, top-{spec['top_k']}, {spec['heads']}/"
+           f"{spec['kv_heads']} heads of {spec['head_dim']}), vocabulary {spec['vocab']}. Experts: tiermoe int4 store "
+           f"(group {spec['group_size']}, bf16 scales) {sizes['store_bytes_per_expert']:,} B/expert; llama.cpp Q4_0 "
+           f"{sizes['gguf_bytes_per_expert']:,} B/expert; same weights (generation digest "
+           f"{'equal' if gguf_meta and store_meta and gguf_meta['weights_sha256'] == store_meta['weights_sha256'] else 'NOT COMPARED'}"
+           f"{'; ' + _text(res / 'check.txt').splitlines()[-1] if _text(res / 'check.txt') else ''}).", ""]
+    md += [f"Equal budget: {a.layers - a.n_cpu_moe} of {a.layers} layers' experts = {gpu_gib:.2f} GiB of GPU memory for "
+           f"experts in both (tiermoe `--gpu-expert-gb {gpu_gib:.4f}`, llama.cpp `--n-cpu-moe {a.n_cpu_moe}`); "
+           f"{a.threads} CPU threads each; {a.ubatch} tokens per step.", ""]
+    vram = {p.stem.removeprefix("vram-"): vram_peak_mib(p) for p in sorted(logs.glob("vram-*.csv"))}
+    if vram:
+        md += ["Peak GPU memory in use (nvidia-smi): " + ", ".join(f"{k} {_f(v, 0)} MiB" for k, v in vram.items()) + ".", ""]
+    buffers = _text(res / "llamacpp-buffers.txt")
+    if buffers:
+        md += ["llama.cpp buffers:", "", "```", buffers, "```", ""]
+    md += ["Commands:", "", "```"] + [_text(p) for p in sorted(res.glob("cmd-*.txt"))] + ["```", ""]
+    md += comparison(sweeps, floor)
+    score = _load(res / "panel-score-llamacpp.json")
+    if score:
+        md += [f"Agreement (llama.cpp teacher-forced on tiermoe's greedy panel): top-1 {_f(score.get('top1_agreement'), 3)}, "
+               f"mean KL {_f(score.get('mean_kl'), 4)}, greedy match {_f(score.get('greedy_match_fraction'), 3)} over "
+               f"{score.get('positions')} positions.", ""]
+    notes = _text(res / "notes.txt")
+    if notes:
+        md += ["Notes: " + notes, ""]
+    for label in [k for k in sweeps if k.startswith("tiermoe")]:
+        md += profile(_load(res / f"stats-{label}.json"), label, floor)
+    detail = [str(res / "floor.json")] if floor else []
+    detail += [str(res / f"sweep-{k}.json") for k in sweeps]
+    if detail:
+        r = subprocess.run([py, "-m", "tiermoe.cli", "bench", "report", *detail, "--title", "Detail"],
+                           capture_output=True, text=True)
+        md += [r.stdout if r.returncode == 0 else f"(bench report failed: {r.stderr.strip()[-300:]})"]
+    (res / "side_by_side.md").write_text("\n".join(md).rstrip() + "\n")
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
