@@ -1,0 +1,217 @@
+"""Write a synthetic packed store with GLM-5.3-Flash's MoE shape, ready for `tiermoe serve`.
+
+    python scripts/synth_glm_store.py OUT [--moe-layers 8] [--kind int4] [--device cuda]
+
+The model is a glm4_moe checkpoint (one dense layer, then MoE layers of hidden 4096, 288 routed
+experts of intermediate 2048, top-8, one shared expert; 32 attention heads) with random
+fan-in-scaled dense weights and random valid expert records (int4 group 128 or bf16), written
+directly in the store format (manifest.json + experts.bin + dense safetensors shards), so no
+multi-GB bf16 checkpoint has to be written and quantized first.
+
+Routing realism: each MoE layer's router gets an expert score-correction bias proportional to
+the standardized log pick count of a real GLM-5.3-Flash layer (kernels/data), with the factor
+bisected so that, for unit-variance router logits, the share of picks landing on the 11 % most
+popular experts matches that real layer. The same counts are written to OUT/expert-stats.json
+(`--expert-stats`, cache warm start). The tokenizer is the tiny models' one (vocabulary 512).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import shutil
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from safetensors.torch import save_file  # noqa: E402
+
+from tiermoe.kernels.layout import expert_layout  # noqa: E402
+from tiermoe.kernels.triton.tiered import random_records  # noqa: E402
+from tiermoe.store.records import EXPERTS_NAME, FORMAT_VERSION, RecordLayout, write_manifest  # noqa: E402
+
+STATS = ROOT / "src" / "tiermoe" / "kernels" / "data" / "glm53-flash-decode-expert-counts.json"
+SHARD_BYTES = 2 << 30
+
+
+def glm_config(base: dict, a) -> dict:
+    cfg = dict(base)
+    cfg.update(hidden_size=a.hidden, moe_intermediate_size=a.inter, n_routed_experts=a.experts,
+               num_experts_per_tok=a.top_k, n_shared_experts=1, n_group=1, topk_group=1,
+               first_k_dense_replace=1, num_hidden_layers=1 + a.moe_layers, intermediate_size=a.dense_inter,
+               num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=a.hidden // a.heads,
+               dtype="bfloat16")
+    return cfg
+
+
+def real_counts(n_layers: int, experts: int) -> list[np.ndarray]:
+    """Pick counts of n_layers real layers, spread over the 42 measured ones."""
+    rows = [np.asarray(v, dtype=np.float64) for v in json.loads(STATS.read_text()).values()]
+    picks = [rows[round(i * (len(rows) - 1) / max(1, n_layers - 1))] for i in range(n_layers)]
+    if experts != len(rows[0]):  # other expert counts: resample the popularity curve
+        picks = [np.interp(np.linspace(0, len(r) - 1, experts), np.arange(len(r)), r) for r in picks]
+    return picks
+
+
+def calibrated_bias(counts: np.ndarray, top_k: int, share: float, rng: np.random.Generator) -> np.ndarray:
+    """Score-correction bias [E] making the top `share` of experts (by count) take the same
+    fraction of picks as in `counts`, for router logits ~ N(0, 1)."""
+    e = counts.size
+    s = max(1, round(share * e))
+    hot = np.argsort(-counts)[:s]
+    target = counts[hot].sum() / counts.sum()
+    z = np.log1p(counts)
+    z = (z - z.mean()) / (z.std() + 1e-9)
+    scores = 1.0 / (1.0 + np.exp(-rng.standard_normal((4096, e))))  # [N, E] sigmoid router scores
+    is_hot = np.zeros(e, dtype=bool)
+    is_hot[hot] = True
+
+    def coverage(beta: float) -> float:
+        picks = np.argpartition(-(scores + beta * z), top_k, axis=1)[:, :top_k]
+        return float(is_hot[picks].mean())
+
+    lo, hi = 0.0, 4.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if coverage(mid) < target else (lo, mid)
+    return (lo + hi) / 2 * z
+
+
+def dense_tensors(cfg: dict, biases: list[np.ndarray], gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Every non-routed-expert tensor of the model, random, bf16 (names as transformers saves them)."""
+    import transformers
+
+    fields = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")}
+    with torch.device("meta"):
+        model = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(**fields))
+    out = {}
+    for name, t in model.state_dict().items():
+        if ".mlp.experts." in name:
+            continue  # routed experts live in experts.bin
+        shape = tuple(t.shape)
+        if name.endswith("e_score_correction_bias"):
+            layer = int(name.split(".")[2])
+            v = torch.from_numpy(biases[layer - 1]).float()
+        elif len(shape) >= 2:
+            std = 1.0 if "embed_tokens" in name else 1.0 / math.sqrt(shape[-1])
+            v = torch.randn(shape, generator=gen) * std
+        elif "norm" in name:
+            v = 1.0 + 0.05 * torch.randn(shape, generator=gen)
+        else:
+            v = 0.02 * torch.randn(shape, generator=gen)
+        out[name] = v.to(torch.bfloat16).contiguous()
+    return out
+
+
+def write_dense(out: Path, tensors: dict[str, torch.Tensor]) -> dict:
+    groups, cur, size = [], [], 0
+    for k in sorted(tensors):
+        nb = tensors[k].numel() * 2
+        if cur and size + nb > SHARD_BYTES:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(k)
+        size += nb
+    groups.append(cur)
+    weight_map, names = {}, []
+    for n, keys in enumerate(groups, 1):
+        name = f"model-{n:05d}-of-{len(groups):05d}.safetensors"
+        save_file({k: tensors[k] for k in keys}, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in keys})
+        names.append(name)
+    total = sum(t.numel() * 2 for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    return {"index": "model.safetensors.index.json", "shards": names, "tensors": len(weight_map)}
+
+
+def write_experts(out: Path, a, layers: list[int], device: torch.device, log) -> tuple[RecordLayout, list[dict]]:
+    """experts.bin: layer-major, expert-minor random records; returns (layout, manifest records)."""
+    layout = RecordLayout.build(a.kind, a.hidden, a.inter, a.group if a.kind != "bf16" else None)
+    klay = expert_layout(a.kind, a.hidden, a.inter, a.group)
+    assert klay.length == layout.length
+    rec = layout.length
+    gen = torch.Generator(device=device).manual_seed(a.seed)
+    records = []
+    chunk = max(1, (512 << 20) // rec)  # records per write (~512 MiB)
+    with open(out / EXPERTS_NAME, "wb") as f, ThreadPoolExecutor(16) as pool:
+        for layer in layers:
+            for e0 in range(0, a.experts, chunk):
+                n = min(chunk, a.experts - e0)
+                buf = random_records(klay, n, device, gen).cpu().numpy()  # [n, R] uint8
+                hashes = [pool.submit(lambda b: hashlib.sha256(b).hexdigest(), buf[j]) for j in range(n)]
+                f.write(memoryview(buf).cast("B"))
+                for j, h in enumerate(hashes):
+                    records.append({"layer": layer, "expert": e0 + j, "offset": len(records) * rec, "length": rec,
+                                    "sha256": h.result(), "layout": 0})
+            log(f"layer {layer}: {a.experts} records of {rec / 2**20:.2f} MiB")
+    return layout, records
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out")
+    p.add_argument("--moe-layers", type=int, default=8)
+    p.add_argument("--experts", type=int, default=288)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--inter", type=int, default=2048, help="routed (and shared) expert intermediate size")
+    p.add_argument("--dense-inter", type=int, default=10944, help="intermediate size of the first, dense layer")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--group", type=int, default=128)
+    p.add_argument("--kind", choices=("int4", "int8", "bf16"), default="int4")
+    p.add_argument("--hot-share", type=float, default=0.11, help="expert share whose pick share the bias matches")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where records are drawn")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (H 64, I 32, 16 experts, top-4, G 32) for a CPU check")
+    a = p.parse_args(argv)
+    if a.tiny:
+        a.hidden, a.inter, a.dense_inter, a.experts, a.top_k, a.group, a.heads, a.kv_heads = 64, 32, 128, 16, 4, 32, 4, 2
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "manifest.json").unlink(missing_ok=True)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    from tiermoe.models.tiny import write_tiny
+
+    with tempfile.TemporaryDirectory() as tmp:  # tokenizer, chat template and config template
+        tiny = write_tiny("glm4_moe", Path(tmp) / "t", dtype="bfloat16")
+        base = json.loads((tiny / "config.json").read_text())
+        for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+            if (tiny / f).exists():
+                shutil.copyfile(tiny / f, out / f)
+    cfg = glm_config(base, a)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    layers = list(range(1, 1 + a.moe_layers))
+    counts = real_counts(a.moe_layers, a.experts)
+    rng = np.random.default_rng(a.seed)
+    biases = [calibrated_bias(c, a.top_k, a.hot_share, rng) for c in counts]
+    (out / "expert-stats.json").write_text(json.dumps({f"model.layers.{L}.mlp": c.tolist() for L, c in zip(layers, counts)}))
+    dense = write_dense(out, dense_tensors(cfg, biases, torch.Generator().manual_seed(a.seed)))
+    log(f"dense: {dense['tensors']} tensors in {len(dense['shards'])} shard(s)")
+    layout, records = write_experts(out, a, layers, torch.device(a.device), log)
+    write_manifest(out, {
+        "format_version": FORMAT_VERSION, "model_config": cfg,
+        "quantization": {"kind": a.kind, "group_size": layout.group_size},
+        "dtype": "bfloat16", "source_dtype": "bfloat16", "num_layers": 1 + a.moe_layers, "moe_layers": layers,
+        "experts_per_layer": {str(L): a.experts for L in layers},
+        "expert_prefixes": {str(L): f"model.layers.{L}.mlp.experts" for L in layers},
+        "experts_file": EXPERTS_NAME, "record_align": 4096, "layouts": [layout.to_json()],
+        "records": records, "dense": dense,
+    })
+    total = len(records) * layout.length
+    log(json.dumps({"store": str(out), "moe_layers": a.moe_layers, "experts": len(records),
+                    "record_bytes": layout.length, "expert_gib": round(total / 2**30, 2)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
