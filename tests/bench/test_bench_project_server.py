@@ -48,3 +48,21 @@ def test_gates_against_project_server(project_url, tmp_path, capsys):
     r = load(out)
     assert rc == 0, [(g["name"], g["reason"]) for g in r["gates"]]
     assert r["passed"] == 6
+
+
+def test_stream_rate_passes_against_project_server(tmp_path, capsys):
+    """The delivery rule on the real server: a 600-token story at ~50 tok/s (12 s) must arrive
+    evenly (>= 40 % by the midpoint, <= 10 % in the last second), i.e. no end-of-answer burst."""
+    from tiermoe.engine.async_engine import AsyncEngine
+    from tiermoe.engine.scripted import ScriptedEngineCore
+    from tiermoe.server.app import create_app
+
+    core = ScriptedEngineCore(max_model_len=4096, max_num_seqs=4, step_delay_s=0.02)
+    app = create_app(AsyncEngine(core), served_model_name="scripted", max_model_len=4096)
+    out = tmp_path / "stream.json"
+    with serve(app=app, lifespan="on") as url:
+        rc, text = run_bench(["stream-rate", "--url", url, "--max-tokens", "600", "--out", str(out)], capsys)
+    assert rc == 0, text
+    r = load(out)
+    assert r["verdict"] == "PASS", r
+    assert r["fraction_by_midpoint"] >= 0.40 and r["fraction_in_tail"] <= 0.10
