@@ -97,6 +97,7 @@ class TritonExperts:
         self.layout = layout_from(store.layout)
         self.config = config  # a fused_moe launch config, else per shape/device (configs.json)
         self._zero: torch.Tensor | None = None  # all-zero record for skipped experts
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = {}  # CUDA only
         self.calls = 0
         self.picks = 0
         self.host_in_place = 0  # records read from the host tier in place (CUDA only)
@@ -117,16 +118,12 @@ class TritonExperts:
         skip = {int(e) for e in skip}
         expert_ids = [e for e in torch.unique(topk_ids).tolist() if e not in skip]  # ascending
         recs = self.store.device_records(layer, expert_ids) if expert_ids else {}
-        n_rows = self.store.manifest.experts_per_layer[layer]
-        addr = [0] * n_rows  # rows nobody picks are never read
-        for e, buf in recs.items():
-            addr[e] = buf.data_ptr()
+        rows = {e: buf.data_ptr() for e, buf in recs.items()}
         if skip:
-            zero = self._zero_record(x.device)
-            for e in skip:
-                addr[e] = zero.data_ptr()
+            zero = self._zero_record(x.device).data_ptr()
+            rows.update({e: zero for e in skip})
             topk_weights = topk_weights.masked_fill(torch.isin(topk_ids, torch.tensor(sorted(skip), device=topk_ids.device)), 0)
-        table = torch.tensor(addr, dtype=torch.int64).to(x.device)  # [E]: a synchronous upload
+        table = self._table(layer, rows, x.device)  # [E] int64; rows nobody picks are never read
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         out = fused_moe(xb.contiguous(), topk_ids, topk_weights, table, self.layout, config=self.config)  # [T, H]
         self.store.device_reads_queued(recs.values())
@@ -137,6 +134,30 @@ class TritonExperts:
             self.host_in_place += host
             self.host_in_place_bytes += host * self.store.record_bytes
         return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def _table(self, layer: int, rows: dict[int, int], device: torch.device) -> torch.Tensor:
+        """The layer's pointer table on `device` with `rows` (expert -> address) written.
+
+        CUDA: a persistent device table per layer, filled from a pinned host copy without a
+        stream sync; the host copy is rewritten only after the previous upload from it is done
+        (its event; normally long past, since every call first syncs on the routing).
+        """
+        n = self.store.manifest.experts_per_layer[layer]
+        ids = torch.tensor(list(rows), dtype=torch.int64)
+        vals = torch.tensor(list(rows.values()), dtype=torch.int64)
+        if device.type != "cuda":
+            table = torch.zeros(n, dtype=torch.int64, device=device)
+            table[ids.to(device)] = vals.to(device)
+            return table
+        if layer not in self._tables:
+            self._tables[layer] = (torch.zeros(n, dtype=torch.int64, pin_memory=True),
+                                   torch.zeros(n, dtype=torch.int64, device=device), torch.cuda.Event())
+        host, table, uploaded = self._tables[layer]
+        uploaded.synchronize()
+        host[ids] = vals
+        table.copy_(host, non_blocking=True)
+        uploaded.record()
+        return table
 
     def _zero_record(self, device: torch.device) -> torch.Tensor:
         if self._zero is None or self._zero.device != device:
