@@ -14,8 +14,8 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PY:-python3}
-SBS_DIR=${SBS_DIR:-$HOME/sbs}
-MODEL_DIR=${MODEL_DIR:-$SBS_DIR/model}
+SBS_DIR=${SBS_DIR:-${HOME:-/root}/sbs}
+MODEL_DIR=${MODEL_DIR:-auto}          # auto: $SBS_DIR/model, or /dev/shm/sbs-model when the disk is too small
 RES=$SBS_DIR/results
 LOGS=$SBS_DIR/logs
 LAYERS=${LAYERS:-24}
@@ -35,11 +35,12 @@ TIERMOE_EXTRA_ARGS=${TIERMOE_EXTRA_ARGS:-}
 LLAMA_EXTRA_ARGS=${LLAMA_EXTRA_ARGS:-}
 LLAMA_CUDA=${LLAMA_CUDA:-auto}        # auto: CUDA build when nvcc is found
 CUDA_ARCH=${CUDA_ARCH:-90}
-SERVER_WAIT=${SERVER_WAIT:-900}
+SERVER_WAIT=${SERVER_WAIT:-600}
 NAME=qwen3moe-synthetic
-SRC_TGZ=$ROOT/.peer/llama.cpp-src.tar.gz
+CARRY=$ROOT/.peer/carry                # what travels to the GPU machine (carry: .peer/carry and .whl)
+SRC_TGZ=$CARRY/llama.cpp-src.tar.gz
 LLAMA_SRC=$SBS_DIR/llama.cpp
-LLAMA_BUILD=$SBS_DIR/llama-build
+LLAMA_BUILD=${LLAMA_BUILD:-$SBS_DIR/llama-build}
 export PYTHONPATH=$ROOT/src:$SBS_DIR/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 log() { echo "[sbs $(date -u +%H:%M:%S)] $*"; }
@@ -48,35 +49,55 @@ tm() { $PY -m tiermoe.cli "$@"; }
 json_get() { $PY -c "import json,sys; d=json.load(open(sys.argv[1])); print(eval(sys.argv[2], {}, {'d': d}))" "$1" "$2"; }
 
 phase_prepare() {  # needs PyPI: the llama.cpp sources (trimmed) and the wheels the GPU image lacks
-  mkdir -p "$ROOT/.peer" "$ROOT/.whl"
+  mkdir -p "$CARRY" "$ROOT/.whl"
   grep -qx '/.peer/' "$ROOT/.git/info/exclude" 2>/dev/null || echo '/.peer/' >> "$ROOT/.git/info/exclude"
   grep -qx '/.whl/' "$ROOT/.git/info/exclude" 2>/dev/null || echo '/.whl/' >> "$ROOT/.git/info/exclude"
   local v=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
   [ -f "$ROOT/.peer/llama_cpp_python-$v.tar.gz" ] || \
     $PY -m pip download --no-deps --no-binary :all: "llama-cpp-python==$v" -d "$ROOT/.peer" || die "sdist download failed"
-  bash "$ROOT/scripts/sbs/trim_llamacpp_sdist.sh" "$ROOT/.peer/llama_cpp_python-$v.tar.gz" "$SRC_TGZ"
-  echo "$v" > "$ROOT/.peer/llama-cpp-python.version"
-  $PY -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux2014_x86_64 -d "$ROOT/.whl" "gguf==${GGUF_VERSION:-0.19.0}" || die "gguf wheel download failed"
-  log "carry .peer and .whl: $(du -sh "$ROOT/.peer/llama.cpp-src.tar.gz" "$ROOT/.whl" | tr '\n' ' ')"
+  bash "$ROOT/scripts/sbs/trim_llamacpp_sdist.sh" "$ROOT/.peer/llama_cpp_python-$v.tar.gz" "$SRC_TGZ" || die "trim failed"
+  echo "$v" > "$CARRY/llama-cpp-python.version"
+  git -C "$ROOT" rev-parse HEAD > "$CARRY/tiermoe-commit.txt" 2>/dev/null
+  local spec name
+  while read -r spec; do
+    case "$spec" in ''|'#'*) continue ;; esac
+    name=${spec%%==*}
+    ls "$ROOT"/.whl/"$name"-*.whl >/dev/null 2>&1 && continue
+    $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      -d "$ROOT/.whl" "$spec" || die "wheel download failed: $spec"
+  done < "$ROOT/scripts/sbs/wheels.txt"
+  log "carry .whl and .peer/carry ($(du -sh "$ROOT/.whl" "$CARRY" | cut -f1 | tr '\n' ' '))"
 }
 
 phase_setup() {
   mkdir -p "$RES" "$LOGS" "$SBS_DIR/site"
-  if ls "$ROOT"/.whl/*.whl >/dev/null 2>&1 && [ ! -f "$SBS_DIR/site/.installed" ]; then
+  if ! $PY -c "import gguf, fastapi, uvicorn, pydantic" 2>/dev/null && ls "$ROOT"/.whl/*.whl >/dev/null 2>&1 \
+     && [ ! -f "$SBS_DIR/site/.installed" ]; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SBS_DIR/site" \
       "$ROOT"/.whl/*.whl && touch "$SBS_DIR/site/.installed" || die "wheel install failed"
   fi
   $PY -c "import gguf, fastapi, uvicorn, httpx, torch" || die "missing Python packages (run prepare, carry .whl)"
-  [ -f "$RES/env.json" ] || $PY "$ROOT/scripts/sbs/probe.py" "$RES/env.json" --threads "$THREADS" > "$LOGS/probe.log" 2>&1 \
+  [ -f "$RES/env.json" ] || $PY "$ROOT/scripts/sbs/probe.py" "$RES/env.json" --threads "$THREADS" --host-gib "${PROBE_HOST_GIB:-8}" > "$LOGS/probe.log" 2>&1 \
     || log "probe failed (see logs/probe.log)"
-  git -C "$ROOT" rev-parse HEAD > "$RES/tiermoe-commit.txt" 2>/dev/null || echo unknown > "$RES/tiermoe-commit.txt"
+  git -C "$ROOT" rev-parse HEAD > "$RES/tiermoe-commit.txt" 2>/dev/null \
+    || cp "$CARRY/tiermoe-commit.txt" "$RES/" 2>/dev/null || echo unknown > "$RES/tiermoe-commit.txt"
+  pick_model_dir
+}
+
+record_llama_version() {  # record_llama_version NOTE
+  { echo "sdist llama-cpp-python $(cat "$CARRY/llama-cpp-python.version" 2>/dev/null || echo '?'); $1"
+    "$LLAMA_BUILD/bin/llama-server" --version 2>&1 | grep -E "version|built with" | head -3; } > "$RES/llamacpp-version.txt"
 }
 
 phase_build() {
   local bin=$LLAMA_BUILD/bin/llama-server
-  if [ -x "$bin" ]; then log "llama-server already built"; return 0; fi
-  [ -f "$SRC_TGZ" ] || die "$SRC_TGZ missing: run 'prepare' on a machine with PyPI and carry .peer"
+  if [ -x "$bin" ]; then
+    log "llama-server already built"
+    [ -f "$RES/llamacpp-version.txt" ] || record_llama_version "prebuilt at $LLAMA_BUILD"
+    return 0
+  fi
+  [ -f "$SRC_TGZ" ] || die "$SRC_TGZ missing: run 'prepare' on a machine with PyPI and carry .peer/carry"
   rm -rf "$LLAMA_SRC" && mkdir -p "$SBS_DIR" && tar -xzf "$SRC_TGZ" -C "$SBS_DIR" || die "unpack failed"
   local cuda=OFF
   if [ "$LLAMA_CUDA" = ON ] || { [ "$LLAMA_CUDA" = auto ] && command -v nvcc >/dev/null; }; then cuda=ON; fi
@@ -87,10 +108,8 @@ phase_build() {
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF > "$LOGS/llama-configure.log" 2>&1 || die "cmake failed (logs/llama-configure.log)"
   ninja -C "$LLAMA_BUILD" -j "$(nproc)" llama-server > "$LOGS/llama-build.log" 2>&1 || die "build failed (logs/llama-build.log)"
-  { echo "sdist llama-cpp-python $(cat "$ROOT/.peer/llama-cpp-python.version" 2>/dev/null || echo '?')"
-    echo "cuda $cuda arch $CUDA_ARCH, built in $((SECONDS - t0)) s"
-    "$bin" --version 2>&1 | head -5; } > "$RES/llamacpp-version.txt"
-  log "built in $((SECONDS - t0)) s: $(tr '\n' ' ' < "$RES/llamacpp-version.txt")"
+  record_llama_version "CUDA $cuda, arch $CUDA_ARCH, built in $((SECONDS - t0)) s"
+  log "built: $(tr '\n' ' ' < "$RES/llamacpp-version.txt")"
 }
 
 make_model() {  # make_model FORMAT
@@ -171,15 +190,22 @@ vram_start() {  # vram_start FILE: sample GPU memory every 0.5 s
   else echo 0; fi
 }
 
-measure() {  # measure LABEL URL BENCH...: warm-up, sweep, (panel), into results/
-  local label=$1 url=$2; shift 2
+stats() {  # stats URL FILE: the server's /stats JSON (tiermoe's tier counters)
+  $PY -c "import urllib.request,sys; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())" \
+    "$1/stats" > "$2" 2>/dev/null || rm -f "$2"
+}
+
+measure() {  # measure LABEL URL STATS(0|1) BENCH...: warm-up, sweep into results/ (+ /stats around the sweep)
+  local label=$1 url=$2 with_stats=$3; shift 3
   local bench=("$@")
   "${bench[@]}" bench sweep --url "$url" --model "$NAME" --prefill-sizes "$WARMUP_SIZE" --reps 1 --concurrency "$CONC" \
     --max-tokens 32 --long-prompt 0 --seed 7 --out "$LOGS/warmup-$label.json" > "$LOGS/warmup-$label.log" 2>&1 \
     || log "warm-up of $label failed (logs/warmup-$label.log)"
+  [ "$with_stats" = 1 ] && stats "$url" "$RES/stats-before-$label.json"
   "${bench[@]}" bench sweep --url "$url" --model "$NAME" --prefill-sizes "$PREFILL_SIZES" --reps "$REPS" \
     --concurrency "$CONC" --max-tokens "$MAX_TOKENS" --long-prompt 0 --seed 1 --out "$RES/sweep-$label.json" \
     > "$LOGS/sweep-$label.log" 2>&1 || { log "sweep of $label failed (logs/sweep-$label.log)"; return 1; }
+  [ "$with_stats" = 1 ] && stats "$url" "$RES/stats-$label.json"
   grep -E "prefill|decode" "$LOGS/sweep-$label.log" | sed "s/^/  [$label] /"
 }
 
@@ -200,13 +226,9 @@ run_tiermoe() {  # run_tiermoe MODE
   local pid=$!
   if wait_http "http://127.0.0.1:$port/health" $pid "$SERVER_WAIT" > "$LOGS/wait-$label.txt"; then
     echo "$((SECONDS - t0))" > "$RES/startup-s-$label.txt"
-    measure "$label" "http://127.0.0.1:$port" tm
-    $PY -c "import urllib.request,sys; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:$port/stats').read().decode())" \
-      > "$RES/stats-$label.json" 2>/dev/null
-    if [ "$mode" = "${TIERMOE_MODES%% *}" ]; then  # the first mode's greedy logprobs are the agreement reference
-      tm bench panel make --url "http://127.0.0.1:$port" --model "$NAME" --max-tokens 16 --out "$RES/panel.json" \
-        > "$LOGS/panel-make.log" 2>&1 || log "panel make failed (logs/panel-make.log)"
-    fi
+    measure "$label" "http://127.0.0.1:$port" 1 tm
+    $PY "$ROOT/scripts/sbs/greedy.py" record "http://127.0.0.1:$port" "$RES/greedy-$label.json" --model "$NAME" \
+      > "$LOGS/greedy-$label.log" 2>&1 || log "greedy record failed (logs/greedy-$label.log)"
   else
     log "tiermoe $mode did not start: $(cat "$LOGS/wait-$label.txt"); tail of its log:"; tail -5 "$LOGS/server-$label.log"
   fi
@@ -234,12 +256,9 @@ phase_llamacpp() {
     echo "$((SECONDS - t0))" > "$RES/startup-s-$label.txt"
     grep -E "model buffer size|KV buffer size|compute buffer size|CUDA0|offloaded" "$LOGS/server-$label.log" \
       > "$RES/llamacpp-buffers.txt"
-    measure "$label" "http://127.0.0.1:$port" $PY "$ROOT/scripts/sbs/bench_llamacpp.py"
-    if [ -f "$RES/panel.json" ]; then
-      $PY "$ROOT/scripts/sbs/bench_llamacpp.py" bench panel score --url "http://127.0.0.1:$port" --model "$NAME" \
-        --panel "$RES/panel.json" --out "$RES/panel-score-llamacpp.json" > "$LOGS/panel-score.log" 2>&1 \
-        || log "panel score failed (logs/panel-score.log)"
-    fi
+    measure "$label" "http://127.0.0.1:$port" 0 "$PY" "$ROOT/scripts/sbs/bench_llamacpp.py"
+    $PY "$ROOT/scripts/sbs/greedy.py" record "http://127.0.0.1:$port" "$RES/greedy-$label.json" --model "$NAME" \
+      > "$LOGS/greedy-$label.log" 2>&1 || log "greedy record failed (logs/greedy-$label.log)"
   else
     log "llama-server did not start: $(cat "$LOGS/wait-$label.txt"); tail of its log:"; tail -5 "$LOGS/server-$label.log"
   fi

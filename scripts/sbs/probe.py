@@ -5,7 +5,7 @@ python3 scripts/sbs/probe.py OUT.json [--threads N]
 
 - hbm_gbs: device-to-device copy of 2 GiB (bytes read + written) / time, median of 10
 - pcie_gbs: pinned host -> device copy of 1 GiB / time, median of 10
-- host_read_gbs: one pass of N threads over 8 GiB of ordinary host memory (torch sum) / time,
+- host_read_gbs: one pass of N threads over 8 GiB (--host-gib) of ordinary host memory (torch sum) / time,
   median of 5: the most expert bytes per second a CPU can read, hence compute through
 Also records GPU name, driver, CUDA, torch, CPU count, memory and disk figures.
 """
@@ -42,7 +42,7 @@ def _smi(query: str) -> str:
         return ""
 
 
-def probe(threads: int) -> dict:
+def probe(threads: int, host_gib: float = 8.0) -> dict:
     import torch
 
     out: dict = {
@@ -59,7 +59,7 @@ def probe(threads: int) -> dict:
             du = shutil.disk_usage(path)
             out[f"free_gib:{path}"] = round(du.free / 2**30, 1)
     torch.set_num_threads(threads)
-    host = torch.ones(8 * 2**30 // 8, dtype=torch.int64)
+    host = torch.ones(int(host_gib * 2**30) // 8, dtype=torch.int64)
     t = _median_time(lambda: host.sum(), 5, lambda: None)
     out["host_read_gbs"] = round(host.numel() * 8 / t / 1e9, 1)
     del host
@@ -86,8 +86,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--host-gib", type=float, default=8.0, help="host buffer read for host_read_gbs")
     a = ap.parse_args()
-    data = probe(a.threads)
+    data = probe(a.threads, a.host_gib)
     with open(a.out, "w") as f:
         json.dump(data, f, indent=1)
     print(json.dumps(data))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.util
 import json
 import subprocess
 import sys
@@ -111,28 +112,57 @@ def comparison(sweeps: dict, floor: dict | None) -> list[str]:
     return lines
 
 
-def profile(stats: dict | None, label: str, floor: dict | None) -> list[str]:
-    """tiermoe's own counters after the sweep (tier hits, bytes moved, lane work) + the floor's bound lane."""
-    out = [f"#### {label}: engine counters after the sweep", ""]
+def flatten(obj, prefix: str = "") -> dict:
+    """Numeric leaves of a nested dict as {'a.b.c': value}."""
+    flat: dict = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            flat.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        flat[prefix] = obj
+    return flat
+
+
+def profile(after: dict | None, before: dict | None, label: str, floor: dict | None) -> list[str]:
+    """tiermoe's counters over the measured sweep (after - before: tier hits, bytes moved, lane
+    work, steps) next to the floor's bound lane: where the time went when a row is behind."""
+    out = [f"#### {label}: engine counters during the sweep", ""]
     if floor:
         out.append(f"Floor bound lane: **{floor['bound']}** ({_f(floor['floor_ms'], 2)} ms/token at C1).")
-    eng = (stats or {}).get("engine") or {}
-    flat: dict = {}
-
-    def walk(prefix: str, obj) -> None:
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v)
-        elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
-            flat[prefix] = obj
-
-    walk("", eng)
-    picked = {k: v for k, v in flat.items() if any(w in k for w in ("hit", "miss", "bytes", "lane", "slot", "host", "disk", "step"))}
+    now, then = flatten((after or {}).get("engine") or {}), flatten((before or {}).get("engine") or {})
+    flat = {k: v - then.get(k, 0) for k, v in now.items()}
+    words = ("hit", "miss", "bytes", "lane", "evict", "read", "steps", "seconds", "tokens")
+    # Counters only: ratios (per_*), sizes and levels do not subtract.
+    skip = ("per_", "capacity", "resident", "in_flight", "kv_", "running", "waiting")
+    picked = {k: v for k, v in flat.items() if any(w in k for w in words) and not any(w in k for w in skip) and v}
     if picked:
         out += ["", "| counter | value |", "|---|---|"] + [f"| {k} | {_f(v, 3) if isinstance(v, float) else v} |" for k, v in picked.items()]
     else:
         out.append("(no counters recorded)")
     return out + [""]
+
+
+def agreement(res: Path) -> list[str]:
+    """Greedy completions of the same raw prompts: each tiermoe mode against llama.cpp."""
+    spec = importlib.util.spec_from_file_location("greedy", Path(__file__).with_name("greedy.py"))
+    greedy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(greedy)
+    ref = _load(res / "greedy-llamacpp.json")
+    out = []
+    for p in sorted(res.glob("greedy-tiermoe-*.json")):
+        mine = _load(p)
+        if not (ref and mine):
+            continue
+        c = greedy.compare(mine, ref)
+        out.append(f"| {p.stem.removeprefix('greedy-')} vs llama.cpp | {c['identical_completions']}/{c['prompts']} | "
+                   f"{c['tokens_before_divergence']}/{c['tokens']} | {_f(c['topn_overlap_on_prefix'], 3)} | "
+                   f"{_f(c['mean_abs_logprob_diff'], 4)} / {_f(c['max_abs_logprob_diff'], 4)} |")
+    if not out:
+        return []
+    head = ["Same weights, same answers? Greedy completions of the built-in panel prompts (raw, 32 tokens, top-5 logprobs):", "",
+            "| pair | identical completions | tokens before divergence | top-5 overlap | mean / max abs logprob diff |",
+            "|---|---|---|---|---|"]
+    return head + out + [""]
 
 
 def main() -> int:
@@ -187,16 +217,12 @@ def main() -> int:
         md += ["llama.cpp buffers:", "", "```", buffers, "```", ""]
     md += ["Commands:", "", "```"] + [_text(p) for p in sorted(res.glob("cmd-*.txt"))] + ["```", ""]
     md += comparison(sweeps, floor)
-    score = _load(res / "panel-score-llamacpp.json")
-    if score:
-        md += [f"Agreement (llama.cpp teacher-forced on tiermoe's greedy panel): top-1 {_f(score.get('top1_agreement'), 3)}, "
-               f"mean KL {_f(score.get('mean_kl'), 4)}, greedy match {_f(score.get('greedy_match_fraction'), 3)} over "
-               f"{score.get('positions')} positions.", ""]
+    md += agreement(res)
     notes = _text(res / "notes.txt")
     if notes:
         md += ["Notes: " + notes, ""]
     for label in [k for k in sweeps if k.startswith("tiermoe")]:
-        md += profile(_load(res / f"stats-{label}.json"), label, floor)
+        md += profile(_load(res / f"stats-{label}.json"), _load(res / f"stats-before-{label}.json"), label, floor)
     detail = [str(res / "floor.json")] if floor else []
     detail += [str(res / f"sweep-{k}.json") for k in sweeps]
     if detail:

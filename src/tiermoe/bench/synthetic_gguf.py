@@ -117,7 +117,7 @@ def _tokenizer_fields(w, tok) -> None:
     model = json.loads(tok.backend_tokenizer.to_str())["model"]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")  # byte-level BPE with GPT-2's split regex, as the HF tokenizer
+    w.add_tokenizer_pre("gpt-2")  # llama.cpp: GPT-2 split regex, as the HF ByteLevel pre-tokenizer
     w.add_token_list(tokens)
     w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(n)])
     w.add_token_merges(merges)
