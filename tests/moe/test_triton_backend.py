@@ -88,7 +88,7 @@ def test_backend_matches_twins(stores, kind):
             x, ids, w = _batch(tokens, seed=tokens)
             out = be.forward(1, x, ids, w)  # [T, H]
             recs = st.fetch_records(1, list(range(8)))
-            twin = R.fused_moe_ref(x, ids, w, torch.stack([recs[e].clone() for e in range(8)]), be.layout)
+            twin = R.fused_moe_ref(x, ids, w, torch.stack([recs[e].to(DEVICE) for e in range(8)]), be.layout)
             torch_path = combine_experts(x, ids, w, lambda e: st.fetch(1, e))
             assert out.shape == (tokens, 64) and out.dtype == torch.bfloat16
             # the interpreter rounds fp32 -> bf16 toward zero (GPUs round to nearest), hence 2e-2
