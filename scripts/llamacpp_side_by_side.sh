@@ -85,7 +85,15 @@ phase_setup() {
   pick_model_dir
 }
 
+llama_env() {  # cuBLAS found outside the toolkit at build time must be on the loader path
+  if [ -s "$SBS_DIR/cuda-links/libdirs.txt" ]; then
+    LD_LIBRARY_PATH=$(paste -sd: "$SBS_DIR/cuda-links/libdirs.txt")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    export LD_LIBRARY_PATH
+  fi
+}
+
 record_llama_version() {  # record_llama_version NOTE
+  llama_env
   { echo "sdist llama-cpp-python $(cat "$CARRY/llama-cpp-python.version" 2>/dev/null || echo '?'); $1"
     "$LLAMA_BUILD/bin/llama-server" --version 2>&1 | grep -E "version|built with" | head -3; } > "$RES/llamacpp-version.txt"
 }
@@ -101,12 +109,17 @@ phase_build() {
   rm -rf "$LLAMA_SRC" && mkdir -p "$SBS_DIR" && tar -xzf "$SRC_TGZ" -C "$SBS_DIR" || die "unpack failed"
   local cuda=OFF
   if [ "$LLAMA_CUDA" = ON ] || { [ "$LLAMA_CUDA" = auto ] && command -v nvcc >/dev/null; }; then cuda=ON; fi
-  log "building llama-server (CUDA=$cuda, arch $CUDA_ARCH, $(nproc) jobs)"
+  local hints=()
+  if [ $cuda = ON ]; then  # cuBLAS / driver library outside the toolkit (pip-assembled CUDA): point CMake at them
+    mapfile -t hints < <($PY "$ROOT/scripts/sbs/cuda_hints.py" "$SBS_DIR/cuda-links")
+  fi
+  log "building llama-server (CUDA=$cuda, arch $CUDA_ARCH, $(nproc) jobs${hints[*]:+, hints: ${hints[*]}})"
   local t0=$SECONDS
   cmake -S "$LLAMA_SRC" -B "$LLAMA_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=$cuda \
     -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
-    -DLLAMA_USE_PREBUILT_UI=OFF > "$LOGS/llama-configure.log" 2>&1 || die "cmake failed (logs/llama-configure.log)"
+    -DLLAMA_USE_PREBUILT_UI=OFF "${hints[@]}" > "$LOGS/llama-configure.log" 2>&1 \
+    || die "cmake failed (logs/llama-configure.log)"
   ninja -C "$LLAMA_BUILD" -j "$(nproc)" llama-server > "$LOGS/llama-build.log" 2>&1 || die "build failed (logs/llama-build.log)"
   record_llama_version "CUDA $cuda, arch $CUDA_ARCH, built in $((SECONDS - t0)) s"
   log "built: $(tr '\n' ' ' < "$RES/llamacpp-version.txt")"
@@ -242,6 +255,7 @@ phase_tiermoe() { for m in $TIERMOE_MODES; do run_tiermoe "$m"; done; }
 phase_llamacpp() {
   local label=llamacpp port=8102 bin=$LLAMA_BUILD/bin/llama-server
   [ -x "$bin" ] || die "llama-server not built (phase build)"
+  llama_env
   [ -f "$MODEL_DIR/model.gguf" ] || die "no GGUF in $MODEL_DIR (phase model-gguf)"
   local cmd=("$bin" -m "$MODEL_DIR/model.gguf" --alias "$NAME" --host 127.0.0.1 --port $port -ngl 999
     --n-cpu-moe "$N_CPU_MOE" --fit off -t "$THREADS" -tb "$THREADS" -c $((CTX * NP)) -np "$NP" --no-kv-unified

