@@ -164,8 +164,11 @@ def test_selection_rules(stores, monkeypatch):
     assert "fp16 records" in triton_unsupported(Layout, torch.bfloat16, "cuda")
 
 
-def test_swiglu_clamp_falls_back_or_refuses(stores):
-    """The kernel has no SwiGLU clamp: auto falls back to torch, an explicit request refuses."""
+def test_swiglu_clamp_falls_back_or_refuses(stores, monkeypatch):
+    """Without a clamp in the kernel, a clamping model falls back to torch (auto) or is refused
+    (explicit); once fused_moe takes `swiglu_limit`, the backend keeps Triton and passes it."""
+    import tiermoe.kernels.triton.fused_moe as fm
+
     path, rec = stores["int4"]
 
     class Layer:
@@ -180,6 +183,20 @@ def test_swiglu_clamp_falls_back_or_refuses(stores):
         explicit = TieredExperts(st, kernel="triton", kernel_requested=True)
         with pytest.raises(UserError, match="swiglu_limit"):
             explicit.attach([Layer(1), Layer(2)])
+
+        seen = []
+        plain = fm.fused_moe
+
+        def clamping(*args, swiglu_limit=None, **kw):  # stands in for a kernel with the clamp
+            seen.append(swiglu_limit)
+            return plain(*args, **kw)
+
+        monkeypatch.setattr(fm, "fused_moe", clamping)
+        clamped = TieredExperts(st, kernel="triton", prefetch=False)
+        clamped.attach([Layer(1), Layer(2)])
+        assert clamped.kernel is not None and clamped.kernel.swiglu_limit == 7.0
+        clamped.forward(1, *_batch(2, seed=1))
+        assert seen == [7.0]
 
 
 @pytest.mark.slow

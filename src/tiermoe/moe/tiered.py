@@ -5,7 +5,7 @@ ExpertStore.fetch (GPU slot, host RAM or disk), and `combine_experts` runs the i
 arithmetic, so a bf16 store gives bit-identical logits whatever the tier sizes (exact mode).
 
 Expert kernel (`--expert-kernel`, options "expert_kernel"): on CUDA, stores the Triton kernel
-reads (bf16/int4/int8 records, bf16 activations, no SwiGLU clamp) are computed by
+reads (bf16/int4/int8 records, bf16 activations, a SwiGLU clamp only if the kernel has one) are computed by
 triton_backend.TritonExperts: one fused MoE call per layer over a pointer table into the tiers,
 host-tier records read in place. Exact mode is then bit-identical across tier sizes within that
 backend; the torch path (`combine_experts`, dequantized tensors) stays the default elsewhere.
@@ -121,11 +121,16 @@ class TieredExperts:
             self.swiglu_limit = moe_layers[0].moe.swiglu_limit
             if self.lane is not None:
                 self.lane.swiglu_limit = self.swiglu_limit
-        if self.kernel is not None and self.swiglu_limit is not None:  # the kernel has no clamp
-            if self._kernel_requested:
+        if self.kernel is not None and self.swiglu_limit is not None:
+            from tiermoe.moe.triton_backend import kernel_clamps
+
+            if kernel_clamps():
+                self.kernel.swiglu_limit = self.swiglu_limit
+            elif self._kernel_requested:
                 raise UserError("--expert-kernel triton: this model clamps its SwiGLU (swiglu_limit), "
                                 "which the Triton kernel does not; use --expert-kernel torch")
-            self.kernel = None
+            else:
+                self.kernel = None
 
     def begin_step(self, tokens: int, decode: bool) -> None:
         self.store.begin_step(tokens=tokens, decode=decode)

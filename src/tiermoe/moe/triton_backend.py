@@ -14,12 +14,14 @@ torch path (`combine_experts`) results are close, not bit-equal: the kernel accu
 fp32, rounds the SwiGLU activation to bf16 once and sums the top-k in pick order.
 
 Needs bf16 activations, bf16/int4/int8 records whose shapes the kernel's launch configurations
-tile, and no SwiGLU clamp (`triton_unsupported` says why not otherwise). Runs on CUDA; on CPU
+tile (`triton_unsupported` says why not otherwise), and a model without a SwiGLU clamp unless
+fused_moe takes a `swiglu_limit` argument (`kernel_clamps`; GLM-5.3 clamps at 10). Runs on CUDA; on CPU
 only through Triton's interpreter (TRITON_INTERPRET=1), which is how the tests exercise it.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -61,6 +63,14 @@ def triton_unsupported(record_layout, act_dtype: torch.dtype, device: str | torc
     return None
 
 
+def kernel_clamps() -> bool:
+    """Does fused_moe apply a SwiGLU clamp (a `swiglu_limit` keyword)? Models with
+    `swiglu_limit` set can use the Triton backend only then."""
+    from tiermoe.kernels.triton.fused_moe import fused_moe
+
+    return "swiglu_limit" in inspect.signature(fused_moe).parameters
+
+
 def choose_expert_kernel(requested: str | None, store, device: str) -> str:
     """'torch' or 'triton' for `--expert-kernel` (or $TIERMOE_EXPERT_KERNEL; default auto).
 
@@ -90,10 +100,11 @@ class TritonExperts:
     point at an all-zero record and their routing weights are zeroed).
     """
 
-    def __init__(self, store, config: dict | None = None):
+    def __init__(self, store, config: dict | None = None, swiglu_limit: float | None = None):
         from tiermoe.kernels.layout import layout_from
 
         self.store = store
+        self.swiglu_limit = swiglu_limit  # passed to fused_moe (needs kernel_clamps())
         self.layout = layout_from(store.layout)
         self.config = config  # a fused_moe launch config, else per shape/device (configs.json)
         self._zero: torch.Tensor | None = None  # all-zero record for skipped experts
@@ -125,7 +136,8 @@ class TritonExperts:
             topk_weights = topk_weights.masked_fill(torch.isin(topk_ids, torch.tensor(sorted(skip), device=topk_ids.device)), 0)
         table = self._table(layer, rows, x.device)  # [E] int64; rows nobody picks are never read
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-        out = fused_moe(xb.contiguous(), topk_ids, topk_weights, table, self.layout, config=self.config)  # [T, H]
+        clamp = {} if self.swiglu_limit is None else {"swiglu_limit": self.swiglu_limit}
+        out = fused_moe(xb.contiguous(), topk_ids, topk_weights, table, self.layout, config=self.config, **clamp)  # [T, H]
         self.store.device_reads_queued(recs.values())
         self.calls += 1
         self.picks += topk_ids.numel()
