@@ -133,11 +133,13 @@ class TritonExperts:
         if skip:
             zero = self._zero_record(x.device).data_ptr()
             rows.update({e: zero for e in skip})
-            topk_weights = topk_weights.masked_fill(torch.isin(topk_ids, torch.tensor(sorted(skip), device=topk_ids.device)), 0)
+            lane = torch.tensor(sorted(skip), device=topk_ids.device)
+            topk_weights = topk_weights.masked_fill(torch.isin(topk_ids, lane), 0)  # [T, k]
         table = self._table(layer, rows, x.device)  # [E] int64; rows nobody picks are never read
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         clamp = {} if self.swiglu_limit is None else {"swiglu_limit": self.swiglu_limit}
-        out = fused_moe(xb.contiguous(), topk_ids, topk_weights, table, self.layout, config=self.config, **clamp)  # [T, H]
+        out = fused_moe(xb.contiguous(), topk_ids, topk_weights, table, self.layout,
+                        config=self.config, **clamp)  # [T, H] bf16
         self.store.device_reads_queued(recs.values())
         self.calls += 1
         self.picks += topk_ids.numel()
