@@ -29,6 +29,8 @@ def add_engine_args(p, model_positional: bool = False) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache size (default: sized to fit)")
     p.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling")
+    p.add_argument("--num-speculative-tokens", type=int, default=0, choices=(0, 1, 2),
+                   help="MTP draft tokens verified per greedy decode step (0: off; models with an MTP head)")
     add_store_args(p)
 
 
@@ -124,4 +126,4 @@ def build_engine_core(model: str | None, *, device: str | None = None, dtype: st
              str(torch_dtype).replace("torch.", ""), ctx, num_pages, PAGE_SIZE, max_num_seqs)
     return LLMEngine(lm, tokenizer, max_model_len=ctx, max_num_seqs=max_num_seqs, max_batched_tokens=budget,
                      num_pages=num_pages, page_size=PAGE_SIZE, model_info={"arch": spec.arch, "name": path.name},
-                     seed=options.get("seed"))
+                     seed=options.get("seed"), num_speculative_tokens=options.get("num_speculative_tokens") or 0)

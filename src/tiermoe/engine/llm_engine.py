@@ -10,6 +10,10 @@ Structured output: a request with `params.structured` gets a grammar matcher whe
 and the engine ends it with "stop" as soon as the grammar is complete. Prompt logprobs: the
 runner collects them during prefill and they go out with the request's first output; such a
 request does not take pages from the prefix cache (cached positions have no logits).
+
+Speculative decoding (`num_speculative_tokens` 1 or 2, models with an MTP head): greedy
+requests in decode verify drafts and may get several tokens in one step; they are appended
+one by one with the usual stop checks (EOS, stop tokens, max_tokens), cut at the first stop.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ log = logging.getLogger("tiermoe.engine")
 
 class LLMEngine:
     def __init__(self, model, tokenizer, *, max_model_len: int, max_num_seqs: int, max_batched_tokens: int,
-                 num_pages: int, page_size: int = 16, model_info: dict | None = None, seed: int | None = None):
+                 num_pages: int, page_size: int = 16, model_info: dict | None = None, seed: int | None = None,
+                 num_speculative_tokens: int = 0):
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.vocab_size = model.spec.vocab_size
@@ -43,9 +48,11 @@ class LLMEngine:
         # Recurrent-state families cannot resume from a cached prefix: their state is per slot.
         recurrent = bool(getattr(model.spec, "extra", {}).get("recurrent_state"))
         self.kv = KVPages(num_pages, page_size, prefix_caching=not recurrent)
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_batched_tokens)
         self.runner = ModelRunner(model, num_pages, page_size, seed=seed, tokenizer=tokenizer,
-                                  eos_ids=self.eos_token_ids)
+                                  eos_ids=self.eos_token_ids, num_speculative_tokens=num_speculative_tokens)
+        spec = self.runner.spec
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_batched_tokens,
+                                   lookahead=spec.lookahead if spec is not None else None)
         self._lock = threading.Lock()
         self._incoming: deque[Request] = deque()
         self._aborts: deque[str] = deque()
@@ -107,10 +114,10 @@ class LLMEngine:
         if not batch:
             return outputs
         self.counters["steps"] += 1
-        if all(req.num_computed + n == req.num_tokens and n == 1 for req, n in batch.items):
+        if all(req.num_tokens - req.num_computed == 1 for req, _ in batch.items):
             self.counters["decode_steps"] += 1
         try:
-            done, result = self.runner.execute(batch.items, tuple(self.eos_token_ids))
+            done, result, verified = self.runner.execute(batch.items, tuple(self.eos_token_ids))
         except Exception as exc:  # fail this step's requests, keep serving the others
             log.exception("forward pass failed")
             self.counters["errors"] += 1
@@ -119,9 +126,11 @@ class LLMEngine:
                 outputs.append(self._finish(req, "error", error=message))
             return outputs
         for req, n in batch.items:
-            self.scheduler.commit(req, n)
+            self.scheduler.commit(req, len(verified[req.request_id]) if req.request_id in verified else n)
         if result is not None:
             outputs.extend(self._append_tokens(done, result))
+        if verified:
+            outputs.extend(self._append_verified(batch.items, verified))
         self.counters["step_seconds"] += time.perf_counter() - t0
         return outputs
 
@@ -141,6 +150,8 @@ class LLMEngine:
         backend = getattr(self.model, "expert_backend", None)
         if backend is not None and hasattr(backend, "counters"):
             out["experts"] = backend.counters()
+        if self.runner.spec is not None:
+            out["speculative"] = self.runner.spec.stats()
         return out
 
     # -- internals -----------------------------------------------------------------------
@@ -206,6 +217,25 @@ class LLMEngine:
                 outputs.append(self._finish(req, reason, [tok], lp, error, plp))
             else:
                 outputs.append(self._output(req, [tok], lp, False, None, None, plp))
+        return outputs
+
+    def _append_verified(self, items, verified: dict[str, list[int]]) -> list[RequestOutput]:
+        """Tokens of requests that verified drafts (no logprobs or grammar: see
+        runner/speculative.draftable), appended one by one and cut at the first stop."""
+        outputs = []
+        for req, _ in items:
+            tokens = verified.get(req.request_id)
+            if tokens is None:
+                continue
+            new, reason = [], None
+            for tok in tokens:
+                req.output_ids.append(tok)
+                new.append(tok)
+                self.counters["generation_tokens"] += 1
+                reason = self._stop_reason(req, tok)
+                if reason:
+                    break
+            outputs.append(self._finish(req, reason, new) if reason else self._output(req, new, None, False, None))
         return outputs
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:

@@ -11,6 +11,10 @@ prefilling, the logits of every prompt position of its chunk are computed (in sl
 PROMPT_LOGITS_ROWS rows, so a long chunk never materialises [T, V] at once) and the logprob of
 the next prompt token plus the top-k are stored by position; chunked prefill fills the list
 over several steps, and a preempted prefill simply overwrites the same positions.
+
+Speculative decoding (`num_speculative_tokens` > 0, models with an MTP head): `self.spec` (see
+runner/speculative.py) drafts before the forward and verifies after it; `execute` then also
+returns the tokens each verified request emits (several per step).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from tiermoe.engine.protocol import TokenLogprob
 from tiermoe.models.batch import build_forward_batch
 from tiermoe.runner.sampler import SampleResult, SampleRow, bias_tensors, sample
+from tiermoe.runner.speculative import make_drafter
 from tiermoe.runner.structured import GrammarBackend, RequestGrammar
 from tiermoe.scheduler.request import Request
 
@@ -39,7 +44,7 @@ def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
 
 class ModelRunner:
     def __init__(self, model, num_pages: int, page_size: int, seed: int | None = None, tokenizer=None,
-                 eos_ids: list[int] | None = None):
+                 eos_ids: list[int] | None = None, num_speculative_tokens: int = 0):
         self.model, self.page_size = model, page_size
         self.device, self.dtype = model.device, model.dtype
         self.kv_caches = [
@@ -55,6 +60,7 @@ class ModelRunner:
         self.biases: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         # request id -> per prompt position (None at 0 and until computed)
         self.prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
+        self.spec = make_drafter(model, num_pages, page_size, num_speculative_tokens)
 
     def generator_for(self, req: Request) -> torch.Generator | None:
         if req.params.seed is None or req.params.greedy:
@@ -89,6 +95,8 @@ class ModelRunner:
         self.grammars.pop(rid, None)
         self.biases.pop(rid, None)
         self.prompt_logprobs.pop(rid, None)
+        if self.spec is not None:
+            self.spec.release(rid)
 
     def take_prompt_logprobs(self, req: Request) -> list[TokenLogprob | None] | None:
         """The finished prompt logprobs of `req` (once; None if it did not ask)."""
@@ -103,15 +111,20 @@ class ModelRunner:
         err = g.error
         return (err is None and g.stopped), err
 
-    def _run(self, items: list[tuple[Request, int]], all_logits: bool = False):
-        chunks = [
-            (req.all_ids[req.num_computed : req.num_computed + n], req.num_computed, req.pages, req.slot)
-            for req, n in items
-        ]
+    def _run(self, items: list[tuple[Request, int]], all_logits: bool = False, drafts: dict[int, list[int]] | None = None):
+        """drafts: {item index: draft tokens} appended after that item's known token."""
+        drafts = drafts or {}
+        chunks = []
+        for i, (req, n) in enumerate(items):
+            d = drafts.get(i, [])
+            chunks.append((req.all_ids[req.num_computed : req.num_computed + n - len(d)] + d, req.num_computed,
+                           req.pages, req.slot))
         batch = build_forward_batch(chunks, self.page_size, self.device, all_logits=all_logits)
         backend = getattr(self.model, "expert_backend", None)
         if hasattr(backend, "begin_step"):
-            backend.begin_step(batch.num_tokens, decode=all(n == 1 for _, n in items))
+            backend.begin_step(batch.num_tokens, decode=all(n - len(drafts.get(i, ())) == 1 for i, (_, n) in enumerate(items)))
+        if drafts:  # verified sequences keep per-token recurrent state for the rollback
+            return batch, self.model(batch, self.kv_caches, keep_states=[i in drafts for i in range(len(items))])
         return batch, self.model(batch, self.kv_caches)  # hidden [T, H]
 
     def forward(self, items: list[tuple[Request, int]], all_logits: bool = False) -> torch.Tensor:
@@ -119,15 +132,21 @@ class ModelRunner:
         batch, hidden = self._run(items, all_logits)
         return self.model.logits(hidden[batch.logits_index])
 
-    def execute(self, items: list[tuple[Request, int]], eos_ids: tuple[int, ...]) -> tuple[list[Request], SampleResult | None]:
-        """Forward + sample for the requests whose every known token is computed after this step."""
-        batch, hidden = self._run(items)
+    def execute(self, items: list[tuple[Request, int]], eos_ids: tuple[int, ...]
+                ) -> tuple[list[Request], SampleResult | None, dict[str, list[int]]]:
+        """Forward + sample for the requests whose every known token is computed after this step.
+
+        Returns (those requests, their sampled tokens, {request id: tokens} of the requests
+        that verified drafts this step: those are not in the first two)."""
+        drafts = self.spec.prepare(items) if self.spec is not None else {}
+        batch, hidden = self._run(items, drafts=drafts)
         if self.prompt_logprobs:
             self._collect_prompt_logprobs(items, batch, hidden)
+        emitted = self.spec.verify(items, batch.seqs, hidden, drafts) if self.spec is not None else {}
         logits = self.model.logits(hidden[batch.logits_index])  # [N, V]
         done = [i for i, (req, n) in enumerate(items) if req.num_computed + n == req.num_tokens]
         if not done:
-            return [], None
+            return [], None, emitted
         reqs = [items[i][0] for i in done]
         rows = [SampleRow(r.params, r.prompt_ids, r.output_ids, self.generator_for(r), eos_ids,
                           bias=self.biases.get(r.request_id)) for r in reqs]
@@ -138,7 +157,7 @@ class ModelRunner:
             for j, i in enumerate(constrained):
                 rows[i].allowed = masks[j]
         idx = torch.tensor(done, dtype=torch.long, device=logits.device)
-        return reqs, sample(logits.index_select(0, idx), rows, self.default_generator)
+        return reqs, sample(logits.index_select(0, idx), rows, self.default_generator), emitted
 
     def _collect_prompt_logprobs(self, items, batch, hidden: torch.Tensor) -> None:
         """Logprob of each next prompt token (and the top-k) at every prompt position computed now.

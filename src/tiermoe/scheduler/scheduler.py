@@ -4,12 +4,17 @@ Scheduling is in tokens, not phases: a running decode asks for 1 token, a prompt
 what is left of it, and a per-step budget cuts prompts into chunks (chunked prefill), so
 decodes and prefills mix in one step. When KV pages run out, the most recently admitted
 running request is preempted (its pages freed, its tokens recomputed later, nothing lost).
+
+Speculative decoding: with a `lookahead(req) -> k` callback, a running request in decode is
+given 1 + k tokens when the budget and free pages allow it (drafts to verify; never at the
+cost of a preemption), and `commit` is told how many of them were accepted.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from tiermoe.scheduler.kv_pages import KVPages
 from tiermoe.scheduler.request import Request, Status
@@ -25,8 +30,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVPages, max_num_seqs: int, max_batched_tokens: int):
+    def __init__(self, kv: KVPages, max_num_seqs: int, max_batched_tokens: int,
+                 lookahead: Callable[[Request], int] | None = None):
         self.kv, self.max_num_seqs, self.max_batched_tokens = kv, max_num_seqs, max_batched_tokens
+        self.lookahead = lookahead
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -55,6 +62,11 @@ class Scheduler:
                 out.items.append((req, n))
                 budget -= n
                 i += 1
+        if self.lookahead is not None:  # drafts only from what is left, never by preempting
+            for j, (req, n) in enumerate(out.items):
+                extra = self._extra(req, n, budget)
+                out.items[j] = (req, n + extra)
+                budget -= extra
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
             if req.num_computed == 0 and not req.pages:
@@ -76,6 +88,16 @@ class Scheduler:
             out.items.append((req, n))
             budget -= n
         return out
+
+    def _extra(self, req: Request, n: int, budget: int) -> int:
+        """Draft tokens to add to req's decode step of n tokens, within the `budget` left
+        (pages taken only if free)."""
+        if req.num_tokens - req.num_computed != 1 or budget <= 0:
+            return 0
+        k = min(self.lookahead(req), budget)
+        while k > 0 and not self.kv.allocate(req.pages, req.num_computed + n + k):
+            k -= 1
+        return max(k, 0)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -101,6 +123,7 @@ class Scheduler:
         self._release(req)
 
     def commit(self, req: Request, n: int) -> None:
-        """After the forward pass computed n new tokens of req."""
+        """After the forward pass computed n new tokens of req (with drafts: the accepted ones,
+        which the engine appends to the output just after)."""
         req.num_computed += n
-        self.kv.commit(req.pages, req.all_ids, req.num_computed)
+        self.kv.commit(req.pages, req.all_ids, min(req.num_computed, req.num_tokens))

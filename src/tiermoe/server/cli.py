@@ -33,6 +33,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per engine step (chunked prefill)")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="memory for KV pages (default: sized by the engine)")
     p.add_argument("--seed", type=int, default=None, help="engine sampling seed")
+    p.add_argument("--num-speculative-tokens", type=int, default=0, choices=(0, 1, 2),
+                   help="MTP draft tokens verified per greedy decode step (0: off; models with an MTP head)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     add_store_args(p)
     p.add_argument("--dtype", default="auto", help="activation dtype: auto, bfloat16, float16, float32")

@@ -34,14 +34,16 @@ class SeqBatch:
     """Flat token layout of one forward: sequence b owns rows [cu[b], cu[b] + lens[b]).
 
     `starts[b]` is how many tokens slot `slots[b]` already holds (0 = fresh sequence). With
-    `keep_states`, KDA layers record every intermediate state so the slot can be rolled back
-    to any prefix of the new tokens (speculative verification)."""
+    `keep_states` (True for all sequences, or one flag per sequence), KDA layers record every
+    intermediate state of those sequences so their slots can be rolled back to any prefix of
+    the new tokens (speculative verification); `keep[b]` is the per-sequence flag."""
 
     slots: list[int]
     starts: list[int]
     lens: list[int]
-    keep_states: bool = False
+    keep_states: bool | list[bool] = False
     cu: list[int] = field(init=False)
+    keep: list[bool] = field(init=False)
 
     def __post_init__(self):
         if not (len(self.slots) == len(self.starts) == len(self.lens)):
@@ -53,6 +55,12 @@ class SeqBatch:
             if n < 1:
                 raise ValueError("SeqBatch: every sequence needs at least one new token")
             self.cu.append(self.cu[-1] + n)
+        if isinstance(self.keep_states, bool):
+            self.keep = [self.keep_states] * len(self.lens)
+        else:
+            self.keep = [bool(k) for k in self.keep_states]
+            if len(self.keep) != len(self.lens):
+                raise ValueError("SeqBatch: keep_states needs one flag per sequence")
 
     @property
     def num_tokens(self) -> int:
@@ -132,7 +140,7 @@ class KDAStates:
         """window [3C, K-1+n]: the cached columns followed by this forward's pre-conv rows."""
         s = self.slots[batch.slots[b]]
         km1 = s.conv[layer].shape[-1]
-        if batch.keep_states:
+        if batch.keep[b]:
             s.hist.setdefault(layer, [batch.starts[b], None, None])[2] = window.clone()
         s.conv[layer].copy_(window[:, window.shape[-1] - km1:])
 

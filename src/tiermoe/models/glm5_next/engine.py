@@ -9,6 +9,11 @@ MLA latent and indexer rows live in the engine's paged KV cache (per-token shape
 `cache_shapes`; KDA layers need none). KDA conv/recurrent state lives here, keyed by the
 engine's sequence slot: a sequence must start at token 0 or continue where its slot stopped,
 so prefix caching cannot be used with this family (a resume from cached pages raises).
+
+Speculative decoding hooks (used by tiermoe.runner.speculative when the engine runs with
+`num_speculative_tokens`): `enable_mtp()` loads the MTP layer, `mtp_cache_shapes()` sizes its
+paged rows, `forward(..., keep_states=[per sequence])` records KDA states for verification,
+`rollback(slot, length)` drops rejected tokens' KDA state, `mtp_forward` / `mtp_logits` draft.
 """
 
 from __future__ import annotations
@@ -77,10 +82,10 @@ class _PagedView:
     def __init__(self, kda: KDAStates, kv_caches: list[dict[str, torch.Tensor]], fb: ForwardBatch):
         self.kda, self.kv, self.fb = kda, kv_caches, fb
 
-    def check(self, batch: SeqBatch) -> None:
+    def check(self, batch: SeqBatch, mtp: bool = False) -> None:
         pass  # capacity and page ownership are the scheduler's
 
-    def commit(self, batch: SeqBatch) -> None:
+    def commit(self, batch: SeqBatch, mtp: bool = False) -> None:
         pass
 
     def mla_rows(self, name: str, layer: int, batch: SeqBatch, b: int, rows: torch.Tensor) -> torch.Tensor:
@@ -94,11 +99,13 @@ class _PagedView:
 class Glm5NextEngineModel(nn.Module):
     """Adapter: engine ForwardBatch + paged KV cache -> Glm5NextModel."""
 
-    def __init__(self, model: Glm5NextModel, spec: Glm5NextSpec, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model: Glm5NextModel, spec: Glm5NextSpec, device: torch.device, dtype: torch.dtype,
+                 model_dir: Path | None = None):
         super().__init__()
         self.model, self.spec = model, spec
         self.device, self.dtype = torch.device(device), dtype
         self.kda = KDAStates(model.cfg, self.device, dtype)
+        self.model_dir = model_dir
 
     @property
     def expert_backend(self):
@@ -119,17 +126,66 @@ class Glm5NextEngineModel(nn.Module):
     def moe_layers(self) -> list:
         return self.model.moe_layers()
 
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_caches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    @staticmethod
+    def _seq_batch(batch: ForwardBatch, keep_states: list[bool] | None = None) -> SeqBatch:
         seqs = batch.seqs
-        sb = SeqBatch([s.slot for s in seqs], [s.ctx_len - s.q_len for s in seqs], [s.q_len for s in seqs])
+        sb = SeqBatch([s.slot for s in seqs], [s.ctx_len - s.q_len for s in seqs], [s.q_len for s in seqs],
+                      keep_states=keep_states if keep_states is not None else False)
         if sb.cu[:-1] != [s.q_start for s in seqs]:
             raise ValueError("ForwardBatch sequences are not laid out back to back")
+        return sb
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_caches: list[dict[str, torch.Tensor]],
+                keep_states: list[bool] | None = None) -> torch.Tensor:
+        """hidden [T, H]. keep_states: per sequence, record KDA states so `rollback` can drop
+        some of this forward's tokens (speculative verification)."""
+        sb = self._seq_batch(batch, keep_states)
         return self.model(batch.input_ids, sb, _PagedView(self.kda, kv_caches, batch))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden).float()
+
+    # -- speculative decoding (MTP) ---------------------------------------------------------
+    def enable_mtp(self) -> bool:
+        """Load the MTP layer (once); False when the checkpoint has none."""
+        from .loader import attach_mtp
+
+        if self.model_dir is None:
+            return self.model.mtp is not None
+        return attach_mtp(self.model, self.model_dir)
+
+    @property
+    def mtp_layer(self) -> int:
+        return self.model.cfg.mtp_layer_idx
+
+    def mtp_cache_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-token rows of the MTP layer's MLA cache (paged like the trunk's, by position)."""
+        cfg: Glm5NextConfig = self.model.cfg
+        shapes = {"latent": (cfg.kv_lora_rank,)}
+        if not cfg.shares_topk(cfg.mtp_layer_idx):
+            shapes["index"] = (2 * cfg.index_head_dim,)
+        return shapes
+
+    @torch.inference_mode()
+    def rollback(self, slot: int, length: int) -> None:
+        """Keep the first `length` tokens of the slot's KDA state (after a keep_states forward).
+        MLA rows need nothing: rows past a sequence's length are never read."""
+        self.kda.rollback(slot, length)
+
+    @torch.inference_mode()
+    def mtp_forward(self, batch: ForwardBatch, mtp_kv: dict[str, torch.Tensor], prev_hidden: torch.Tensor) -> torch.Tensor:
+        """One MTP pass. batch: entries (t_{i+1} as input ids, positions = entry index i) laid out
+        like a trunk batch over the MTP paged rows `mtp_kv`; prev_hidden [T, H]: h_i of each
+        entry (trunk output, or an MTP hidden for a chained draft) -> MTP hidden [T, H]."""
+        sb = self._seq_batch(batch)
+        view = _PagedView(self.kda, {self.model.cfg.mtp_layer_idx: mtp_kv}, batch)
+        return self.model.mtp_forward(batch.input_ids, prev_hidden, sb, view)
+
+    @torch.inference_mode()
+    def mtp_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.mtp_logits(mtp_hidden).float()
 
 
 def build_model(model_dir, hf_config=None, *, device="cpu", dtype=None, expert_backend=None) -> Glm5NextEngineModel:
@@ -142,4 +198,4 @@ def build_model(model_dir, hf_config=None, *, device="cpu", dtype=None, expert_b
     spec = build_spec(hf_config, str(model_dir / "config.json"))
     dtype = dtype or torch.float32
     model = load_model(model_dir, dtype=dtype, device=device, expert_backend=expert_backend, mtp=False)
-    return Glm5NextEngineModel(model, spec, torch.device(device), dtype).eval()
+    return Glm5NextEngineModel(model, spec, torch.device(device), dtype, model_dir).eval()

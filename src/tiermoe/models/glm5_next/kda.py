@@ -186,7 +186,7 @@ class KDAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x))  # [T, H]
         core = torch.empty(t, h, d, dtype=torch.float32, device=x.device)
 
-        decode = [b for b, n in enumerate(batch.lens) if n == 1 and not batch.keep_states]
+        decode = [b for b, n in enumerate(batch.lens) if n == 1 and not batch.keep[b]]
         if decode:  # all single-token sequences in one recurrent step
             rows = torch.tensor([batch.cu[b] for b in decode], device=x.device)
             s0 = torch.stack([states.ssm(layer, batch.slots[b]) for b in decode])  # [B, H, dk, dv]
@@ -195,12 +195,12 @@ class KDAttention(nn.Module):
             for j, b in enumerate(decode):
                 states.set_ssm(layer, batch, b, s1[j])
         for b, n in enumerate(batch.lens):
-            if n == 1 and not batch.keep_states:
+            if n == 1 and not batch.keep[b]:
                 continue
             lo, hi = batch.cu[b], batch.cu[b] + n
             s0 = states.ssm(layer, batch.slots[b])[None]
             args = (q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], g[None, lo:hi], beta[None, lo:hi], s0)
-            if batch.keep_states:
+            if batch.keep[b]:
                 o, s1, steps = kda_recurrent(*args, keep_states=True)
                 states.set_ssm(layer, batch, b, s1[0], steps[:, 0])
             else:

@@ -10,6 +10,7 @@ detected from the embedding key. The MTP block is checkpoint layer `num_hidden_l
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from tiermoe.errors import UserError
 from tiermoe.moe.experts import ResidentExperts
 
 from .config import Glm5NextConfig, load_config
-from .model import Glm5NextModel
+from .model import Glm5NextModel, MTPLayer
 from .weights import Checkpoint
 
 PREFIXES = ("model.language_model.", "model.", "language_model.model.", "")
@@ -136,3 +137,41 @@ def load_model(
     model.checkpoint_prefix = prefix
     model.dtype, model.device = dtype, torch.device(device)
     return model.eval()
+
+
+def attach_mtp(model: Glm5NextModel, model_dir: str | Path) -> bool:
+    """Load the MTP layer of `model_dir` into a trunk loaded with `mtp=False` (the serving
+    engine does this only when speculative decoding is asked for). Its routed experts come
+    from the checkpoint when the model's experts are resident, else through the model's
+    expert backend (a packed store holds the MTP layer's experts like any other layer's).
+    Returns False when the checkpoint has no MTP layer."""
+    cfg: Glm5NextConfig = model.cfg
+    if model.mtp is not None:
+        return True
+    if not cfg.num_nextn_predict_layers:
+        return False
+    model_dir = Path(model_dir)
+    ck = Checkpoint(model_dir)
+    prefix = detect_prefix(ck)
+    dtype, device = model.dtype, model.device
+    layer = cfg.mtp_layer_idx
+    backend = model.expert_backend
+    if not isinstance(backend, ResidentExperts):
+        manifest = model_dir / "manifest.json"
+        packed = json.loads(manifest.read_text()).get("moe_layers", []) if manifest.is_file() else []
+        if layer not in packed:
+            raise UserError(f"{model_dir}: the expert store has no experts for the MTP layer {layer}; "
+                            "re-pack from a checkpoint that includes them")
+    with torch.device("meta"):
+        mtp = MTPLayer(cfg)
+    for name, p in list(mtp.named_parameters()):
+        t = _param_tensor(ck, cfg, prefix, f"mtp.{name}")
+        if tuple(t.shape) != tuple(p.shape):
+            raise UserError(f"{ck.source}: tensor for 'mtp.{name}' has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+        keep32 = name.endswith(_FP32_SUFFIXES)
+        _set_param(mtp, name, t.to(device=device, dtype=torch.float32 if keep32 else dtype).clone())
+    if isinstance(backend, ResidentExperts):
+        backend.add_layer(layer, *load_expert_layer(ck, prefix, layer, cfg.n_routed_experts, dtype, device))
+    mtp.mlp.backend = backend
+    model.mtp = mtp.eval()
+    return True

@@ -14,6 +14,13 @@ the sparse path; 16 indexer heads make an all-ReLU-zero pool score (an exact tie
 reference breaks arbitrarily) rare; swiglu_limit=1.0 makes the clamp bite. Weights are drawn with scales that
 keep activations O(1) and logits peaked (so top-1 is well defined). The MTP block (not part
 of transformers' class) is appended under `layers.8.*` in the hub key layout.
+
+`branch_scale` < 1 shrinks every residual branch's output projection of the trunk (attention
+and KDA `o_proj`, MLP / shared / routed `down_proj`), so each position's own token dominates
+its residual stream as in trained models. With the default 1.0 the random trunk's next token
+is close to a chaotic function of the whole context (a next-token table built from its own
+continuations predicts about 5 % of held-out ones), which no small draft head can learn; at
+0.25 about half. `distill.distill_mtp` then trains the MTP layer on what the trunk says.
 """
 
 from __future__ import annotations
@@ -76,8 +83,12 @@ def _fill(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return normal(1.0 / math.sqrt(p.shape[-1]))  # linear weights [out, in], hc fn
 
 
-def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0, with_mtp: bool = True) -> Path:
-    """Create `out_dir` with config.json, model.safetensors and tokenizer files; returns it."""
+_BRANCH_OUTPUTS = ("o_proj.weight", "down_proj.weight", "experts.down_proj")
+
+
+def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0, with_mtp: bool = True, branch_scale: float = 1.0) -> Path:
+    """Create `out_dir` with config.json, model.safetensors and tokenizer files; returns it.
+    branch_scale: factor on the trunk's residual-branch output projections (see above)."""
     from transformers import AutoTokenizer, Glm5NextForConditionalGeneration
     from transformers import Glm5NextConfig as HFConfig
 
@@ -93,7 +104,10 @@ def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0, with_mtp: bool = T
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".visual." not in name:
-                p.copy_(_fill(name, p, gen).to(p.dtype))
+                value = _fill(name, p, gen)
+                if branch_scale != 1.0 and name.endswith(_BRANCH_OUTPUTS):
+                    value = value * branch_scale
+                p.copy_(value.to(p.dtype))
     model.save_pretrained(str(out))
 
     if with_mtp:
