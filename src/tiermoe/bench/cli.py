@@ -15,7 +15,7 @@ import json
 
 from tiermoe.errors import UserError
 
-BENCH_EXTRA_MODULES = ("tiermoe.bench.decode", "tiermoe.bench.moe_gpu", "tiermoe.bench.synthetic_qwen3")
+BENCH_EXTRA_MODULES = ("tiermoe.bench.decode", "tiermoe.bench.moe_gpu", "tiermoe.bench.synthetic_qwen3", "tiermoe.bench.mtp")
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
