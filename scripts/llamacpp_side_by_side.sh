@@ -15,7 +15,8 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PY:-python3}
 SBS_DIR=${SBS_DIR:-${HOME:-/root}/sbs}
-MODEL_DIR=${MODEL_DIR:-auto}          # auto: $SBS_DIR/model, or /dev/shm/sbs-model when the disk is too small
+STORE_DIR=${STORE_DIR:-auto}          # where each format is written (auto: see plan_layout)
+GGUF_DIR=${GGUF_DIR:-auto}
 RES=$SBS_DIR/results
 LOGS=$SBS_DIR/logs
 LAYERS=${LAYERS:-24}
@@ -71,20 +72,47 @@ phase_prepare() {  # needs PyPI: the llama.cpp sources (trimmed) and the wheels 
   log "carry .whl and .peer/carry ($(du -sh "$ROOT/.whl" "$CARRY" | cut -f1 | tr '\n' ' '))"
 }
 
-pick_model_dir() {  # one format at a time must fit; the choice is kept for later phases
-  if [ "$MODEL_DIR" != auto ]; then return 0; fi
-  if [ -f "$SBS_DIR/model-dir.txt" ]; then MODEL_DIR=$(cat "$SBS_DIR/model-dir.txt"); return 0; fi
-  local need free_disk free_shm
+plan_layout() {  # where the store and the GGUF go; kept in $SBS_DIR/layout.env for later phases
+  if [ -f "$SBS_DIR/layout.env" ]; then . "$SBS_DIR/layout.env"; return 0; fi
+  local sizes
   # shellcheck disable=SC2086
-  need=$(tm bench make-qwen3moe /unused --layers "$LAYERS" --sizes-only $MODEL_ARGS | \
-    $PY -c "import json,sys; d=json.load(sys.stdin); print(int(max(d['store_bytes'], d['gguf_bytes']) * 1.05))") \
-    || die "cannot size the model (make-qwen3moe --sizes-only)"
-  free_disk=$($PY -c "import shutil,sys; print(shutil.disk_usage(sys.argv[1]).free)" "$SBS_DIR")
-  free_shm=$($PY -c "import shutil; print(shutil.disk_usage('/dev/shm').free)" 2>/dev/null || echo 0)
-  MODEL_DIR=$SBS_DIR/model
-  if [ "$free_disk" -lt "$need" ] && [ "$free_shm" -ge "$need" ]; then MODEL_DIR=/dev/shm/sbs-model; fi
-  echo "$MODEL_DIR" > "$SBS_DIR/model-dir.txt"
-  log "model directory $MODEL_DIR (one format needs $((need / 2**30)) GiB; free: disk $((free_disk / 2**30)), /dev/shm $((free_shm / 2**30)) GiB)"
+  sizes=$(tm bench make-qwen3moe /unused --layers "$LAYERS" --sizes-only $MODEL_ARGS) || die "cannot size the model"
+  # Disk first (the store is read with O_DIRECT), then /dev/shm (RAM); both at once when they fit,
+  # else one after the other in one place (SEQUENTIAL=1: the store is removed before the GGUF).
+  $PY - "$SBS_DIR" "$STORE_DIR" "$GGUF_DIR" "$sizes" > "$SBS_DIR/layout.env" <<'PY' \
+    || { rm -f "$SBS_DIR/layout.env"; die "no room for the model on disk or in /dev/shm (lower LAYERS)"; }
+import json, os, shutil, sys
+sbs, want_store, want_gguf, sizes = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+need = {"store": sizes["store_bytes"] * 1.05, "gguf": sizes["gguf_bytes"] * 1.05}
+places = [os.path.join(sbs, "model")] + (["/dev/shm/sbs-model"] if os.path.isdir("/dev/shm") else [])
+def free(p):
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    return shutil.disk_usage(p).free, os.stat(p).st_dev
+left = {}
+for p in places:
+    f, dev = free(p)
+    left.setdefault(dev, f)
+dev_of = {p: free(p)[1] for p in places}
+chosen = {}
+for fmt, want in (("store", want_store), ("gguf", want_gguf)):
+    opts = [want] if want != "auto" else places
+    for p in opts:
+        d = dev_of.get(p, free(p)[1])
+        left.setdefault(d, free(p)[0])
+        if left[d] >= need[fmt]:
+            chosen[fmt] = p
+            left[d] -= need[fmt]
+            break
+seq = 0
+if "store" not in chosen:
+    sys.exit(1)
+if "gguf" not in chosen:  # one place for one format at a time
+    chosen["gguf"], seq = chosen["store"], 1
+print(f"STORE_DIR={chosen['store']}\nGGUF_DIR={chosen['gguf']}\nSEQUENTIAL={seq}")
+PY
+  . "$SBS_DIR/layout.env"
+  log "layout: store in $STORE_DIR, GGUF in $GGUF_DIR$([ "$SEQUENTIAL" = 1 ] && echo ' (one at a time)')"
 }
 
 phase_setup() {
@@ -99,7 +127,7 @@ phase_setup() {
     || log "probe failed (see logs/probe.log)"
   git -C "$ROOT" rev-parse HEAD > "$RES/tiermoe-commit.txt" 2>/dev/null \
     || cp "$CARRY/tiermoe-commit.txt" "$RES/" 2>/dev/null || echo unknown > "$RES/tiermoe-commit.txt"
-  pick_model_dir
+  plan_layout
 }
 
 llama_env() {  # cuBLAS found outside the toolkit at build time must be on the loader path
@@ -142,40 +170,37 @@ phase_build() {
   log "built: $(tr '\n' ' ' < "$RES/llamacpp-version.txt")"
 }
 
-make_model() {  # make_model FORMAT
-  local f=$1 meta=$MODEL_DIR/synthetic-$1.json target=$MODEL_DIR/store/manifest.json
-  [ "$f" = gguf ] && target=$MODEL_DIR/model.gguf
+make_model() {  # make_model FORMAT DIR
+  local f=$1 dir=$2 meta=$2/synthetic-$1.json target=$2/store/manifest.json
+  [ "$f" = gguf ] && target=$dir/model.gguf
   if [ -f "$meta" ] && [ -f "$target" ] && [ "$(json_get "$meta" "d['spec']['layers']")" = "$LAYERS" ]; then
-    log "$f model present ($meta)"; return 0
+    log "$f model present ($meta)"; cp "$meta" "$RES/"; return 0
   fi
-  log "writing the $f model ($LAYERS layers) into $MODEL_DIR"
+  log "writing the $f model ($LAYERS layers) into $dir"
   # shellcheck disable=SC2086
-  tm bench make-qwen3moe "$MODEL_DIR" --layers "$LAYERS" --formats "$f" --force $MODEL_ARGS \
+  tm bench make-qwen3moe "$dir" --layers "$LAYERS" --formats "$f" --force $MODEL_ARGS \
     > "$LOGS/make-$f.log" 2>&1 || die "make-qwen3moe $f failed (logs/make-$f.log)"
   cp "$meta" "$RES/"
   grep -v '%|' "$LOGS/make-$f.log" | tail -3
 }
 
-phase_model_store() { make_model store; }
+phase_model_store() { make_model store "$STORE_DIR"; }
 
 phase_model_gguf() {
-  local need
-  need=$(tm bench make-qwen3moe /nonexistent --layers "$LAYERS" --sizes-only $MODEL_ARGS | $PY -c "import json,sys; print(json.load(sys.stdin)['gguf_bytes'])")
-  if [ ! -f "$MODEL_DIR/synthetic-gguf.json" ] && [ -d "$MODEL_DIR/store" ]; then
-    local free
-    free=$($PY -c "import shutil,sys; print(shutil.disk_usage(sys.argv[1]).free)" "$MODEL_DIR")
-    if [ "$free" -lt $((need + need / 20)) ]; then
-      log "not enough disk for the GGUF beside the store: removing the store (its digest stays in results/)"
-      echo "store removed before writing the GGUF (free $free bytes, GGUF needs $need)" >> "$RES/notes.txt"
-      rm -rf "$MODEL_DIR/store"
-    fi
+  if [ "$SEQUENTIAL" = 1 ] && [ -d "$STORE_DIR/store" ] && [ ! -f "$GGUF_DIR/model.gguf" ]; then
+    log "no room for both formats: removing the store before writing the GGUF (its digest stays in results/)"
+    echo "The store was removed before the GGUF was written (no room for both)." >> "$RES/notes.txt"
+    rm -rf "$STORE_DIR/store"
   fi
-  make_model gguf
+  make_model gguf "$GGUF_DIR"
 }
 
 phase_check() {
-  if [ -d "$MODEL_DIR/store" ] && [ -f "$MODEL_DIR/model.gguf" ]; then
-    tm bench check-qwen3moe "$MODEL_DIR" > "$RES/check.txt" 2>"$LOGS/check.err"; log "$(tail -1 "$RES/check.txt")"
+  if [ -d "$STORE_DIR/store" ] && [ -f "$GGUF_DIR/model.gguf" ]; then
+    local both=$SBS_DIR/check-view  # one directory view of both formats and their summaries
+    rm -rf "$both" && mkdir -p "$both"
+    ln -s "$STORE_DIR/store" "$STORE_DIR/synthetic-store.json" "$GGUF_DIR/model.gguf" "$GGUF_DIR/synthetic-gguf.json" "$both/"
+    tm bench check-qwen3moe "$both" > "$RES/check.txt" 2>"$LOGS/check.err"; log "$(tail -1 "$RES/check.txt")"
   else
     log "check skipped (store and GGUF are not both on disk); report compares generation digests"
   fi
@@ -242,11 +267,11 @@ measure() {  # measure LABEL URL STATS(0|1) BENCH...: warm-up, sweep into result
 
 run_tiermoe() {  # run_tiermoe MODE
   local mode=$1 label=tiermoe-$1 port=8101 gpu_gb host_gb dio=""
-  [ -d "$MODEL_DIR/store" ] || die "no store in $MODEL_DIR (phase model-store)"
+  [ -d "$STORE_DIR/store" ] || die "no store in $STORE_DIR (phase model-store)"
   gpu_gb=$(expert_gib $((LAYERS - N_CPU_MOE)))
   host_gb=$($PY -c "print(round($(expert_gib "$LAYERS") + 1, 2))")
-  [ "$($PY -c "import os,sys; print(int(os.path.realpath(sys.argv[1]).startswith('/dev/shm')))" "$MODEL_DIR")" = 1 ] && dio=--no-direct-io
-  local cmd=("$PY" -m tiermoe.cli serve "$MODEL_DIR/store" --host 127.0.0.1 --port $port --served-model-name "$NAME"
+  [ "$($PY -c "import os,sys; print(int(os.path.realpath(sys.argv[1]).startswith('/dev/shm')))" "$STORE_DIR")" = 1 ] && dio=--no-direct-io
+  local cmd=("$PY" -m tiermoe.cli serve "$STORE_DIR/store" --host 127.0.0.1 --port $port --served-model-name "$NAME"
     --max-model-len "$CTX" --max-num-seqs "$NP" --max-num-batched-tokens "$UBATCH" --gpu-expert-gb "$gpu_gb"
     --host-expert-gb "$host_gb" --mode "$mode" --cpu-lane-threads "$THREADS" $dio $TIERMOE_EXTRA_ARGS)
   echo "tiermoe ${cmd[*]:3}" > "$RES/cmd-$label.txt"
@@ -274,8 +299,8 @@ phase_llamacpp() {
   local label=llamacpp port=8102 bin=$LLAMA_BUILD/bin/llama-server
   [ -x "$bin" ] || die "llama-server not built (phase build)"
   llama_env
-  [ -f "$MODEL_DIR/model.gguf" ] || die "no GGUF in $MODEL_DIR (phase model-gguf)"
-  local cmd=("$bin" -m "$MODEL_DIR/model.gguf" --alias "$NAME" --host 127.0.0.1 --port $port -ngl 999
+  [ -f "$GGUF_DIR/model.gguf" ] || die "no GGUF in $GGUF_DIR (phase model-gguf)"
+  local cmd=("$bin" -m "$GGUF_DIR/model.gguf" --alias "$NAME" --host 127.0.0.1 --port $port -ngl 999
     --n-cpu-moe "$N_CPU_MOE" --fit off -t "$THREADS" -tb "$THREADS" -c $((CTX * NP)) -np "$NP" --no-kv-unified
     -b "$UBATCH" -ub "$UBATCH" -fa on --jinja --no-webui $LLAMA_EXTRA_ARGS)
   echo "llama-server ${cmd[*]:1}" > "$RES/cmd-$label.txt"
@@ -305,18 +330,27 @@ phase_report() {
   log "table: $RES/side_by_side.md"
 }
 
-phase_all() {
+phase_all() {  # the core comparison (first tiermoe mode vs llama.cpp) first, other modes after it
   phase_setup
-  log "build and model-store in parallel"
+  local first=${TIERMOE_MODES%% *} rest=${TIERMOE_MODES#"${TIERMOE_MODES%% *}"}
+  log "build and model generation in parallel"
   ( phase_build ) > "$LOGS/phase-build.log" 2>&1 &
   local bpid=$!
   phase_model_store
+  [ "$SEQUENTIAL" = 1 ] || { phase_model_gguf; phase_check; }
   wait $bpid && log "build done" || log "build failed: $(tail -2 "$LOGS/phase-build.log")"
-  phase_tiermoe
-  phase_model_gguf
-  phase_check
+  run_tiermoe "$first"
+  if [ "$SEQUENTIAL" = 1 ]; then
+    for m in $rest; do run_tiermoe "$m"; done
+    phase_model_gguf
+    rest=""
+  fi
   phase_llamacpp
   phase_report
+  if [ -n "${rest// /}" ]; then
+    for m in $rest; do run_tiermoe "$m"; done
+    phase_report
+  fi
   log "DONE"
 }
 
