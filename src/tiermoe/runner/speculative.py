@@ -86,8 +86,8 @@ class MTPDrafter:
     # -- scheduler side ------------------------------------------------------------------
     def lookahead(self, req: Request) -> int:
         """Draft tokens to schedule after req's next token this step (0: decode normally)."""
-        if req.num_tokens - req.num_computed != 1 or not draftable(req.params):
-            return 0
+        if req.num_tokens - req.num_computed != 1 or not req.output_ids or not draftable(req.params):
+            return 0  # (the first token comes from the prefill step, with any prompt logprobs)
         if len(req.output_ids) < req.params.min_tokens:
             return 0  # the sampler still masks EOS/stop tokens for this request
         tr = self.tracks.get(req.request_id)
