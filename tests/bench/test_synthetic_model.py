@@ -200,3 +200,17 @@ def test_report_comparison_rows():
     assert "| C1 per-stream / floor | 75 % | 50 % | |" in table
     assert "Rows where tiermoe is not ahead: prefill 4096" in table
     assert rep.vram_peak_mib(Path("/nonexistent")) is None
+
+
+def test_greedy_agreement_reads_both_logprobs_shapes():
+    greedy = _load_script("greedy")
+    legacy = {"text": "ab", "logprobs": {"tokens": ["a", "b"], "token_logprobs": [-0.1, -0.2],
+                                         "top_logprobs": [{"a": -0.1, "x": -2.0}, {"b": -0.2, "y": -3.0}]}}
+    chat = {"text": "ac", "logprobs": {"content": [
+        {"token": "a", "logprob": -0.15, "top_logprobs": [{"token": "a", "logprob": -0.15}, {"token": "x", "logprob": -2.1}]},
+        {"token": "c", "logprob": -0.3, "top_logprobs": [{"token": "c", "logprob": -0.3}, {"token": "b", "logprob": -0.4}]}]}}
+    one = {"items": [{"text": legacy["text"], "tokens": greedy.normalize(legacy)}]}
+    two = {"items": [{"text": chat["text"], "tokens": greedy.normalize(chat)}]}
+    c = greedy.compare(one, two)
+    assert c["identical_completions"] == 0 and c["tokens"] == 2 and c["tokens_before_divergence"] == 1
+    assert c["topn_overlap_on_prefix"] == 1.0 and abs(c["max_abs_logprob_diff"] - 0.05) < 1e-9
