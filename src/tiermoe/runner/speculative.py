@@ -120,14 +120,16 @@ class MTPDrafter:
             tr = self.tracks.get(req.request_id)
             if tr is None:
                 continue
-            k = n - (req.num_tokens - req.num_computed)
-            if k > 0:
-                if not tr.pending or tr.mtp_len + tr.pending_rows != req.num_computed:
-                    raise RuntimeError(f"request {req.request_id}: scheduled drafts without MTP state")
-                want[i] = k
-            if tr.mtp_len + tr.pending_rows != req.num_computed:  # cannot happen; never draft on it
+            k = n - (req.num_tokens - req.num_computed)  # drafts the scheduler made room for
+            whole = tr.mtp_len + tr.pending_rows == req.num_computed
+            if k > 0 and not (whole and tr.pending):  # lookahead() checked this; a bug otherwise
+                raise RuntimeError(f"request {req.request_id}: scheduled drafts without MTP state")
+            if not whole:  # never drafts again (lookahead needs the track)
                 self.tracks.pop(req.request_id)
-            elif tr.pending:
+                continue
+            if k > 0:
+                want[i] = k
+            if tr.pending:
                 catch.append(i)
         if not catch:
             return {}
