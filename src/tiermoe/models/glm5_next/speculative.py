@@ -149,7 +149,10 @@ def greedy_generate(
         return outs, None
     spec = MTPSpeculator(model, cache, num_draft)
     outs = [[t] for t in spec.prefill(slots, prompts)]
-    while min(len(o) for o in outs) < max_new_tokens:
-        for o, new in zip(outs, spec.step(slots)):
-            o.extend(new)
+    while True:
+        active = [s for s in slots if len(outs[s]) < max_new_tokens]  # finished slots stop growing
+        if not active:
+            break
+        for s, new in zip(active, spec.step(active)):
+            outs[s].extend(new)
     return [o[:max_new_tokens] for o in outs], spec.stats
