@@ -264,3 +264,20 @@ def test_prompt_logprobs_arrive_with_the_first_token(ckpt, reference):
     assert [t for o in outs for t in o.new_token_ids] == alone[1]
     assert len(outs[0].new_token_ids) == 1 and len(outs[0].prompt_logprobs) == len(prompts[1])
     assert engine.stats()["speculative"]["verify_steps"] > 0
+
+
+def test_packed_store_drafts_with_the_stores_mtp_experts(ckpt, tmp_path):
+    """Through the tiered store (bf16, a host tier far smaller than the experts) the MTP layer's
+    routed experts come from the store too, and tokens still equal drafting off."""
+    from tiermoe.store.pack import pack
+
+    store = tmp_path / "store"
+    pack(str(ckpt), str(store), quant="bf16", direct_io=False, progress=False, log=lambda s: None)
+    opts = {"host_expert_gb": 0.0002, "no_direct_io": True}
+    prompts = [p[:30] for p in _prompts(512, seed=3)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    off = build_engine_core(str(store), device="cpu", dtype="bfloat16", max_num_seqs=4, options=opts)
+    on = build_engine_core(str(store), device="cpu", dtype="bfloat16", max_num_seqs=4,
+                           options={**opts, "num_speculative_tokens": 2})
+    assert generate_ids(on, prompts, params) == generate_ids(off, prompts, params)
+    assert on.stats()["speculative"]["accepted"] > 0 and on.stats()["experts"]["disk"]["reads"] > 0
