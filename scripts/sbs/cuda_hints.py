@@ -8,8 +8,8 @@ Python `nvidia` namespace package that PyTorch depends on (nvidia/cu13/{include,
 only versioned library names, and the driver library outside the toolkit. CMake's
 FindCUDAToolkit then fails on CUDA::cublas or CUDA::cuda_driver. This finds what is missing,
 links unversioned names into LINK_DIR, and prints the cache variables that point CMake there;
-it prints nothing for what the toolkit already has. LINK_DIR/libdirs.txt lists the directories
-the server needs on LD_LIBRARY_PATH at run time. Extra search roots: $CUDA_EXTRA_ROOTS (':').
+it prints nothing for what the toolkit already has. Those directories also go into the binaries'
+run path (and LINK_DIR/libdirs.txt, for LD_LIBRARY_PATH). Extra search roots: $CUDA_EXTRA_ROOTS (':').
 """
 
 from __future__ import annotations
@@ -80,6 +80,9 @@ def hints(link_dir: str) -> tuple[list[str], list[str]]:
             os.symlink(lib, link)
             args.append(f"-DCUDA_{name}_LIBRARY={link}")
             libdirs.append(os.path.dirname(lib))
+    if libdirs:  # libggml-cuda's cuBLAS soname must resolve when linking the server and when running it
+        flags = " ".join(f"-Wl,-rpath,{d} -Wl,-rpath-link,{d}" for d in sorted(set(libdirs)))
+        args += [f"-DCMAKE_EXE_LINKER_FLAGS={flags}", f"-DCMAKE_SHARED_LINKER_FLAGS={flags}"]
     if not _first([f"{d}/stubs/libcuda.so" for d in tk_lib] + [f"{d}/libcuda.so" for d in tk_lib]):
         drv = None
         try:
