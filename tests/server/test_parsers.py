@@ -80,6 +80,8 @@ def test_detect_format():
     assert detect_tool_format({"tool_format": "glm"}, None) == "glm"
     assert detect_tool_format({}, "... <arg_key> ...") == "glm"
     assert detect_tool_format({"arch": "qwen3_moe"}, "<tool_call>") == "hermes"
+    assert detect_tool_format({"arch": "glm4_moe"}, None) == "glm"  # no template: the family decides
+    assert detect_tool_format({"arch": "glm4_moe"}, "<|im_start|>{{ m }}") == "hermes"  # converted ChatML model
 
 
 @pytest.mark.parametrize("step", [1, 2, 7, 1000])

@@ -34,8 +34,10 @@ def detect_tool_format(model_info: dict | None, chat_template: str | None) -> st
     template = chat_template or ""
     if "<arg_key>" in template:
         return "glm"
+    # The architecture only decides when there is no template to read: a checkpoint converted
+    # into a GLM-family layout (the embedded SmolLM2) keeps its own ChatML template.
     arch = str((model_info or {}).get("arch", "")).lower()
-    if arch.startswith("glm"):
+    if not template and arch.startswith("glm"):
         return "glm"
     return "hermes"
 
