@@ -178,14 +178,20 @@ async def _chat_stream(ctx: ServerContext, rid: str, created: int, runs: list[Ch
             if event:
                 yield event
             if d.finish_reason == "error":
-                yield sse({"error": {"message": run.error or "engine error", "type": "server_error", "param": None,
-                                     "code": "request_timeout" if run.timed_out else "engine_error"}})
+                yield in_band_error(run)
         if include_usage:
             yield sse({**base, "choices": [], "usage": usage_dict(runs)})
         yield "data: [DONE]\n\n"
     finally:
         for run in runs:
             run.abort()
+
+
+def in_band_error(run: ChoiceRun) -> str:
+    """The SSE error event sent when a stream fails after its headers went out (engine error or
+    request timeout), on chat and completions alike."""
+    return sse({"error": {"message": run.error or "engine error", "type": "server_error", "param": None,
+                          "code": "request_timeout" if run.timed_out else "engine_error"}})
 
 
 def from_delta(ctx: ServerContext, run: ChoiceRun, d: Delta, chunk, top_n: int, as_ids: bool = False) -> str:
@@ -314,8 +320,7 @@ async def complete(request: Request, ctx: ServerContext) -> Response:
                         finish = _finish(run) if d.finish_reason else None
                         yield sse({**base, "choices": [{"index": run.index, "text": d.content, "logprobs": lp, "finish_reason": finish}]})
                     if d.finish_reason == "error":  # as on chat: say why, in band
-                        yield sse({"error": {"message": run.error or "engine error", "type": "server_error", "param": None,
-                                             "code": "request_timeout" if run.timed_out else "engine_error"}})
+                        yield in_band_error(run)
                 if include_usage:
                     yield sse({**base, "choices": [], "usage": usage_dict(runs)})
                 yield "data: [DONE]\n\n"
