@@ -62,7 +62,8 @@ def main() -> None:
     import transformers
 
     from tiermoe.engine.build import build_engine_core
-    from tiermoe.eval.parity import REFERENCE_CLASSES, engine_logits, parity_prompts
+    from tiermoe.eval.parity import engine_logits, parity_prompts
+    from tiermoe.models.fp32_params import reference_class
     from tiermoe.models.tiny import write_tiny
 
     tmp = tempfile.mkdtemp(prefix="bisect-")
@@ -73,15 +74,14 @@ def main() -> None:
     ids = parity_prompts(engine.tokenizer, engine.vocab_size)[args.prompt]
 
     config = transformers.AutoConfig.from_pretrained(tmp)
-    cls = REFERENCE_CLASSES.get(config.model_type, transformers.AutoModelForCausalLM)
-    cls = getattr(transformers, cls) if isinstance(cls, str) else cls
+    cls = reference_class(config.model_type) or transformers.AutoModelForCausalLM
     ref = cls.from_pretrained(tmp, dtype=getattr(torch, args.dtype), experts_implementation="eager").to(args.device).eval()
 
     ours_mods = dict(ours.named_modules())
     ref_mods = dict(ref.named_modules())
     # The reference may nest the language model one level deeper (model.language_model.layers...).
     def ref_name(name: str) -> str | None:
-        for cand in (name, name.replace("model.", "model.language_model.", 1)):
+        for cand in (name, name.replace("model.", "model.language_model.", 1), "model.language_model." + name):
             if cand in ref_mods:
                 return cand
         return None

@@ -90,3 +90,18 @@ def test_abort_frees_pages(tiny_dir):
     assert outs and outs[0].finished and outs[0].finish_reason == "abort"
     assert engine.kv.num_free == engine.kv.num_pages
     assert not engine.has_unfinished_requests()
+
+
+def test_glm5_next_bf16_cut_prompts_keep_tokens(tiny_dir):
+    """bf16 KDA prefill rounds per 64-token block: the scheduler cuts prompts on block edges, so a
+    tight step budget shared with other sequences gives the tokens of an uncut prompt."""
+    path = tiny_dir("glm5_next")
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    roomy = build_engine_core(str(path), device="cpu", dtype="bfloat16", max_num_seqs=4)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(roomy.vocab_size) for _ in range(n)] for n in (150, 37, 97, 200)]
+    alone = [generate_ids(roomy, [p], params)[0] for p in prompts]
+    tight = build_engine_core(str(path), device="cpu", dtype="bfloat16", max_num_seqs=4,
+                              options={"max_num_batched_tokens": 100})
+    assert tight.scheduler.chunk_multiple == 64
+    assert generate_ids(tight, prompts, params) == alone

@@ -52,7 +52,8 @@ class LLMEngine:
                                   eos_ids=self.eos_token_ids, num_speculative_tokens=num_speculative_tokens)
         spec = self.runner.spec
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_batched_tokens,
-                                   lookahead=spec.lookahead if spec is not None else None)
+                                   lookahead=spec.lookahead if spec is not None else None,
+                                   chunk_multiple=getattr(model.spec, "extra", {}).get("prefill_chunk_multiple", 1))
         self._lock = threading.Lock()
         self._incoming: deque[Request] = deque()
         self._aborts: deque[str] = deque()

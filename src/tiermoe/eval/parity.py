@@ -17,6 +17,7 @@ import torch
 from tiermoe.engine.prompts import chat_prompt_ids
 from tiermoe.engine.protocol import SamplingParams
 from tiermoe.eval.prompts import EVAL_TEXTS
+from tiermoe.models.fp32_params import reference_class
 from tiermoe.scheduler.request import Request
 
 
@@ -62,19 +63,13 @@ def compare(ref: torch.Tensor, ours: torch.Tensor) -> dict:
     }
 
 
-# Families whose causal-LM head lives in a class AutoModelForCausalLM does not map.
-REFERENCE_CLASSES = {"glm5_next": "Glm5NextForConditionalGeneration"}
-
-
 def reference_logits(ref_path: str | Path, prompts: list[list[int]], device: str, dtype: torch.dtype) -> list[torch.Tensor]:
     import transformers
 
     # The eager experts loop is transformers' defining implementation (grouped_mm, its default,
     # is a fused rewrite of it that rounds differently in bf16).
     config = transformers.AutoConfig.from_pretrained(str(ref_path))
-    cls = REFERENCE_CLASSES.get(config.model_type, transformers.AutoModelForCausalLM)
-    if isinstance(cls, str):
-        cls = getattr(transformers, cls)
+    cls = reference_class(config.model_type) or transformers.AutoModelForCausalLM
     model = cls.from_pretrained(str(ref_path), dtype=dtype, experts_implementation="eager").to(device).eval()
     outs = []
     with torch.no_grad():
@@ -103,6 +98,8 @@ def run_parity(model: str, reference: str | None, device: str, dtype_name: str, 
     longest = max(len(p) for p in prompts)
     if longest >= engine.max_model_len:
         raise UserError(f"parity prompts need a context of {longest + 1} tokens")
+    multiple = engine.scheduler.chunk_multiple  # the engine never cuts a prompt off a block edge
+    chunk = -(-chunk // multiple) * multiple
     ours = torch.cat([engine_logits(engine, p, chunk) for p in prompts])
     refs = torch.cat(reference_logits(reference, prompts, str(engine.model.device), dtype))
     result = compare(refs, ours)

@@ -17,12 +17,16 @@ from torch import nn
 
 from tiermoe.errors import UserError
 from tiermoe.models.decoder import CausalLM
+from tiermoe.models.fp32_params import Fp32Plan
 from tiermoe.models.registry import family_module, load_hf_config
 from tiermoe.models.spec import ModelSpec
 from tiermoe.moe.experts import ResidentExperts
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float32": torch.float32, "fp32": torch.float32}
+
+# Kept in fp32 when transformers has no class for the model type (its own lists win otherwise).
+FALLBACK_FP32 = ("e_score_correction_bias", "gate.weight")
 
 
 def parse_dtype(name: str | None, default: torch.dtype = torch.bfloat16) -> torch.dtype:
@@ -138,10 +142,9 @@ def load_model(
     model = CausalLM(spec)
     with ExitStack() as stack:
         index = TensorIndex(model_dir, stack)
+        keeps_fp32 = Fp32Plan(model_dir, hf_config.model_type, dtype, FALLBACK_FP32)
         for name, param in list(model.named_parameters()):
-            owner_name, _, attr = name.rpartition(".")
-            keep_fp32 = attr in getattr(model.get_submodule(owner_name), "fp32_params", ())
-            _assign(model, name, index.get(name, torch.float32 if keep_fp32 else dtype, device))
+            _assign(model, name, index.get(name, torch.float32 if keeps_fp32(name) else dtype, device))
         if expert_backend is None:
             expert_backend = _load_resident_experts(spec, index, dtype, device)
     model.rotary.to(device)

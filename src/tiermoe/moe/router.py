@@ -21,9 +21,8 @@ class Router(nn.Module):
         self.moe = moe
         self.weight = empty_param(moe.num_experts, hidden)
         if moe.scoring == "sigmoid_noaux":
+            # Its dtype (and the weight's) follows the reference: see models/fp32_params.py.
             self.e_score_correction_bias = empty_param(moe.num_experts)
-            # Kept in fp32 whatever the model dtype, as the reference does: routing is discrete.
-            self.fp32_params = ("weight", "e_score_correction_bias")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_ids [T, k] long, topk_weights [T, k])."""

@@ -8,6 +8,11 @@ running request is preempted (its pages freed, its tokens recomputed later, noth
 Speculative decoding: with a `lookahead(req) -> k` callback, a running request in decode is
 given 1 + k tokens when the budget and free pages allow it (drafts to verify; never at the
 cost of a preemption), and `commit` is told how many of them were accepted.
+
+`chunk_multiple`: a prompt cut by the budget is cut at a multiple of this many tokens (a
+family whose prefill kernel works in fixed blocks, e.g. KDA's 64-token chunks, computes the
+same arithmetic as an uncut prompt only when cuts fall on block edges; otherwise its bf16
+results would depend on what else shared the step).
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, kv: KVPages, max_num_seqs: int, max_batched_tokens: int,
-                 lookahead: Callable[[Request], int] | None = None):
+                 lookahead: Callable[[Request], int] | None = None, chunk_multiple: int = 1):
         self.kv, self.max_num_seqs, self.max_batched_tokens = kv, max_num_seqs, max_batched_tokens
         self.lookahead = lookahead
+        # A budget smaller than one block could never cut a prompt: fall back to plain cuts.
+        self.chunk_multiple = chunk_multiple if 1 < chunk_multiple <= max_batched_tokens else 1
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -51,7 +58,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = self._chunk(req, budget)
+            if n == 0:  # the budget left cannot hold a whole block: next step
+                i += 1
+                continue
             while not self.kv.allocate(req.pages, req.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -74,7 +84,9 @@ class Scheduler:
                 req.num_computed = len(req.pages) * self.kv.page_size
                 if not req.output_ids:
                     req.cached_tokens = req.num_computed
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = self._chunk(req, budget)
+            if n == 0:
+                break
             if not self.kv.allocate(req.pages, req.num_computed + n):
                 if not self.running:  # nothing to wait for: the request can never fit
                     raise MemoryError("prompt does not fit in the KV cache")
@@ -88,6 +100,15 @@ class Scheduler:
             out.items.append((req, n))
             budget -= n
         return out
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Tokens of req to compute this step: all that is left if it fits, else up to the last
+        multiple of `chunk_multiple` (0 when none fits)."""
+        left = req.num_tokens - req.num_computed
+        if left <= budget:
+            return left
+        m = self.chunk_multiple
+        return (req.num_computed + budget) // m * m - req.num_computed if m > 1 else budget
 
     def _extra(self, req: Request, n: int, budget: int) -> int:
         """Draft tokens to add to req's decode step of n tokens, within the `budget` left

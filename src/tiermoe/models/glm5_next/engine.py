@@ -30,6 +30,7 @@ from tiermoe.models.spec import MLASpec, ModelSpec
 
 from .cache import KDAStates, SeqBatch
 from .config import Glm5NextConfig, load_config
+from .kda import KDA_CHUNK
 from .loader import detect_prefix, load_model
 from .model import Glm5NextModel
 from .moe import moe_spec
@@ -71,7 +72,9 @@ def build_spec(hf_config, path: str) -> Glm5NextSpec:
         tie_word_embeddings=cfg.tie_word_embeddings,
         eos_token_ids=ConfigReader(text, path).eos_ids() or ConfigReader(hf_config, path).eos_ids(),
         max_position_embeddings=cfg.max_position_embeddings,
-        extra={"recurrent_state": True, "mtp_layer": cfg.mtp_layer_idx if cfg.num_nextn_predict_layers else None},
+        # KDA prefill works in 64-token blocks (kda.kda_chunked): prompts are cut on block edges.
+        extra={"recurrent_state": True, "prefill_chunk_multiple": KDA_CHUNK,
+               "mtp_layer": cfg.mtp_layer_idx if cfg.num_nextn_predict_layers else None},
         key_prefix=detect_prefix(Checkpoint(model_dir)),
     )
 

@@ -22,6 +22,9 @@ from .cache import KDAStates, SeqBatch
 from .config import Glm5NextConfig
 
 
+KDA_CHUNK = 64  # tokens per block of the chunked (WY) prefill form, as in the reference
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps), the FLA convention (not F.normalize's clamp)."""
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
@@ -53,7 +56,7 @@ def kda_recurrent(
 
 def kda_chunked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor, chunk: int = 64,
+    state: torch.Tensor, chunk: int = KDA_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked (WY-representation) delta rule over a whole segment; same shapes as
     `kda_recurrent`, returns (out [B,S,H,dv] fp32, final state [B,H,dk,dv] fp32)."""

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from tiermoe.errors import UserError
+from tiermoe.models.fp32_params import Fp32Plan
 from tiermoe.moe.experts import ResidentExperts
 
 from .config import Glm5NextConfig, load_config
@@ -26,7 +27,7 @@ from .weights import Checkpoint
 
 PREFIXES = ("model.language_model.", "model.", "language_model.model.", "")
 
-# Parameters transformers keeps in fp32 whatever the load dtype (_keep_in_fp32_modules_strict).
+# Kept in fp32 at bf16/fp16 when transformers lacks the class (its own list wins otherwise).
 _FP32_SUFFIXES = (
     "e_score_correction_bias", "gate.weight", "conv1d.weight", "dt_bias", "A_log",
     "attn_hc.base", "attn_hc.scale", "ffn_hc.base", "ffn_hc.scale",
@@ -123,12 +124,12 @@ def load_model(
     with_mtp = mtp and cfg.num_nextn_predict_layers > 0
     with torch.device("meta"):
         model = Glm5NextModel(cfg, with_mtp=with_mtp)
+    keeps_fp32 = Fp32Plan(model_dir, "glm5_next", dtype, _FP32_SUFFIXES)
     for name, p in list(model.named_parameters()):
         t = _param_tensor(ck, cfg, prefix, name)
         if tuple(t.shape) != tuple(p.shape):
             raise UserError(f"{ck.source}: tensor for '{name}' has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
-        keep32 = name.endswith(_FP32_SUFFIXES)
-        _set_param(model, name, t.to(device=device, dtype=torch.float32 if keep32 else dtype).clone())
+        _set_param(model, name, t.to(device=device, dtype=torch.float32 if keeps_fp32(name) else dtype).clone())
     if expert_backend is None:
         expert_backend = ResidentExperts(cfg.swiglu_limit)
         for m in model.moe_layers():
@@ -164,12 +165,12 @@ def attach_mtp(model: Glm5NextModel, model_dir: str | Path) -> bool:
                             "re-pack from a checkpoint that includes them")
     with torch.device("meta"):
         mtp = MTPLayer(cfg)
+    keeps_fp32 = Fp32Plan(model_dir, "glm5_next", dtype, _FP32_SUFFIXES)
     for name, p in list(mtp.named_parameters()):
         t = _param_tensor(ck, cfg, prefix, f"mtp.{name}")
         if tuple(t.shape) != tuple(p.shape):
             raise UserError(f"{ck.source}: tensor for 'mtp.{name}' has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
-        keep32 = name.endswith(_FP32_SUFFIXES)
-        _set_param(mtp, name, t.to(device=device, dtype=torch.float32 if keep32 else dtype).clone())
+        _set_param(mtp, name, t.to(device=device, dtype=torch.float32 if keeps_fp32(name) else dtype).clone())
     if isinstance(backend, ResidentExperts):
         backend.add_layer(layer, *load_expert_layer(ck, prefix, layer, cfg.n_routed_experts, dtype, device))
     mtp.mlp.backend = backend
