@@ -429,8 +429,8 @@ def add_floors(res: dict, lay) -> None:
         d["pct_of_floor"] = 100 * floor / (d["step_ms"] / 1e3)
         # every miss crosses PCIe once: gathered into a slot / scratch row (then read in HBM), or read in place
         staged = misses if res["args"].get("stage_misses") else adm
-        pcie = staged * r + (misses - staged) * wb
-        d["bytes_per_token"] = {"pcie": pcie / t, "hbm": ((hits + staged + n_l) * wb + staged * r) / t, "cpu": 0}
+        pcie_bytes = staged * r + (misses - staged) * wb
+        d["bytes_per_token"] = {"pcie": pcie_bytes / t, "hbm": ((hits + staged + n_l) * wb + staged * r) / t, "cpu": 0}
         for key in ("baseline", "baseline_copy_triton"):
             if key in d:
                 d[key]["ratio_ours_faster"] = d[key]["step_ms"] / d["step_ms"]

@@ -53,9 +53,10 @@ class Fp32Plan:
             return
         cls = reference_class(model_type)
         skeleton = self._skeleton(cls, model_dir, dtype)
-        self.pattern = _pattern(self._lists(skeleton if skeleton is not None else cls, dtype) or fallback)
-        if skeleton is None:
+        if skeleton is None:  # no usable reference: the family's own list
+            self.pattern = _pattern(fallback)
             return
+        self.pattern = _pattern(self._lists(skeleton, dtype))
         for name, tensor in [*skeleton.named_parameters(), *skeleton.named_buffers()]:
             fp32 = tensor.dtype == torch.float32 or (self.pattern is not None and self.pattern.search(name) is not None)
             parts = name.split(".")
@@ -66,9 +67,7 @@ class Fp32Plan:
     def _lists(model, dtype) -> list[str]:
         """The reference's keep-in-fp32 entries at `dtype` (an instance also counts the lists of
         its sub-models, as transformers does)."""
-        if model is None:
-            return []
-        if not isinstance(model, type) and hasattr(model, "_get_dtype_plan"):
+        if hasattr(model, "_get_dtype_plan"):
             return list(model._get_dtype_plan(dtype))
         names = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
         if dtype == torch.float16:
