@@ -49,7 +49,7 @@ def _stack_inputs(device, layers=2, e=8, k=2, t=2, steps=3, seed=0):
 @pytest.mark.slow
 def test_tiered_decode_and_prefill_match_naive(device):
     lay, pools, shared, ids, w, h0 = _stack_inputs(device)
-    stack = T.TieredExperts(lay, pools, shared, 3, 2, 2, device, warm=[[0, 1, 2], [3, 4, 5]])
+    stack = T.TieredExperts(lay, pools, shared, 3, 2, 2, device, warm=[[0, 1, 2], [3, 4, 5]], stage_misses=False)
     naive = NaiveExperts(lay, pools, shared, [[0], [1]], 2, device)
     staged = T.TieredExperts(lay, pools, shared, 1, 2, 2, device, warm=[[0], [3]], stage_misses=True)
     h_t, h_n, h_s = h0, h0, h0
@@ -58,7 +58,7 @@ def test_tiered_decode_and_prefill_match_naive(device):
         h_n = naive.forward(h_n, ids[i], w[i])
         h_s = staged.decode_step(h_s, ids[i], w[i])
     assert ((h_t.float() - h_n.float()).norm() / h_n.float().norm()) < 2e-2
-    assert torch.equal(h_s, h_t)  # misses staged in scratch rows: same bits
+    assert torch.equal(h_s, h_t)  # misses staged in scratch rows or read in place: same bits
     assert stack.stats()[:, 0].sum() > 0 and naive.copied > 0
     # prefill of a 20-token chunk (torch align path) through the staging plan
     x = torch.randn(20, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(device)

@@ -53,8 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exact-layers", type=int, default=6, help="layers of the exactness check (0 skips)")
     p.add_argument("--exact-steps", type=int, default=12, help="decode steps of the exactness check")
     p.add_argument("--no-baseline", action="store_true", help="skip the plain-torch baseline")
-    p.add_argument("--stage-misses", action="store_true",
-                   help="gather misses that are not admitted into scratch rows instead of reading them in place")  # fmt: skip
+    p.add_argument("--stage-misses", action=argparse.BooleanOptionalAction, default=True,
+                   help="gather misses that are not admitted into scratch rows (default) instead of reading them "
+                        "in place")  # fmt: skip
     p.add_argument("--tune", action="store_true", help="tune launch configs first (written next to --out)")
     p.add_argument("--stats", default=str(STATS_FILE), help="per-layer expert pick counts (JSON)")
     p.add_argument("--seed", type=int, default=0)

@@ -68,15 +68,17 @@ class TieredExperts:
     expert (table row E); slots: GPU slots per layer; warm[l]: experts to preload (most
     popular first); warm_rates[l]: expected picks per step [E] seeding the admission filter;
     max_tokens: largest decode batch; gather: launch parameters of the gather kernel;
-    stage_misses: copy misses that are not admitted into scratch rows for their step (the
-    gather kernel streamed host memory at 49 GB/s on an H200, the MoE kernel's in-place
-    reads were slower; off by default until measured end to end).
+    stage_misses: copy misses that are not admitted into scratch rows for their step and
+    compute them from HBM (on an H200 the gather kernel streams host memory at 49 GB/s, the MoE
+    kernel's in-place reads ran at about 42: decode at batch 1 went from 73 % to 82 % of its
+    floor, docs/results.md section 7). Costs max(16, max_tokens * top_k) records of GPU memory;
+    False reads those misses in place instead.
     """
 
     def __init__(self, layout: ExpertLayout, host_pools: list[torch.Tensor], shared: list[torch.Tensor], slots: int,
                  top_k: int, max_tokens: int, device: torch.device, warm: list[list[int]] | None = None,
                  warm_rates: list[torch.Tensor] | None = None, gather: dict | None = None,
-                 stage_misses: bool = False) -> None:  # fmt: skip
+                 stage_misses: bool = True) -> None:  # fmt: skip
         self.layout, self.pools, self.shared = layout, host_pools, shared
         self.top_k, self.device, self.num_slots = top_k, device, int(slots)
         self.num_experts = host_pools[0].shape[0]
