@@ -24,14 +24,20 @@ def add_engine_args(p, model_positional: bool = False) -> None:
                        help="Hugging Face checkpoint directory or packed store (default: the embedded model)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default="auto", help="auto (checkpoint dtype), bfloat16, float16, float32")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
-    p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache size (default: sized to fit)")
+    add_sizing_args(p)
+    add_store_args(p)
+
+
+def add_sizing_args(p, max_num_seqs: int = 8) -> None:
+    """Context, batch, KV-cache, seed and drafting flags; one definition for serve and the rest."""
+    p.add_argument("--max-model-len", type=int, default=None, help="context length in tokens (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="sequences decoded together per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per engine step (chunked prefill)")
+    p.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="GiB for KV pages, MTP draft rows included (default: sized by the engine)")
     p.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling")
     p.add_argument("--num-speculative-tokens", type=int, default=0, choices=(0, 1, 2),
                    help="MTP draft tokens verified per greedy decode step (0: off; models with an MTP head)")
-    add_store_args(p)
 
 
 def add_store_args(p, with_mode: bool = True) -> None:
@@ -111,7 +117,8 @@ def build_engine_core(model: str | None, *, device: str | None = None, dtype: st
             raise UserError(f"--max-model-len {max_model_len}: must be between 2 and the model's {ctx}")
         ctx = max_model_len
     max_num_seqs = max(1, int(max_num_seqs or 8))
-    per_token = kv_bytes_per_token(lm, torch_dtype)
+    # the MTP draft rows (drafting on) share the page count, so they share the byte budget
+    per_token = kv_bytes_per_token(lm, torch_dtype, options.get("num_speculative_tokens") or 0)
     pages_one_seq = math.ceil(ctx / PAGE_SIZE) + 1
     if options.get("kv_cache_gb"):
         num_pages = int(options["kv_cache_gb"] * 2**30 / (per_token * PAGE_SIZE) + 1e-6)

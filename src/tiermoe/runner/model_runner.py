@@ -2,7 +2,8 @@
 runs the model and samples.
 
 The KV cache is one set of tensors per layer, [pages, page_size, *per-token shape], sized once
-at start-up; pages are handed out by the scheduler's KVPages.
+at start-up; pages are handed out by the scheduler's KVPages. With drafting on, the MTP layer's
+rows have the same page count and are part of the same byte budget (`kv_bytes_per_token`).
 
 Per-request sampling state lives here too, keyed by request id and dropped by `release`:
 seeded generators, prepared logit_bias tensors, grammar matchers (structured output) and
@@ -19,26 +20,28 @@ returns the tokens each verified request emits (several per step).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tiermoe.engine.protocol import TokenLogprob
 from tiermoe.models.batch import build_forward_batch
 from tiermoe.runner.sampler import SampleResult, SampleRow, bias_tensors, sample
-from tiermoe.runner.speculative import make_drafter
+from tiermoe.runner.speculative import draft_cache_shapes, make_drafter
 from tiermoe.runner.structured import GrammarBackend, RequestGrammar
 from tiermoe.scheduler.request import Request
 
 PROMPT_LOGITS_ROWS = 256  # prompt positions turned into logits at a time
 
 
-def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
-    per = 0
-    for shapes in model.cache_shapes():
-        for shp in shapes.values():
-            n = 1
-            for d in shp:
-                n *= d
-            per += n
+def kv_bytes_per_token(model, dtype: torch.dtype, num_speculative_tokens: int = 0) -> int:
+    """Bytes of paged cache one token position costs: every trunk layer's rows, plus the MTP
+    layer's rows when drafting will be on (they are paged with the same page count, so a
+    budget that left them out would be overrun by their whole size). With
+    num_speculative_tokens > 0 this loads the model's MTP layer if it has one (see
+    `draft_cache_shapes`)."""
+    layers = [*model.cache_shapes(), draft_cache_shapes(model, num_speculative_tokens)]
+    per = sum(math.prod(shp) for shapes in layers for shp in shapes.values())
     return per * torch.empty((), dtype=dtype).element_size()
 
 
@@ -61,6 +64,11 @@ class ModelRunner:
         # request id -> per prompt position (None at 0 and until computed)
         self.prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         self.spec = make_drafter(model, num_pages, page_size, num_speculative_tokens)
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of every paged cache tensor this runner allocated (trunk layers and MTP rows)."""
+        total = sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer.values())
+        return total + (self.spec.kv_bytes() if self.spec is not None else 0)
 
     def generator_for(self, req: Request) -> torch.Generator | None:
         if req.params.seed is None or req.params.greedy:

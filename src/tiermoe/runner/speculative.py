@@ -57,11 +57,27 @@ def draftable(params) -> bool:
             and params.logprobs is None)
 
 
-def make_drafter(model, num_pages: int, page_size: int, num_speculative_tokens: int):
-    """The MTP drafter for this model, or None (off, or the model cannot draft: logged)."""
+def _checked(num_speculative_tokens) -> int:
     k = int(num_speculative_tokens or 0)
     if not 0 <= k <= MAX_SPECULATIVE_TOKENS:
         raise UserError(f"--num-speculative-tokens {k}: must be 0 (off), 1 or 2")
+    return k
+
+
+def draft_cache_shapes(model, num_speculative_tokens: int) -> dict[str, tuple[int, ...]]:
+    """Per-token shapes of the MTP rows the drafter will allocate ({} when it will not draft).
+
+    The KV budget is split into pages before the runner exists, so sizing has to know now
+    whether drafting will really be on: this loads the MTP layer (once; `make_drafter` then
+    finds it loaded) exactly as `make_drafter` would, but logs nothing."""
+    if _checked(num_speculative_tokens) == 0 or not hasattr(model, "enable_mtp") or not model.enable_mtp():
+        return {}
+    return dict(model.mtp_cache_shapes())
+
+
+def make_drafter(model, num_pages: int, page_size: int, num_speculative_tokens: int):
+    """The MTP drafter for this model, or None (off, or the model cannot draft: logged)."""
+    k = _checked(num_speculative_tokens)
     if k == 0:
         return None
     if not hasattr(model, "enable_mtp"):
@@ -82,6 +98,7 @@ class MTPDrafter:
                    for name, shp in model.mtp_cache_shapes().items()}  # MTP rows, paged by position
         self.tracks: dict[str, _Track] = {}
         self.drafted = self.accepted = self.verified = self.emitted = 0
+        self.accepted_per_position = [0] * num_draft  # [j]: verifications that accepted draft j+1
 
     # -- scheduler side ------------------------------------------------------------------
     def lookahead(self, req: Request) -> int:
@@ -102,7 +119,12 @@ class MTPDrafter:
         return {"num_speculative_tokens": self.k, "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
                 "verify_steps": self.verified, "emitted": self.emitted,
-                "tokens_per_verify": round(self.emitted / self.verified, 4) if self.verified else 0.0}
+                "tokens_per_verify": round(self.emitted / self.verified, 4) if self.verified else 0.0,
+                "accepted_per_position": list(self.accepted_per_position)}
+
+    def kv_bytes(self) -> int:
+        """Bytes of the MTP rows (counted in the KV budget, see `draft_cache_shapes`)."""
+        return sum(t.numel() * t.element_size() for t in self.kv.values())
 
     # -- runner side ----------------------------------------------------------------------
     def prepare(self, items: list[tuple[Request, int]]) -> dict[int, list[int]]:
@@ -190,6 +212,8 @@ class MTPDrafter:
                 accepted[i] = a
                 self.drafted += len(d)
                 self.accepted += a
+                for j in range(a):
+                    self.accepted_per_position[j] += 1
                 self.verified += 1
                 self.emitted += a + 1
         for i, (req, n) in enumerate(items):

@@ -11,7 +11,7 @@ import socket
 import sys
 from pathlib import Path
 
-from tiermoe.engine.build import add_store_args
+from tiermoe.engine.build import add_sizing_args, add_store_args
 from tiermoe.errors import UserError
 
 log = logging.getLogger("tiermoe.server")
@@ -27,14 +27,8 @@ def register(subparsers) -> None:
     p.add_argument("--served-model-name", default=None, help="name clients pass as `model` (default: MODEL's directory name)")
     p.add_argument("--api-key", default=os.environ.get("TIERMOE_API_KEY"),
                    help="require this key (Bearer or x-api-key); default $TIERMOE_API_KEY")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length in tokens (default: the model's)")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together per step")
+    add_sizing_args(p, max_num_seqs=16)
     p.add_argument("--max-queue", type=int, default=256, help="requests allowed to wait beyond --max-num-seqs (then 429)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per engine step (chunked prefill)")
-    p.add_argument("--kv-cache-gb", type=float, default=None, help="memory for KV pages (default: sized by the engine)")
-    p.add_argument("--seed", type=int, default=None, help="engine sampling seed")
-    p.add_argument("--num-speculative-tokens", type=int, default=0, choices=(0, 1, 2),
-                   help="MTP draft tokens verified per greedy decode step (0: off; models with an MTP head)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     add_store_args(p)
     p.add_argument("--dtype", default="auto", help="activation dtype: auto, bfloat16, float16, float32")
