@@ -94,3 +94,30 @@ def test_config_validation():
     with pytest.raises(ValueError):
         F._check_config(lay, bad, 1)
     assert F.token_bucket(1) == "decode" and F.token_bucket(8192) == "prefill"
+
+
+@pytest.mark.parametrize("kind", ["int4", "bf16"])
+def test_swiglu_limit_matches_twin_and_bites(kind, device):
+    """GLM-5.3's clamp (gate <= L, |up| <= L) in the kernel epilogue, at a limit that clips
+    about half of the projections of these random records."""
+    lay, recs, table = _setup(kind, device, seed=5)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(4, H, generator=gen).to(torch.bfloat16).to(device)
+    ids = _picks(4, gen).to(device)
+    w = torch.rand(4, K, generator=gen).to(device)
+    gu = R.dequant_matrix(recs[0].cpu(), lay, "gate_up").float()  # [2I, H]
+    limit = float((x.cpu().float() @ gu.t()).abs().median())
+    out = F.fused_moe(x, ids, w, table, lay, swiglu_limit=limit)
+    ref = R.fused_moe_ref(x, ids, w, recs, lay, swiglu_limit=limit)
+    unclamped = R.fused_moe_ref(x, ids, w, recs, lay)
+    assert _rel(out, ref) < 2e-2
+    assert _rel(unclamped, ref) > 0.05  # the clamp changed the result
+    # the twin's clamp is the model's: moe.experts.expert_mlp on the dequantized weights
+    from tiermoe.moe.experts import expert_mlp
+
+    e = int(ids[0, 0])
+    dn = R.dequant_matrix(recs[e].cpu(), lay, "down").float()
+    gu_e = R.dequant_matrix(recs[e].cpu(), lay, "gate_up").float()
+    want = expert_mlp(x[:1].cpu().float(), gu_e, dn, limit)
+    got = R.expert_ref(x[:1].cpu(), recs[e].cpu(), lay, limit)
+    assert _rel(got, want) < 1e-2

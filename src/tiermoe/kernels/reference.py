@@ -8,7 +8,8 @@ pointer table from the very tensors they hand to the twin.
 Numerics contract shared with the kernels (bf16 compute):
   W' = bf16(float32(q) * float32(scale))          (int records; bf16 records are W' as stored)
   g, u = x @ Wg'^T, x @ Wu'^T                      (bf16 operands, fp32 accumulation)
-  act  = bf16(silu(g) * u)                         (fp32 math, rounded once)
+  act  = bf16(silu(g) * u)                         (fp32 math, rounded once; with a SwiGLU
+                                                    limit L: g = min(g, L), u = clamp(u, -L, L))
   y    = float32(w_k) * (act @ Wd'^T)              (fp32)
   out  = bf16(sum_k y_k)                           (k in pick order)
 Kernels differ from the twins only in fp32 summation order, so comparisons use tolerances;
@@ -78,18 +79,23 @@ def make_record(layout: ExpertLayout, gen: torch.Generator | None = None, scale:
 # ----------------------------------------------------------------------------- fused MoE
 
 
-def expert_ref(x: torch.Tensor, rec: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+def expert_ref(x: torch.Tensor, rec: torch.Tensor, layout: ExpertLayout,
+               swiglu_limit: float | None = None) -> torch.Tensor:
     """One SwiGLU expert on rows x [M, H] bf16 -> fp32 [M, H] (before routing weight)."""
     i = layout.inter
     gu = dequant_matrix(rec, layout, "gate_up").float()  # [2I, H]
     dn = dequant_matrix(rec, layout, "down").float()  # [H, I]
     h = x.float() @ gu.t()  # [M, 2I]
-    act = (torch.nn.functional.silu(h[:, :i]) * h[:, i:]).to(torch.bfloat16)  # [M, I]
+    g, u = h[:, :i], h[:, i:]
+    if swiglu_limit is not None:
+        g, u = g.clamp(max=swiglu_limit), u.clamp(-swiglu_limit, swiglu_limit)
+    act = (torch.nn.functional.silu(g) * u).to(torch.bfloat16)  # [M, I]
     return act.float() @ dn.t()  # [M, H]
 
 
 def fused_moe_ref(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, records, layout: ExpertLayout
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, records, layout: ExpertLayout,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """Twin of triton.fused_moe.fused_moe.
 
@@ -101,7 +107,7 @@ def fused_moe_ref(
     ids = topk_ids.to(torch.int64)
     for e in torch.unique(ids).tolist():
         rows, cols = (ids == e).nonzero(as_tuple=True)
-        y[rows, cols] = expert_ref(x[rows], records[e], layout) * topk_weights[rows, cols].float().unsqueeze(-1)
+        y[rows, cols] = expert_ref(x[rows], records[e], layout, swiglu_limit) * topk_weights[rows, cols].float().unsqueeze(-1)
     out = y[:, 0]
     for j in range(1, k):  # pick order, as the kernel sums
         out = out + y[:, j]

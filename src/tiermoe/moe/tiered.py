@@ -121,16 +121,8 @@ class TieredExperts:
             self.swiglu_limit = moe_layers[0].moe.swiglu_limit
             if self.lane is not None:
                 self.lane.swiglu_limit = self.swiglu_limit
-        if self.kernel is not None and self.swiglu_limit is not None:
-            from tiermoe.moe.triton_backend import kernel_clamps
-
-            if kernel_clamps():
-                self.kernel.swiglu_limit = self.swiglu_limit
-            elif self._kernel_requested:
-                raise UserError("--expert-kernel triton: this model clamps its SwiGLU (swiglu_limit), "
-                                "which the Triton kernel does not; use --expert-kernel torch")
-            else:
-                self.kernel = None
+        if self.kernel is not None:
+            self.kernel.swiglu_limit = self.swiglu_limit  # fused_moe clamps in its epilogue
 
     def begin_step(self, tokens: int, decode: bool) -> None:
         self.store.begin_step(tokens=tokens, decode=decode)

@@ -14,8 +14,8 @@ torch path (`combine_experts`) results are close, not bit-equal: the kernel accu
 fp32, rounds the SwiGLU activation to bf16 once and sums the top-k in pick order.
 
 Needs bf16 activations, bf16/int4/int8 records whose shapes the kernel's launch configurations
-tile (`triton_unsupported` says why not otherwise), and a model without a SwiGLU clamp unless
-fused_moe takes a `swiglu_limit` argument (`kernel_clamps`; GLM-5.3 clamps at 10). Runs on CUDA; on CPU
+tile (`triton_unsupported` says why not otherwise). A SwiGLU clamp (GLM-5.3: `swiglu_limit` 10)
+is applied in the kernel's epilogue. Runs on CUDA; on CPU
 only through Triton's interpreter (TRITON_INTERPRET=1), which is how the tests exercise it.
 """
 
@@ -63,14 +63,6 @@ def triton_unsupported(record_layout, act_dtype: torch.dtype, device: str | torc
     return None
 
 
-def kernel_clamps() -> bool:
-    """Does fused_moe apply a SwiGLU clamp (a `swiglu_limit` keyword)? Models with
-    `swiglu_limit` set can use the Triton backend only then."""
-    from tiermoe.kernels.triton.fused_moe import fused_moe
-
-    return "swiglu_limit" in inspect.signature(fused_moe).parameters
-
-
 def choose_expert_kernel(requested: str | None, store, device: str) -> str:
     """'torch' or 'triton' for `--expert-kernel` (or $TIERMOE_EXPERT_KERNEL; default auto).
 
@@ -104,7 +96,7 @@ class TritonExperts:
         from tiermoe.kernels.layout import layout_from
 
         self.store = store
-        self.swiglu_limit = swiglu_limit  # passed to fused_moe (needs kernel_clamps())
+        self.swiglu_limit = swiglu_limit  # passed to fused_moe
         self.layout = layout_from(store.layout)
         self.config = config  # a fused_moe launch config, else per shape/device (configs.json)
         self._zero: torch.Tensor | None = None  # all-zero record for skipped experts

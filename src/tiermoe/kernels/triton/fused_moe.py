@@ -14,7 +14,8 @@ Pipeline (all launches are fixed-shape and sync-free, so a decode step can be gr
      Triton kernel; larger batches a fixed-shape torch formulation.
   2. _moe_gemm_kernel, GATED: one program per (block, BLOCK_N slice of I) reads the gate and
      up rows of its expert once, applies them to all the block's tokens and writes
-     act = bf16(silu(g) * u) per pair.
+     act = bf16(silu(g) * u) per pair (with a SwiGLU limit L, as GLM-5.3 uses:
+     g = min(g, L), u = clamp(u, -L, L) first).
   3. _moe_gemm_kernel, not gated: down projection per pair, times the routing weight (fp32).
   4. _sum_pairs_kernel: out[t] = bf16(sum over k in pick order) - deterministic, no atomics.
 
@@ -56,6 +57,7 @@ def _moe_gemm_kernel(
     weights_ptr,  # [P] fp32 routing weights (not GATED)
     P,
     A_DIV,
+    LIMIT,  # SwiGLU clamp (used when CLAMP)
     Q_OFF: tl.constexpr,  # byte offset of the weight matrix in the record
     S_OFF: tl.constexpr,  # byte offset of its scales (quantized kinds)
     N: tl.constexpr,  # output rows of one matrix (I when GATED, else H)
@@ -63,6 +65,7 @@ def _moe_gemm_kernel(
     G: tl.constexpr,  # group size (quantized kinds)
     KIND: tl.constexpr,  # 0 bf16, 1 int4, 2 int8
     GATED: tl.constexpr,
+    CLAMP: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -150,6 +153,9 @@ def _moe_gemm_kernel(
         w_ptrs += w_step
     out_offs = pairs.to(tl.int64)[:, None] * N + offs_n[None, :]
     if GATED:
+        if CLAMP:
+            acc = tl.minimum(acc, LIMIT)
+            acc_u = tl.minimum(tl.maximum(acc_u, -LIMIT), LIMIT)
         act = acc / (1.0 + tl.exp(-acc)) * acc_u
         tl.store(out_ptr + out_offs, act.to(tl.bfloat16), mask=m_ok[:, None])
     else:
@@ -314,6 +320,7 @@ def fused_moe(
     *,
     config: dict | None = None,
     out: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """SwiGLU MoE over pointer-table experts. Returns bf16 [T, H] (written into `out` if given).
 
@@ -321,7 +328,8 @@ def fused_moe(
     token); topk_weights [T, K] float (used as fp32); ptr_table [E] int64, entry e = the
     device-visible address of expert e's record (GPU memory or pinned host memory), 16-byte
     aligned (records are 4096-aligned). Shared experts are ordinary entries picked with
-    weight 1. No host synchronisation: safe inside CUDA graph capture.
+    weight 1. No host synchronisation: safe inside CUDA graph capture. swiglu_limit: clamp the
+    gate from above and the up projection on both sides at this value before the SwiGLU.
     """
     t, k = topk_ids.shape
     h, i = layout.hidden, layout.inter
@@ -344,14 +352,14 @@ def fused_moe(
     s_dn = max(layout.down_s, 0)
     c = cfg["gate_up"]
     _moe_gemm_kernel[(nb, i // c["BN"])](
-        x, act, sorted_pairs, block_expert, ptr_table, w, p, k,
-        Q_OFF=layout.gate_up_q, S_OFF=s_gu, N=i, KD=h, G=g, KIND=kind, GATED=True,
+        x, act, sorted_pairs, block_expert, ptr_table, w, p, k, float(swiglu_limit or 0.0),
+        Q_OFF=layout.gate_up_q, S_OFF=s_gu, N=i, KD=h, G=g, KIND=kind, GATED=True, CLAMP=swiglu_limit is not None,
         BM=bm, BN=c["BN"], BK=c["BK"], DOT_F32=_INTERPRET, num_warps=c["num_warps"], num_stages=c["num_stages"],
     )  # fmt: skip
     c = cfg["down"]
     _moe_gemm_kernel[(nb, h // c["BN"])](
-        act, y, sorted_pairs, block_expert, ptr_table, w, p, 1,
-        Q_OFF=layout.down_q, S_OFF=s_dn, N=h, KD=i, G=g, KIND=kind, GATED=False,
+        act, y, sorted_pairs, block_expert, ptr_table, w, p, 1, 0.0,
+        Q_OFF=layout.down_q, S_OFF=s_dn, N=h, KD=i, G=g, KIND=kind, GATED=False, CLAMP=False,
         BM=bm, BN=c["BN"], BK=c["BK"], DOT_F32=_INTERPRET, num_warps=c["num_warps"], num_stages=c["num_stages"],
     )  # fmt: skip
     if out is None:
