@@ -9,6 +9,13 @@ Engine stats keys understood (all optional): kv_usage (0..1) and the expert stor
 `experts` (or `tiers`): {tier: {"hits": n, "misses": n, ...}, "disk": {"reads": n, ...},
 "decode_tokens": n, "per_decode_token": {name: x}}. Any other top-level number is exported
 as a gauge `tiermoe_engine_<key>`.
+
+Speculative decoding (`speculative`: the MTP drafter's counters, present only with drafting on)
+is exported under vLLM's names with our prefix, so dashboards built for
+`vllm:spec_decode_*` map one to one: `tiermoe_spec_decode_num_drafts_total` (verify steps),
+`..._num_draft_tokens_total`, `..._num_accepted_tokens_total`,
+`..._num_accepted_tokens_per_pos_total{position}`, `..._num_emitted_tokens_total`, and the
+gauges `..._draft_acceptance_rate` and `..._num_speculative_tokens`.
 """
 
 from __future__ import annotations
@@ -80,12 +87,46 @@ class EngineCollector:
             if _num(value):
                 per_tok.add_metric([str(kind)], float(value))
         yield per_tok
+        spec = snap.get("speculative")
+        if isinstance(spec, dict):
+            yield from _spec_decode_families(spec)
         for key, value in snap.items():
             if key == "kv_usage" or not _num(value):
                 continue
             name = "tiermoe_engine_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
             g = GaugeMetricFamily(name, f"engine stat {key}")
             g.add_metric([], float(value))
+            yield g
+
+
+_SPEC_COUNTERS = (  # (name after tiermoe_spec_decode_, drafter stats key, help)
+    ("num_drafts", "verify_steps", "Draft runs verified by the trunk (one per drafting request per step)"),
+    ("num_draft_tokens", "drafted", "Draft tokens proposed by the MTP head"),
+    ("num_accepted_tokens", "accepted", "Draft tokens the trunk accepted"),
+    ("num_emitted_tokens", "emitted", "Tokens emitted by verify steps (accepted drafts plus the trunk's own)"),
+)
+
+
+def _spec_decode_families(spec: dict):
+    """The MTP drafter's counters as Prometheus families (see the module docstring)."""
+    for name, key, doc in _SPEC_COUNTERS:
+        if _num(spec.get(key)):
+            c = CounterMetricFamily(f"tiermoe_spec_decode_{name}", doc)
+            c.add_metric([], float(spec[key]))
+            yield c
+    per_pos = spec.get("accepted_per_position")
+    if isinstance(per_pos, list):
+        c = CounterMetricFamily("tiermoe_spec_decode_num_accepted_tokens_per_pos",
+                                "Accepted draft tokens by draft position (0: the first draft)", labels=["position"])
+        for pos, value in enumerate(per_pos):
+            if _num(value):
+                c.add_metric([str(pos)], float(value))
+        yield c
+    for name, key, doc in (("draft_acceptance_rate", "acceptance_rate", "Accepted / drafted tokens since start"),
+                           ("num_speculative_tokens", "num_speculative_tokens", "Draft tokens per verify step (configured)")):
+        if _num(spec.get(key)):
+            g = GaugeMetricFamily(f"tiermoe_spec_decode_{name}", doc)
+            g.add_metric([], float(spec[key]))
             yield g
 
 
