@@ -245,3 +245,33 @@ def gather_records_ref(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[i
     for s, d in pairs:
         dst[d].copy_(src[s])
     return dst
+
+
+# ----------------------------------------------------------------------------- host mailbox
+
+# ctrl row of one mailbox slot (int64 [16], 128 bytes): the device writes POSTED/NTOK, the host
+# writes DONE on its own 64-byte line; ERR > 0: the device timed out waiting for that number,
+# ERR < 0: the host's compute failed for -ERR.
+MAILBOX_CTRL, MAILBOX_POSTED, MAILBOX_NTOK, MAILBOX_DONE, MAILBOX_ERR = 16, 0, 1, 8, 9
+
+
+def mailbox_post_ref(x_host: torch.Tensor, ctrl: torch.Tensor, seq: torch.Tensor, slot: int, x: torch.Tensor) -> None:
+    """Twin of Mailbox.post: x [T, H] -> x_host[slot, :T] (bf16), seq[slot] += 1, ntok, posted."""
+    t = x.shape[0]
+    x_host[slot, :t].copy_(x.to(torch.bfloat16))
+    seq[slot] += 1
+    ctrl[slot, MAILBOX_NTOK] = t
+    ctrl[slot, MAILBOX_POSTED] = seq[slot].to(ctrl.device)
+
+
+def mailbox_wait_add_ref(result: torch.Tensor, ctrl: torch.Tensor, seq: torch.Tensor, slot: int,
+                         out: torch.Tensor) -> bool:  # fmt: skip
+    """Twin of Mailbox.wait_add, checked once instead of spun: if done >= seq[slot],
+    out [T, H] = dtype(fp32(out) + result[slot, :T]) and True; else ERR = seq, out kept, False."""
+    target = int(seq[slot])
+    if int(ctrl[slot, MAILBOX_DONE]) < target:
+        ctrl[slot, MAILBOX_ERR] = target
+        return False
+    t = out.shape[0]
+    out.copy_((out.float() + result[slot, :t].to(out.device)).to(out.dtype))
+    return True

@@ -1,0 +1,287 @@
+"""Host <-> device mailbox: hand activations to host threads and add their result back, with no
+host synchronisation on the device side (so the hand-off can sit inside a captured CUDA graph).
+
+In fast mode a CPU lane computes a layer's coldest missing experts on the host while the GPU
+computes the rest, and the lane's fp32 partial sum is added to the GPU's output. Waiting for it
+with a stream sync breaks graph capture and costs a host round trip per layer. Instead:
+
+  device (compute stream)                          host (MailboxServer thread)
+  post(slot, x):  x -> request area (mapped)
+                  seq[slot] += 1 (device tensor)
+                  ntok = T; release-store posted       polls posted; sees posted > served
+                                                       y = compute_fn(slot, x[:T])  fp32 [T, H]
+                                                       y -> result area; then store done = posted
+  wait_add(slot, out): spin (acquire loads) until done >= seq[slot], at most max_spins polls;
+                  out += result[:T] (fp32 add, one rounding to out's dtype)
+                  on the cap: ctrl[slot, ERR] = seq and out is left unchanged
+
+The mailbox lives in pinned host memory (torch's pinned allocator: cudaHostAlloc, mapped under
+unified addressing, so a host address is also a device address); the kernels get raw addresses
+as integer arguments, as the gather kernel does with pinned expert records. The sequence
+counter is a device tensor bumped by the post kernel, so every graph replay posts a new number
+without the host. Memory layout per slot (`ctrl` int64 [S, 16], 128 bytes a slot):
+  ctrl[s, POSTED] written by the device (release), ctrl[s, NTOK] token count of the request,
+  ctrl[s, DONE] written by the host, on its own cache line, ctrl[s, ERR] error mark
+  (> 0: the device timed out waiting for that sequence number; < 0: compute_fn raised for -ERR).
+  x_host bf16 [S, Tmax, H] request rows, result fp32 [S, Tmax, H] the host's answer.
+
+Ordering: on CUDA the post kernel publishes with `st.release.sys` after a CTA barrier, and the
+waiter polls with `ld.acquire.sys` (inline PTX; Triton has no system-scope acquire load). The
+host side relies on x86's total store order (result bytes are stored before done; posted is
+loaded before the request rows). Without CUDA the kernels run in Triton's interpreter, where
+the same code uses an atomic exchange and volatile loads.
+
+Protocol rules: one request in flight per slot (wait_add before the next post to that slot),
+and wait_add's `out` has as many rows as the posted x. After a timeout the slot's reply may
+still arrive later; call `reset()` before reusing a mailbox that reported an error.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from tiermoe.kernels.reference import MAILBOX_CTRL, MAILBOX_DONE, MAILBOX_ERR, MAILBOX_NTOK, MAILBOX_POSTED
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEFAULT_MAX_SPINS = 1 << 22  # on a GPU a poll crosses PCIe (about 1 us): seconds, not forever
+
+
+@triton.jit
+def _release_store(ptr, val, ASM: tl.constexpr):
+    if ASM:
+        tl.inline_asm_elementwise("st.release.sys.global.b64 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,l", [ptr, val],
+                                  dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+    else:
+        tl.atomic_xchg(ptr, val, sem="release", scope="sys")
+
+
+@triton.jit
+def _acquire_load(ptr, ASM: tl.constexpr):
+    if ASM:
+        v = tl.inline_asm_elementwise("ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptr],
+                                      dtype=tl.int64, is_pure=False, pack=1)  # fmt: skip
+    else:
+        v = tl.load(ptr, volatile=True)
+    return v
+
+
+@triton.jit
+def _bf16_rne(v):
+    """fp32 -> bf16 rounding to nearest even, in integer ops: the same bits as torch's cast on a
+    GPU and in the interpreter (whose own float cast truncates)."""
+    u = v.to(tl.uint32, bitcast=True)
+    r = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
+    r = tl.where(v != v, 0x7FFF, r)  # NaN: the canonical one (payloads differ across torch paths)
+    return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _to_out(v, OUT_BF16: tl.constexpr):
+    if OUT_BF16:
+        return _bf16_rne(v)
+    else:
+        return v
+
+
+@triton.jit
+def _post_kernel(x_ptr, n_elem, ntok, seq_ptr, slot, req_addr, ctrl_addr, POSTED: tl.constexpr, NTOK: tl.constexpr,
+                 X_BF16: tl.constexpr, BLOCK: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """One program: x (n_elem values) -> request area, seq[slot] += 1, then posted = seq."""
+    req = req_addr.to(tl.pointer_type(tl.bfloat16))
+    ctrl = ctrl_addr.to(tl.pointer_type(tl.int64))
+    for off in range(0, n_elem, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        m = offs < n_elem
+        v = tl.load(x_ptr + offs, mask=m)
+        if not X_BF16:
+            v = _bf16_rne(v.to(tl.float32))
+        tl.store(req + offs, v, mask=m)
+    s = tl.load(seq_ptr + slot) + 1
+    tl.store(seq_ptr + slot, s)
+    tl.store(ctrl + NTOK, ntok.to(tl.int64))
+    tl.debug_barrier()  # every thread's request stores happen before the release below
+    _release_store(ctrl + POSTED, s, ASM)
+
+
+@triton.jit
+def _wait_add_kernel(out_ptr, n_elem, seq_ptr, slot, res_addr, ctrl_addr, max_spins, NPROG,
+                     DONE: tl.constexpr, ERR: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr,
+                     ASM: tl.constexpr):  # fmt: skip
+    """Every program spins until done >= seq[slot] (bounded), then adds its share of the rows."""
+    pid = tl.program_id(0)
+    ctrl = ctrl_addr.to(tl.pointer_type(tl.int64))
+    res = res_addr.to(tl.pointer_type(tl.float32))
+    target = tl.load(seq_ptr + slot)
+    d = _acquire_load(ctrl + DONE, ASM)
+    i = 0
+    while (d < target) & (i < max_spins):
+        d = _acquire_load(ctrl + DONE, ASM)
+        i += 1
+    n_ok = tl.where(d >= target, n_elem, 0)  # nothing to add after a timeout
+    for off in range(pid * BLOCK, n_elem, NPROG * BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        m = offs < n_ok
+        r = tl.load(res + offs, mask=m, other=0.0, cache_modifier=".cv")
+        o = tl.load(out_ptr + offs, mask=m, other=0.0)
+        tl.store(out_ptr + offs, _to_out(o.to(tl.float32) + r, OUT_BF16), mask=m)
+    tl.store(ctrl + ERR, target, mask=(d < target) & (pid == 0))
+
+
+class Mailbox:
+    """Per-slot request/result areas in mapped pinned host memory, and the device counters.
+
+    slots: independent mailboxes (e.g. one per MoE layer); hidden: row width H; max_tokens:
+    largest T per request; device: where x, out and the sequence counters live (CPU: plain
+    memory and Triton's interpreter).
+    """
+
+    def __init__(self, slots: int, hidden: int, max_tokens: int, device: torch.device | str) -> None:
+        self.slots, self.hidden, self.max_tokens = int(slots), int(hidden), int(max_tokens)
+        self.device = torch.device(device)
+        pin = self.device.type == "cuda"
+        s, t, h = self.slots, self.max_tokens, self.hidden
+        self.x_host = torch.zeros(s, t, h, dtype=torch.bfloat16, pin_memory=pin)  # [S, Tmax, H] requests
+        self.result = torch.zeros(s, t, h, dtype=torch.float32, pin_memory=pin)  # [S, Tmax, H] answers
+        self.ctrl = torch.zeros(s, MAILBOX_CTRL, dtype=torch.int64, pin_memory=pin)  # [S, 16]
+        self.seq = torch.zeros(s, dtype=torch.int64, device=self.device)  # [S] last posted number
+        self._ctrl_np = self.ctrl.numpy()
+        self._asm = pin and not _INTERPRET
+
+    # raw addresses handed to the kernels (host address == device address under UVA)
+    def _req_addr(self, slot: int) -> int:
+        return self.x_host[slot].data_ptr()
+
+    def _res_addr(self, slot: int) -> int:
+        return self.result[slot].data_ptr()
+
+    def _ctrl_addr(self, slot: int) -> int:
+        return self.ctrl[slot].data_ptr()
+
+    def _check(self, slot: int, t: torch.Tensor) -> None:
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} outside 0..{self.slots - 1}")
+        if t.dim() != 2 or t.shape[1] != self.hidden or not 1 <= t.shape[0] <= self.max_tokens:
+            raise ValueError(f"expected [T<={self.max_tokens}, {self.hidden}], got {list(t.shape)}")
+        if t.device != self.seq.device or not t.is_contiguous():
+            raise ValueError(f"tensor must be contiguous on {self.seq.device}")
+
+    def post(self, slot: int, x: torch.Tensor) -> None:
+        """Queue x [T, H] (bf16, fp16 or fp32; sent as bf16) for the host on the current stream."""
+        self._check(slot, x)
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
+        _post_kernel[(1,)](x, x.numel(), x.shape[0], self.seq, slot, self._req_addr(slot), self._ctrl_addr(slot),
+                           POSTED=MAILBOX_POSTED, NTOK=MAILBOX_NTOK, X_BF16=x.dtype == torch.bfloat16, BLOCK=1024, ASM=self._asm, num_warps=4)  # fmt: skip
+
+    def wait_add(self, slot: int, out: torch.Tensor, max_spins: int = DEFAULT_MAX_SPINS) -> None:
+        """out [T, H] (bf16 or fp32) += the host's answer to this slot's last post, in place."""
+        self._check(slot, out)
+        if out.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"out must be bf16 or fp32, got {out.dtype}")
+        n = out.numel()
+        block = 4096 if _INTERPRET else 1024
+        nprog = min(triton.cdiv(n, block), 4 if _INTERPRET else 32)
+        _wait_add_kernel[(nprog,)](out, n, self.seq, slot, self._res_addr(slot), self._ctrl_addr(slot), int(max_spins),
+                                   nprog, DONE=MAILBOX_DONE, ERR=MAILBOX_ERR, OUT_BF16=out.dtype == torch.bfloat16, BLOCK=block, ASM=self._asm,
+                                   num_warps=4)  # fmt: skip
+
+    # ---------------------------------------------------------------- host-side views
+    def posted(self) -> np.ndarray:
+        """int64 [S]: last sequence number the device published (read without a sync)."""
+        return self._ctrl_np[:, MAILBOX_POSTED].copy()
+
+    def done(self) -> np.ndarray:
+        return self._ctrl_np[:, MAILBOX_DONE].copy()
+
+    def errors(self) -> np.ndarray:
+        """int64 [S]: 0 = fine; > 0 the device gave up waiting for that number; < 0 compute_fn failed."""
+        return self._ctrl_np[:, MAILBOX_ERR].copy()
+
+    def reset(self) -> None:
+        """Zero every counter (device and host); no request may be in flight."""
+        self.seq.zero_()
+        self.ctrl.zero_()
+
+
+class MailboxServer:
+    """A host thread that answers a Mailbox: polls `posted`, runs compute_fn, publishes `done`.
+
+    compute_fn(slot, x) gets x bf16 [T, H] (a view of the pinned request rows, valid until it
+    returns) and returns fp32 [T, H]. threads: torch intra-op threads for this thread's work
+    (0 = leave as is). spin_s: busy polling after the last request before backing off to short
+    sleeps (latency when requests come back to back; sleeps of up to max_sleep_s when idle).
+    If compute_fn raises, the slot's result is zeroed, ERR = -seq, done is still published (the
+    device must not stall) and the exception is kept in `failure`.
+    """
+
+    def __init__(self, mailbox: Mailbox, compute_fn: Callable[[int, torch.Tensor], torch.Tensor], threads: int = 0,
+                 *, spin_s: float = 2e-3, max_sleep_s: float = 5e-4) -> None:  # fmt: skip
+        self.mb, self.compute_fn, self.threads = mailbox, compute_fn, int(threads)
+        self.spin_s, self.max_sleep_s = float(spin_s), float(max_sleep_s)
+        self.served = 0
+        self.failure: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "MailboxServer":
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="mailbox-server", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def __enter__(self) -> "MailboxServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _serve(self, slot: int, seq: int) -> None:
+        ctrl = self.mb._ctrl_np
+        t = int(ctrl[slot, MAILBOX_NTOK])
+        res = self.mb.result[slot, :t]  # [T, H] fp32, pinned
+        try:
+            y = self.compute_fn(slot, self.mb.x_host[slot, :t])
+            if tuple(y.shape) != (t, self.mb.hidden):
+                raise ValueError(f"compute_fn returned {list(y.shape)}, expected [{t}, {self.mb.hidden}]")
+            res.copy_(y)
+        except Exception as exc:  # the device must still be released; the caller sees ERR < 0
+            self.failure = exc
+            res.zero_()
+            ctrl[slot, MAILBOX_ERR] = -seq
+        ctrl[slot, MAILBOX_DONE] = seq  # after the result bytes (x86 stores are not reordered)
+        self.served += 1
+
+    def _run(self) -> None:
+        if self.threads > 0:
+            torch.set_num_threads(self.threads)
+        ctrl = self.mb._ctrl_np
+        served = ctrl[:, MAILBOX_DONE].copy()
+        last = time.perf_counter()
+        sleep = 1e-5
+        while not self._stop.is_set():
+            posted = ctrl[:, MAILBOX_POSTED].copy()  # one snapshot, then the request rows
+            todo = np.nonzero(posted > served)[0]
+            for s in todo:
+                self._serve(int(s), int(posted[s]))
+                served[s] = posted[s]
+            now = time.perf_counter()
+            if len(todo):
+                last, sleep = now, 1e-5
+            elif now - last > self.spin_s:
+                time.sleep(sleep)
+                sleep = min(sleep * 2, self.max_sleep_s)
