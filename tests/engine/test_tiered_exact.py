@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from testkit.stores import pack_tiny
 
 from tiermoe.engine.build import build_engine_core
 from tiermoe.eval.parity import engine_logits, parity_prompts
@@ -15,12 +16,7 @@ from tiermoe.eval.parity import engine_logits, parity_prompts
 
 @pytest.fixture(scope="module")
 def packed(tiny_dir, tmp_path_factory):
-    src = tiny_dir("glm4_moe", "bfloat16")
-    out = tmp_path_factory.mktemp("store") / "glm4-bf16"
-    from tiermoe.store.pack import pack
-
-    pack(str(src), str(out), quant="bf16", progress=False, log=lambda _: None)
-    return src, out
+    return pack_tiny(tiny_dir, tmp_path_factory, "glm4_moe", dtype="bfloat16", quant="bf16")
 
 
 def _logits(model, **options):

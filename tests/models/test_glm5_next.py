@@ -8,21 +8,13 @@ import shutil
 
 import pytest
 import torch
+from testkit.torch_threads import one_torch_thread  # noqa: F401  (autouse fixture)
 
 from tiermoe.errors import UserError
 from tiermoe.models.glm5_next import SeqBatch, build_model, load_config, load_model
 from tiermoe.models.glm5_next.kda import kda_chunked, kda_recurrent
 from tiermoe.models.glm5_next.speculative import MTPSpeculator, greedy_generate
 from tiermoe.models.glm5_next.tiny import write_tiny_checkpoint
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threading only adds overhead (and contention on shared CI)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

@@ -7,21 +7,13 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
+from testkit.torch_threads import one_torch_thread  # noqa: F401  (autouse fixture)
 
 from tiermoe.engine.build import build_engine_core
 from tiermoe.engine.llm_engine import generate_ids
 from tiermoe.engine.protocol import SamplingParams
 
 LENGTHS = (5, 23, 40, 71)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,9 @@ import json
 
 import pytest
 import torch
+from testkit.torch_threads import one_torch_thread  # noqa: F401  (autouse fixture)
 
 from tiermoe.cli import main
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _tensors(path) -> dict[str, torch.Tensor]:

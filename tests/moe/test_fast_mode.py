@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
+from testkit.stores import pack_tiny
 
 from tiermoe.engine.build import build_engine_core
 from tiermoe.eval.paired_kl import decode_logits, prompt_ids, run_paired_kl
 from tiermoe.eval.parity import compare, engine_logits
-from tiermoe.store.pack import pack
 
 RECORD_INT4 = 4096  # bytes of one tiny int4 record (H=64, I=32, G=32): one 4 KiB page
 GIB = 2**30
@@ -20,18 +20,13 @@ SHORT = ["Hi there.", "Name three primary colors, comma separated."]
 
 @pytest.fixture(scope="module")
 def int4_store(tiny_dir, tmp_path_factory):
-    src = tiny_dir("glm4_moe")  # fp32 checkpoint: 2 MoE layers x 8 experts, top-2
-    out = tmp_path_factory.mktemp("lane") / "glm4-int4"
-    pack(str(src), str(out), quant="int4", group_size=32, progress=False, log=lambda _: None)
-    return out
+    # fp32 checkpoint: 2 MoE layers x 8 experts, top-2
+    return pack_tiny(tiny_dir, tmp_path_factory, "glm4_moe", quant="int4", group_size=32)[1]
 
 
 @pytest.fixture(scope="module")
 def bf16_store(tiny_dir, tmp_path_factory):
-    src = tiny_dir("glm4_moe", "bfloat16")
-    out = tmp_path_factory.mktemp("lane") / "glm4-bf16"
-    pack(str(src), str(out), quant="bf16", progress=False, log=lambda _: None)
-    return src, out
+    return pack_tiny(tiny_dir, tmp_path_factory, "glm4_moe", dtype="bfloat16", quant="bf16")
 
 
 def test_paired_kl_below_target(int4_store):

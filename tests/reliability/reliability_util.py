@@ -3,9 +3,7 @@ and the error-body shape checks every refusal must pass."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -14,42 +12,10 @@ from pathlib import Path
 
 import httpx
 
+from testkit.servers import ServerThread, free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerThread:
-    """uvicorn serving `app` in a background thread and event loop (same process)."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        self.port = free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error", lifespan="on",
-                                timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
-        self.app = app
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> "ServerThread":
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("server did not start")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
 
 
 def scripted_server(*, max_model_len: int = 1024, max_num_seqs: int = 8, step_delay_s: float = 0.0, script=None,
@@ -65,7 +31,7 @@ def scripted_server(*, max_model_len: int = 1024, max_num_seqs: int = 8, step_de
     engine = AsyncEngine(core)
     app_kwargs.setdefault("served_model_name", "scripted")
     app_kwargs.setdefault("max_model_len", max_model_len)
-    server = ServerThread(create_app(engine, **app_kwargs))
+    server = ServerThread(create_app(engine, **app_kwargs), log_level="error")
     server.core, server.engine = core, engine
     return server
 

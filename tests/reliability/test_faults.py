@@ -45,7 +45,7 @@ def real_server(path) -> ServerThread:
 
     core = build_engine_core(str(path), device="cpu", dtype="bfloat16", max_model_len=512, max_num_seqs=4,
                              options={"gpu_expert_gb": 0, "host_expert_gb": 0})
-    server = ServerThread(create_app(AsyncEngine(core), served_model_name="tiny"))
+    server = ServerThread(create_app(AsyncEngine(core), served_model_name="tiny"), log_level="error")
     server.core = core
     return server
 

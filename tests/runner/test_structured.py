@@ -8,6 +8,7 @@ import json
 import jsonschema
 import pytest
 import torch
+from testkit.schemas import closed_object_schema
 
 from tiermoe.engine.build import build_engine_core
 from tiermoe.engine.llm_engine import generate_ids
@@ -17,16 +18,9 @@ from tiermoe.runner.structured import unpack_bitmask
 
 pytest.importorskip("llguidance")
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "ok": {"type": "boolean"},
-    },
-    "required": ["name", "age", "ok"],
-    "additionalProperties": False,
-}
+SCHEMA = closed_object_schema(name={"type": "string", "maxLength": 6},
+                              age={"type": "integer", "minimum": 0, "maximum": 120},
+                              ok={"type": "boolean"})
 
 
 def _row(**kw) -> SampleRow:

@@ -2,46 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import socket
-import threading
-import time
-
 import pytest
+from testkit.servers import ServerThread
 
 from tiermoe.engine.async_engine import AsyncEngine
 from tiermoe.engine.scripted import ScriptedEngineCore, ScriptedReply, default_script
 from tiermoe.models.tiny_tokenizer import build_tokenizer
-
-
-class ServerThread:
-    """uvicorn.Server running `app` in its own thread and event loop; `url` once started."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        sock.close()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> "ServerThread":
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("server did not start")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
 
 
 LONG_REASONING = " ".join(f"step {i}." for i in range(60))
@@ -76,7 +42,6 @@ def start_server(tokenizer, *, core_kwargs=None, **app_kwargs) -> ServerThread:
     app = create_app(engine, **app_kwargs)
     server = ServerThread(app)
     server.core = core
-    server.app = app
     server.engine = engine
     return server
 

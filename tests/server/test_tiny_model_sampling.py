@@ -12,19 +12,13 @@ import jsonschema
 import openai
 import pytest
 import torch
+from testkit.schemas import closed_object_schema
 
 pytest.importorskip("llguidance")
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 8},
-        "days": {"type": "integer", "minimum": 1, "maximum": 14},
-        "rain": {"type": "boolean"},
-    },
-    "required": ["city", "days", "rain"],
-    "additionalProperties": False,
-}
+SCHEMA = closed_object_schema(city={"type": "string", "maxLength": 8},
+                              days={"type": "integer", "minimum": 1, "maximum": 14},
+                              rain={"type": "boolean"})
 MSG = [{"role": "user", "content": "Plan a trip. Answer in JSON."}]
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}  # else a think block may come first
 
