@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from testkit.torch_threads import one_torch_thread  # noqa: F401  (autouse fixture)
 
 from tiermoe.engine.build import PAGE_SIZE, build_engine_core
 from tiermoe.engine.llm_engine import generate_ids
@@ -19,15 +20,6 @@ from tiermoe.runner.model_runner import kv_bytes_per_token
 # indexer), 3 (shares its top-k: latent only), 7 (own indexer); the MTP layer 8 has its own indexer
 TRUNK_FP32 = 4 * ((32 + 2 * 16) + 32 + (32 + 2 * 16))
 MTP_FP32 = 4 * (32 + 2 * 16)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One thread, as in the drafting equality tests: fp32 sums in a fixed order."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _engine(path, k=0, **options):

@@ -6,11 +6,11 @@ from __future__ import annotations
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from testkit.servers import ServerThread
 
 
 @pytest.fixture(scope="module")
 def drafting_server(tiny_dir):
-    from server_harness import ServerThread
     from tiermoe.engine.async_engine import AsyncEngine
     from tiermoe.engine.build import build_engine_core
     from tiermoe.server.app import create_app
