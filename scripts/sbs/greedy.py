@@ -9,8 +9,9 @@ The two engines run in turn, so agreement is measured offline: each records gree
 the top logprobs of every generated token; `compare` reports the share of identical
 completions, the tokens generated identically before the first divergence, and over that
 common prefix how far the chosen tokens' logprobs differ and how much the top-N sets overlap.
-Both answer shapes are read: the legacy completions logprobs (tokens / token_logprobs /
-top_logprobs, vLLM and tiermoe) and the chat-style `logprobs.content` llama-server returns.
+Both answer shapes are read (by the panel scorer's `completion_logprobs`): the legacy
+completions logprobs (tokens / token_logprobs / top_logprobs, vLLM and tiermoe) and the
+chat-style `logprobs.content` llama-server returns.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import json
 import sys
 import urllib.request
 
+from tiermoe.bench.panel import top_pairs
+from tiermoe.bench.panel_score import completion_logprobs
 from tiermoe.bench.prompts import PANEL_PROMPTS
 
 
@@ -31,13 +34,11 @@ def _post(url: str, body: dict) -> dict:
 
 def normalize(choice: dict) -> list[dict]:
     """[{'token': str, 'logprob': float, 'top': {token: logprob}}] from either logprobs shape."""
-    lp = choice.get("logprobs") or {}
-    if isinstance(lp.get("content"), list):  # llama-server
-        return [{"token": e.get("token"), "logprob": e.get("logprob"),
-                 "top": {t.get("token"): t.get("logprob") for t in e.get("top_logprobs") or []}} for e in lp["content"]]
+    lp = completion_logprobs(choice)
     toks = lp.get("tokens") or []
-    return [{"token": t, "logprob": (lp.get("token_logprobs") or [None] * len(toks))[i],
-             "top": dict((lp.get("top_logprobs") or [{}] * len(toks))[i] or {})} for i, t in enumerate(toks)]
+    lps = lp.get("token_logprobs") or [None] * len(toks)
+    tops = lp.get("top_logprobs") or [None] * len(toks)
+    return [{"token": t, "logprob": lps[i], "top": dict(top_pairs(tops[i]))} for i, t in enumerate(toks)]
 
 
 def record(url: str, out: str, model: str | None, max_tokens: int, top: int) -> dict:

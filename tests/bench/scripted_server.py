@@ -11,6 +11,10 @@ the bench code is exercised exactly as against a real server. Behaviour is scrip
   `right=False` answers every gate wrongly (and /v1/models fails), so each checker must flip.
 - Pacing: `prefill_s_per_token` before the first token, `decode_s_per_token` between tokens;
   `burst=True` delivers at half speed and flushes the rest at the end (the stream defect).
+- `llama_server=True` speaks llama-server's dialects where they differ from vLLM's: /tokenize
+  reads {"content"} (answering {"tokens": []} without it), /v1/completions answers logprobs
+  in the chat shape (`logprobs.content[j] = {id, token, bytes, logprob, top_logprobs}`), takes
+  list-of-int prompts, ignores `return_tokens_as_token_ids` and refuses `echo`.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ class Behaviour:
     report_window: bool = True  # max_model_len in /v1/models
     reject_stream_options: bool = False  # 400 on stream_options (some servers do)
     has_token_ids: bool = False  # honour return_tokens_as_token_ids and list-of-int prompts
+    llama_server: bool = False  # llama-server's /tokenize and logprobs dialects (module docstring)
 
 
 def _h(*parts: str) -> int:
@@ -109,6 +114,24 @@ def generate(prompt_tokens: list[str], b: Behaviour, max_tokens: int) -> list[tu
     return out
 
 
+def teacher_forced_oracle(panel: dict, b: Behaviour) -> tuple[float, float]:
+    """Teacher-forced top-1 agreement and mean KL of the toy model `b` against a panel, computed
+    straight from the model (what `bench panel score` must arrive at over HTTP)."""
+    from tiermoe.bench.panel import kl_over_reference
+
+    agree = n = 0
+    kls = []
+    for it in panel["items"]:
+        ctx = tokenize(it["prompt"])
+        for i, tok in enumerate(it["tokens"]):
+            dist = next_logprobs(ctx, b, i)
+            agree += dist[0][0] == it["top"][i][0][0]
+            kls.append(kl_over_reference(it["top"][i], [list(x) for x in dist[:20]]))
+            n += 1
+            ctx.append(tok)
+    return agree / n, sum(kls) / len(kls)
+
+
 def _script_chat(messages: list[dict], tools: list | None, b: Behaviour) -> dict | None:
     """A scripted answer for a gate prompt: {content, reasoning, tool_calls, finish}; None otherwise."""
     last = messages[-1]
@@ -134,10 +157,11 @@ def _script_chat(messages: list[dict], tools: list | None, b: Behaviour) -> dict
     return None
 
 
-def build_app(b: Behaviour) -> FastAPI:
+def build_app(b: Behaviour, vocab: Vocab | None = None) -> FastAPI:
+    """The scripted server; pass one `vocab` to several apps to give them the same token ids."""
     app = FastAPI()
     state = {"requests": 0}
-    vocab = Vocab()
+    vocab = vocab or Vocab()
     for t in VOCAB:
         vocab.id(t)
 
@@ -158,6 +182,8 @@ def build_app(b: Behaviour) -> FastAPI:
         if not b.has_tokenize:
             return err(404, "Not Found")
         body = await req.json()
+        if b.llama_server:
+            return {"tokens": [vocab.id(t) for t in tokenize(body["content"])] if "content" in body else []}
         toks = tokenize(body.get("prompt", ""))
         return {"count": len(toks), "tokens": [vocab.id(t) for t in toks], "max_model_len": b.max_model_len}
 
@@ -180,12 +206,15 @@ def build_app(b: Behaviour) -> FastAPI:
             return err(404, "Not Found")
         body = await req.json()
         state["requests"] += 1
+        if body.get("echo") and b.llama_server:
+            return JSONResponse({"error": {"code": 500, "message": "Only no echo is supported", "type": "server_error"}},
+                                status_code=500)
         if body.get("echo") and not b.has_echo:
             return err(400, "echo is not supported")
         prompt = body["prompt"]
-        as_ids = b.has_token_ids and body.get("return_tokens_as_token_ids")
+        as_ids = b.has_token_ids and body.get("return_tokens_as_token_ids") and not b.llama_server
         if isinstance(prompt, list):
-            if not b.has_token_ids:
+            if not (b.has_token_ids or b.llama_server):
                 return err(400, "prompt must be a string")
             ptoks = [vocab.words[i] for i in prompt]
             prompt = "".join(ptoks)
@@ -201,7 +230,9 @@ def build_app(b: Behaviour) -> FastAPI:
         await asyncio.sleep(len(ptoks) * b.prefill_s_per_token)
         text = "".join(t for t, _ in gen)
         choice = {"index": 0, "text": text, "finish_reason": "stop" if len(gen) < limit else "length", "logprobs": None}
-        if k is not None:
+        if k and b.llama_server:
+            choice["logprobs"] = {"content": [_llama_entry(t, dict(dist)[t], dist[:k], vocab) for t, dist in gen]} if gen else None
+        elif k is not None:
             name = (lambda t: f"token_id:{vocab.id(t)}") if as_ids else (lambda t: t)
             toks, offs, lps, tops = [], [], [], []
             off = 0
@@ -263,6 +294,15 @@ def build_app(b: Behaviour) -> FastAPI:
         }
 
     return app
+
+
+def _llama_entry(tok: str, logprob: float, top: list[tuple[str, float]], vocab: Vocab) -> dict:
+    """One position of llama-server's chat-shaped logprobs (its `probs_to_json`)."""
+
+    def one(t: str, lp: float) -> dict:
+        return {"id": vocab.id(t), "token": t, "bytes": list(t.encode()), "logprob": lp}
+
+    return dict(one(tok, logprob), top_logprobs=[one(t, lp) for t, lp in top])
 
 
 def _sse(obj) -> str:

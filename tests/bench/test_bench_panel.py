@@ -13,7 +13,7 @@ from tiermoe.bench.panel import PanelMakeConfig, kl_over_reference, make_panel
 from tiermoe.bench.results import write_json
 
 from .conftest import load, run_bench
-from .scripted_server import Behaviour, next_logprobs, serve, tokenize
+from .scripted_server import Behaviour, next_logprobs, serve, teacher_forced_oracle, tokenize
 
 
 @pytest.fixture(scope="module")
@@ -41,21 +41,6 @@ def test_panel_make_records_reference(panel_file):
         assert it["offsets"][0] == 0 and it["text"] == "".join(it["tokens"])
 
 
-def _oracle(panel: dict, b: Behaviour) -> tuple[float, float]:
-    """Teacher-forced top-1 agreement and mean KL computed straight from the toy model."""
-    agree = n = 0
-    kls = []
-    for it in panel["items"]:
-        ctx = tokenize(it["prompt"])
-        for i, tok in enumerate(it["tokens"]):
-            dist = next_logprobs(ctx, b, i)
-            agree += dist[0][0] == it["top"][i][0][0]
-            kls.append(kl_over_reference(it["top"][i], [list(x) for x in dist[:20]]))
-            n += 1
-            ctx.append(tok)
-    return agree / n, sum(kls) / len(kls)
-
-
 @pytest.mark.parametrize("mode", ["auto", "per-position"])
 def test_score_same_model_is_perfect(panel_file, right_url, mode, tmp_path, capsys):
     out = tmp_path / "score.json"
@@ -77,7 +62,7 @@ def test_score_different_model_matches_oracle(panel_file, tmp_path, capsys):
         rc, text = run_bench(["panel", "score", "--url", url, "--panel", str(panel_file), "--out", str(out)], capsys)
     assert rc == 0, text
     r = load(out)
-    top1, kl = _oracle(load(panel_file), b)
+    top1, kl = teacher_forced_oracle(load(panel_file), b)
     assert r["teacher_forcing"] == ["per-position"]
     assert r["alignment_checked"] and r["positions_misaligned"] == 0 and r["positions"] == 80
     assert r["top1_agreement"] == pytest.approx(top1) and 0 < top1 < 1
@@ -108,7 +93,7 @@ def test_token_id_teacher_forcing(tmp_path, capsys):
     assert rc == 0, text
     r = load(score_path)
     assert r["teacher_forcing"] == ["echo"]
-    assert r["top1_agreement"] == pytest.approx(_oracle(panel, b)[0])
+    assert r["top1_agreement"] == pytest.approx(teacher_forced_oracle(panel, b)[0])
     with serve(b) as url:
         rc, text = run_bench(["panel", "score", "--url", url, "--panel", str(panel_path), "--mode", "token-ids"], capsys)
     assert rc == 2 and "return_tokens_as_token_ids" in text

@@ -66,3 +66,26 @@ def test_stream_rate_passes_against_project_server(tmp_path, capsys):
     r = load(out)
     assert r["verdict"] == "PASS", r
     assert r["fraction_by_midpoint"] >= 0.40 and r["fraction_in_tail"] <= 0.10
+
+
+def test_tokenize_body_read_by_project_server(project_url):
+    """Our /tokenize reads the client's two-dialect body at once: same ids as its own body, no retry."""
+    import asyncio
+    import json
+
+    from tiermoe.bench import client as http
+
+    sent: list[dict] = []
+
+    async def record(req) -> None:
+        sent.append(json.loads(req.content))
+
+    async def go():
+        async with http.make_client(project_url) as c:
+            own = await http.post_json(c, "/tokenize", {"model": "scripted", "prompt": "Hello there, world"})
+            c.event_hooks["request"] = [record]
+            return own, await http.token_ids(c, "scripted", "Hello there, world", special=True)
+
+    own, ids = asyncio.run(go())
+    assert ids == own["tokens"] and len(ids) == own["count"] > 0
+    assert len(sent) == 1 and sent[0]["content"] == sent[0]["prompt"]

@@ -8,7 +8,6 @@ GGUF, read back by the GGUF importer, computes the logits the store computes.
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import json
 from pathlib import Path
@@ -159,29 +158,6 @@ def _load_script(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def test_llama_server_tokenize_dialect():
-    """The bench shim sends llama-server's {"content": ...} and maps an empty answer to 'none'."""
-    import httpx
-
-    shim = _load_script("bench_llamacpp")
-
-    def llama_server(req: httpx.Request) -> httpx.Response:  # its /tokenize: no "content", no tokens
-        body = json.loads(req.content)
-        toks = list(range(len(body["content"].split()))) if "content" in body else []
-        return httpx.Response(200, json={"tokens": toks})
-
-    def deaf(req: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json={"tokens": []})
-
-    async def ask(handler, text):
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://x") as c:
-            return await shim._tokenize(c, "m", text, False)
-
-    assert asyncio.run(ask(llama_server, "one two three")) == {"tokens": [0, 1, 2], "count": 3}
-    assert asyncio.run(ask(llama_server, "")) == {"tokens": [], "count": 0}
-    assert asyncio.run(ask(deaf, "one two")) is None  # an empty answer for text is "no tokenizer", not 0
 
 
 def test_report_comparison_rows():

@@ -11,6 +11,7 @@ laptop that has nothing else installed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -95,6 +96,17 @@ class StreamResult:
         return 1.0
 
 
+# Fields every bench config carries to reach a server; they say where a result was measured
+# (recorded as the result's own url/model), not how.
+CONNECTION_FIELDS = ("url", "model", "timeout", "api_key")
+
+
+def settings(cfg: Any) -> dict:
+    """A bench config dataclass's settings, connection fields left out: the "config" a result
+    records, so that a number can be reproduced and two results compared like for like."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in CONNECTION_FIELDS}
+
+
 def make_client(url: str, timeout: float = DEFAULT_TIMEOUT_S, api_key: str | None = None) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=16)
@@ -165,43 +177,74 @@ def max_model_len(card: dict) -> int | None:
     return None
 
 
-async def _tokenize(client: httpx.AsyncClient, model: str, text: str, special: bool) -> dict | None:
+# The two /tokenize dialects in use. vLLM's and tiermoe's read {"prompt", "add_special_tokens"}
+# and answer {"count", "tokens", ...}; llama-server reads {"content", "add_special",
+# "parse_special"} and answers {"tokens": [...]} (ids, or {"id", "piece"} objects with
+# `with_pieces`). Each ignores the other's fields, so one body that carries both is understood
+# by all three. llama-server answers {"tokens": []} to a body without "content", so an empty
+# answer for non-empty text means "this server did not read the text", never "zero tokens".
+def tokenize_bodies(model: str, text: str, special: bool) -> list[dict]:
+    """Bodies for POST /tokenize, in the order tried: both dialects at once, then each alone
+    (for a server that rejects fields it does not know)."""
+    ours = {"model": model, "prompt": text, "add_special_tokens": special}
+    llama = {"content": text, "add_special": special, "parse_special": special}
+    return [{**ours, **llama}, ours, llama]
+
+
+def parse_tokenize(data: Any, text: str) -> tuple[int, list[int] | None] | None:
+    """(token count, ids or None) from either dialect's answer; None when it is unusable."""
+    if not isinstance(data, dict):
+        return None
+    raw = data.get("tokens")
+    ids: list[int] | None = None
+    if isinstance(raw, list):
+        ids = [t.get("id") if isinstance(t, dict) else t for t in raw]
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            ids = None
+    count = data.get("count")
+    if not isinstance(count, int) or isinstance(count, bool):
+        count = len(raw) if isinstance(raw, list) else None
+    if count is None or (text and count == 0):
+        return None
+    return count, ids
+
+
+async def _tokenize(client: httpx.AsyncClient, model: str, text: str, special: bool) -> tuple[int, list[int] | None] | None:
+    """POST /tokenize (or /v1/tokenize) in a body every known dialect reads; None if no server tokenizer."""
     for path in ("/tokenize", "/v1/tokenize"):
-        try:
-            resp = await client.post(path, json={"model": model, "prompt": text, "add_special_tokens": special})
-        except httpx.HTTPError:
-            return None
-        if resp.status_code in (404, 405, 501):
-            continue
-        if resp.status_code >= 400:
-            return None
-        try:
-            data = resp.json()
-        except ValueError:
-            return None
-        return data if isinstance(data, dict) else None
+        for body in tokenize_bodies(model, text, special):
+            try:
+                resp = await client.post(path, json=body)
+            except httpx.HTTPError:
+                return None
+            if resp.status_code in (404, 405, 501):
+                break  # no such route: try the next path
+            if resp.status_code in (400, 422):
+                continue  # this body was refused: try the next one
+            if resp.status_code >= 400:
+                return None
+            try:
+                data = resp.json()
+            except ValueError:
+                return None
+            parsed = parse_tokenize(data, text)
+            if parsed is not None:
+                return parsed
+        else:
+            return None  # the route exists but no body was understood
     return None
 
 
 async def count_tokens(client: httpx.AsyncClient, model: str, text: str, special: bool = False) -> int | None:
     """Token count of `text` from the server's /tokenize, or None if it has none."""
-    data = await _tokenize(client, model, text, special)
-    if data is None:
-        return None
-    if isinstance(data.get("count"), int):
-        return int(data["count"])
-    if isinstance(data.get("tokens"), list):
-        return len(data["tokens"])
-    return None
+    parsed = await _tokenize(client, model, text, special)
+    return None if parsed is None else parsed[0]
 
 
 async def token_ids(client: httpx.AsyncClient, model: str, text: str, special: bool = True) -> list[int] | None:
     """The ids /tokenize gives `text` (with special tokens, as /v1/completions encodes a prompt)."""
-    data = await _tokenize(client, model, text, special)
-    toks = (data or {}).get("tokens")
-    if isinstance(toks, list) and all(isinstance(t, int) for t in toks):
-        return list(toks)
-    return None
+    parsed = await _tokenize(client, model, text, special)
+    return None if parsed is None else parsed[1]
 
 
 def _parse_chunk(obj: dict, res: StreamResult, t: float) -> None:
