@@ -61,6 +61,23 @@ def _positive(kind):
     return conv
 
 
+def _connection(args, seed: bool = True) -> dict:
+    """The config fields every HTTP subcommand takes from the `_server_args` options."""
+    kw = {"url": args.url, "model": args.model, "timeout": args.timeout, "api_key": args.api_key}
+    if seed:
+        kw["seed"] = args.seed
+    return kw
+
+
+def _measure(coro, out: str | None) -> dict:
+    """Run one bench coroutine to its result and write that to `out` (when given)."""
+    from tiermoe.bench.results import write_json
+
+    result = asyncio.run(coro)
+    write_json(result, out)
+    return result
+
+
 def _print_json_path(out: str | None) -> None:
     if out:
         print(f"wrote {out}")
@@ -81,12 +98,11 @@ def _add_sweep(sub) -> None:
 
 
 def _run_sweep(args) -> int:
-    from tiermoe.bench.results import parse_ints, parse_sizes, write_json
+    from tiermoe.bench.results import parse_ints, parse_sizes
     from tiermoe.bench.sweep import SweepConfig, run_sweep, summary_lines
 
     cfg = SweepConfig(
-        url=args.url,
-        model=args.model,
+        **_connection(args),
         prefill_sizes=parse_sizes(args.prefill_sizes, "--prefill-sizes"),
         reps=args.reps,
         concurrency=parse_ints(args.concurrency, "--concurrency"),
@@ -94,12 +110,8 @@ def _run_sweep(args) -> int:
         max_tokens=args.max_tokens,
         long_prompt_tokens=args.long_prompt,
         prefill_endpoint=args.prefill_endpoint,
-        seed=args.seed,
-        timeout=args.timeout,
-        api_key=args.api_key,
     )
-    result = asyncio.run(run_sweep(cfg))
-    write_json(result, args.out)
+    result = _measure(run_sweep(cfg), args.out)
     print("\n".join(summary_lines(result)))
     _print_json_path(args.out)
     return 0
@@ -121,12 +133,10 @@ def _add_stream_rate(sub) -> None:
 
 
 def _run_stream_rate(args) -> int:
-    from tiermoe.bench.results import write_json
     from tiermoe.bench.stream_rate import StreamRateConfig, run_stream_rate
 
     cfg = StreamRateConfig(
-        url=args.url,
-        model=args.model,
+        **_connection(args),
         max_tokens=args.max_tokens,
         prompt_tokens=args.prompt_tokens,
         min_tokens=args.min_tokens,
@@ -134,12 +144,8 @@ def _run_stream_rate(args) -> int:
         tail_seconds=args.tail_seconds,
         tail_fraction_max=args.tail_fraction,
         bin_seconds=args.bin_seconds,
-        seed=args.seed,
-        timeout=args.timeout,
-        api_key=args.api_key,
     )
-    r = asyncio.run(run_stream_rate(cfg))
-    write_json(r, args.out)
+    r = _measure(run_stream_rate(cfg), args.out)
     by_mid, tail = r.get("fraction_by_midpoint"), r.get("fraction_in_tail")
     detail = f"{by_mid:.0%} by midpoint, {tail:.0%} in last {cfg.tail_seconds:g} s" if by_mid is not None else ""
     rate = f", {r['per_stream_tok_s']:.1f} tok/s" if r.get("per_stream_tok_s") else ""
@@ -167,7 +173,6 @@ def _add_gates(sub) -> None:
 
 def _run_gates(args) -> int:
     from tiermoe.bench.gates import GATE_NAMES, GatesConfig, run_gates
-    from tiermoe.bench.results import write_json
 
     only = tuple(x.strip() for x in args.only.split(",") if x.strip())
     bad = [x for x in only if x not in GATE_NAMES]
@@ -176,8 +181,7 @@ def _run_gates(args) -> int:
     if not 0 < args.context_fraction <= 1:
         raise UserError("--context-fraction must be in (0, 1]")
     cfg = GatesConfig(
-        url=args.url,
-        model=args.model,
+        **_connection(args),
         context=args.context,
         context_fraction=args.context_fraction,
         needle_depth=args.needle_depth,
@@ -186,12 +190,8 @@ def _run_gates(args) -> int:
         max_tokens=args.max_tokens,
         load_wait_s=args.load_wait,
         only=only,
-        seed=args.seed,
-        timeout=args.timeout,
-        api_key=args.api_key,
     )
-    r = asyncio.run(run_gates(cfg))
-    write_json(r, args.out)
+    r = _measure(run_gates(cfg), args.out)
     for g in r["gates"]:
         print(f"{g['verdict']:4}  {g['name']:<9} {g['reason']}")
     print(f"{r['verdict']}: {r['passed']}/{r['total']} gates passed")
@@ -224,25 +224,20 @@ def _add_panel(sub) -> None:
 
 def _run_panel_make(args) -> int:
     from tiermoe.bench.panel import PanelMakeConfig, make_panel
-    from tiermoe.bench.results import write_json
 
     if not args.out:
         raise UserError("bench panel make: --out is required")
     if not 1 <= args.top_logprobs <= 20:
         raise UserError("--top-logprobs must be in 1..20")
     cfg = PanelMakeConfig(
-        url=args.url,
-        model=args.model,
+        **_connection(args, seed=False),
         prompts_file=args.prompts,
         max_tokens=args.max_tokens,
         top_logprobs=args.top_logprobs,
         concurrency=args.concurrency,
         token_ids=not args.no_token_ids,
-        timeout=args.timeout,
-        api_key=args.api_key,
     )
-    panel = asyncio.run(make_panel(cfg))
-    write_json(panel, args.out)
+    panel = _measure(make_panel(cfg), args.out)
     n = sum(len(it["tokens"]) for it in panel["items"])
     ids = "with token ids" if panel["has_token_ids"] else "text only"
     print(f"panel: {len(panel['items'])} prompts, {n} positions, top-{panel['top_logprobs_returned']} ({ids}) from {panel['model']}")
@@ -253,22 +248,18 @@ def _run_panel_make(args) -> int:
 def _run_panel_score(args) -> int:
     from tiermoe.bench.panel import validate_panel
     from tiermoe.bench.panel_score import PanelScoreConfig, score_panel
-    from tiermoe.bench.results import read_json, write_json
+    from tiermoe.bench.results import read_json
 
     panel = read_json(args.panel)
     validate_panel(panel, args.panel)
     cfg = PanelScoreConfig(
-        url=args.url,
+        **_connection(args, seed=False),
         panel=panel,
-        model=args.model,
         mode=args.mode,
         concurrency=args.concurrency,
         greedy=not args.no_greedy,
-        timeout=args.timeout,
-        api_key=args.api_key,
     )
-    r = asyncio.run(score_panel(cfg))
-    write_json(r, args.out)
+    r = _measure(score_panel(cfg), args.out)
 
     def f(x, nd):
         return "-" if x is None else f"{x:.{nd}f}"
