@@ -63,7 +63,8 @@ def reference(ckpt):
     alone = [generate_ids(engine, [p], params)[0] for p in prompts]
     from tiermoe.runner.model_runner import kv_bytes_per_token
 
-    return prompts, alone, kv_bytes_per_token(engine.model, engine.model.dtype)
+    # per cached token with drafting on: the MTP layer's cache rows count against --kv-cache-gb
+    return prompts, alone, kv_bytes_per_token(engine.model, engine.model.dtype, num_speculative_tokens=1)
 
 
 @pytest.mark.parametrize("k", [1, 2])
