@@ -86,6 +86,7 @@ def test_timeout_sets_error_instead_of_hanging(device):
     mb.wait_add(1, out, max_spins=20)  # nobody answers
     assert mb.errors().tolist() == [0, 1]
     assert torch.equal(out, torch.full_like(out, 2.0))  # nothing added
+    assert mb.ok.tolist() == [0, 0] and mb.seq.tolist() == [0, 1]
     mb.reset()
     assert mb.errors().tolist() == [0, 0] and mb.seq.tolist() == [0, 0]
 
