@@ -215,6 +215,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    import signal
+
+    signal.alarm(int(DEADLINE_S) + 8)  # last resort, needs no GIL: the default action ends the process
     dog = threading.Timer(DEADLINE_S, _watchdog)
     dog.daemon = True
     dog.start()
