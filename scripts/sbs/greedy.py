@@ -22,7 +22,7 @@ import sys
 import urllib.request
 
 from tiermoe.bench.panel import top_pairs
-from tiermoe.bench.panel_score import completion_logprobs
+from tiermoe.bench.panel import completion_logprobs
 from tiermoe.bench.prompts import PANEL_PROMPTS
 
 

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 
 from tiermoe.bench import client as http
 from tiermoe.bench.panel import PanelMakeConfig, make_panel, top_pairs
-from tiermoe.bench.panel_score import completion_logprobs
+from tiermoe.bench.panel import completion_logprobs
 from tiermoe.bench.results import write_json
 
 from .conftest import load, run_bench
@@ -209,3 +209,17 @@ def test_sweep_through_bench_llamacpp_script(tmp_path, capsys):
     for row in load(out)["prefill"]:
         (run,) = row["runs"]
         assert abs(run["prompt_tokens"] - row["target_tokens"]) <= max(1, 0.02 * row["target_tokens"])
+
+
+def test_panel_make_from_llama_server(shared_vocab_panel, tmp_path):
+    """A panel recorded from llama-server (chat-shaped logprobs with ids) holds the same greedy
+    tokens, ids and top-k as one recorded from a vLLM-like server over the same toy model."""
+    panel_path, vocab = shared_vocab_panel
+    with serve(app=build_app(Behaviour(llama_server=True), vocab)) as url:
+        made = asyncio.run(make_panel(PanelMakeConfig(url=url, max_tokens=6)))
+    want = load(panel_path)
+    assert len(made["items"]) == len(want["items"])
+    for got, ref in zip(made["items"], want["items"]):
+        assert got["tokens"] == ref["tokens"]
+        assert [p[0] for p in got["top"][0]] == [p[0] for p in ref["top"][0]]
+        assert got.get("token_ids") == ref.get("token_ids")

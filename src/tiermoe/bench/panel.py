@@ -103,7 +103,8 @@ def id_pairs(pairs: TopK) -> TopK | None:
 async def complete(
     c: httpx.AsyncClient, model: str, prompt: str | list[int], max_tokens: int, k: int, **extra
 ) -> dict:
-    """One greedy /v1/completions choice with top-k logprobs; returns the whole response's choice."""
+    """One greedy /v1/completions choice with top-k logprobs, in the completions shape whichever
+    shape the server answered in (`completion_logprobs`); returns the whole response's choice."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": k, **extra}
     resp = await http.post_json(c, "/v1/completions", body)
     choices = resp.get("choices") or []
@@ -111,7 +112,43 @@ async def complete(
         raise http.BenchHTTPError("/v1/completions returned no choices")
     choice = dict(choices[0])
     choice["_usage"] = resp.get("usage") or {}
+    choice["logprobs"] = completion_logprobs(choice, ids=bool(extra.get("return_tokens_as_token_ids")))
     return choice
+
+
+def completion_logprobs(choice: dict, ids: bool = False) -> dict:
+    """A choice's logprobs in the completions shape, whichever of the two shapes the server used.
+
+    Completions shape (vLLM, tiermoe): {"tokens", "token_logprobs", "top_logprobs",
+    "text_offset"}, returned as it is. Chat shape (OpenAI chat completions; llama-server answers
+    /v1/completions in it too): {"content": [{"token", "logprob", "top_logprobs": [{"token",
+    "logprob"}, ...]}, ...]}, turned into tokens / token_logprobs / top_logprobs (no offsets:
+    the chat shape has none, so echo forcing is not offered from it). llama-server adds each
+    token's vocabulary "id"; with `ids` such a token is named "token_id:N", the way vLLM's
+    return_tokens_as_token_ids names it, so exact id forcing works on that server as well.
+    """
+    lp = choice.get("logprobs")
+    if not isinstance(lp, dict):
+        return {}
+    content = lp.get("content")
+    if not isinstance(content, list):
+        return lp
+
+    def name(entry: dict):
+        tok, tid = entry.get("token"), entry.get("id")
+        if ids and isinstance(tid, int) and not (isinstance(tok, str) and tok.startswith("token_id:")):
+            return f"token_id:{tid}"
+        return tok
+
+    entries = [e for e in content if isinstance(e, dict)]
+    return {
+        "tokens": [name(e) for e in entries],
+        "token_logprobs": [e.get("logprob") for e in entries],
+        "top_logprobs": [
+            [{"token": name(t), "logprob": t.get("logprob")} for t in e.get("top_logprobs") or [] if isinstance(t, dict)]
+            for e in entries
+        ],
+    }
 
 
 async def _record_ids(c: httpx.AsyncClient, model: str, item: dict, max_tokens: int, k: int) -> None:

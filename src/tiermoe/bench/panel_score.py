@@ -53,48 +53,6 @@ class PanelScoreConfig:
     api_key: str | None = None
 
 
-def completion_logprobs(choice: dict, ids: bool = False) -> dict:
-    """A choice's logprobs in the completions shape, whichever of the two shapes the server used.
-
-    Completions shape (vLLM, tiermoe): {"tokens", "token_logprobs", "top_logprobs",
-    "text_offset"}, returned as it is. Chat shape (OpenAI chat completions; llama-server answers
-    /v1/completions in it too): {"content": [{"token", "logprob", "top_logprobs": [{"token",
-    "logprob"}, ...]}, ...]}, turned into tokens / token_logprobs / top_logprobs (no offsets:
-    the chat shape has none, so echo forcing is not offered from it). llama-server adds each
-    token's vocabulary "id"; with `ids` such a token is named "token_id:N", the way vLLM's
-    return_tokens_as_token_ids names it, so exact id forcing works on that server as well.
-    """
-    lp = choice.get("logprobs")
-    if not isinstance(lp, dict):
-        return {}
-    content = lp.get("content")
-    if not isinstance(content, list):
-        return lp
-
-    def name(entry: dict):
-        tok, tid = entry.get("token"), entry.get("id")
-        if ids and isinstance(tid, int) and not (isinstance(tok, str) and tok.startswith("token_id:")):
-            return f"token_id:{tid}"
-        return tok
-
-    entries = [e for e in content if isinstance(e, dict)]
-    return {
-        "tokens": [name(e) for e in entries],
-        "token_logprobs": [e.get("logprob") for e in entries],
-        "top_logprobs": [
-            [{"token": name(t), "logprob": t.get("logprob")} for t in e.get("top_logprobs") or [] if isinstance(t, dict)]
-            for e in entries
-        ],
-    }
-
-
-async def _complete(c: httpx.AsyncClient, model: str, prompt: str | list[int], max_tokens: int, k: int, **extra) -> dict:
-    """`panel.complete` with the choice's logprobs brought to the completions shape."""
-    ch = await complete(c, model, prompt, max_tokens, k, **extra)
-    ch["logprobs"] = completion_logprobs(ch, ids=bool(extra.get("return_tokens_as_token_ids")))
-    return ch
-
-
 class _Forcer:
     """Teacher-forced top-k for one server, remembering which modes it supports."""
 
@@ -106,7 +64,7 @@ class _Forcer:
 
     async def _one(self, prompt, **extra) -> dict:
         async with self.sem:
-            return await _complete(self.c, self.model, prompt, 1, self.k, **extra)
+            return await complete(self.c, self.model, prompt, 1, self.k, **extra)
 
     async def token_ids(self, item: dict) -> list[TopK | None] | None:
         if not (self.ids_ok and item.get("token_ids") is not None and item.get("prompt_ids") is not None):
@@ -188,11 +146,11 @@ def _prefixes(item: dict) -> list[str]:
 async def _greedy(c: httpx.AsyncClient, model: str, item: dict, use_ids: bool) -> list:
     n = max(1, len(item["tokens"]))
     if use_ids:
-        ch = await _complete(c, model, item["prompt_ids"], n, 1, return_tokens_as_token_ids=True)
+        ch = await complete(c, model, item["prompt_ids"], n, 1, return_tokens_as_token_ids=True)
         ids = as_ids(list((ch.get("logprobs") or {}).get("tokens") or []))
         if ids is not None:
             return ids
-    ch = await _complete(c, model, item["prompt"], n, 1)
+    ch = await complete(c, model, item["prompt"], n, 1)
     toks = (ch.get("logprobs") or {}).get("tokens")
     return list(toks) if toks else [ch.get("text") or ""]
 
