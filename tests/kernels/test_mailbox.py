@@ -16,6 +16,12 @@ from tiermoe.kernels.triton.mailbox import Mailbox, MailboxServer
 H, TMAX = 64, 4
 
 
+def _sync(device) -> None:
+    """The kernels are asynchronous on a GPU; the host-side mailbox is read only after them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _expert(slots: int, seed: int = 0):
     """A small SwiGLU-free stand-in for the CPU lane: fp32 matmul per slot, recording each answer."""
     gen = torch.Generator().manual_seed(seed)
@@ -45,6 +51,7 @@ def test_rounds_two_slots_with_server(device):
             mb.post(1, xs[1])
             mb.wait_add(0, outs[0], max_spins=1 << 30)
             mb.wait_add(1, outs[1], max_spins=1 << 30)
+            _sync(device)
             got = {s: (x, y) for s, x, y in seen[n0:]}
             assert sorted(got) == [0, 1]
             for s in range(2):
@@ -70,6 +77,7 @@ def test_fp32_out_and_late_server(device):
     timer.start()
     try:
         mb.wait_add(0, out, max_spins=1 << 30)
+        _sync(device)
     finally:
         timer.join()
         server.stop()
@@ -84,10 +92,12 @@ def test_timeout_sets_error_instead_of_hanging(device):
     out = torch.full((1, H), 2.0, dtype=torch.bfloat16, device=device)
     mb.post(1, x)
     mb.wait_add(1, out, max_spins=20)  # nobody answers
+    _sync(device)
     assert mb.errors().tolist() == [0, 1]
     assert torch.equal(out, torch.full_like(out, 2.0))  # nothing added
     assert mb.ok.tolist() == [0, 0] and mb.seq.tolist() == [0, 1]
     mb.reset()
+    _sync(device)
     assert mb.errors().tolist() == [0, 0] and mb.seq.tolist() == [0, 0]
 
 
@@ -101,6 +111,7 @@ def test_server_failure_releases_device(device):
     with MailboxServer(mb, bad, spin_s=0.0) as server:
         mb.post(0, torch.ones(1, H, device=device))
         mb.wait_add(0, out, max_spins=1 << 30)
+        _sync(device)
     assert isinstance(server.failure, RuntimeError)
     assert mb.errors().tolist() == [-1]
     assert torch.equal(out, torch.ones_like(out))  # zeroed result: nothing added
@@ -113,6 +124,7 @@ def test_post_matches_twin_bit_for_bit(device):
         x = (torch.randn(t, H, generator=gen) * 100).to(device)  # fp32 -> bf16 rounding too
         mb.post(slot, x)
         R.mailbox_post_ref(twin.x_host, twin.ctrl, twin.seq, slot, x)
+    _sync(device)
     assert torch.equal(mb.x_host, twin.x_host)
     assert torch.equal(mb.ctrl, twin.ctrl)
     assert torch.equal(mb.seq, twin.seq)
@@ -125,6 +137,7 @@ def test_wait_add_matches_twin_bit_for_bit(device, dtype):
     x = torch.randn(3, H, generator=gen).to(device)
     mb.post(0, x)
     mb.post(1, x)
+    _sync(device)
     # answer slot 0 by hand (as the server would: result rows, then done); slot 1 stays unanswered
     mb.result[0, :3] = torch.randn(3, H, generator=gen) * 3
     mb.ctrl[0, R.MAILBOX_DONE] = 1
@@ -132,10 +145,12 @@ def test_wait_add_matches_twin_bit_for_bit(device, dtype):
     out_k, out_r = base.clone(), base.clone()
     ctrl_r = mb.ctrl.clone()
     mb.wait_add(0, out_k, max_spins=10)
+    _sync(device)
     assert R.mailbox_wait_add_ref(mb.result, ctrl_r, mb.seq, 0, out_r)
     assert torch.equal(out_k, out_r) and not torch.equal(out_k, base)
     out_k, out_r = base.clone(), base.clone()
     mb.wait_add(1, out_k, max_spins=5)
+    _sync(device)
     assert not R.mailbox_wait_add_ref(mb.result, ctrl_r, mb.seq, 1, out_r)
     assert torch.equal(out_k, out_r) and torch.equal(out_k, base)
     assert torch.equal(mb.ctrl, ctrl_r)  # same error marks
@@ -161,6 +176,7 @@ def test_bf16_rounding_edge_cases_match_torch(device):
     mb, twin = Mailbox(1, H, TMAX, device), Mailbox(1, H, TMAX, device)
     mb.post(0, x)
     R.mailbox_post_ref(twin.x_host, twin.ctrl, twin.seq, 0, x)
+    _sync(device)
     nan = twin.x_host.isnan()
     assert torch.equal(mb.x_host.isnan(), nan) and int(nan.sum()) == 2
     assert torch.equal(mb.x_host.view(torch.int16)[~nan], twin.x_host.view(torch.int16)[~nan])
