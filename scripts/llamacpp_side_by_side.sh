@@ -3,6 +3,8 @@
 # machine, equal GPU memory for experts and equal CPU threads. Method: docs/side-by-side.md.
 #
 #   scripts/llamacpp_side_by_side.sh prepare        # on a machine with PyPI: .peer/ sdist + .whl/ wheels
+#   scripts/llamacpp_side_by_side.sh prebuild       # optional, with nvcc, no GPU needed: llama-server for
+#                                                   # sm_$CUDA_ARCH into .peer/carry-bin/ (build skipped there)
 #   scripts/llamacpp_side_by_side.sh start          # GPU machine: every phase, in the background
 #   scripts/llamacpp_side_by_side.sh wait [SECS]    # GPU machine: follow the log; results into $OUT
 #   scripts/llamacpp_side_by_side.sh PHASE          # one phase in the foreground, PHASE one of
@@ -43,6 +45,9 @@ CARRY=$ROOT/.peer/carry                # what travels to the GPU machine (carry:
 SRC_TGZ=$CARRY/llama.cpp-src.tar.gz
 LLAMA_SRC=$SBS_DIR/llama.cpp
 LLAMA_BUILD=${LLAMA_BUILD:-$SBS_DIR/llama-build}
+PREBUILT=${PREBUILT:-auto}            # auto: use .peer/carry-bin's server when carried, else build; off: build
+PREBUILD_DIR=${PREBUILD_DIR:-$ROOT/.peer/cuda-build}   # where `prebuild` compiles
+PREBUILT_TAR=$ROOT/.peer/carry-bin/llama-server-cuda-sm$CUDA_ARCH.tar.xz
 export PYTHONPATH=$ROOT/src:$SBS_DIR/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 log() { echo "[sbs $(date -u +%H:%M:%S)] $*"; }
@@ -130,11 +135,42 @@ phase_setup() {
   plan_layout
 }
 
-llama_env() {  # cuBLAS found outside the toolkit at build time must be on the loader path
-  if [ -s "$SBS_DIR/cuda-links/libdirs.txt" ]; then
-    LD_LIBRARY_PATH=$(paste -sd: "$SBS_DIR/cuda-links/libdirs.txt")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-    export LD_LIBRARY_PATH
+llama_env() {  # cuBLAS outside the toolkit (source build) or every library dir (prebuilt) on the loader path
+  local f
+  for f in "$SBS_DIR/cuda-links/libdirs.txt" "$LLAMA_BUILD/libdirs.txt"; do
+    if [ -s "$f" ]; then
+      LD_LIBRARY_PATH=$(paste -sd: "$f")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+      export LD_LIBRARY_PATH
+    fi
+  done
+}
+
+phase_prebuild() {  # here (nvcc, no GPU): compile and pack what phase_build then only unpacks
+  [ -f "$SRC_TGZ" ] || die "$SRC_TGZ missing: run 'prepare' first"
+  SOURCE_NOTE="llama-cpp-python $(cat "$CARRY/llama-cpp-python.version" 2>/dev/null || echo '?') sdist" \
+    CUDA_ARCH=$CUDA_ARCH bash "$ROOT/scripts/sbs/prebuild_cuda.sh" build "$SRC_TGZ" "$PREBUILD_DIR" || die "prebuild failed"
+  CUDA_ARCH=$CUDA_ARCH bash "$ROOT/scripts/sbs/prebuild_cuda.sh" pack "$PREBUILD_DIR" "$PREBUILT_TAR" || die "pack failed"
+  log "carry .peer/carry-bin too ($(du -sh "$(dirname "$PREBUILT_TAR")" | cut -f1))"
+}
+
+use_prebuilt() {  # unpack the carried server; keep it only if it resolves its libraries and sees a GPU
+  [ "$PREBUILT" != off ] && [ -f "$PREBUILT_TAR" ] || return 1
+  local bin=$LLAMA_BUILD/bin/llama-server
+  log "unpacking the prebuilt llama-server ($(basename "$PREBUILT_TAR"))"
+  rm -rf "$LLAMA_BUILD" && mkdir -p "$LLAMA_BUILD"
+  if ! $PY "$ROOT/scripts/sbs/prebuilt.py" unpack "$PREBUILT_TAR" "$LLAMA_BUILD" > "$LOGS/prebuilt.log" 2>&1; then
+    log "prebuilt: unpack failed (logs/prebuilt.log); building from source"; rm -rf "$LLAMA_BUILD"; return 1
   fi
+  if ! $PY "$ROOT/scripts/sbs/prebuilt.py" libdirs "$LLAMA_BUILD/bin" > "$LLAMA_BUILD/libdirs.txt" 2>> "$LOGS/prebuilt.log"; then
+    log "prebuilt: $(grep unresolved "$LOGS/prebuilt.log" | tr '\n' ' '); building from source"; rm -rf "$LLAMA_BUILD"; return 1
+  fi
+  # The CUDA backend is a module loaded at run time and skipped silently when it cannot load.
+  ( llama_env; timeout 120 "$bin" --list-devices ) >> "$LOGS/prebuilt.log" 2>&1
+  if ! grep -q "CUDA0" "$LOGS/prebuilt.log"; then
+    log "prebuilt: no CUDA device listed (logs/prebuilt.log); building from source"; rm -rf "$LLAMA_BUILD"; return 1
+  fi
+  record_llama_version "prebuilt for sm_$CUDA_ARCH elsewhere ($(grep -E '^(nvcc|cuda_arch)=' "$LLAMA_BUILD/MANIFEST.txt" | tr '\n' ' '))"
+  log "prebuilt: $(grep -m1 CUDA0 "$LOGS/prebuilt.log" | sed 's/^ *//'); $(tr '\n' ' ' < "$RES/llamacpp-version.txt")"
 }
 
 record_llama_version() {  # record_llama_version NOTE
@@ -150,6 +186,7 @@ phase_build() {
     [ -f "$RES/llamacpp-version.txt" ] || record_llama_version "prebuilt at $LLAMA_BUILD"
     return 0
   fi
+  use_prebuilt && return 0
   [ -f "$SRC_TGZ" ] || die "$SRC_TGZ missing: run 'prepare' on a machine with PyPI and carry .peer/carry"
   rm -rf "$LLAMA_SRC" && mkdir -p "$SBS_DIR" && tar -xzf "$SRC_TGZ" -C "$SBS_DIR" || die "unpack failed"
   local cuda=OFF
@@ -386,6 +423,7 @@ phase_wait() {  # wait [SECONDS]: print the log as it grows until DONE or the ti
 
 case "${1:-}" in
   prepare) phase_prepare ;;
+  prebuild) phase_prebuild ;;
   setup) phase_setup ;;
   build) phase_setup; phase_build; collect ;;
   model-store) phase_setup; phase_model_store; collect ;;
@@ -397,5 +435,5 @@ case "${1:-}" in
   all) phase_all; collect ;;
   start) phase_start ;;
   wait) shift; phase_wait "${1:-560}" ;;
-  *) sed -n '2,13p' "$0"; exit 2 ;;
+  *) sed -n '2,15p' "$0"; exit 2 ;;
 esac
