@@ -147,9 +147,10 @@ llama_env() {  # cuBLAS outside the toolkit (source build) or every library dir 
 
 phase_prebuild() {  # here (nvcc, no GPU): compile and pack what phase_build then only unpacks
   [ -f "$SRC_TGZ" ] || die "$SRC_TGZ missing: run 'prepare' first"
-  SOURCE_NOTE="llama-cpp-python $(cat "$CARRY/llama-cpp-python.version" 2>/dev/null || echo '?') sdist" \
-    CUDA_ARCH=$CUDA_ARCH bash "$ROOT/scripts/sbs/prebuild_cuda.sh" build "$SRC_TGZ" "$PREBUILD_DIR" || die "prebuild failed"
-  CUDA_ARCH=$CUDA_ARCH bash "$ROOT/scripts/sbs/prebuild_cuda.sh" pack "$PREBUILD_DIR" "$PREBUILT_TAR" || die "pack failed"
+  export CUDA_ARCH SOURCE_NOTE
+  SOURCE_NOTE="llama-cpp-python $(cat "$CARRY/llama-cpp-python.version" 2>/dev/null || echo '?') sdist (vendor/llama.cpp)"
+  bash "$ROOT/scripts/sbs/prebuild_cuda.sh" build "$SRC_TGZ" "$PREBUILD_DIR" || die "prebuild failed"
+  bash "$ROOT/scripts/sbs/prebuild_cuda.sh" pack "$PREBUILD_DIR" "$PREBUILT_TAR" || die "pack failed"
   log "carry .peer/carry-bin too ($(du -sh "$(dirname "$PREBUILT_TAR")" | cut -f1))"
 }
 

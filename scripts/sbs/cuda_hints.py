@@ -26,10 +26,16 @@ def toolkit_root() -> str | None:
     if not nvcc:
         return None
     real = os.path.realpath(nvcc)
-    if os.path.basename(real) != "nvcc" or not real.endswith("/bin/nvcc"):  # a wrapper script: read its target
+    try:
+        with open(real, "rb") as f:
+            script = f.read(4) != b"\x7fELF"  # e.g. /usr/local/bin/nvcc: `exec /opt/cuda-X/bin/nvcc "$@"`
+    except OSError:
+        script = False
+    if script or os.path.basename(real) != "nvcc" or not real.endswith("/bin/nvcc"):  # a wrapper: read its target
         try:
             text = open(nvcc).read(4096)
             for word in text.split():
+                word = word.strip("\"'")
                 if word.endswith("/bin/nvcc"):
                     real = os.path.realpath(word)
         except (OSError, UnicodeDecodeError):

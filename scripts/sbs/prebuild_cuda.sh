@@ -33,7 +33,7 @@ die() { log "ERROR: $*"; exit 1; }
 
 cublas_dirs() {  # cublas_dirs TOOLKIT WORK -> "INCLUDE_DIR LIB_DIR" (lib dir holds libcublas{,Lt}.so)
   local tk=$1 work=$2
-  if [ -f "$tk/include/cublas_v2.h" ] && [ -e "$tk/lib64/libcublas.so" ]; then echo "$tk/include $tk/lib64"; return; fi
+  if [ -f "$tk/include/cublas_v2.h" ] && [ -e "$tk/lib64/libcublas.so" ]; then echo "$tk/include $tk/lib64 toolkit"; return; fi
   local root=$work/cublas/nvidia/cu13
   if [ ! -f "$root/include/cublas_v2.h" ]; then
     mkdir -p "$work/wheels" "$work/cublas"
@@ -50,7 +50,7 @@ PY
   mkdir -p "$work/link"
   ln -sf "$root/lib/libcublas.so.13" "$work/link/libcublas.so"
   ln -sf "$root/lib/libcublasLt.so.13" "$work/link/libcublasLt.so"
-  echo "$root/include $work/link"
+  echo "$root/include $work/link nvidia-cublas==$CUBLAS_VERSION"
 }
 
 driver_stub() {  # driver_stub TOOLKIT SRC WORK -> path of a libcuda.so to link against
@@ -74,10 +74,13 @@ do_build() {
   tk=$(cd "$HERE" && $PY -c "import cuda_hints; print(cuda_hints.toolkit_root() or '')")
   [ -n "$tk" ] && [ -x "$tk/bin/nvcc" ] || die "nvcc not found"
   [ -d "$work/llama.cpp" ] || tar -xzf "$tgz" -C "$work" || die "cannot unpack $tgz"
-  local inc lib drv
-  read -r inc lib < <(cublas_dirs "$tk" "$work")
+  local inc lib cublas drv
+  read -r inc lib cublas < <(cublas_dirs "$tk" "$work")
+  # The sources sit in no git repository of their own: keep git from reporting an enclosing
+  # one's commit as llama.cpp's (build-info, `llama-server --version`).
+  export GIT_CEILING_DIRECTORIES=$work
   drv=$(driver_stub "$tk" "$work/llama.cpp" "$work")
-  log "configure: sm_$CUDA_ARCH, nvcc $tk, cuBLAS $inc, driver stub $drv"
+  log "configure: sm_$CUDA_ARCH, nvcc $tk, cuBLAS $cublas ($inc), driver stub $drv"
   nice -n "$NICE" cmake -S "$work/llama.cpp" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" -DCMAKE_CUDA_COMPILER="$tk/bin/nvcc" \
     -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=ON -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON \
@@ -95,7 +98,7 @@ do_build() {
   nice -n "$NICE" ninja -C "$work/build" -j "$JOBS" llama-server ggml-cuda $targets > "$work/build.log" 2>&1 \
     || die "build failed ($work/build.log)"
   { echo "cuda_arch=$CUDA_ARCH"; echo "nvcc=$("$tk/bin/nvcc" --version | grep -o 'release [0-9.]*, V[0-9.]*')"
-    echo "cublas=$inc"; echo "build_seconds=$((SECONDS - t0))"; echo "jobs=$JOBS"; } > "$work/build-info.txt"
+    echo "cublas=$cublas"; echo "compiler=$(gcc --version | head -1)"; } > "$work/build-info.txt"
   log "built in $((SECONDS - t0)) s"
 }
 
