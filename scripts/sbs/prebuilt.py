@@ -50,7 +50,9 @@ def nvidia_lib_dirs() -> list[str]:
         pass
     dirs: list[str] = []
     for root in roots:
-        cands = [root] if os.path.basename(root.rstrip("/")) == "lib" else sorted(glob.glob(os.path.join(root, "*", "lib")))
+        # A directory of libraries itself (nvidia/cu13/lib, a driver dir) or a root of packages (nvidia/).
+        direct = glob.glob(os.path.join(root, "lib*.so*"))
+        cands = [root] if direct else sorted(glob.glob(os.path.join(root, "*", "lib")))
         for d in cands:
             if glob.glob(os.path.join(d, "lib*.so*")) and d not in dirs:
                 dirs.append(d)
