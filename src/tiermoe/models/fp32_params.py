@@ -46,7 +46,6 @@ class Fp32Plan:
     """
 
     def __init__(self, model_dir: str | Path, model_type: str, dtype: torch.dtype, fallback: tuple[str, ...] = ()):
-        self.dtype = dtype
         self.suffixes: dict[str, bool] = {}
         self.pattern = None
         if dtype == torch.float32:
@@ -90,8 +89,6 @@ class Fp32Plan:
             return None
 
     def __call__(self, name: str) -> bool:
-        if self.dtype == torch.float32:
-            return False
         if name in self.suffixes:
             return self.suffixes[name]
         return self.pattern is not None and self.pattern.search(name) is not None

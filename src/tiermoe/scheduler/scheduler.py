@@ -84,10 +84,8 @@ class Scheduler:
                 req.num_computed = len(req.pages) * self.kv.page_size
                 if not req.output_ids:
                     req.cached_tokens = req.num_computed
-            n = self._chunk(req, budget)
-            if n == 0:
-                break
-            if not self.kv.allocate(req.pages, req.num_computed + n):
+            n = self._chunk(req, budget)  # 0: no whole block fits the budget left (running requests hold it)
+            if n == 0 or not self.kv.allocate(req.pages, req.num_computed + n):
                 if not self.running:  # nothing to wait for: the request can never fit
                     raise MemoryError("prompt does not fit in the KV cache")
                 self.kv.release(req.pages)
