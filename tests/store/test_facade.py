@@ -118,6 +118,32 @@ def test_explicit_steps_and_prefetch(packed_bf16):
         assert st.counters()["disk"]["prefetch_dropped"] == 1 and not st._pending
 
 
+def test_failed_prefetch_does_not_fail_a_later_fetch(packed_bf16, monkeypatch):
+    """A prefetch that hit a transient read error is read again by the fetch that needs the
+    record (the fetch itself still fails while the fault lasts)."""
+    import errno
+    import os
+
+    store, tensors = packed_bf16
+    real = os.preadv
+
+    def failing(fd, buffers, offset):
+        raise OSError(errno.EIO, "Input/output error")
+
+    with ExpertStore.open(store, gpu_expert_gb=0, host_expert_gb=0, reader_threads=2, direct_io=False) as st:
+        st.begin_step(tokens=1, decode=True)
+        monkeypatch.setattr(os, "preadv", failing)
+        st.prefetch(1, [3, 4])
+        for _, fut, _ in list(st._pending.values()):
+            fut.exception()  # both prefetches have failed
+        with pytest.raises(Exception, match="I/O error"):
+            st.fetch(1, [3])  # the fault still lasts: the fresh read fails too
+        monkeypatch.setattr(os, "preadv", real)
+        got = st.fetch(1, [4])  # its prefetch failed during the fault; the record is read again
+        assert torch.equal(got[4][1], tensors["model.layers.1.mlp.experts.4.down_proj.weight"])
+        assert st.counters()["disk"]["prefetch_used"] == 0
+
+
 def test_store_metadata_and_bad_ids(packed_bf16):
     store, _ = packed_bf16
     with ExpertStore.open(store, gpu_expert_gb=0, host_expert_gb=gb(4), reader_threads=2) as st:

@@ -205,6 +205,21 @@ class ExpertStore:
         buf = self._staging.get()
         self._pending[key] = (buf, self._reader.submit(self.manifest.records[key], buf), step)
 
+    def _take_pending(self, key: int) -> tuple[torch.Tensor, Future]:
+        """Hand a started read to the caller that needs the record. A prefetch that failed is
+        read again here: prefetching is speculative, so its failure (say, a transient EIO during
+        an earlier request) must not fail a later request that would read the record anew."""
+        buf, fut, _ = self._pending.pop(key)
+        if key in self._prefetched:
+            self._prefetched.discard(key)
+            if fut.exception() is None:
+                self.c.prefetch_used += 1
+            else:
+                self._staging.put(buf)
+                buf = self._staging.get()
+                fut = self._reader.submit(self.manifest.records[key], buf)
+        return buf, fut
+
     def prefetch(self, layer: int, expert_ids: list[int]) -> None:
         """Start disk reads for the given experts that are on disk only (non-blocking)."""
         for e in expert_ids:
@@ -270,10 +285,7 @@ class ExpertStore:
             for e, k in zip(ids, keys):
                 staged = None
                 if k in self._pending and self.residency.tier(k) == "disk":
-                    buf, fut, _ = self._pending.pop(k)
-                    if k in self._prefetched:
-                        self._prefetched.discard(k)
-                        self.c.prefetch_used += 1
+                    buf, fut = self._take_pending(k)
                     try:
                         fut.result()
                     except BaseException:
@@ -328,10 +340,7 @@ class ExpertStore:
                 fut = None
             else:
                 if k in self._pending:  # a prefetch already started this read
-                    buf, fut, _ = self._pending.pop(k)
-                    if k in self._prefetched:
-                        self._prefetched.discard(k)
-                        self.c.prefetch_used += 1
+                    buf, fut = self._take_pending(k)
                 else:
                     buf = self._staging.get()
                     fut = self._reader.submit(self.manifest.records[k], buf)
