@@ -33,7 +33,7 @@ REPS=${REPS:-3}
 CONC=${CONC:-1,4}
 MAX_TOKENS=${MAX_TOKENS:-256}
 WARMUP_SIZE=${WARMUP_SIZE:-4k}
-TIERMOE_MODES=${TIERMOE_MODES:-exact fast}
+TIERMOE_MODES=${TIERMOE_MODES:-exact fast}    # MODE or MODE@storepath (--device-cache off), first one before llama.cpp
 TIERMOE_EXTRA_ARGS=${TIERMOE_EXTRA_ARGS:-}
 LLAMA_EXTRA_ARGS=${LLAMA_EXTRA_ARGS:-}
 LLAMA_CUDA=${LLAMA_CUDA:-auto}        # auto: CUDA build when nvcc is found
@@ -303,17 +303,24 @@ measure() {  # measure LABEL URL STATS(0|1) BENCH...: warm-up, sweep into result
   grep -E "prefill|decode" "$LOGS/sweep-$label.log" | sed "s/^/  [$label] /"
 }
 
-run_tiermoe() {  # run_tiermoe MODE
-  local mode=$1 label=tiermoe-$1 port=8101 gpu_gb host_gb dio=""
+run_tiermoe() {  # run_tiermoe MODE[@VARIANT]  (variant storepath: --device-cache off, the store-managed path)
+  local mode=${1%%@*} variant="" port=8101 gpu_gb host_gb dio="" vargs=""
+  [ "$1" != "$mode" ] && variant=${1#*@}
+  case "$variant" in
+    "") ;;
+    storepath) vargs="--device-cache off" ;;
+    *) log "unknown tiermoe variant '$variant' (known: storepath)"; return 0 ;;
+  esac
+  local label=tiermoe-$mode${variant:+-$variant}
   [ -d "$STORE_DIR/store" ] || die "no store in $STORE_DIR (phase model-store)"
   gpu_gb=$(expert_gib $((LAYERS - N_CPU_MOE)))
   host_gb=$($PY -c "print(round($(expert_gib "$LAYERS") + 1, 2))")
   [ "$($PY -c "import os,sys; print(int(os.path.realpath(sys.argv[1]).startswith('/dev/shm')))" "$STORE_DIR")" = 1 ] && dio=--no-direct-io
   local cmd=("$PY" -m tiermoe.cli serve "$STORE_DIR/store" --host 127.0.0.1 --port $port --served-model-name "$NAME"
     --max-model-len "$CTX" --max-num-seqs "$NP" --max-num-batched-tokens "$UBATCH" --gpu-expert-gb "$gpu_gb"
-    --host-expert-gb "$host_gb" --mode "$mode" --cpu-lane-threads "$THREADS" $dio $TIERMOE_EXTRA_ARGS)
+    --host-expert-gb "$host_gb" --mode "$mode" --cpu-lane-threads "$THREADS" $dio $vargs $TIERMOE_EXTRA_ARGS)
   echo "tiermoe ${cmd[*]:3}" > "$RES/cmd-$label.txt"
-  log "tiermoe $mode: --gpu-expert-gb $gpu_gb --host-expert-gb $host_gb"
+  log "$label: --gpu-expert-gb $gpu_gb --host-expert-gb $host_gb"
   local vpid t0=$SECONDS
   vpid=$(vram_start "$LOGS/vram-$label.csv")
   "${cmd[@]}" > "$LOGS/server-$label.log" 2>&1 &
@@ -324,7 +331,7 @@ run_tiermoe() {  # run_tiermoe MODE
     timeout 300 $PY "$ROOT/scripts/sbs/greedy.py" record "http://127.0.0.1:$port" "$RES/greedy-$label.json" --model "$NAME" \
       > "$LOGS/greedy-$label.log" 2>&1 || log "greedy record failed (logs/greedy-$label.log)"
   else
-    log "tiermoe $mode did not start: $(cat "$LOGS/wait-$label.txt"); tail of its log:"; tail -5 "$LOGS/server-$label.log"
+    log "$label did not start: $(cat "$LOGS/wait-$label.txt"); tail of its log:"; tail -5 "$LOGS/server-$label.log"
   fi
   stop_pid $pid
   [ "$vpid" != 0 ] && kill "$vpid" 2>/dev/null

@@ -52,6 +52,12 @@ def add_store_args(p, with_mode: bool = True) -> None:
     g.add_argument("--expert-stats", default=None, help="routing statistics file for the cache warm start")
     g.add_argument("--no-direct-io", action="store_true", help="allow a filesystem without O_DIRECT")
     g.add_argument("--expert-kernel", choices=("auto", "torch", "triton"), default=None, help="routed-expert compute: auto (Triton on CUDA when the store allows it), torch, triton")
+    g.add_argument("--device-cache", choices=("auto", "on", "off"), default=None,
+                   help="decide the GPU slot cache on the device, no host sync per MoE layer (auto: with the Triton "
+                        "kernel when host RAM holds every expert)")  # fmt: skip
+    g.add_argument("--prefill-staging-gb", type=float, default=None,
+                   help="device cache: GPU memory that prefill chunks copy their layer's misses into (default: one "
+                        "layer's non-resident experts; 0: read them in place)")  # fmt: skip
     if with_mode:
         g.add_argument("--mode", choices=("exact", "fast"), default="exact",
                        help="exact: bit-identical (default); fast: the CPU lane computes cold experts")
@@ -104,6 +110,7 @@ def build_engine_core(model: str | None, *, device: str | None = None, dtype: st
     spec = load_spec(path)
     dev = resolve_device(device)
     torch_dtype = parse_dtype(dtype, default=checkpoint_dtype(spec.hf_config))
+    options.setdefault("max_num_seqs", max(1, int(max_num_seqs or 8)))  # the device cache sizes its staging rows
     backend = _expert_backend(path, dev, torch_dtype, options)
     lm = load_model(path, device=dev, dtype=torch_dtype, expert_backend=backend)
     try:

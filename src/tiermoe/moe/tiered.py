@@ -10,6 +10,10 @@ triton_backend.TritonExperts: one fused MoE call per layer over a pointer table 
 host-tier records read in place. Exact mode is then bit-identical across tier sizes within that
 backend; the torch path (`combine_experts`, dequantized tensors) stays the default elsewhere.
 
+Device cache (`--device-cache auto|on|off`): with the Triton kernel and host RAM for every
+expert, the store keeps all experts in its pinned host tier and device_cache.DeviceCacheExperts
+owns the GPU budget, deciding admissions on the device: no host sync per MoE layer.
+
 Layer-ahead prefetch: before computing layer L, the next MoE layer's router is applied to
 layer L's input and the predicted experts' disk reads are started, so they overlap compute.
 
@@ -33,6 +37,7 @@ from tiermoe.errors import UserError
 from tiermoe.moe.experts import combine_experts, expert_mlp
 
 MODES = ("exact", "fast")
+DEVICE_CACHE_CHOICES = ("auto", "on", "off")
 
 
 def lane_options(options: dict, device: str) -> dict:
@@ -58,8 +63,10 @@ def lane_options(options: dict, device: str) -> dict:
 
 class TieredExperts:
     def __init__(self, store, swiglu_limit: float | None = None, prefetch: bool = True, mode: str = "exact",
-                 lane: dict | None = None, kernel: str = "torch", kernel_requested: bool = False):
+                 lane: dict | None = None, kernel: str = "torch", kernel_requested: bool = False,
+                 device_cache=None):
         self.store = store
+        self.device_cache = device_cache  # DeviceCacheExperts: the slot cache decided on the device
         self.kernel = None  # TritonExperts when kernel == "triton", else the torch path
         self._kernel_requested = kernel_requested  # chosen explicitly: refuse rather than fall back
         if kernel == "triton":
@@ -79,26 +86,56 @@ class TieredExperts:
 
     @classmethod
     def open(cls, path: Path, *, device: str, dtype: torch.dtype, options: dict) -> "TieredExperts":
+        from types import SimpleNamespace
+
         from tiermoe.moe.triton_backend import ENV_VAR, choose_expert_kernel
         from tiermoe.store.facade import ExpertStore
+        from tiermoe.store.planner import config_top_k, inclusive_host_plan, key_rates
+        from tiermoe.store.records import load_manifest
 
         mode = options.get("mode") or "exact"
         if mode not in MODES:
             raise UserError(f"--mode {mode!r}: choose exact or fast")
+        wanted = (options.get("device_cache") or "auto").lower()
+        if wanted not in DEVICE_CACHE_CHOICES:
+            raise UserError(f"--device-cache {wanted!r}: choose one of {', '.join(DEVICE_CACHE_CHOICES)}")
         lane = lane_options(options, device)
-        store = ExpertStore.open(
-            path, device=device, dtype=dtype,
-            gpu_expert_gb=options.get("gpu_expert_gb"), host_expert_gb=options.get("host_expert_gb"),
+        manifest = load_manifest(path)
+        requested = options.get("expert_kernel") or os.environ.get(ENV_VAR)
+        kernel = choose_expert_kernel(requested, SimpleNamespace(layout=manifest.layout, dtype=dtype or manifest.dtype,
+                                                                 path=Path(path)), device)  # fmt: skip
+        open_store = lambda gpu_gb: ExpertStore.open(  # noqa: E731
+            path, device=device, dtype=dtype, gpu_expert_gb=gpu_gb, host_expert_gb=options.get("host_expert_gb"),
             policy=options.get("expert_policy") or "lfu", stats_file=options.get("expert_stats"),
             direct_io=not options.get("no_direct_io", False),
         )
-        requested = options.get("expert_kernel") or os.environ.get(ENV_VAR)
+        slots, why_not = inclusive_host_plan(manifest, device=device, gpu_expert_gb=options.get("gpu_expert_gb"),
+                                             host_expert_gb=options.get("host_expert_gb"))
+        if kernel != "triton":
+            why_not = why_not or "the Triton expert kernel is not in use"
+        if wanted == "on" and why_not:
+            raise UserError(f"--device-cache on: {why_not}")
+        if wanted == "off" or why_not:
+            return cls(open_store(options.get("gpu_expert_gb")), mode=mode, lane=lane, kernel=kernel,
+                       kernel_requested=(requested or "").lower() == "triton")
+        store = open_store(0.0)  # every expert in the (pinned) host tier; the device cache owns the GPU budget
         try:
-            kernel = choose_expert_kernel(requested, store, device)
+            if torch.device(device).type == "cuda" and not store.wait_pinned():
+                raise UserError("--device-cache: the host tier could not be page-locked (cudaHostRegister failed)")
+            from tiermoe.moe.device_cache import DeviceCacheExperts
+
+            rates, _, _ = key_rates(manifest, options.get("expert_stats"), config_top_k(manifest.config))
+            staging_gb = options.get("prefill_staging_gb")
+            if staging_gb is not None and not staging_gb >= 0:
+                raise UserError(f"--prefill-staging-gb must be >= 0, got {staging_gb}")
+            rows = None if staging_gb is None else int(staging_gb * 2**30 // store.record_bytes)
+            cache = DeviceCacheExperts(store, slots, rates, top_k=config_top_k(manifest.config),
+                                       max_tokens=int(options.get("max_num_seqs") or 8), prefill_rows=rows)
         except BaseException:
             store.close()
             raise
-        return cls(store, mode=mode, lane=lane, kernel=kernel, kernel_requested=(requested or "").lower() == "triton")
+        return cls(store, mode=mode, lane=lane, kernel=kernel, kernel_requested=(requested or "").lower() == "triton",
+                   device_cache=cache)
 
     def set_mode(self, mode: str) -> None:
         """Switch between exact (no lane) and fast (lane on in decode); the lane's threads and
@@ -123,6 +160,8 @@ class TieredExperts:
                 self.lane.swiglu_limit = self.swiglu_limit
         if self.kernel is not None:
             self.kernel.swiglu_limit = self.swiglu_limit  # fused_moe clamps in its epilogue
+        if self.device_cache is not None:
+            self.device_cache.swiglu_limit = self.swiglu_limit
 
     def begin_step(self, tokens: int, decode: bool) -> None:
         self.store.begin_step(tokens=tokens, decode=decode)
@@ -134,6 +173,8 @@ class TieredExperts:
             self.lane.prune(self.store)
 
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.device_cache is not None:
+            return self._forward_device_cache(layer, x, topk_ids, topk_weights)
         ahead = self.next_router.get(layer)
         if self.prefetch and ahead is not None:
             next_layer, router = ahead
@@ -161,13 +202,33 @@ class TieredExperts:
         except BaseException:
             job.cancel()
             raise
-        partial = job.wait()  # [T, H] fp32 on the CPU: the one host wait of this layer
-        if out.device.type != "cpu":
-            partial = partial.pin_memory().to(out.device, non_blocking=True)
-        return (out.float() + partial).to(x.dtype)
+        return _add_lane_partial(out, job, x.dtype)
+
+    def _forward_device_cache(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                              topk_weights: torch.Tensor) -> torch.Tensor:
+        """Every expert is in pinned host RAM (nothing to prefetch from disk); the slot cache is
+        decided on the device. Only a CPU-lane step reads anything back to the host."""
+        dc = self.device_cache
+        if not self._lane_step:
+            return dc.forward(layer, x, topk_ids, topk_weights, decode=self._decode)
+        expert_ids = torch.unique(topk_ids).tolist()  # sorted ascending
+        job = self.lane.submit(self.store, layer, x, topk_ids, topk_weights,
+                               self.lane.assign(self.store, layer, dc.lane_candidates(layer, expert_ids)),
+                               decode=self._decode)  # fmt: skip
+        if job is None:
+            return dc.forward(layer, x, topk_ids, topk_weights, decode=self._decode)
+        try:
+            out = dc.combine_without(layer, x, topk_ids, topk_weights, job.ids)
+        except BaseException:
+            job.cancel()
+            raise
+        return _add_lane_partial(out, job, x.dtype)
 
     def counters(self) -> dict:
         c = self.store.counters()
+        if self.device_cache is not None:
+            c = self.device_cache.merge_store_counters(c)
+            c["device_cache"] = self.device_cache.counters()
         c["mode"] = self.mode
         c["expert_kernel"] = "torch" if self.kernel is None else "triton"
         if self.kernel is not None:
@@ -180,6 +241,14 @@ class TieredExperts:
         if self.lane is not None:
             self.lane.close()
         self.store.close()
+
+
+def _add_lane_partial(out: torch.Tensor, job, dtype: torch.dtype) -> torch.Tensor:
+    """out [T, H] + the lane's partial sum: the one host wait of a lane layer (LaneJob.wait)."""
+    partial = job.wait()  # [T, H] fp32 on the CPU
+    if out.device.type != "cpu":
+        partial = partial.pin_memory().to(out.device, non_blocking=True)
+    return (out.float() + partial).to(dtype)
 
 
 def combine_subset(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_ids: list[int],

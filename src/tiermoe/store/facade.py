@@ -265,6 +265,23 @@ class ExpertStore:
                 if b.device.type == "cpu":
                     self._events.record(b)
 
+    def host_entries(self, layer: int) -> list[torch.Tensor] | None:
+        """uint8 [record_bytes] host entry of each routed expert of `layer` (id order), or None
+        unless the host tier holds all of them. For inclusive device caches that read the host
+        copies in place (moe/device_cache.py): in a store with no slots whose host tier holds
+        every expert nothing is ever admitted or evicted, so these entries never move."""
+        out = []
+        for e in range(self.manifest.experts_per_layer[layer]):
+            i = self._host_of.get(self.key(layer, e))
+            if i is None:
+                return None
+            out.append(self._host.entry(i))
+        return out
+
+    def wait_pinned(self) -> bool:
+        """Block until the host tier is page-locked; True when all of it is (CUDA only)."""
+        return self._cuda and self._host.wait_pinned()
+
     def _host_readable(self, e: int) -> bool:
         """Can the compute device read host entry e in place (see device_records)?"""
         if not self._cuda:

@@ -160,6 +160,24 @@ def size_tiers(
     return n_slots, n_host, notes
 
 
+def inclusive_host_plan(manifest, *, device: str, gpu_expert_gb: float | None,
+                        host_expert_gb: float | None) -> tuple[int, str | None]:
+    """(GPU slot records, None) when the host tier can hold every routed expert, so a device-side
+    slot cache can keep copies of some (moe/device_cache.py); else (0, why not)."""
+    dev = torch.device(device)
+    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return 0, f"device {dev.type}: the device cache runs on CUDA"
+    rec, total = manifest.layout.length, len(manifest.records)
+    n_slots, _, _ = size_tiers(record_bytes=rec, total_experts=total, device=dev, gpu_expert_gb=gpu_expert_gb,
+                               host_expert_gb=0.0)
+    _, n_host, _ = size_tiers(record_bytes=rec, total_experts=total, device=dev, gpu_expert_gb=0.0,
+                              host_expert_gb=host_expert_gb)
+    if n_host < total:
+        return 0, (f"host RAM for {n_host} of the {total} expert records; the device cache keeps every expert "
+                   f"in pinned host RAM (raise --host-expert-gb to {total * rec / GIB:.2f})")
+    return n_slots, None
+
+
 def load_stats(path: str | os.PathLike) -> dict[int, list[float]]:
     """Routing statistics file -> {layer: per-expert pick counts}.
 

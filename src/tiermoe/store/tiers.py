@@ -83,6 +83,13 @@ class Arena:
     def pinned_chunks(self) -> int:
         return len(self._registered)
 
+    def wait_pinned(self) -> bool:
+        """Block until the background pinning is over; True when every chunk is page-locked
+        (always False without CUDA: nothing is registered then)."""
+        if self._pin_thread is not None:
+            self._pin_thread.join()
+        return bool(self._chunks) and len(self._registered) == len(self._chunks)
+
     def entry(self, e: int) -> torch.Tensor:
         """uint8 [record_len] view of entry e."""
         return self._chunks[e // self._per_chunk][e % self._per_chunk]

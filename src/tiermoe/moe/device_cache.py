@@ -1,0 +1,241 @@
+"""Routed experts with the GPU slot cache kept on the device: no host sync per MoE layer.
+
+The store-managed Triton path (triton_backend.TritonExperts) decides tiers in Python: every
+MoE layer of every step reads the router's picks back to the host (`unique().tolist()`), runs
+the store's policy and uploads a pointer table. That host round trip per layer is what kept
+the engine's decode at 3.6 ms per GLM-5.3-shaped layer against 1.5 ms for the same kernels
+replayed as one CUDA graph (docs/results.md sections 7 and 11). Here the decision runs on the
+device instead, with the kernels of `kernels.triton.cache_manager` (the ones `tiermoe bench
+moe-gpu` measures):
+
+    per MoE layer, decode step:  cache_step(topk_ids) -> gather(admitted + staged misses)
+                                 -> fused_moe(x, topk_ids, topk_weights, step_table)
+    prefill step of >= STAGE_TOKENS tokens: the layer's picked experts that are not in slots
+                                 are copied host -> staging rows (copy engine, one copy per
+                                 run of adjacent records), fused_moe reads slots + staging rows
+    other steps (short non-decode chunks, decode steps with more picks than the cache kernel
+    takes):                      fused_moe(..., ptr_table): slot experts from HBM, the rest
+                                 read in place from pinned host memory
+    (prefill leaves the cache unchanged)
+
+so the CPU only queues kernels and runs ahead of the GPU through the whole forward.
+
+Placement is inclusive: the store's host tier holds every routed expert (pinned, so the GPU
+reads any of them in place) and the GPU slots hold copies of some. An eviction only rewrites a
+table row; an admission is one copy of a record host -> slot. This needs host RAM for all the
+experts (`--host-expert-gb` >= the experts' size, the SBS and GLM-5.3 24 GB-card setups); the
+store is then opened with no slots of its own (`ExpertStore` tiers stay exclusive) and this
+class owns the GPU budget: `--gpu-expert-gb` = slots of every layer + the staging rows.
+
+Exactness: the kernel reads a record's bytes wherever they sit; the tier changes one table
+entry, never the launch configuration or the summation order, so outputs are bit-identical to
+TritonExperts and across budgets (tests/moe/test_device_cache.py, exact mode).
+
+Fast mode: a decode step the CPU lane serves still runs the cache step, then points the lane's
+experts (chosen among the non-resident ones, which costs the one host read this step already
+waits for) at an all-zero record with zero weight, exactly as TritonExperts does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+STAGE_PICKS = 4  # staged (not admitted) misses per step are bounded by top_k x this many tokens
+STAGE_TOKENS = 64  # prefill chunks from this size copy their misses to the GPU instead of reading in place
+
+
+class DeviceCacheExperts:
+    """ExpertBackend-like object over an ExpertStore whose host tier holds every routed expert.
+
+    store: ExpertStore (no slots of its own, host tier complete and page-locked); slots: GPU
+    record budget (all layers, staging rows included); rates: {record key: expected picks per
+    token} (warm start: the most picked experts go into slots first, and seed the admission
+    filter); max_tokens: the largest decode batch; top_k: the model's picks per token;
+    prefill_rows: staging rows for prefill chunks (None: the most non-resident experts of any
+    layer, so a chunk never reads in place; 0: prefill reads misses in place). A chunk of
+    thousands of tokens touches nearly every expert, and the kernel would read an in-place
+    record once per block of tokens; one copy per record is several times cheaper.
+    """
+
+    def __init__(self, store, slots: int, rates: dict[int, float], top_k: int, max_tokens: int,
+                 swiglu_limit: float | None = None, config: dict | None = None,
+                 max_picks: int = 128, prefill_rows: int | None = None) -> None:  # fmt: skip
+        from tiermoe.kernels.layout import layout_from
+        from tiermoe.kernels.triton.cache_manager import ExpertCache
+
+        self.store = store
+        self.layout = layout_from(store.layout)
+        self.swiglu_limit = swiglu_limit
+        self.config = config
+        self.top_k = int(top_k)
+        self.max_picks = int(max_picks)  # cache steps above this fall back to the canonical table
+        dev = store.device
+        r = store.record_bytes
+        layers = list(store.moe_layers)
+        # Staging rows for misses the filter does not admit (shared by all layers: stream order),
+        # taken out of the GPU budget first; the rest is split evenly over the layers.
+        want_stage = self.top_k * max(1, min(int(max_tokens), STAGE_PICKS))
+        self.stage_rows = min(want_stage, max(0, int(slots)) // 2) if layers else 0
+        per_layer, extra = divmod(max(0, int(slots) - self.stage_rows), max(1, len(layers)))
+        self.scratch = torch.empty(max(1, self.stage_rows), r, dtype=torch.uint8, device=dev)
+        self.caches: dict[int, ExpertCache] = {}
+        self.entries: dict[int, list[torch.Tensor]] = {}  # host entry of each routed expert
+        self.slot_bufs: dict[int, torch.Tensor] = {}
+        self.slots_per_layer: dict[int, int] = {}
+        for i, layer in enumerate(layers):
+            entries = store.host_entries(layer)
+            if entries is None:
+                raise ValueError(f"layer {layer}: the host tier does not hold every routed expert")
+            n = len(entries)
+            s = min(n, per_layer + (1 if i < extra else 0))
+            buf = torch.empty(max(s, 1), r, dtype=torch.uint8, device=dev)
+            host_addr = torch.tensor([t.data_ptr() for t in entries], dtype=torch.int64, device=dev)  # [E]
+            cache = ExpertCache(host_addr, buf.data_ptr(), s, r, max_picks=self.max_picks,
+                                scratch_base=self.scratch.data_ptr(), scratch_slots=self.stage_rows)
+            layer_rates = torch.tensor([float(rates.get(store.key(layer, e), 0.0)) for e in range(n)])  # [E]
+            order = torch.argsort(layer_rates, descending=True, stable=True).tolist()
+            for e, slot in cache.warm_start(order[:s]):
+                buf[slot].copy_(entries[e])
+            cache.warm_frequencies(layer_rates.clamp(max=1.0).to(dev))
+            self.caches[layer], self.slot_bufs[layer], self.slots_per_layer[layer] = cache, buf, s
+            self.entries[layer] = entries
+        most = max((len(self.entries[l]) - s for l, s in self.slots_per_layer.items()), default=0)
+        self.prefill_rows = most if prefill_rows is None else max(0, int(prefill_rows))
+        self._prefill_buf: torch.Tensor | None = None  # allocated by the first large prefill chunk
+        self.prefill_staged = 0  # records copied for prefill chunks
+        self._zero: torch.Tensor | None = None
+        self.steps = 0  # layer calls that ran a cache step
+        self.table_calls = 0  # layer calls served from the canonical table (prefill, large steps)
+        self.lane_calls = 0
+
+    @property
+    def slots_total(self) -> int:
+        return sum(self.slots_per_layer.values())
+
+    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                decode: bool = True) -> torch.Tensor:
+        """x [T, H], topk_ids/topk_weights [T, k] -> [T, H] in x's dtype. No host sync."""
+        if x.shape[0] == 0:
+            return torch.zeros_like(x)
+        cache = self.caches[layer]
+        if decode and topk_ids.numel() <= self.max_picks:
+            cache.step(topk_ids)
+            self.steps += 1
+            table = cache.step_table
+        elif not decode and x.shape[0] >= STAGE_TOKENS and self.prefill_rows:
+            table = self._staged_table(layer, topk_ids)
+        else:
+            self.table_calls += 1
+            table = cache.ptr_table
+        return self._moe(x, topk_ids, topk_weights, table)
+
+    def _staged_table(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        """This layer's table with its picked non-resident experts copied into staging rows
+        (one host read of which experts those are; the copies queue on the current stream, after
+        the previous layer's kernel that read the same rows)."""
+        cache = self.caches[layer]
+        used = torch.zeros(cache.num_experts, dtype=torch.bool, device=topk_ids.device)
+        used[topk_ids.reshape(-1)] = True
+        need = torch.nonzero(used & (cache.expert_slot < 0)).flatten().tolist()[: self.prefill_rows]  # ascending
+        if self._prefill_buf is None:
+            self._prefill_buf = torch.empty(self.prefill_rows, self.store.record_bytes, dtype=torch.uint8,
+                                            device=cache.ptr_table.device)  # fmt: skip
+        entries, buf, r = self.entries[layer], self._prefill_buf, self.store.record_bytes
+        row = 0
+        while row < len(need):  # one copy per run of records adjacent in host memory
+            end = row + 1
+            while end < len(need) and _adjacent(entries[need[end - 1]], entries[need[end]], r):
+                end += 1
+            src = torch.as_strided(entries[need[row]], (end - row, r), (r, 1))  # [n, R] view of the run
+            buf[row:end].copy_(src, non_blocking=True)
+            row = end
+        self.prefill_staged += len(need)
+        table = cache.ptr_table.clone()
+        if need:
+            rows = torch.arange(len(need), dtype=torch.int64) * r + buf.data_ptr()
+            table[torch.tensor(need, dtype=torch.int64)] = rows.to(table.device)
+        return table
+
+    def lane_candidates(self, layer: int, expert_ids: list[int]) -> list[int]:
+        """Of `expert_ids`, the ones not in this layer's GPU slots (one small device read)."""
+        if not expert_ids:
+            return []
+        cache = self.caches[layer]
+        ids = torch.tensor(expert_ids, dtype=torch.int64, device=cache.expert_slot.device)
+        slot = cache.expert_slot[ids].tolist()
+        return [e for e, s in zip(expert_ids, slot) if s < 0]
+
+    def combine_without(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        skip: list[int]) -> torch.Tensor:
+        """A decode step's cache step and MoE without the experts in `skip` (another lane's):
+        their rows point at an all-zero record and their weights are zero, so they add exactly 0."""
+        cache = self.caches[layer]
+        if topk_ids.numel() <= self.max_picks:
+            cache.step(topk_ids)
+            self.steps += 1
+            table = cache.step_table.clone()
+        else:
+            self.table_calls += 1
+            table = cache.ptr_table.clone()
+        self.lane_calls += 1
+        if skip:
+            lane = torch.tensor(sorted(skip), dtype=torch.int64, device=table.device)
+            table[lane] = self._zero_record(x.device).data_ptr()
+            topk_weights = topk_weights.masked_fill(torch.isin(topk_ids, lane), 0)  # [T, k]
+        return self._moe(x, topk_ids, topk_weights, table)
+
+    def _moe(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+             table: torch.Tensor) -> torch.Tensor:
+        from tiermoe.kernels.triton.fused_moe import fused_moe
+
+        xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+        clamp = {} if self.swiglu_limit is None else {"swiglu_limit": self.swiglu_limit}
+        out = fused_moe(xb.contiguous(), topk_ids, topk_weights, table, self.layout, config=self.config, **clamp)
+        return out if out.dtype == x.dtype else out.to(x.dtype)  # [T, H]
+
+    def _zero_record(self, device: torch.device) -> torch.Tensor:
+        if self._zero is None or self._zero.device != device:
+            self._zero = torch.zeros(self.layout.length, dtype=torch.uint8, device=device)
+        return self._zero
+
+    def resident(self, layer: int) -> list[int]:
+        """Experts of `layer` in GPU slots now (ascending; reads the device state)."""
+        return sorted(e for e in self.caches[layer].slot_expert.tolist() if e >= 0)
+
+    def stats(self) -> dict[str, int]:
+        """Cumulative unique-expert lookups, slot hits, misses and admissions over all layers
+        (decode cache steps only; reading them waits for the queued steps)."""
+        tot = torch.stack([c.stats for c in self.caches.values()]).sum(0).tolist() if self.caches else [0] * 4
+        return dict(zip(("lookups", "hits", "misses", "admitted"), (int(v) for v in tot)))
+
+    def counters(self) -> dict:
+        return {**self.stats(), "slots": self.slots_total, "stage_rows": self.stage_rows,
+                "layers": len(self.caches), "cache_steps": self.steps, "table_calls": self.table_calls,
+                "lane_calls": self.lane_calls, "prefill_staged": self.prefill_staged,
+                "prefill_rows": self.prefill_rows, "kind": self.layout.kind}
+
+    def merge_store_counters(self, c: dict) -> dict:
+        """The store's counters dict with the device cache's slot traffic folded in: the store
+        itself has no slots here and sees none of these picks."""
+        s = self.stats()
+        rec = self.store.record_bytes
+        tok = max(1, int(c.get("decode_tokens") or 0))
+        slots = c.setdefault("slots", {})
+        slots["hits"] = slots.get("hits", 0) + s["hits"]
+        slots["misses"] = slots.get("misses", 0) + s["misses"]
+        slots["bytes_in"] = slots.get("bytes_in", 0) + s["admitted"] * rec
+        slots["capacity"] = self.slots_total
+        slots["resident"] = sum(int((cc.slot_expert >= 0).sum()) for cc in self.caches.values())
+        host = c.setdefault("host", {})
+        host["hits"] = host.get("hits", 0) + s["misses"]
+        per = c.setdefault("per_decode_token", {})
+        per["slots_hits"] = per.get("slots_hits", 0.0) + s["hits"] / tok
+        per["host_hits"] = per.get("host_hits", 0.0) + s["misses"] / tok
+        per["bytes_moved"] = per.get("bytes_moved", 0.0) + s["misses"] * rec / tok  # each miss crosses PCIe once
+        return c
+
+
+def _adjacent(a: torch.Tensor, b: torch.Tensor, record_bytes: int) -> bool:
+    """Is host entry b the record right after a, in the same allocation (one strided view)?"""
+    return (b.data_ptr() == a.data_ptr() + record_bytes
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())

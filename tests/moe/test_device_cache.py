@@ -1,0 +1,219 @@
+"""Device-side slot cache behind the engine (moe/device_cache.py): bit-identical to the
+store-managed Triton path and across GPU budgets, slots really used, counters folded into the
+store's, the lane's experts add exactly zero, eligibility rules.
+
+On CPU (CI) the kernels run through Triton's interpreter with CPU tensors standing in for device
+memory; TIERMOE_KERNEL_TESTS_ON_GPU=1 runs the same tests compiled on CUDA (host entries then
+pinned and read in place).
+"""
+
+from __future__ import annotations
+
+import os
+
+ON_GPU = os.environ.get("TIERMOE_KERNEL_TESTS_ON_GPU") == "1"
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tiermoe.errors import UserError  # noqa: E402
+from tiermoe.moe.device_cache import DeviceCacheExperts  # noqa: E402
+from tiermoe.moe.tiered import TieredExperts  # noqa: E402
+from tiermoe.moe.triton_backend import TritonExperts  # noqa: E402
+from tiermoe.store.facade import ExpertStore  # noqa: E402
+from tiermoe.store.pack import pack  # noqa: E402
+from tiermoe.store.planner import inclusive_host_plan  # noqa: E402
+from tiermoe.store.records import load_manifest  # noqa: E402
+
+GIB = 2**30
+N_EXPERTS = 16  # tiny glm4_moe: 2 MoE layers (1, 2) x 8 experts, top-2, H 64, I 32
+LAYERS = (1, 2)
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+@pytest.fixture(scope="module")
+def stores(tiny_dir, tmp_path_factory):
+    """{kind: (store dir, record bytes)} for int4 (G 32) and bf16 packs of tiny glm4_moe."""
+    src = tiny_dir("glm4_moe", "bfloat16")
+    out = {}
+    for kind in ("int4", "bf16"):
+        dst = tmp_path_factory.mktemp("devcache") / f"glm4-{kind}"
+        pack(str(src), str(dst), quant=kind, group_size=32, progress=False, log=lambda _: None)
+        out[kind] = (dst, 4096 if kind == "int4" else 12288)
+    return out
+
+
+def _host_store(path, rec: int) -> ExpertStore:
+    """Every expert in the host tier, no slots: what the device cache runs over."""
+    st = ExpertStore.open(path, device=DEVICE, dtype=torch.bfloat16, reader_threads=2, gpu_expert_gb=0,
+                          host_expert_gb=N_EXPERTS * rec / GIB)
+    if ON_GPU:
+        assert st.wait_pinned()
+    return st
+
+
+def _batch(tokens: int, seed: int, k: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 64, generator=g).to(torch.bfloat16)  # [T, H]
+    ids = torch.stack([torch.randperm(8, generator=g)[:k] for _ in range(tokens)])  # [T, k]
+    w = torch.rand(tokens, k, generator=g)  # [T, k] fp32, as the sigmoid router gives
+    return x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE)
+
+
+def _trace(n: int = 4) -> list[tuple[int, int, int]]:
+    """(layer, tokens, seed) calls: decode steps of 1-3 tokens and a 17-token prefill."""
+    rnd = random.Random(0)
+    return [(layer, rnd.choice((1, 1, 3, 17)), rnd.randrange(1000)) for _ in range(n) for layer in LAYERS]
+
+
+@pytest.mark.parametrize("kind", ["int4", "bf16"])
+def test_bit_identical_to_store_path_and_across_budgets(stores, kind):
+    """The same trace gives the same bits through the store-managed Triton path and through the
+    device cache with 8, 2 and 0 slots per layer (everything, ~10 %, nothing on the GPU)."""
+    path, rec = stores[kind]
+    trace = _trace()
+    with _host_store(path, rec) as st:
+        be = TritonExperts(st)
+        ref = [be.forward(layer, *_batch(t, seed)).cpu() for layer, t, seed in trace]
+    for slots in (2 * 8, 2 * 2 + 2, 0):  # (+2: staging rows come out of the budget first)
+        with _host_store(path, rec) as st:
+            dc = DeviceCacheExperts(st, slots, rates={}, top_k=2, max_tokens=1)
+            got = [dc.forward(layer, *_batch(t, seed), decode=t < 17).cpu() for layer, t, seed in trace]
+            c = dc.counters()
+        assert all(torch.equal(a, b) for a, b in zip(ref, got)), slots
+        assert c["cache_steps"] == sum(t < 17 for _, t, _ in trace)
+        assert c["table_calls"] == len(trace) - c["cache_steps"]
+        assert c["lookups"] == c["hits"] + c["misses"] > 0
+        if slots == 16:
+            assert c["stage_rows"] == 2 and c["slots"] == 14 and c["hits"] > 0
+        if slots == 0:
+            assert c["slots"] == 0 and c["hits"] == 0 and c["admitted"] == 0
+
+
+@pytest.mark.parametrize("rows", [None, 3, 0])
+def test_prefill_staging_is_bit_identical(stores, rows):
+    """A 70-token prefill chunk copies its non-resident experts into staging rows (all of them,
+    only 3 with the rest read in place, or none): the same bits as the store-managed path."""
+    path, rec = stores["int4"]
+    calls = [(layer, 70, seed) for seed in (1, 2) for layer in LAYERS]
+    with _host_store(path, rec) as st:
+        be = TritonExperts(st)
+        ref = [be.forward(layer, *_batch(t, seed)).cpu() for layer, t, seed in calls]
+    with _host_store(path, rec) as st:
+        dc = DeviceCacheExperts(st, 2 * 2 + 2, rates={}, top_k=2, max_tokens=1, prefill_rows=rows)
+        got = [dc.forward(layer, *_batch(t, seed), decode=False).cpu() for layer, t, seed in calls]
+        c = dc.counters()
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert c["prefill_rows"] == (6 if rows is None else rows)  # 8 experts - 2 slots per layer
+    assert c["prefill_staged"] == {None: 6, 3: 3, 0: 0}[rows] * len(calls)  # 70 tokens pick every expert
+    assert c["cache_steps"] == 0 and c["lookups"] == 0  # prefill leaves the cache alone
+
+
+def test_warm_start_follows_rates_and_admission_moves_slots(stores):
+    """Slots start with the most picked experts by the rates given, and a decode step whose
+    misses are hotter than the residents admits them (the resident set changes on the device)."""
+    path, rec = stores["int4"]
+    with _host_store(path, rec) as st:
+        rates = {st.key(layer, e): (0.05 if e in (6, 7) else 0.001) for layer in LAYERS for e in range(8)}
+        dc = DeviceCacheExperts(st, 2 * 2, rates=rates, top_k=2, max_tokens=1)  # 2 staging rows, 1 slot per layer
+        assert dc.slots_per_layer == {1: 1, 2: 1}
+        assert dc.resident(1) in ([6], [7])
+        x, _, w = _batch(1, seed=0)
+        ids = torch.tensor([[0, 1]], device=DEVICE)
+        for _ in range(40):  # picked every step: its frequency passes the resident's, which decays
+            dc.forward(1, x, ids, w)
+        assert dc.resident(1)[0] in (0, 1)
+        assert dc.counters()["admitted"] >= 1
+
+
+def test_lane_experts_add_exact_zero(stores):
+    """combine_without(skip=S) equals a forward with S's routing weights zeroed, bit for bit;
+    lane candidates are the experts not in slots."""
+    path, rec = stores["int4"]
+    x, ids, w = _batch(4, seed=3)
+    skip = sorted({int(ids[0, 0]), int(ids[2, 1])})
+    mask = torch.isin(ids, torch.tensor(skip, device=ids.device))
+    outs = []
+    for variant in ("skip", "zeroed"):
+        with _host_store(path, rec) as st:
+            dc = DeviceCacheExperts(st, 2 * 3 + 2, rates={}, top_k=2, max_tokens=1)
+            if variant == "skip":
+                outs.append(dc.combine_without(1, x, ids, w, skip))
+                resident = dc.resident(1)
+                assert dc.lane_candidates(1, list(range(8))) == [e for e in range(8) if e not in resident]
+            else:
+                outs.append(dc.forward(1, x, ids, w.masked_fill(mask, 0)))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_eligibility_rules(stores, monkeypatch):
+    path, rec = stores["int4"]
+    m = load_manifest(path)
+    all_host = N_EXPERTS * rec / GIB
+    slots, why = inclusive_host_plan(m, device=DEVICE, gpu_expert_gb=3 * rec / GIB, host_expert_gb=all_host)
+    assert (slots, why) == (3, None)
+    slots, why = inclusive_host_plan(m, device=DEVICE, gpu_expert_gb=3 * rec / GIB, host_expert_gb=all_host / 2)
+    assert slots == 0 and "8 of the 16" in why
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        assert "runs on CUDA" in inclusive_host_plan(m, device="cpu", gpu_expert_gb=0, host_expert_gb=all_host)[1]
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    opts = dict(expert_kernel="triton", gpu_expert_gb=3 * rec / GIB, host_expert_gb=all_host / 2)
+    with pytest.raises(UserError, match="--device-cache on: host RAM for 8 of the 16"):
+        TieredExperts.open(path, device=DEVICE, dtype=torch.bfloat16, options={**opts, "device_cache": "on"})
+    with pytest.raises(UserError, match="--device-cache 'sometimes'"):
+        TieredExperts.open(path, device=DEVICE, dtype=torch.bfloat16, options={**opts, "device_cache": "sometimes"})
+    be = TieredExperts.open(path, device=DEVICE, dtype=torch.bfloat16, options=opts)  # auto: not eligible
+    try:
+        assert be.device_cache is None and be.store.residency.slots.capacity == 3
+    finally:
+        be.close()
+    torch_opts = dict(opts, expert_kernel="torch", host_expert_gb=all_host)
+    with pytest.raises(UserError, match="Triton expert kernel is not in use"):
+        TieredExperts.open(path, device=DEVICE, dtype=torch.bfloat16, options={**torch_opts, "device_cache": "on"})
+
+
+@pytest.mark.slow
+def test_engine_logits_with_device_cache(stores):
+    """The real engine (loader -> MoE layer -> TieredExperts -> DeviceCacheExperts) on the int4
+    store: logits bit-identical to the store-managed Triton path for GPU budgets 100 %, ~10 %
+    and 0 %; /stats counters carry the device cache's slot hits; fast mode stays close."""
+    from tiermoe.engine.build import build_engine_core
+    from tiermoe.eval.parity import compare, engine_logits
+
+    path, rec = stores["int4"]
+    prompt = [5, 17, 33, 64, 101, 250]
+    all_host = N_EXPERTS * rec / GIB
+
+    def logits(options: dict) -> tuple[torch.Tensor, dict]:
+        eng = build_engine_core(str(path), device=DEVICE, dtype="bfloat16", max_num_seqs=1,
+                                options={"expert_kernel": "triton", **options})
+        be = eng.model.expert_backend
+        try:
+            out = torch.cat([engine_logits(eng, prompt, chunk=len(prompt)), engine_logits(eng, prompt, chunk=1)])
+            return out, be.counters()
+        finally:
+            be.close()
+
+    ref, c = logits({"device_cache": "off", "gpu_expert_gb": all_host, "host_expert_gb": 0})
+    assert "device_cache" not in c
+    for slots in (N_EXPERTS, 4, 0):
+        got, c = logits({"gpu_expert_gb": slots * rec / GIB, "host_expert_gb": all_host})  # auto: eligible
+        assert torch.equal(got, ref), slots
+        dc = c["device_cache"]
+        assert dc["cache_steps"] == 2 * len(prompt) and dc["table_calls"] == 2  # one 6-token prefill, 2 layers
+        assert c["slots"]["hits"] == dc["hits"] and c["host"]["hits"] >= dc["misses"]
+        assert c["per_decode_token"]["slots_hits"] == pytest.approx(dc["hits"] / c["decode_tokens"])
+        if slots == 0:
+            assert dc["hits"] == 0 and c["slots"]["capacity"] == 0
+        else:
+            assert dc["hits"] > 0
+    fast, c = logits({"mode": "fast", "cpu_lane_experts": 1, "gpu_expert_gb": 4 * rec / GIB,
+                      "host_expert_gb": all_host})
+    assert c["cpu_lane"]["experts"] > 0 and c["device_cache"]["lane_calls"] > 0
+    m = compare(ref, fast)
+    assert m["kl_mean"] < 1e-2 and m["top1"] >= 0.9, m
