@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Where a decode step's time goes in the serving engine (a profile, not a benchmark).
+
+    python3 scripts/profile_engine_decode.py STORE OUTDIR [engine flags, e.g. --gpu-expert-gb 10]
+
+Builds the engine as `tiermoe serve` would, warms up, then for batch 1 and 4: the wall time per
+decode step (synchronised), the GPU time per step (CUDA events around the forward), and a
+torch.profiler table of the top operators by host time and by device time over 8 steps.
+Written to OUTDIR/profile.txt and printed. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from tiermoe.engine.build import add_engine_args, build_engine_core
+    from tiermoe.engine.protocol import SamplingParams
+
+    p = argparse.ArgumentParser()
+    p.add_argument("store")
+    p.add_argument("outdir")
+    add_engine_args(p, model_positional=True)
+    args = p.parse_args()
+    out = Path(args.outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    lines: list[str] = []
+
+    def say(s: str) -> None:
+        print(s, flush=True)
+        lines.append(s)
+
+    t0 = time.perf_counter()
+    eng = build_engine_core(args.store, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len or 4096,
+                            max_num_seqs=4, options=vars(args))  # fmt: skip
+    say(f"engine built in {time.perf_counter() - t0:.1f} s")
+    rng = random.Random(0)
+
+    def start(batch: int, tokens: int, tag: str) -> None:
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        for i in range(batch):
+            eng.add_request(f"{tag}-{i}", [rng.randrange(eng.vocab_size) for _ in range(32)], params)
+        eng.step()  # prefill
+
+    def steps(n: int) -> list[float]:
+        walls = []
+        for _ in range(n):
+            torch.cuda.synchronize()
+            a = time.perf_counter()
+            eng.step()
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - a)
+        return walls
+
+    for batch in (1, 4):
+        start(batch, 200, f"warm{batch}")
+        steps(16)
+        while eng.has_unfinished_requests():
+            eng.step()
+        start(batch, 200, f"b{batch}")
+        walls = sorted(steps(24))
+        say(f"batch {batch}: wall per decode step median {1e3 * walls[len(walls) // 2]:.2f} ms "
+            f"(min {1e3 * walls[0]:.2f}, max {1e3 * walls[-1]:.2f})")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            steps(8)
+        ka = prof.key_averages()
+        say(f"--- batch {batch}: top operators by self host time (8 steps)")
+        say(ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+        dev_us = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) for e in ka)
+        say(f"--- batch {batch}: device busy {dev_us / 8 / 1e3:.2f} ms per step; top kernels by device time (8 steps)")
+        try:
+            say(ka.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=60))
+        except Exception:  # older profilers name it cuda
+            say(ka.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+        while eng.has_unfinished_requests():
+            eng.step()
+    say(str(eng.model.expert_backend.counters() if getattr(eng.model, "expert_backend", None) else {}))
+    (out / "profile.txt").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
