@@ -36,6 +36,8 @@ def add_sizing_args(p, max_num_seqs: int = 8) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="GiB for KV pages, MTP draft rows included (default: sized by the engine)")
     p.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="never replay decode steps from CUDA graphs (default: captured where the model allows)")
     p.add_argument("--num-speculative-tokens", type=int, default=0, choices=(0, 1, 2),
                    help="MTP draft tokens verified per greedy decode step (0: off; models with an MTP head)")
 
@@ -138,6 +140,10 @@ def build_engine_core(model: str | None, *, device: str | None = None, dtype: st
     budget = options.get("max_num_batched_tokens") or (512 if dev == "cpu" else 2048)
     log.info("model %s (%s) on %s %s: context %d, %d KV pages of %d tokens, %d seqs", path, spec.arch, dev,
              str(torch_dtype).replace("torch.", ""), ctx, num_pages, PAGE_SIZE, max_num_seqs)
-    return LLMEngine(lm, tokenizer, max_model_len=ctx, max_num_seqs=max_num_seqs, max_batched_tokens=budget,
-                     num_pages=num_pages, page_size=PAGE_SIZE, model_info={"arch": spec.arch, "name": path.name},
-                     seed=options.get("seed"), num_speculative_tokens=options.get("num_speculative_tokens") or 0)
+    engine = LLMEngine(lm, tokenizer, max_model_len=ctx, max_num_seqs=max_num_seqs, max_batched_tokens=budget,
+                       num_pages=num_pages, page_size=PAGE_SIZE, model_info={"arch": spec.arch, "name": path.name},
+                       seed=options.get("seed"), num_speculative_tokens=options.get("num_speculative_tokens") or 0)
+    if not options.get("enforce_eager") and dev != "cpu":
+        why = engine.runner.enable_decode_graphs(max_num_seqs)
+        log.info("decode steps: %s", "CUDA graphs" if why is None else f"eager ({why})")
+    return engine

@@ -81,6 +81,7 @@ class TieredExperts:
         self._lane_step = False  # the current step is a decode step the lane may serve
         self._decode = True
         self._fast_decode_tokens = 0  # decode tokens computed in fast mode (for lane experts/token)
+        self.graph_replays = 0  # decode steps replayed from CUDA graphs (runner/decode_graph.py)
         self.mode = "exact"
         self.set_mode(mode)
 
@@ -204,6 +205,16 @@ class TieredExperts:
             raise
         return _add_lane_partial(out, job, x.dtype)
 
+    def graph_safe(self) -> bool:
+        """May the current step's MoE layers be captured in a CUDA graph (runner/decode_graph.py)?
+        Only device-cache decode steps without the CPU lane: every other path syncs with the host."""
+        return self.device_cache is not None and self._decode and not self._lane_step
+
+    def graph_replayed(self) -> None:
+        """A captured decode step was replayed: count the cache steps it ran on the device."""
+        self.graph_replays += 1
+        self.device_cache.steps += len(self.device_cache.caches)
+
     def _forward_device_cache(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                               topk_weights: torch.Tensor) -> torch.Tensor:
         """Every expert is in pinned host RAM (nothing to prefetch from disk); the slot cache is
@@ -228,7 +239,7 @@ class TieredExperts:
         c = self.store.counters()
         if self.device_cache is not None:
             c = self.device_cache.merge_store_counters(c)
-            c["device_cache"] = self.device_cache.counters()
+            c["device_cache"] = {**self.device_cache.counters(), "graph_replays": self.graph_replays}
         c["mode"] = self.mode
         c["expert_kernel"] = "torch" if self.kernel is None else "triton"
         if self.kernel is not None:

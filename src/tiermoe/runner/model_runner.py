@@ -64,6 +64,17 @@ class ModelRunner:
         # request id -> per prompt position (None at 0 and until computed)
         self.prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         self.spec = make_drafter(model, num_pages, page_size, num_speculative_tokens)
+        self.graphs = None  # DecodeGraphs once enable_decode_graphs() found the model capturable
+
+    def enable_decode_graphs(self, max_batch: int) -> str | None:
+        """Replay pure decode steps of up to max_batch sequences from CUDA graphs (see
+        runner/decode_graph.py). Returns None when enabled, else why not (logged by the caller)."""
+        from tiermoe.runner.decode_graph import DecodeGraphs, decode_graphs_unsupported
+
+        why = decode_graphs_unsupported(self.model, self.device)
+        if why is None:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, max_batch)
+        return why
 
     def kv_cache_bytes(self) -> int:
         """Bytes of every paged cache tensor this runner allocated (trunk layers and MTP rows)."""
@@ -133,6 +144,10 @@ class ModelRunner:
             backend.begin_step(batch.num_tokens, decode=all(n - len(drafts.get(i, ())) == 1 for i, (_, n) in enumerate(items)))
         if drafts:  # verified sequences keep per-token recurrent state for the rollback
             return batch, self.model(batch, self.kv_caches, keep_states=[i in drafts for i in range(len(items))])
+        if self.graphs is not None and batch.num_tokens == len(items):  # pure decode: one token each
+            hidden = self.graphs.run(batch)
+            if hidden is not None:
+                return batch, hidden
         return batch, self.model(batch, self.kv_caches)  # hidden [T, H]
 
     def forward(self, items: list[tuple[Request, int]], all_logits: bool = False) -> torch.Tensor:

@@ -15,6 +15,7 @@ from torch import nn
 
 from tiermoe.models.batch import ForwardBatch
 from tiermoe.models.blocks.common import Linear, RMSNorm
+from tiermoe.models.blocks.graph_break import graph_break
 from tiermoe.models.blocks.rope import apply_rotary, apply_rotary_interleaved
 from tiermoe.models.spec import ModelSpec
 
@@ -80,17 +81,22 @@ class GQAttention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        partial_rotary = cos.shape[-1] != self.head_dim  # the reference concatenates q and k
+        self._partial_rotary = cos.shape[-1] != self.head_dim  # the reference concatenates q and k
+        out = graph_break(self._core, (q, k, v), batch, cache)  # [T, heads, D]
+        return self.o_proj(out.reshape(t, -1))
+
+    def _core(self, q, k, v, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Write the step's K/V rows, attend per sequence: q [T, Hq, D], k/v [T, Hk, D] -> [T, Hq, D]."""
         k_flat = cache["k"].view(-1, self.num_kv_heads, self.head_dim)
         v_flat = cache["v"].view(-1, self.num_kv_heads, self.head_dim)
         k_flat[batch.slot_mapping] = k.to(k_flat.dtype)
         v_flat[batch.slot_mapping] = v.to(v_flat.dtype)
-        out = torch.empty(t, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         for s in batch.seqs:
             qs = q[s.q_start : s.q_start + s.q_len]
             out[s.q_start : s.q_start + s.q_len] = _attend(qs, k_flat[s.kv_index], v_flat[s.kv_index], self.scale,
-                                                              partial_rotary)
-        return self.o_proj(out.reshape(t, -1))
+                                                              self._partial_rotary)
+        return out
 
 
 class MLAttention(nn.Module):
@@ -135,10 +141,17 @@ class MLAttention(nn.Module):
         kv_nope = self.kv_a_layernorm(kv_nope)  # [T, kv_lora]
         q_rot = self.rotate(q_rot, cos, sin)
         k_rot = self.rotate(k_rot[:, None, :], cos, sin)[:, 0]  # [T, rope]
-        latent = cache["latent"].view(-1, m.kv_lora_rank + m.qk_rope_head_dim)
-        latent[batch.slot_mapping] = torch.cat((kv_nope, k_rot), dim=-1).to(latent.dtype)
         q = torch.cat((q_nope, q_rot), dim=-1)
-        out = torch.empty(t, nh, m.v_head_dim, dtype=q.dtype, device=q.device)
+        new_rows = torch.cat((kv_nope, k_rot), dim=-1)  # [T, kv_lora + rope]
+        out = graph_break(self._core, (q, new_rows), batch, cache)  # [T, heads, Dv]
+        return self.o_proj(out.reshape(t, -1))
+
+    def _core(self, q, new_rows, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Write the step's latent rows, expand and attend per sequence: q [T, heads, Dqk] -> [T, heads, Dv]."""
+        m, nh = self.m, self.num_heads
+        latent = cache["latent"].view(-1, m.kv_lora_rank + m.qk_rope_head_dim)
+        latent[batch.slot_mapping] = new_rows.to(latent.dtype)
+        out = torch.empty(q.shape[0], nh, m.v_head_dim, dtype=q.dtype, device=q.device)
         for s in batch.seqs:
             lat = latent[s.kv_index]  # [ctx, kv_lora + rope]
             kv = self.kv_b_proj(lat[:, : m.kv_lora_rank]).view(-1, nh, m.qk_nope_head_dim + m.v_head_dim)
@@ -147,4 +160,4 @@ class MLAttention(nn.Module):
             k = torch.cat((k_nope, k_pe), dim=-1)
             qs = q[s.q_start : s.q_start + s.q_len]
             out[s.q_start : s.q_start + s.q_len] = _attend(qs, k, v, self.scale, dense_qk=True)
-        return self.o_proj(out.reshape(t, -1))
+        return out

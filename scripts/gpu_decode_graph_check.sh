@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Decode CUDA graphs on the GPU machine, in one call: correctness, then the side-by-side
+# model's decode rate over HTTP and the in-process step profile (docs/results.md section 13).
+# Usage: scripts/gpu_decode_graph_check.sh OUT_DIR   (from the repository root; carry .whl)
+#   1. tests/runner/test_decode_graph.py and tests/moe/test_device_cache.py compiled on CUDA
+#      (graph replays bit-identical to the eager engine at batch 1 and 2)
+#   2. the side-by-side Qwen3-MoE store (24 layers, random weights) written to $STORE
+#   3. tiermoe serve with the side-by-side flags, `tiermoe bench sweep` (4k prefill once,
+#      decode C1 and C4, $MAX_TOKENS tokens), /stats before and after
+#   4. scripts/profile_engine_decode.py on the same store (graphs on, the default)
+# Environment: STORE (/root/sbs-graph-model), MAX_TOKENS (256), PYTHON (python3).
+set -uo pipefail
+out=${1:?usage: $0 OUT_DIR}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+store=${STORE:-/root/sbs-graph-model}
+site=/tmp/tiermoe-site
+"$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl > /dev/null 2>&1
+export PYTHONPATH=$PWD/src:$site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+log() { echo "[graph $(date -u +%H:%M:%S)] $*"; }
+get() { "$py" -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())" "$1"; }
+flags=(--gpu-expert-gb 10.125 --host-expert-gb 31.38 --max-num-batched-tokens 4096 --dtype bfloat16)
+
+log "tests on CUDA"
+TIERMOE_KERNEL_TESTS_ON_GPU=1 timeout 300 "$py" -m pytest -q -x -p no:cacheprovider tests/runner/test_decode_graph.py \
+  tests/moe/test_device_cache.py > "$out/tests.txt" 2>&1
+log "tests rc=$?: $(tail -1 "$out/tests.txt")"
+
+log "store"
+[ -f "$store/store/manifest.json" ] || "$py" -m tiermoe.cli bench make-qwen3moe "$store" --layers 24 --formats store --force \
+  2>&1 | grep -v '%|' | tail -2
+
+log "server + sweep"
+"$py" -m tiermoe.cli serve "$store/store" --host 127.0.0.1 --port 8111 --served-model-name qwen3moe-synthetic \
+  --max-model-len 20480 --max-num-seqs 4 "${flags[@]}" --cpu-lane-threads 16 > "$out/server.log" 2>&1 &
+pid=$!
+for _ in $(seq 1 150); do
+  get http://127.0.0.1:8111/health > /dev/null 2>&1 && break
+  kill -0 $pid 2>/dev/null || break
+  sleep 2
+done
+sweep() { timeout 240 "$py" -m tiermoe.cli bench sweep --url http://127.0.0.1:8111 --model qwen3moe-synthetic \
+  --prefill-sizes 4k --reps 1 --concurrency 1,4 --long-prompt 0 "$@"; }
+sweep --max-tokens 32 --seed 7 > "$out/warmup.log" 2>&1
+get http://127.0.0.1:8111/stats > "$out/stats-before.json"
+sweep --max-tokens "${MAX_TOKENS:-256}" --seed 1 --out "$out/sweep.json" > "$out/sweep.log" 2>&1
+get http://127.0.0.1:8111/stats > "$out/stats.json"
+grep -E "prefill|decode" "$out/sweep.log"
+grep -iE "decode steps|graph" "$out/server.log" | head -5
+kill $pid; wait $pid 2>/dev/null
+
+log "profile"
+timeout 200 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile" "${flags[@]}" > "$out/profile.log" 2>&1
+grep -E "wall per|busy|engine built" "$out/profile.log"
+log "done"

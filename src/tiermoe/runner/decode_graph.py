@@ -1,0 +1,162 @@
+"""Piecewise CUDA graphs for decode steps: one replay program per batch size.
+
+A decode step of the eager engine is host-bound: about 75 kernel launches per layer issued
+one by one from Python, 47 ms of host time against 15 ms of GPU work per step on a 24-layer
+Qwen3-235B-shaped model (docs/results.md section 13); llama.cpp replays a CUDA graph instead.
+Here a pure decode step of B sequences (every sequence computes one token, no drafts) is
+recorded once per B and replayed afterwards:
+
+    program(B) = [graph 0, attention core 0, graph 1, attention core 1, ..., graph L]
+
+The graphs hold everything between two attention cores (norms, projections, rotary, router,
+the device-side expert cache step, gather and fused MoE, residuals, the final norm); each
+attention core (write this step's K/V rows, attend over each sequence's context: per-step
+shapes) runs eagerly between them on the graphs' static tensors (models/blocks/graph_break.py).
+Replays launch the same kernels on the same shapes as eager steps, so logits are bit-identical
+to the eager engine (tests/runner/test_decode_graph.py on a GPU).
+
+What may be captured: the decoder families (models/decoder.py CausalLM) with routed experts
+behind TieredExperts' device cache in exact mode (no host sync in the MoE layer; the store's
+Python policy and the CPU lane read the picks back to the host, so those paths stay eager).
+The first step of a batch size runs eagerly (it compiles kernels and warms allocators); the
+second records and replays. Disabled by `--enforce-eager` (vLLM's flag).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tiermoe.models.batch import ForwardBatch
+from tiermoe.models.blocks import graph_break
+
+log = logging.getLogger("tiermoe.runner")
+
+
+def decode_graphs_unsupported(model, device: torch.device) -> str | None:
+    """None when decode steps of this model can be captured, else a one-line reason."""
+    from tiermoe.models.decoder import CausalLM
+
+    if device.type != "cuda":
+        return f"device {device.type}: CUDA graphs need a CUDA device"
+    if not isinstance(model, CausalLM):
+        return f"{type(model).__name__}: only the decoder families are captured"
+    backend = getattr(model, "expert_backend", None)
+    if backend is None or getattr(backend, "device_cache", None) is None:
+        return "routed experts are not behind the device cache (their layer syncs with the host)"
+    return None
+
+
+class _Recorder:
+    """Records one forward as alternating graph captures and eager attention cores."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+        self.program: list[tuple] = []
+        self._graph: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+        self._graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+
+    def end(self) -> None:
+        self._graph.capture_end()
+        self.program.append(("graph", self._graph))
+        self._graph = None
+
+    def break_here(self, core, tensors, batch, cache) -> torch.Tensor:
+        """End the capture, keep `core` as an eager step writing into a static output, resume."""
+        self.end()
+        # Run once now for the output's shape and storage. Its inputs are not computed yet
+        # (capture records, it does not run), so the K/V rows it writes for this step's tokens
+        # are garbage; the replay that follows the recording rewrites them before any read.
+        out = core(*tensors, batch, cache)
+        self.program.append(("eager", core, tensors, cache, out))
+        self.begin()
+        return out
+
+
+class _Entry:
+    def __init__(self, program: list[tuple], ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor):
+        self.program, self.ids, self.positions, self.hidden = program, ids, positions, hidden
+
+
+class DecodeGraphs:
+    """Replay programs of pure decode steps for batch sizes 1..max_batch (see module doc)."""
+
+    def __init__(self, model, kv_caches: list[dict[str, torch.Tensor]], max_batch: int) -> None:
+        self.model, self.kv_caches, self.max_batch = model, kv_caches, int(max_batch)
+        self._entries: dict[int, _Entry] = {}
+        self._seen: set[int] = set()
+        self.captures = 0
+        self.replays = 0
+        self.failed: str | None = None  # why recording failed (graphs then stay off)
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Hidden states [B, H] of a pure decode step, or None when the caller must run it eagerly.
+
+        The returned tensor is the program's static output: read it (logits) before the next
+        step of the same batch size overwrites it.
+        """
+        b = batch.num_tokens
+        backend = getattr(self.model, "expert_backend", None)
+        if b > self.max_batch or (backend is not None and not backend.graph_safe()):
+            return None
+        entry = self._entries.get(b)
+        if entry is None:
+            if b not in self._seen:  # first step of this size: eager (compiles, warms allocators)
+                self._seen.add(b)
+                return None
+            try:
+                entry = self._record(batch)
+            except Exception as exc:  # a capture that fails must not fail the request: stay eager
+                log.warning("decode CUDA graphs disabled: recording batch size %d failed (%s)", b,
+                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                self.max_batch, self.failed = 0, str(exc)
+                torch.cuda.synchronize()
+                return None
+        entry.ids.copy_(batch.input_ids)
+        entry.positions.copy_(batch.positions)
+        for step in entry.program:
+            if step[0] == "graph":
+                step[1].replay()
+            else:
+                _, core, tensors, cache, out = step
+                out.copy_(core(*tensors, batch, cache))
+        self.replays += 1
+        if backend is not None:
+            backend.graph_replayed()
+        return entry.hidden
+
+    def _record(self, batch: ForwardBatch) -> _Entry:
+        ids, positions = batch.input_ids.clone(), batch.positions.clone()
+        static = ForwardBatch(ids, positions, batch.slot_mapping, batch.seqs, batch.logits_index)
+        rec = _Recorder(torch.cuda.graph_pool_handle())
+        main = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            graph_break.set_recorder(rec)
+            try:
+                rec.begin()
+                hidden = self.model(static, self.kv_caches)  # [B, H] (recorded, not computed)
+                rec.end()
+            except BaseException:
+                if rec._graph is not None:  # leave no capture open on the stream
+                    try:
+                        rec._graph.capture_end()
+                    except Exception:
+                        pass
+                raise
+            finally:
+                graph_break.set_recorder(None)
+        main.wait_stream(side)
+        self.captures += 1
+        entry = _Entry(rec.program, ids, positions, hidden)
+        self._entries[batch.num_tokens] = entry
+        return entry
+
+    def counters(self) -> dict:
+        return {"captured_batch_sizes": sorted(self._entries), "captures": self.captures, "replays": self.replays,
+                "failed": self.failed}

@@ -1,0 +1,114 @@
+"""Piecewise CUDA graphs of decode steps (runner/decode_graph.py).
+
+On CPU (CI): the capture boundaries sit where they must (one per layer, around attention's
+KV-cache core) and cost nothing outside a recording (same bits with a pass-through recorder);
+eligibility rules. On a GPU (TIERMOE_KERNEL_TESTS_ON_GPU=1): decode through recorded and
+replayed graphs gives the tokens and logprobs of the eager engine, bit for bit, at batch 1 and 2.
+"""
+
+from __future__ import annotations
+
+import os
+
+ON_GPU = os.environ.get("TIERMOE_KERNEL_TESTS_ON_GPU") == "1"
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tiermoe.models.batch import build_forward_batch  # noqa: E402
+from tiermoe.models.blocks import graph_break  # noqa: E402
+from tiermoe.runner.decode_graph import decode_graphs_unsupported  # noqa: E402
+
+GIB = 2**30
+
+
+class _PassThrough:
+    """A recorder that only notes each boundary and runs the core as the eager step would."""
+
+    def __init__(self):
+        self.breaks = []
+
+    def break_here(self, core, tensors, batch, cache):
+        self.breaks.append((core.__self__.__class__.__name__, [tuple(t.shape) for t in tensors]))
+        return core(*tensors, batch, cache)
+
+
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
+def test_boundaries_one_per_layer_and_free_outside_recording(tiny_dir, arch):
+    from tiermoe.models.loader import load_model
+
+    lm = load_model(tiny_dir(arch), device="cpu", dtype=torch.float32)
+    caches = [{n: torch.zeros(8, 16, *shp) for n, shp in s.items()} for s in lm.cache_shapes()]
+    prompt = build_forward_batch([([5, 17, 33, 64], 0, [0], 0), ([9, 11], 0, [1], 1)], 16, "cpu")
+    lm(prompt, caches)
+    step = build_forward_batch([([101], 4, [0], 0), ([7], 2, [1], 1)], 16, "cpu")  # a decode step, B = 2
+    kv_before = [{n: t.clone() for n, t in c.items()} for c in caches]
+    ref = lm(step, caches)
+    caches_ref = caches
+    caches = kv_before
+    rec = _PassThrough()
+    graph_break.set_recorder(rec)
+    try:
+        got = lm(step, caches)
+    finally:
+        graph_break.set_recorder(None)
+    assert torch.equal(got, ref)
+    assert all(torch.equal(a[n], b[n]) for a, b in zip(caches, caches_ref) for n in a)
+    assert len(rec.breaks) == lm.spec.num_layers
+    name = "MLAttention" if arch == "deepseek_v3" else "GQAttention"
+    assert {b[0] for b in rec.breaks} == {name} and all(s[0][0] == 2 for _, s in rec.breaks)  # [B, ...] inputs
+
+
+def test_eligibility(tiny_dir):
+    from tiermoe.models.loader import load_model
+
+    lm = load_model(tiny_dir("glm4_moe"), device="cpu", dtype=torch.float32)
+    assert "need a CUDA device" in decode_graphs_unsupported(lm, torch.device("cpu"))
+    assert "device cache" in decode_graphs_unsupported(lm, torch.device("cuda"))  # resident experts sync
+    assert "decoder families" in decode_graphs_unsupported(object(), torch.device("cuda"))
+
+
+def test_cpu_engine_stays_eager(tiny_dir):
+    from tiermoe.engine.build import build_engine_core
+
+    eng = build_engine_core(str(tiny_dir("glm4_moe")), device="cpu", max_num_seqs=2, options={})
+    assert eng.runner.graphs is None
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA (TIERMOE_KERNEL_TESTS_ON_GPU=1)")
+def test_graph_decode_is_bit_identical_to_eager(tiny_dir, tmp_path):
+    from tiermoe.engine.build import build_engine_core
+    from tiermoe.engine.protocol import SamplingParams
+    from tiermoe.store.pack import pack
+
+    store = tmp_path / "store"
+    pack(str(tiny_dir("glm4_moe", "bfloat16")), str(store), quant="int4", group_size=32, progress=False,
+         log=lambda _: None)  # fmt: skip
+    rec = 4096
+    opts = {"expert_kernel": "triton", "gpu_expert_gb": 4 * rec / GIB, "host_expert_gb": 16 * rec / GIB}
+
+    def generate(eager: bool, batch: int) -> tuple[list, dict]:
+        eng = build_engine_core(str(store), device="cuda", dtype="bfloat16", max_num_seqs=2,
+                                options={**opts, "enforce_eager": eager})  # fmt: skip
+        params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=5)
+        for i in range(batch):
+            eng.add_request(f"r{i}", [5 + i, 17, 33, 64, 101, 250][: 6 - i], params)
+        outs: dict[str, list] = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                outs.setdefault(o.request_id, []).extend(
+                    (t, lp.logprob, tuple(lp.top)) for t, lp in zip(o.new_token_ids, o.logprobs or []))
+        counters = eng.model.expert_backend.counters()
+        graphs = eng.runner.graphs.counters() if eng.runner.graphs is not None else None
+        eng.model.expert_backend.close()
+        return [outs[k] for k in sorted(outs)], {"experts": counters, "graphs": graphs}
+
+    for batch in (1, 2):
+        ref, c = generate(True, batch)
+        assert c["graphs"] is None
+        got, c = generate(False, batch)
+        assert got == ref, batch
+        assert c["graphs"]["replays"] >= 9 and c["graphs"]["captured_batch_sizes"] == [batch], c["graphs"]
+        assert c["experts"]["device_cache"]["graph_replays"] == c["graphs"]["replays"]
