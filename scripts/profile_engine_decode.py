@@ -4,7 +4,7 @@
     python3 scripts/profile_engine_decode.py STORE OUTDIR [engine flags, e.g. --gpu-expert-gb 10]
 
 Builds the engine as `tiermoe serve` would, warms up, then for batch 1 and 4: the wall time per
-decode step (synchronised), the GPU time per step (CUDA events around the forward), and a
+decode step (synchronised; with --compare-eager also with the decode CUDA graphs off), and a
 torch.profiler table of the top operators by host time and by device time over 8 steps.
 Written to OUTDIR/profile.txt and printed. Needs CUDA.
 """
@@ -29,6 +29,7 @@ def main() -> int:
     p.add_argument("store")
     p.add_argument("outdir")
     add_engine_args(p, model_positional=True)
+    p.add_argument("--compare-eager", action="store_true", help="also time each batch size with the graphs off")
     args = p.parse_args()
     out = Path(args.outdir)
     out.mkdir(parents=True, exist_ok=True)
@@ -60,11 +61,21 @@ def main() -> int:
             walls.append(time.perf_counter() - a)
         return walls
 
+    graphs = eng.runner.graphs
+    say(f"decode CUDA graphs: {'on' if graphs is not None else 'off'}")
     for batch in (1, 4):
         start(batch, 200, f"warm{batch}")
         steps(16)
         while eng.has_unfinished_requests():
             eng.step()
+        if graphs is not None and args.compare_eager:  # the same engine with graphs off, then on
+            eng.runner.graphs = None
+            start(batch, 40, f"e{batch}")
+            walls = sorted(steps(24))
+            say(f"batch {batch} eager: wall per decode step median {1e3 * walls[len(walls) // 2]:.2f} ms")
+            while eng.has_unfinished_requests():
+                eng.step()
+            eng.runner.graphs = graphs
         start(batch, 200, f"b{batch}")
         walls = sorted(steps(24))
         say(f"batch {batch}: wall per decode step median {1e3 * walls[len(walls) // 2]:.2f} ms "

@@ -116,14 +116,15 @@ class DecodeGraphs:
                 self.max_batch, self.failed = 0, str(exc)
                 torch.cuda.synchronize()
                 return None
-        entry.ids.copy_(batch.input_ids)
-        entry.positions.copy_(batch.positions)
-        for step in entry.program:
-            if step[0] == "graph":
-                step[1].replay()
-            else:
-                _, core, tensors, cache, out = step
-                out.copy_(core(*tensors, batch, cache))
+        with torch.inference_mode():  # the static tensors were made in the recording's inference mode
+            entry.ids.copy_(batch.input_ids)
+            entry.positions.copy_(batch.positions)
+            for step in entry.program:
+                if step[0] == "graph":
+                    step[1].replay()
+                else:
+                    _, core, tensors, cache, out = step
+                    out.copy_(core(*tensors, batch, cache))
         self.replays += 1
         if backend is not None:
             backend.graph_replayed()
