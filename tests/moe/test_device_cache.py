@@ -9,11 +9,11 @@ pinned and read in place).
 
 from __future__ import annotations
 
-import os
-
-ON_GPU = os.environ.get("TIERMOE_KERNEL_TESTS_ON_GPU") == "1"
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
+# kernel_stores first: on CPU it switches Triton to its interpreter before anything imports Triton
+from kernel_stores import (
+    DEVICE, GIB, LAYERS, N_EXPERTS,
+    ON_GPU, engine_logits_and_counters, moe_batch, tiny_glm4_stores,
+)
 
 import random  # noqa: E402
 
@@ -25,26 +25,13 @@ from tiermoe.moe.device_cache import DeviceCacheExperts  # noqa: E402
 from tiermoe.moe.tiered import TieredExperts  # noqa: E402
 from tiermoe.moe.triton_backend import TritonExperts  # noqa: E402
 from tiermoe.store.facade import ExpertStore  # noqa: E402
-from tiermoe.store.pack import pack  # noqa: E402
 from tiermoe.store.planner import inclusive_host_plan  # noqa: E402
 from tiermoe.store.records import load_manifest  # noqa: E402
-
-GIB = 2**30
-N_EXPERTS = 16  # tiny glm4_moe: 2 MoE layers (1, 2) x 8 experts, top-2, H 64, I 32
-LAYERS = (1, 2)
-DEVICE = "cuda" if ON_GPU else "cpu"
 
 
 @pytest.fixture(scope="module")
 def stores(tiny_dir, tmp_path_factory):
-    """{kind: (store dir, record bytes)} for int4 (G 32) and bf16 packs of tiny glm4_moe."""
-    src = tiny_dir("glm4_moe", "bfloat16")
-    out = {}
-    for kind in ("int4", "bf16"):
-        dst = tmp_path_factory.mktemp("devcache") / f"glm4-{kind}"
-        pack(str(src), str(dst), quant=kind, group_size=32, progress=False, log=lambda _: None)
-        out[kind] = (dst, 4096 if kind == "int4" else 12288)
-    return out
+    return tiny_glm4_stores(tiny_dir, tmp_path_factory, "devcache")
 
 
 def _host_store(path, rec: int) -> ExpertStore:
@@ -56,12 +43,6 @@ def _host_store(path, rec: int) -> ExpertStore:
     return st
 
 
-def _batch(tokens: int, seed: int, k: int = 2):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, 64, generator=g).to(torch.bfloat16)  # [T, H]
-    ids = torch.stack([torch.randperm(8, generator=g)[:k] for _ in range(tokens)])  # [T, k]
-    w = torch.rand(tokens, k, generator=g)  # [T, k] fp32, as the sigmoid router gives
-    return x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE)
 
 
 def _trace(n: int = 4) -> list[tuple[int, int, int]]:
@@ -78,11 +59,11 @@ def test_bit_identical_to_store_path_and_across_budgets(stores, kind):
     trace = _trace()
     with _host_store(path, rec) as st:
         be = TritonExperts(st)
-        ref = [be.forward(layer, *_batch(t, seed)).cpu() for layer, t, seed in trace]
+        ref = [be.forward(layer, *moe_batch(t, seed)).cpu() for layer, t, seed in trace]
     for slots in (2 * 8, 2 * 2 + 2, 0):  # (+2: staging rows come out of the budget first)
         with _host_store(path, rec) as st:
             dc = DeviceCacheExperts(st, slots, rates={}, top_k=2, max_tokens=1)
-            got = [dc.forward(layer, *_batch(t, seed), decode=t < 17).cpu() for layer, t, seed in trace]
+            got = [dc.forward(layer, *moe_batch(t, seed), decode=t < 17).cpu() for layer, t, seed in trace]
             c = dc.counters()
         assert all(torch.equal(a, b) for a, b in zip(ref, got)), slots
         assert c["cache_steps"] == sum(t < 17 for _, t, _ in trace)
@@ -102,10 +83,10 @@ def test_prefill_staging_is_bit_identical(stores, rows):
     calls = [(layer, 70, seed) for seed in (1, 2) for layer in LAYERS]
     with _host_store(path, rec) as st:
         be = TritonExperts(st)
-        ref = [be.forward(layer, *_batch(t, seed)).cpu() for layer, t, seed in calls]
+        ref = [be.forward(layer, *moe_batch(t, seed)).cpu() for layer, t, seed in calls]
     with _host_store(path, rec) as st:
         dc = DeviceCacheExperts(st, 2 * 2 + 2, rates={}, top_k=2, max_tokens=1, prefill_rows=rows)
-        got = [dc.forward(layer, *_batch(t, seed), decode=False).cpu() for layer, t, seed in calls]
+        got = [dc.forward(layer, *moe_batch(t, seed), decode=False).cpu() for layer, t, seed in calls]
         c = dc.counters()
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
     assert c["prefill_rows"] == (6 if rows is None else rows)  # 8 experts - 2 slots per layer
@@ -122,7 +103,7 @@ def test_warm_start_follows_rates_and_admission_moves_slots(stores):
         dc = DeviceCacheExperts(st, 2 * 2, rates=rates, top_k=2, max_tokens=1)  # 2 staging rows, 1 slot per layer
         assert dc.slots_per_layer == {1: 1, 2: 1}
         assert dc.resident(1) in ([6], [7])
-        x, _, w = _batch(1, seed=0)
+        x, _, w = moe_batch(1, seed=0)
         ids = torch.tensor([[0, 1]], device=DEVICE)
         for _ in range(40):  # picked every step: its frequency passes the resident's, which decays
             dc.forward(1, x, ids, w)
@@ -134,7 +115,7 @@ def test_lane_experts_add_exact_zero(stores):
     """combine_without(skip=S) equals a forward with S's routing weights zeroed, bit for bit;
     lane candidates are the experts not in slots."""
     path, rec = stores["int4"]
-    x, ids, w = _batch(4, seed=3)
+    x, ids, w = moe_batch(4, seed=3)
     skip = sorted({int(ids[0, 0]), int(ids[2, 1])})
     mask = torch.isin(ids, torch.tensor(skip, device=ids.device))
     outs = []
@@ -182,22 +163,14 @@ def test_engine_logits_with_device_cache(stores):
     """The real engine (loader -> MoE layer -> TieredExperts -> DeviceCacheExperts) on the int4
     store: logits bit-identical to the store-managed Triton path for GPU budgets 100 %, ~10 %
     and 0 %; /stats counters carry the device cache's slot hits; fast mode stays close."""
-    from tiermoe.engine.build import build_engine_core
-    from tiermoe.eval.parity import compare, engine_logits
+    from tiermoe.eval.parity import compare
 
     path, rec = stores["int4"]
     prompt = [5, 17, 33, 64, 101, 250]
     all_host = N_EXPERTS * rec / GIB
 
     def logits(options: dict) -> tuple[torch.Tensor, dict]:
-        eng = build_engine_core(str(path), device=DEVICE, dtype="bfloat16", max_num_seqs=1,
-                                options={"expert_kernel": "triton", **options})
-        be = eng.model.expert_backend
-        try:
-            out = torch.cat([engine_logits(eng, prompt, chunk=len(prompt)), engine_logits(eng, prompt, chunk=1)])
-            return out, be.counters()
-        finally:
-            be.close()
+        return engine_logits_and_counters(path, prompt, {"expert_kernel": "triton", **options})
 
     ref, c = logits({"device_cache": "off", "gpu_expert_gb": all_host, "host_expert_gb": 0})
     assert "device_cache" not in c

@@ -8,11 +8,11 @@ CUDA (stores then hold slots on the GPU and host entries pinned, read in place).
 
 from __future__ import annotations
 
-import os
-
-ON_GPU = os.environ.get("TIERMOE_KERNEL_TESTS_ON_GPU") == "1"
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
+# kernel_stores first: on CPU it switches Triton to its interpreter before anything imports Triton
+from kernel_stores import (
+    DEVICE, GIB, LAYERS, N_EXPERTS,
+    ON_GPU, engine_logits_and_counters, moe_batch, tiny_glm4_stores,
+)
 
 import random  # noqa: E402
 import time  # noqa: E402
@@ -26,12 +26,6 @@ from tiermoe.moe.experts import combine_experts  # noqa: E402
 from tiermoe.moe.tiered import TieredExperts  # noqa: E402
 from tiermoe.moe.triton_backend import TritonExperts, choose_expert_kernel, triton_unsupported  # noqa: E402
 from tiermoe.store.facade import ExpertStore  # noqa: E402
-from tiermoe.store.pack import pack  # noqa: E402
-
-GIB = 2**30
-N_EXPERTS = 16  # tiny glm4_moe: 2 MoE layers (1, 2) x 8 experts, top-2, H 64, I 32
-LAYERS = (1, 2)
-DEVICE = "cuda" if ON_GPU else "cpu"
 
 
 def _budgets(rec: int) -> dict[str, dict]:
@@ -46,14 +40,7 @@ def _budgets(rec: int) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def stores(tiny_dir, tmp_path_factory):
-    """{kind: (store dir, record bytes)} for int4 (G 32) and bf16 packs of tiny glm4_moe."""
-    src = tiny_dir("glm4_moe", "bfloat16")
-    out = {}
-    for kind in ("int4", "bf16"):
-        dst = tmp_path_factory.mktemp("triton") / f"glm4-{kind}"
-        pack(str(src), str(dst), quant=kind, group_size=32, progress=False, log=lambda _: None)
-        out[kind] = (dst, 4096 if kind == "int4" else 12288)
-    return out
+    return tiny_glm4_stores(tiny_dir, tmp_path_factory, "triton")
 
 
 def _open(path, **kw) -> ExpertStore:
@@ -65,12 +52,6 @@ def _open(path, **kw) -> ExpertStore:
     return st
 
 
-def _batch(tokens: int, seed: int, k: int = 2):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, 64, generator=g).to(torch.bfloat16)  # [T, H]
-    ids = torch.stack([torch.randperm(8, generator=g)[:k] for _ in range(tokens)])  # [T, k]
-    w = torch.rand(tokens, k, generator=g)  # [T, k] fp32, as the sigmoid router gives
-    return x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE)
 
 
 def _rel(a, b) -> float:
@@ -85,7 +66,7 @@ def test_backend_matches_twins(stores, kind):
     with _open(path, **_budgets(rec)["10%"]) as st:
         be = TritonExperts(st)
         for tokens in (1, 5, 20):
-            x, ids, w = _batch(tokens, seed=tokens)
+            x, ids, w = moe_batch(tokens, seed=tokens)
             out = be.forward(1, x, ids, w)  # [T, H]
             recs = st.fetch_records(1, list(range(8)))
             twin = R.fused_moe_ref(x, ids, w, torch.stack([recs[e].to(DEVICE) for e in range(8)]), be.layout)
@@ -111,7 +92,7 @@ def test_bit_identical_across_tier_budgets(stores, kind):
             outs = []
             for layer, tokens, seed in trace:
                 st.begin_step(tokens=tokens, decode=tokens == 1)
-                outs.append(be.forward(layer, *_batch(tokens, seed)).cpu())
+                outs.append(be.forward(layer, *moe_batch(tokens, seed)).cpu())
             c = st.counters()
             tiers[name] = (c["slots"]["hits"], c["host"]["hits"], c["disk"]["reads"])
             if ON_GPU and name == "0% host":
@@ -131,7 +112,7 @@ def test_skipped_experts_add_exact_zero(stores):
     path, rec = stores["int4"]
     with _open(path, **_budgets(rec)["10%"]) as st:
         be = TritonExperts(st)
-        x, ids, w = _batch(6, seed=3)
+        x, ids, w = moe_batch(6, seed=3)
         skip = {int(ids[0, 0]), int(ids[2, 1])}
         part = be.combine(1, x, ids, w, skip=skip)
         mask = torch.isin(ids, torch.tensor(sorted(skip), device=ids.device))
@@ -175,7 +156,7 @@ def test_swiglu_clamp_keeps_triton_and_matches_torch(stores):
             self.layer, self.gate = layer, None
             self.moe = type("M", (), {"swiglu_limit": limit})()
 
-    x, ids, w = _batch(3, seed=1)
+    x, ids, w = moe_batch(3, seed=1)
     outs = {}
     for name, kernel, limit in (("triton", "triton", 0.02), ("torch", "torch", 0.02), ("free", "triton", None)):
         with _open(path, gpu_expert_gb=0, host_expert_gb=0) as st:
@@ -193,20 +174,13 @@ def test_engine_logits_through_triton_backend(stores):
     """The real engine path (loader -> MoE layer -> TieredExperts -> TritonExperts) on the
     int4 store: logits bit-identical for slot budgets 100 %, 10 %, 0 %; close to the torch
     backend; fast mode (CPU lane + kernel with the lane's experts skipped) stays close."""
-    from tiermoe.engine.build import build_engine_core
-    from tiermoe.eval.parity import compare, engine_logits
+    from tiermoe.eval.parity import compare
 
     path, rec = stores["int4"]
     prompt = [5, 17, 33, 64, 101, 250]
 
     def logits(options: dict) -> tuple[torch.Tensor, dict]:
-        eng = build_engine_core(str(path), device=DEVICE, dtype="bfloat16", max_num_seqs=1, options=options)
-        be = eng.model.expert_backend
-        try:
-            out = torch.cat([engine_logits(eng, prompt, chunk=len(prompt)), engine_logits(eng, prompt, chunk=1)])
-            return out, be.counters()
-        finally:
-            be.close()
+        return engine_logits_and_counters(path, prompt, options)
 
     budgets = _budgets(rec)
     ref, c = logits({"expert_kernel": "triton", **budgets["100%"]})
