@@ -111,4 +111,7 @@ def test_graph_decode_is_bit_identical_to_eager(tiny_dir, tmp_path):
         got, c = generate(False, batch)
         assert got == ref, batch
         assert c["graphs"]["replays"] >= 9 and c["graphs"]["captured_batch_sizes"] == [batch], c["graphs"]
-        assert c["experts"]["device_cache"]["graph_replays"] == c["graphs"]["replays"]
+        dc = c["experts"]["device_cache"]
+        assert dc["graph_replays"] == c["graphs"]["replays"]
+        # every decode step (12 tokens per sequence, the first from the prefill) ran one cache step per layer
+        assert dc["cache_steps"] == 11 * dc["layers"], dc

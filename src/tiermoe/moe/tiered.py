@@ -210,6 +210,10 @@ class TieredExperts:
         Only device-cache decode steps without the CPU lane: every other path syncs with the host."""
         return self.device_cache is not None and self._decode and not self._lane_step
 
+    def graph_recorded(self) -> None:
+        """A decode step was recorded (its kernels queued into graphs, not run): uncount its cache steps."""
+        self.device_cache.steps -= len(self.device_cache.caches)
+
     def graph_replayed(self) -> None:
         """A captured decode step was replayed: count the cache steps it ran on the device."""
         self.graph_replays += 1

@@ -153,6 +153,9 @@ class DecodeGraphs:
             finally:
                 graph_break.set_recorder(None)
         main.wait_stream(side)
+        backend = getattr(self.model, "expert_backend", None)
+        if backend is not None:
+            backend.graph_recorded()
         self.captures += 1
         entry = _Entry(rec.program, ids, positions, hidden)
         self._entries[batch.num_tokens] = entry
