@@ -50,14 +50,18 @@ def build_forward_batch(
     slots: list[int] = []
     seqs: list[SeqSlice] = []
     logits_rows: list[int] = []
+    offsets = torch.arange(page_size, dtype=torch.long)  # [page_size]
     for new_ids, past, pages, seq_slot in chunks:
         q_start, q_len = len(ids), len(new_ids)
         ctx = past + q_len
-        flat = [pages[p // page_size] * page_size + p % page_size for p in range(ctx)]
+        # flat slot of position p = pages[p // page_size] * page_size + p % page_size, built with
+        # tensor ops: a Python list over the whole context cost ~2 ms per sequence per step at 16k
+        used = torch.tensor(pages[: -(-ctx // page_size)], dtype=torch.long)  # [ceil(ctx / page)]
+        flat = (used[:, None] * page_size + offsets).reshape(-1)[:ctx]  # [ctx]
         ids.extend(new_ids)
         positions.extend(range(past, ctx))
-        slots.extend(flat[past:])
-        kv_index = torch.tensor(flat, dtype=torch.long, device=device)
+        slots.extend(flat[past:].tolist())
+        kv_index = flat.to(device)
         seqs.append(SeqSlice(q_start, q_len, ctx, kv_index, seq_slot))
         if all_logits:
             logits_rows.extend(range(q_start, q_start + q_len))
