@@ -39,3 +39,21 @@ def test_eviction_forgets_hash():
     b: list[int] = []
     kv.allocate(b, 4)  # reuses both pages for other tokens
     assert kv.match_prefix([1, 2, 3, 4, 5]) == []
+
+
+def test_commit_with_a_kept_chain_publishes_the_same_hashes():
+    """A sequence's kept chain (Request.page_hashes) gives the same published hashes as
+    rehashing the whole context every step, and the chain equals the definition."""
+    import random
+
+    rnd = random.Random(1)
+    toks = [rnd.randrange(50) for _ in range(400)]
+    fresh, kept = KVPages(64, 16), KVPages(64, 16)
+    pa, pb, chain = [], [], []
+    assert fresh.allocate(pa, 400) and kept.allocate(pb, 400)
+    for n in [*range(0, 401, 7), 400]:  # chunked prefill, then one token at a time
+        fresh.commit(pa, toks, n)
+        kept.commit(pb, toks, n, chain=chain)
+        assert fresh.page_hash == kept.page_hash and fresh.by_hash == kept.by_hash
+    assert chain == KVPages.chain_hashes(toks, 16, 25)
+    assert kept.match_prefix(toks + [1]) == pb  # the published pages serve the prefix

@@ -31,6 +31,7 @@ class Request:
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     num_preemptions: int = 0
     reuse_prefix: bool = True  # False: compute every prompt position (e.g. prompt logprobs owed)
+    page_hashes: list[int] = field(default_factory=list)  # prefix-cache chain hashes of its full pages so far
 
     @property
     def all_ids(self) -> list[int]:

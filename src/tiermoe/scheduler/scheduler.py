@@ -145,4 +145,4 @@ class Scheduler:
         """After the forward pass computed n new tokens of req (with drafts: the accepted ones,
         which the engine appends to the output just after)."""
         req.num_computed += n
-        self.kv.commit(req.pages, req.all_ids, min(req.num_computed, req.num_tokens))
+        self.kv.commit(req.pages, req.all_ids, min(req.num_computed, req.num_tokens), chain=req.page_hashes)
