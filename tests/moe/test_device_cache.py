@@ -146,6 +146,9 @@ def test_eligibility_rules(stores, monkeypatch):
     opts = dict(expert_kernel="triton", gpu_expert_gb=3 * rec / GIB, host_expert_gb=all_host / 2)
     with pytest.raises(UserError, match="--device-cache on: host RAM for 8 of the 16"):
         TieredExperts.open(path, device=DEVICE, dtype=torch.bfloat16, options={**opts, "device_cache": "on"})
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(UserError, match="--prefill-staging-gb must be a size"):
+            TieredExperts.open(path, device=DEVICE, dtype=torch.bfloat16, options={**opts, "prefill_staging_gb": bad})
     with pytest.raises(UserError, match="--device-cache 'sometimes'"):
         TieredExperts.open(path, device=DEVICE, dtype=torch.bfloat16, options={**opts, "device_cache": "sometimes"})
     be = TieredExperts.open(path, device=DEVICE, dtype=torch.bfloat16, options=opts)  # auto: not eligible

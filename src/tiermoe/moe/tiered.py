@@ -100,6 +100,9 @@ class TieredExperts:
         wanted = (options.get("device_cache") or "auto").lower()
         if wanted not in DEVICE_CACHE_CHOICES:
             raise UserError(f"--device-cache {wanted!r}: choose one of {', '.join(DEVICE_CACHE_CHOICES)}")
+        staging = options.get("prefill_staging_gb")
+        if staging is not None and not 0 <= staging < float("inf"):
+            raise UserError(f"--prefill-staging-gb must be a size >= 0, got {staging}")
         lane = lane_options(options, device)
         manifest = load_manifest(path)
         requested = options.get("expert_kernel") or os.environ.get(ENV_VAR)
@@ -127,8 +130,6 @@ class TieredExperts:
 
             rates, _, _ = key_rates(manifest, options.get("expert_stats"), config_top_k(manifest.config))
             staging_gb = options.get("prefill_staging_gb")
-            if staging_gb is not None and not staging_gb >= 0:
-                raise UserError(f"--prefill-staging-gb must be >= 0, got {staging_gb}")
             rows = None if staging_gb is None else int(staging_gb * 2**30 // store.record_bytes)
             cache = DeviceCacheExperts(store, slots, rates, top_k=config_top_k(manifest.config),
                                        max_tokens=int(options.get("max_num_seqs") or 8), prefill_rows=rows)
