@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""Why does the engine's gather move one or two records per call at ~12 GB/s (docs/results.md
+section 13) when `tiermoe bench moe-gpu` gathers ~5 records per call at ~50 GB/s?
+
+    python3 scripts/gpu_gather_probe.py [--record-mib 10.125] [--gib 4]
+
+Times `gather_records` (the device cache's host -> HBM copy kernel) for 1, 2, 4, 8 and 16
+records per call from two kinds of pinned host memory: the store's host arena (1 GiB chunks,
+cudaHostRegister flags 0, registered by a background thread) and moe-gpu's `pin_host` buffer
+(one allocation, flags 3), against the copy engine (`Tensor.copy_` per record). Records are
+spread over the whole buffer (a decode step's misses are), and each call reads records no
+earlier call touched, so no cache or TLB state carries over. Prints GB/s per case. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+
+import torch
+
+
+def main() -> int:
+    from tiermoe.kernels.triton.cache_manager import gather_records
+    from tiermoe.kernels.triton.tiered import pin_host
+    from tiermoe.store.tiers import Arena
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--record-mib", type=float, default=10616832 / 2**20)
+    p.add_argument("--gib", type=float, default=4.0, help="host memory of each kind")
+    args = p.parse_args()
+    r = int(args.record_mib * 2**20) // 4096 * 4096
+    n = int(args.gib * 2**30 // r)
+    dev = torch.device("cuda")
+    arena = Arena(n, r, torch.device("cpu"), host=True, pin=True)
+    arena.wait_pinned()
+    pool = pin_host(n * r).view(n, r)
+    kinds = {"store arena": [arena.entry(i) for i in range(n)], "pin_host": [pool[i] for i in range(n)]}
+    for entries in kinds.values():
+        for i in range(0, n, max(1, n // 64)):
+            entries[i].fill_(i % 251)
+    dst = torch.empty(16, r, dtype=torch.uint8, device=dev)
+    dst_addr = torch.tensor([dst[i].data_ptr() for i in range(16)], dtype=torch.int64, device=dev)
+    rnd = random.Random(0)
+    print(f"record {r} bytes, {n} records per kind")
+    print("| memory | records per call | gather kernel GB/s | copy engine GB/s |")
+    print("|---|---|---|---|")
+    for name, entries in kinds.items():
+        order = list(range(n))
+        rnd.shuffle(order)
+        pos = 0
+        for m in (1, 2, 4, 8, 16):
+            reps = max(4, 64 // m)
+            rates = []
+            for mode in ("gather", "copy"):
+                if pos + m * reps > n:
+                    pos = 0
+                picks = [order[pos + j] for j in range(m * reps)]
+                pos += m * reps
+                src = torch.tensor([entries[e].data_ptr() for e in picks], dtype=torch.int64, device=dev)
+                cnt = torch.tensor([m], dtype=torch.int32, device=dev)
+                gather_records(src[:m], dst_addr[:m], cnt, r)  # compile / warm
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for k in range(reps):
+                    if mode == "gather":
+                        gather_records(src[k * m : (k + 1) * m], dst_addr[:m], cnt, r)
+                    else:
+                        for j in range(m):
+                            dst[j].copy_(entries[picks[k * m + j]], non_blocking=True)
+                b.record()
+                torch.cuda.synchronize()
+                rates.append(m * reps * r / (a.elapsed_time(b) / 1e3) / 1e9)
+            print(f"| {name} | {m} | {rates[0]:.1f} | {rates[1]:.1f} |")
+    arena.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
