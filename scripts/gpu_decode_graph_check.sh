@@ -7,7 +7,7 @@
 #   2. the side-by-side Qwen3-MoE store (24 layers, random weights) written to $STORE
 #   3. tiermoe serve with the side-by-side flags, `tiermoe bench sweep` (4k prefill once,
 #      decode C1 and C4, $MAX_TOKENS tokens), /stats before and after
-#   4. scripts/profile_engine_decode.py on the same store (graphs on, the default)
+#   4. scripts/profile_engine_decode.py on the same store: graphs off vs on, and a 4000-token prefill
 # Environment: STORE (/root/sbs-graph-model), MAX_TOKENS (256), PYTHON (python3).
 set -uo pipefail
 out=${1:?usage: $0 OUT_DIR}
@@ -50,6 +50,6 @@ grep -iE "decode steps|graph" "$out/server.log" | head -5
 kill $pid; wait $pid 2>/dev/null
 
 log "profile"
-timeout 200 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile" "${flags[@]}" > "$out/profile.log" 2>&1
+timeout 240 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile" "${flags[@]}" --compare-eager --prefill-tokens 4000 > "$out/profile.log" 2>&1
 grep -E "wall per|busy|engine built" "$out/profile.log"
 log "done"

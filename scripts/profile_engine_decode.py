@@ -30,6 +30,7 @@ def main() -> int:
     p.add_argument("outdir")
     add_engine_args(p, model_positional=True)
     p.add_argument("--compare-eager", action="store_true", help="also time each batch size with the graphs off")
+    p.add_argument("--prefill-tokens", type=int, default=0, help="also time and profile one prefill chunk this long")
     args = p.parse_args()
     out = Path(args.outdir)
     out.mkdir(parents=True, exist_ok=True)
@@ -40,8 +41,9 @@ def main() -> int:
         lines.append(s)
 
     t0 = time.perf_counter()
-    eng = build_engine_core(args.store, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len or 4096,
-                            max_num_seqs=4, options=vars(args))  # fmt: skip
+    ctx = args.max_model_len or max(4096, args.prefill_tokens + 256)
+    eng = build_engine_core(args.store, device=args.device, dtype=args.dtype, max_model_len=ctx, max_num_seqs=4,
+                            options=vars(args))
     say(f"engine built in {time.perf_counter() - t0:.1f} s")
     rng = random.Random(0)
 
@@ -93,6 +95,27 @@ def main() -> int:
             say(ka.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
         while eng.has_unfinished_requests():
             eng.step()
+    if args.prefill_tokens:  # one prefill chunk of that many tokens: wall time and top kernels
+        for tag in ("warm", "timed"):
+            eng.add_request(f"p-{tag}", [rng.randrange(eng.vocab_size) for _ in range(args.prefill_tokens)],
+                            SamplingParams(max_tokens=1, ignore_eos=True))  # fmt: skip
+            torch.cuda.synchronize()
+            a = time.perf_counter()
+            if tag == "timed":
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    eng.step()
+                    torch.cuda.synchronize()
+            else:
+                eng.step()
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - a
+            while eng.has_unfinished_requests():
+                eng.step()
+        say(f"prefill {args.prefill_tokens} tokens: one step {1e3 * wall:.1f} ms (profiled)")
+        try:
+            say(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
+        except Exception:  # older profilers name it cuda
+            say(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
     say(str(eng.model.expert_backend.counters() if getattr(eng.model, "expert_backend", None) else {}))
     (out / "profile.txt").write_text("\n".join(lines) + "\n")
     return 0
