@@ -36,6 +36,9 @@ WARMUP_SIZE=${WARMUP_SIZE:-4k}
 TIERMOE_MODES=${TIERMOE_MODES:-exact fast}    # MODE or MODE@storepath (--device-cache off), first one before llama.cpp
 TIERMOE_EXTRA_ARGS=${TIERMOE_EXTRA_ARGS:-}
 LLAMA_EXTRA_ARGS=${LLAMA_EXTRA_ARGS:-}
+# llama.cpp's own advice when experts are overridden to the CPU: "tensor overrides to CPU are used
+# with mmap enabled - consider using --load-mode none for better performance" (its log, 2026-12-01)
+LLAMA_LOAD_MODE=${LLAMA_LOAD_MODE:-none}
 LLAMA_CUDA=${LLAMA_CUDA:-auto}        # auto: CUDA build when nvcc is found
 CUDA_ARCH=${CUDA_ARCH:-90}
 SERVER_WAIT=${SERVER_WAIT:-600}       # seconds a server may take to load
@@ -347,7 +350,8 @@ phase_llamacpp() {
   [ -f "$GGUF_DIR/model.gguf" ] || die "no GGUF in $GGUF_DIR (phase model-gguf)"
   local cmd=("$bin" -m "$GGUF_DIR/model.gguf" --alias "$NAME" --host 127.0.0.1 --port $port -ngl 999
     --n-cpu-moe "$N_CPU_MOE" --fit off -t "$THREADS" -tb "$THREADS" -c $((CTX * NP)) -np "$NP" --no-kv-unified
-    -b "$UBATCH" -ub "$UBATCH" -fa on --jinja --no-webui $LLAMA_EXTRA_ARGS)
+    -b "$UBATCH" -ub "$UBATCH" -fa on --jinja --no-webui ${LLAMA_LOAD_MODE:+--load-mode "$LLAMA_LOAD_MODE"}
+    $LLAMA_EXTRA_ARGS)
   echo "llama-server ${cmd[*]:1}" > "$RES/cmd-$label.txt"
   log "llama.cpp: --n-cpu-moe $N_CPU_MOE ($((LAYERS - N_CPU_MOE)) of $LAYERS layers' experts on the GPU)"
   local vpid t0=$SECONDS
