@@ -33,7 +33,7 @@ REPS=${REPS:-3}
 CONC=${CONC:-1,4}
 MAX_TOKENS=${MAX_TOKENS:-256}
 WARMUP_SIZE=${WARMUP_SIZE:-4k}
-TIERMOE_MODES=${TIERMOE_MODES:-exact fast}    # MODE or MODE@storepath (--device-cache off), first one before llama.cpp
+TIERMOE_MODES=${TIERMOE_MODES:-exact fast}    # MODE or MODE@storepath|eager; the first runs before llama.cpp
 TIERMOE_EXTRA_ARGS=${TIERMOE_EXTRA_ARGS:-}
 LLAMA_EXTRA_ARGS=${LLAMA_EXTRA_ARGS:-}
 # llama.cpp's own advice when experts are overridden to the CPU: "tensor overrides to CPU are used
@@ -306,13 +306,14 @@ measure() {  # measure LABEL URL STATS(0|1) BENCH...: warm-up, sweep into result
   grep -E "prefill|decode" "$LOGS/sweep-$label.log" | sed "s/^/  [$label] /"
 }
 
-run_tiermoe() {  # run_tiermoe MODE[@VARIANT]  (variant storepath: --device-cache off, the store-managed path)
+run_tiermoe() {  # run_tiermoe MODE[@VARIANT]  (storepath: --device-cache off; eager: --enforce-eager)
   local mode=${1%%@*} variant="" port=8101 gpu_gb host_gb dio="" vargs=""
   [ "$1" != "$mode" ] && variant=${1#*@}
   case "$variant" in
     "") ;;
     storepath) vargs="--device-cache off" ;;
-    *) log "unknown tiermoe variant '$variant' (known: storepath)"; return 0 ;;
+    eager) vargs="--enforce-eager" ;;
+    *) log "unknown tiermoe variant '$variant' (known: storepath, eager)"; return 0 ;;
   esac
   local label=tiermoe-$mode${variant:+-$variant}
   [ -d "$STORE_DIR/store" ] || die "no store in $STORE_DIR (phase model-store)"
