@@ -8,6 +8,7 @@
 #   3. tiermoe serve with the side-by-side flags, `tiermoe bench sweep` (4k prefill once,
 #      decode C1 and C4, $MAX_TOKENS tokens), /stats before and after
 #   4. scripts/profile_engine_decode.py on the same store: graphs off vs on, and a 4000-token prefill
+#   5. the same profile with misses read in place instead of staged (TIERMOE_DEVICE_CACHE_STAGE=0)
 # Environment: STORE (/root/sbs-graph-model), MAX_TOKENS (256), PYTHON (python3).
 set -uo pipefail
 out=${1:?usage: $0 OUT_DIR}
@@ -51,5 +52,9 @@ kill $pid; wait $pid 2>/dev/null
 
 log "profile"
 timeout 240 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile" "${flags[@]}" --compare-eager --prefill-tokens 4000 > "$out/profile.log" 2>&1
-grep -E "wall per|busy|engine built" "$out/profile.log"
+grep -E "wall per|busy|engine built|prefill" "$out/profile.log"
+log "profile, misses read in place (TIERMOE_DEVICE_CACHE_STAGE=0)"
+TIERMOE_DEVICE_CACHE_STAGE=0 timeout 200 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile-nostage" \
+  "${flags[@]}" > "$out/profile-nostage.log" 2>&1
+grep -E "wall per|busy" "$out/profile-nostage.log"
 log "done"

@@ -75,6 +75,30 @@ def test_bit_identical_to_store_path_and_across_budgets(stores, kind):
             assert c["slots"] == 0 and c["hits"] == 0 and c["admitted"] == 0
 
 
+def test_misses_read_in_place_without_staging_rows(stores, monkeypatch):
+    """stage_misses=False (TIERMOE_DEVICE_CACHE_STAGE=0): no staging rows, the whole budget in
+    slots, misses read in place by the kernel: the same bits as with staging."""
+    path, rec = stores["int4"]
+    trace = _trace()
+    outs, counters = [], []
+    for stage in (True, False):
+        with _host_store(path, rec) as st:
+            dc = DeviceCacheExperts(st, 2 * 2 + 2, rates={}, top_k=2, max_tokens=1, stage_misses=stage)
+            outs.append([dc.forward(layer, *moe_batch(t, seed), decode=t < 17).cpu() for layer, t, seed in trace])
+            counters.append(dc.counters())
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert (counters[0]["stage_rows"], counters[0]["slots"]) == (2, 4)
+    assert (counters[1]["stage_rows"], counters[1]["slots"]) == (0, 6)
+    monkeypatch.setenv("TIERMOE_DEVICE_CACHE_STAGE", "0")
+    be = TieredExperts.open(path, device=DEVICE, dtype=torch.bfloat16,
+                            options=dict(expert_kernel="triton", gpu_expert_gb=6 * rec / GIB,
+                                         host_expert_gb=N_EXPERTS * rec / GIB))  # fmt: skip
+    try:
+        assert be.device_cache is not None and be.device_cache.stage_rows == 0
+    finally:
+        be.close()
+
+
 @pytest.mark.parametrize("rows", [None, 3, 0])
 def test_prefill_staging_is_bit_identical(stores, rows):
     """A 70-token prefill chunk copies its non-resident experts into staging rows (all of them,

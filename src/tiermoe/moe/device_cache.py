@@ -54,12 +54,14 @@ class DeviceCacheExperts:
     prefill_rows: staging rows for prefill chunks (None: the most non-resident experts of any
     layer, so a chunk never reads in place; 0: prefill reads misses in place). A chunk of
     thousands of tokens touches nearly every expert, and the kernel would read an in-place
-    record once per block of tokens; one copy per record is several times cheaper.
+    record once per block of tokens; one copy per record is several times cheaper;
+    stage_misses: False reads the misses the filter does not admit in place (no staging rows; the
+    MoE kernel reads them over PCIe) instead of gathering them into HBM first.
     """
 
     def __init__(self, store, slots: int, rates: dict[int, float], top_k: int, max_tokens: int,
                  swiglu_limit: float | None = None, config: dict | None = None,
-                 max_picks: int = 128, prefill_rows: int | None = None) -> None:  # fmt: skip
+                 max_picks: int = 128, prefill_rows: int | None = None, stage_misses: bool = True) -> None:  # fmt: skip
         from tiermoe.kernels.layout import layout_from
         from tiermoe.kernels.triton.cache_manager import ExpertCache
 
@@ -74,7 +76,7 @@ class DeviceCacheExperts:
         layers = list(store.moe_layers)
         # Staging rows for misses the filter does not admit (shared by all layers: stream order),
         # taken out of the GPU budget first; the rest is split evenly over the layers.
-        want_stage = self.top_k * max(1, min(int(max_tokens), STAGE_PICKS))
+        want_stage = self.top_k * max(1, min(int(max_tokens), STAGE_PICKS)) if stage_misses else 0
         self.stage_rows = min(want_stage, max(0, int(slots)) // 2) if layers else 0
         per_layer, extra = divmod(max(0, int(slots) - self.stage_rows), max(1, len(layers)))
         self.scratch = torch.empty(max(1, self.stage_rows), r, dtype=torch.uint8, device=dev)

@@ -38,6 +38,7 @@ from tiermoe.moe.experts import combine_experts, expert_mlp
 
 MODES = ("exact", "fast")
 DEVICE_CACHE_CHOICES = ("auto", "on", "off")
+STAGE_ENV = "TIERMOE_DEVICE_CACHE_STAGE"  # "0": misses not admitted are read in place (a diagnostic knob)
 
 
 def lane_options(options: dict, device: str) -> dict:
@@ -132,7 +133,8 @@ class TieredExperts:
             staging_gb = options.get("prefill_staging_gb")
             rows = None if staging_gb is None else int(staging_gb * 2**30 // store.record_bytes)
             cache = DeviceCacheExperts(store, slots, rates, top_k=config_top_k(manifest.config),
-                                       max_tokens=int(options.get("max_num_seqs") or 8), prefill_rows=rows)
+                                       max_tokens=int(options.get("max_num_seqs") or 8), prefill_rows=rows,
+                                       stage_misses=os.environ.get(STAGE_ENV, "1") != "0")
         except BaseException:
             store.close()
             raise
