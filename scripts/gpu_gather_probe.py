@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Why does the engine's gather move one or two records per call at ~12 GB/s (docs/results.md
-section 13) when `tiermoe bench moe-gpu` gathers ~5 records per call at ~50 GB/s?
+"""At what rate does the device cache's gather move misses when a layer has only a few of them?
+(docs/results.md sections 13-14: the gather is a third of a batch-1 and two thirds of a batch-4
+decode step's GPU time; moe-gpu's gathers of ~5 records per call reached ~50 GB/s.)
 
     python3 scripts/gpu_gather_probe.py [--record-mib 10.125] [--gib 4]
 
