@@ -50,6 +50,11 @@ def main() -> int:
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     rng = random.Random(0)
 
+    def misses() -> int:
+        """Device-cache misses so far (each one record over PCIe); 0 without the device cache."""
+        dc = getattr(getattr(eng.model, "expert_backend", None), "device_cache", None)
+        return dc.stats()["misses"] if dc is not None else 0
+
     def start(batch: int, tokens: int, tag: str) -> None:
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
         for i in range(batch):
@@ -82,9 +87,11 @@ def main() -> int:
                 eng.step()
             eng.runner.graphs = graphs
         start(batch, 200, f"b{batch}")
+        before = misses()
         walls = sorted(steps(24))
         say(f"batch {batch}: wall per decode step median {1e3 * walls[len(walls) // 2]:.2f} ms "
-            f"(min {1e3 * walls[0]:.2f}, max {1e3 * walls[-1]:.2f})")
+            f"(min {1e3 * walls[0]:.2f}, max {1e3 * walls[-1]:.2f}); "
+            f"{(misses() - before) / 24:.1f} expert misses per step (records moved host -> GPU)")
         with profile(activities=acts) as prof:
             steps(8)
         ka = prof.key_averages()
