@@ -109,8 +109,8 @@ class TieredExperts:
         requested = options.get("expert_kernel") or os.environ.get(ENV_VAR)
         kernel = choose_expert_kernel(requested, SimpleNamespace(layout=manifest.layout, dtype=dtype or manifest.dtype,
                                                                  path=Path(path)), device)  # fmt: skip
-        open_store = lambda gpu_gb: ExpertStore.open(  # noqa: E731
-            path, device=device, dtype=dtype, gpu_expert_gb=gpu_gb, host_expert_gb=options.get("host_expert_gb"),
+        open_store = lambda gpu_gb, host_gb: ExpertStore.open(  # noqa: E731
+            path, device=device, dtype=dtype, gpu_expert_gb=gpu_gb, host_expert_gb=host_gb,
             policy=options.get("expert_policy") or "lfu", stats_file=options.get("expert_stats"),
             direct_io=not options.get("no_direct_io", False),
         )
@@ -121,9 +121,11 @@ class TieredExperts:
         if wanted == "on" and why_not:
             raise UserError(f"--device-cache on: {why_not}")
         if wanted == "off" or why_not:
-            return cls(open_store(options.get("gpu_expert_gb")), mode=mode, lane=lane, kernel=kernel,
-                       kernel_requested=(requested or "").lower() == "triton")
-        store = open_store(0.0)  # every expert in the (pinned) host tier; the device cache owns the GPU budget
+            return cls(open_store(options.get("gpu_expert_gb"), options.get("host_expert_gb")), mode=mode, lane=lane,
+                       kernel=kernel, kernel_requested=(requested or "").lower() == "triton")
+        # Every expert in the (pinned) host tier, sized exactly (the check above found room; free
+        # memory read twice could differ); the device cache owns the GPU budget.
+        store = open_store(0.0, (len(manifest.records) + 0.5) * manifest.layout.length / 2**30)
         try:
             if torch.device(device).type == "cuda" and not store.wait_pinned():
                 raise UserError("--device-cache: the host tier could not be page-locked (cudaHostRegister failed)")
