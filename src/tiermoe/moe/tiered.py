@@ -28,6 +28,7 @@ remove the host wait: the GPU would poll a done-flag in mapped pinned memory ins
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -35,6 +36,8 @@ import torch
 
 from tiermoe.errors import UserError
 from tiermoe.moe.experts import combine_experts, expert_mlp
+
+log = logging.getLogger("tiermoe.moe")
 
 MODES = ("exact", "fast")
 DEVICE_CACHE_CHOICES = ("auto", "on", "off")
@@ -121,6 +124,8 @@ class TieredExperts:
         if wanted == "on" and why_not:
             raise UserError(f"--device-cache on: {why_not}")
         if wanted == "off" or why_not:
+            log.info("expert slot cache: managed by the store (%s)",
+                     "--device-cache off" if wanted == "off" else why_not)
             return cls(open_store(options.get("gpu_expert_gb"), options.get("host_expert_gb")), mode=mode, lane=lane,
                        kernel=kernel, kernel_requested=(requested or "").lower() == "triton")
         # Every expert in the (pinned) host tier, sized exactly (the check above found room; free
@@ -140,6 +145,8 @@ class TieredExperts:
         except BaseException:
             store.close()
             raise
+        log.info("expert slot cache: on the device, %d slots over %d layers + %d staging rows; "
+                 "prefill staging %d records", cache.slots_total, len(cache.caches), cache.stage_rows, cache.prefill_rows)
         return cls(store, mode=mode, lane=lane, kernel=kernel, kernel_requested=(requested or "").lower() == "triton",
                    device_cache=cache)
 
