@@ -146,7 +146,8 @@ class TieredExperts:
             store.close()
             raise
         log.info("expert slot cache: on the device, %d slots over %d layers + %d staging rows; "
-                 "prefill staging %d records", cache.slots_total, len(cache.caches), cache.stage_rows, cache.prefill_rows)
+                 "prefill staging %d records", cache.slots_total, len(cache.caches), cache.stage_rows,
+                 cache.prefill_rows)
         return cls(store, mode=mode, lane=lane, kernel=kernel, kernel_requested=(requested or "").lower() == "triton",
                    device_cache=cache)
 
