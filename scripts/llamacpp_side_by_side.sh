@@ -404,7 +404,7 @@ phase_all() {  # the core comparison (first tiermoe mode vs llama.cpp) first, ot
   log "DONE"
 }
 
-collect() {  # copy results (and the logs, compressed) into $OUT when the device tool gave one
+collect() {  # copy results (and the logs, compressed) into $OUT when it names a folder
   [ -n "${OUT:-}" ] && [ -d "$SBS_DIR" ] || return 0
   tar -czf "$OUT/sbs-results.tgz" -C "$SBS_DIR" results logs 2>/dev/null
   [ -f "$RES/side_by_side.md" ] && cp "$RES/side_by_side.md" "$OUT/"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build llama-server with CUDA for one GPU architecture on a machine WITHOUT a GPU, and pack it
-# for the GPU machine, so the lent machine's minutes go to measuring instead of compiling.
+# for the GPU machine, so the GPU machine's time goes to measuring instead of compiling.
 #
 #   scripts/sbs/prebuild_cuda.sh build SRC.tar.gz WORK   # needs nvcc (CUDA 13) and cmake/ninja; PyPI
 #                                                        # only when the toolkit lacks cuBLAS

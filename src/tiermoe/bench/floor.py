@@ -40,7 +40,7 @@ _UNITS = {
 
 @dataclass(frozen=True)
 class Bandwidths:
-    """Sustained bandwidths in GB/s (1e9 bytes/s). Defaults: the lent H200 host's measurements."""
+    """Sustained bandwidths in GB/s (1e9 bytes/s). Defaults: the H200 benchmark host's measurements."""
 
     hbm_gbs: float = 4260.0
     pcie_gbs: float = 55.0
