@@ -55,7 +55,8 @@ def build_forward_batch(
         q_start, q_len = len(ids), len(new_ids)
         ctx = past + q_len
         # flat slot of position p = pages[p // page_size] * page_size + p % page_size, built with
-        # tensor ops: a Python list over the whole context cost ~2 ms per sequence per step at 16k
+        # tensor ops: a Python list over the whole context was O(context) interpreter work per
+        # sequence and step
         used = torch.tensor(pages[: -(-ctx // page_size)], dtype=torch.long)  # [ceil(ctx / page)]
         flat = (used[:, None] * page_size + offsets).reshape(-1)[:ctx]  # [ctx]
         ids.extend(new_ids)

@@ -119,17 +119,22 @@ class DeviceCacheExperts:
         """x [T, H], topk_ids/topk_weights [T, k] -> [T, H] in x's dtype. No host sync."""
         if x.shape[0] == 0:
             return torch.zeros_like(x)
-        cache = self.caches[layer]
-        if decode and topk_ids.numel() <= self.max_picks:
-            cache.step(topk_ids)
-            self.steps += 1
-            table = cache.step_table
-        elif not decode and x.shape[0] >= STAGE_TOKENS and self.prefill_rows:
+        if not decode and x.shape[0] >= STAGE_TOKENS and self.prefill_rows:
             table = self._staged_table(layer, topk_ids)
         else:
-            self.table_calls += 1
-            table = cache.ptr_table
+            table = self._decode_table(layer, topk_ids, step=decode)
         return self._moe(x, topk_ids, topk_weights, table)
+
+    def _decode_table(self, layer: int, topk_ids: torch.Tensor, step: bool = True) -> torch.Tensor:
+        """The table a step reads: after a cache step (decode with at most max_picks picks), else
+        the canonical one (slots from HBM, the rest read in place)."""
+        cache = self.caches[layer]
+        if step and topk_ids.numel() <= self.max_picks:
+            cache.step(topk_ids)
+            self.steps += 1
+            return cache.step_table
+        self.table_calls += 1
+        return cache.ptr_table
 
     def _staged_table(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """This layer's table with its picked non-resident experts copied into staging rows
@@ -171,14 +176,7 @@ class DeviceCacheExperts:
                         skip: list[int]) -> torch.Tensor:
         """A decode step's cache step and MoE without the experts in `skip` (another lane's):
         their rows point at an all-zero record and their weights are zero, so they add exactly 0."""
-        cache = self.caches[layer]
-        if topk_ids.numel() <= self.max_picks:
-            cache.step(topk_ids)
-            self.steps += 1
-            table = cache.step_table.clone()
-        else:
-            self.table_calls += 1
-            table = cache.ptr_table.clone()
+        table = self._decode_table(layer, topk_ids).clone()  # [E] int64, rewritten below
         self.lane_calls += 1
         if skip:
             lane = torch.tensor(sorted(skip), dtype=torch.int64, device=table.device)
@@ -210,16 +208,17 @@ class DeviceCacheExperts:
         tot = torch.stack([c.stats for c in self.caches.values()]).sum(0).tolist() if self.caches else [0] * 4
         return dict(zip(("lookups", "hits", "misses", "admitted"), (int(v) for v in tot)))
 
-    def counters(self) -> dict:
-        return {**self.stats(), "slots": self.slots_total, "stage_rows": self.stage_rows,
+    def counters(self, stats: dict[str, int] | None = None) -> dict:
+        """stats: a `stats()` just read (each read waits for the device), else read here."""
+        return {**(stats or self.stats()), "slots": self.slots_total, "stage_rows": self.stage_rows,
                 "layers": len(self.caches), "cache_steps": self.steps, "table_calls": self.table_calls,
                 "lane_calls": self.lane_calls, "prefill_staged": self.prefill_staged,
                 "prefill_rows": self.prefill_rows, "kind": self.layout.kind}
 
-    def merge_store_counters(self, c: dict) -> dict:
+    def merge_store_counters(self, c: dict, stats: dict[str, int] | None = None) -> dict:
         """The store's counters dict with the device cache's slot traffic folded in: the store
         itself has no slots here and sees none of these picks."""
-        s = self.stats()
+        s = stats or self.stats()
         rec = self.store.record_bytes
         tok = max(1, int(c.get("decode_tokens") or 0))
         slots = c.setdefault("slots", {})

@@ -255,8 +255,9 @@ class TieredExperts:
     def counters(self) -> dict:
         c = self.store.counters()
         if self.device_cache is not None:
-            c = self.device_cache.merge_store_counters(c)
-            c["device_cache"] = {**self.device_cache.counters(), "graph_replays": self.graph_replays}
+            stats = self.device_cache.stats()
+            c = self.device_cache.merge_store_counters(c, stats)
+            c["device_cache"] = {**self.device_cache.counters(stats), "graph_replays": self.graph_replays}
         c["mode"] = self.mode
         c["expert_kernel"] = "torch" if self.kernel is None else "triton"
         if self.kernel is not None:

@@ -30,12 +30,14 @@ class KVPages:
         return 1.0 - len(self.free) / self.num_pages
 
     @staticmethod
-    def chain_hashes(token_ids: list[int], page_size: int, max_pages: int) -> list[int]:
-        hashes, h = [], 0
-        for i in range(max_pages):
-            h = hash((h, tuple(token_ids[i * page_size : (i + 1) * page_size])))
-            hashes.append(h)
-        return hashes
+    def chain_hashes(token_ids: list[int], page_size: int, max_pages: int, chain: list[int] | None = None) -> list[int]:
+        """Chain hashes of the first max_pages pages; `chain` (hashes already computed for these
+        tokens) is extended in place and returned, so only the new pages are hashed."""
+        chain = [] if chain is None else chain
+        while len(chain) < max_pages:
+            i = len(chain)
+            chain.append(hash((chain[-1] if chain else 0, tuple(token_ids[i * page_size : (i + 1) * page_size]))))
+        return chain
 
     def match_prefix(self, token_ids: list[int]) -> list[int]:
         """Cached pages covering a prefix of token_ids (always leaving >= 1 token to compute)."""
@@ -82,16 +84,11 @@ class KVPages:
 
         chain: the sequence's chain hashes computed so far (extended in place). A sequence's
         tokens only ever grow, so its leading pages' hashes never change; keeping them makes a
-        decode step hash one new page at most instead of the whole context (190 tuples per
-        sequence per step at 3k tokens)."""
+        decode step hash one new page at most instead of every page of the context."""
         if not self.prefix_caching:
             return
         full = min(num_computed // self.page_size, len(pages))
-        chain = [] if chain is None else chain
-        ps = self.page_size
-        while len(chain) < full:
-            i = len(chain)
-            chain.append(hash((chain[-1] if chain else 0, tuple(token_ids[i * ps : (i + 1) * ps]))))
+        chain = self.chain_hashes(token_ids, self.page_size, full, chain)
         for i in range(full):
             h, page = chain[i], pages[i]
             if self.page_hash[page] is None and h not in self.by_hash:
