@@ -135,3 +135,48 @@ def test_shutdown_drains_in_flight_requests(tokenizer):
     outs, engine = asyncio.run(main())
     assert outs[-1].finish_reason == "stop"  # finished normally, not aborted
     assert not engine.alive
+
+
+def test_build_in_thread_steps_the_core_on_its_building_thread(tokenizer):
+    """The server's path: the core is built and stepped by one thread, not the caller's."""
+    import threading
+
+    seen: dict[str, set] = {"build": set(), "step": set()}
+
+    class Recording(ScriptedEngineCore):
+        def step(self):
+            seen["step"].add(threading.get_ident())
+            return super().step()
+
+    def factory():
+        seen["build"].add(threading.get_ident())
+        return Recording(lambda prompt: ScriptedReply(content="one two three"), tokenizer=tokenizer)
+
+    engine = AsyncEngine.build_in_thread(factory)
+    assert seen["build"] and threading.get_ident() not in seen["build"]
+
+    async def main():
+        engine.start()
+        outs = await _collect(engine, "a", _ids(tokenizer, "hi"))
+        await engine.shutdown()
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs[-1].finish_reason == "stop"
+    assert tokenizer.decode([t for o in outs for t in o.new_token_ids][:-1]) == "one two three"
+    assert seen["step"] == seen["build"]
+    assert not engine.alive
+
+
+def test_build_in_thread_reraises_and_release_ends_an_unstarted_thread(tokenizer):
+    def broken():
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine.build_in_thread(broken)
+
+    engine = AsyncEngine.build_in_thread(lambda: _core(tokenizer))
+    thread = engine._owner.thread
+    engine.release()  # the server never started: the building thread must not linger
+    thread.join(5)
+    assert not thread.is_alive() and not engine.alive

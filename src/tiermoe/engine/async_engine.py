@@ -14,6 +14,13 @@ way the thread keeps serving; affected streams end with finish_reason "error".
 
 Shutdown drains: new requests are refused (`EngineShutdown`), in-flight ones run to the end
 (or until the drain timeout, after which they are aborted), then the thread stops.
+
+The server builds its core on the engine thread itself (`AsyncEngine.build_in_thread`): torch's
+CPU kernels run on an OpenMP team owned by the thread that first used them, and a core built on
+the main thread but stepped on another pays for a second team competing with the first (GNU
+OpenMP then stops spinning and every parallel region waits on a futex): decode on a CPU was
+3.3x slower per token stepped from a second thread than from the building thread
+(scripts/engine_thread_check.py).
 No torch import: the server process imports this module.
 """
 
@@ -25,7 +32,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from tiermoe.engine.protocol import InvalidRequest, RequestOutput, SamplingParams
 
@@ -105,8 +112,57 @@ def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     )
 
 
+class _CoreOwner:
+    """A thread that builds a core and later runs the engine loop on it (see module doc)."""
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self._factory = factory
+        self._built = threading.Event()
+        self._go = threading.Event()
+        self._body: Callable[[], None] | None = None
+        self.core: Any = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, name="tiermoe-engine", daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        try:
+            self.core = self._factory()
+        except BaseException as exc:  # handed to the caller of wait_built()
+            self.error = exc
+            self._built.set()
+            return
+        self._built.set()
+        self._go.wait()
+        if self._body is not None:
+            self._body()
+
+    def wait_built(self) -> Any:
+        """The built core; re-raises here whatever the factory raised."""
+        self._built.wait()
+        if self.error is not None:
+            raise self.error
+        return self.core
+
+    def run(self, body: Callable[[], None] | None) -> None:
+        """Let the thread run `body` (None: let it end)."""
+        self._body = body
+        self._go.set()
+
+
 class AsyncEngine:
     """Drives `core` from a background thread; call `start()` inside the serving event loop."""
+
+    @classmethod
+    def build_in_thread(cls, factory: Callable[[], Any], *, idle_poll_s: float = 0.5) -> "AsyncEngine":
+        """An engine whose core is built by `factory()` on the thread that will step it.
+
+        Blocks until the core is built; raises what `factory` raised (the thread then ends).
+        """
+        owner = _CoreOwner(factory)
+        engine = cls(owner.wait_built(), idle_poll_s=idle_poll_s)
+        engine._owner = owner
+        return engine
 
     def __init__(self, core: Any, *, idle_poll_s: float = 0.5):
         self.core = core
@@ -121,6 +177,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._owner: _CoreOwner | None = None
         self._draining = False
         self._stopped = threading.Event()
         self._last_stats: dict = {}
@@ -133,8 +190,17 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
+        if self._owner is not None:  # the thread that built the core steps it
+            self._thread = self._owner.thread
+            self._owner.run(self._run)
+            return
         self._thread = threading.Thread(target=self._run, name="tiermoe-engine", daemon=True)
         self._thread.start()
+
+    def release(self) -> None:
+        """Let a building thread that never started serving end (the server did not start)."""
+        if self._owner is not None and self._thread is None:
+            self._owner.run(None)
 
     @property
     def alive(self) -> bool:
