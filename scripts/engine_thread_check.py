@@ -32,6 +32,8 @@ def main() -> int:
     add_engine_args(p, model_positional=True)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--build-in-thread", action="store_true")
+    p.add_argument("--variants", default="", help="comma list of second-thread variants to time too: "
+                   "inference_mode, threads1, set_device, profile (torch.profiler tables of a second-thread run)")
     args = p.parse_args()
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0.0)
     prompt = list(range(100, 160))
@@ -73,6 +75,10 @@ def main() -> int:
     t = threading.Thread(target=run_direct, args=(core, "second thread"))
     t.start()
     t.join()
+    for variant in filter(None, args.variants.split(",")):
+        t = threading.Thread(target=second_thread_variant, args=(core, variant, run_direct))
+        t.start()
+        t.join()
 
     async def via_bridge() -> None:
         eng = AsyncEngine(core)
@@ -89,6 +95,31 @@ def main() -> int:
     asyncio.run(via_bridge())
     run_direct(core, "main thread again")
     return 0
+
+
+def second_thread_variant(core, variant: str, run_direct) -> None:
+    """One timed request on this (second) thread with one setting changed first."""
+    import contextlib
+
+    import torch
+
+    ctx = contextlib.nullcontext()
+    if variant == "inference_mode":
+        ctx = torch.inference_mode()
+    elif variant == "threads1":
+        torch.set_num_threads(1)
+    elif variant == "set_device" and torch.cuda.is_available():
+        torch.cuda.set_device(torch.cuda.current_device())
+    elif variant == "profile":
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=acts) as prof:
+            run_direct(core, "second thread, profiled")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+        return
+    with ctx:
+        run_direct(core, f"second thread, {variant}")
 
 
 if __name__ == "__main__":
