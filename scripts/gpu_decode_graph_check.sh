@@ -2,14 +2,18 @@
 # Decode CUDA graphs on the GPU machine, in one call: correctness, then the side-by-side
 # model's decode rate over HTTP and the in-process step profile (docs/results.md section 13).
 # Usage: scripts/gpu_decode_graph_check.sh OUT_DIR   (from the repository root; carry .whl)
-#   1. tests/runner/test_decode_graph.py and tests/moe/test_device_cache.py compiled on CUDA
-#      (graph replays bit-identical to the eager engine at batch 1 and 2)
+#   1. tests/runner/test_decode_graph.py, tests/moe/test_device_cache.py and
+#      tests/kernels/test_paged_attention.py compiled on CUDA (graph replays bit-identical to the
+#      eager engine at batch 1 and 2, with SDPA and with the paged decode kernel)
 #   2. the side-by-side Qwen3-MoE store (24 layers, random weights) written to $STORE
-#   3. tiermoe serve with the side-by-side flags, `tiermoe bench sweep` (4k prefill once,
-#      decode C1 and C4, $MAX_TOKENS tokens), /stats before and after
-#   4. scripts/profile_engine_decode.py on the same store: graphs off vs on, and a 4000-token prefill
+#   3. per decode attention in $ATTENTIONS: tiermoe serve with the side-by-side flags,
+#      `tiermoe bench sweep` (4k prefill once, decode C1 and C4, $MAX_TOKENS tokens), /stats
+#      before and after, and scripts/engine_thread_check.py (ms per token in-process)
+#   4. scripts/profile_engine_decode.py on the same store: graphs off vs on, and a 4000-token
+#      prefill; then the same with the paged decode kernel
 #   5. the same profile with misses read in place instead of staged (TIERMOE_DEVICE_CACHE_STAGE=0)
-# Environment: STORE (/root/sbs-graph-model), MAX_TOKENS (256), PYTHON (python3).
+# Environment: STORE (/root/sbs-graph-model), MAX_TOKENS (256), ATTENTIONS ("sdpa paged"),
+# PYTHON (python3).
 set -uo pipefail
 out=${1:?usage: $0 OUT_DIR}
 mkdir -p "$out"
@@ -23,36 +27,46 @@ get() { "$py" -c "import sys, urllib.request; sys.stdout.write(urllib.request.ur
 flags=(--gpu-expert-gb 10.125 --host-expert-gb 31.38 --max-num-batched-tokens 4096 --dtype bfloat16)
 
 log "tests on CUDA"
-TIERMOE_KERNEL_TESTS_ON_GPU=1 timeout 300 "$py" -m pytest -q -x -p no:cacheprovider tests/runner/test_decode_graph.py \
-  tests/moe/test_device_cache.py > "$out/tests.txt" 2>&1
+TIERMOE_KERNEL_TESTS_ON_GPU=1 timeout 300 "$py" -m pytest -q -p no:cacheprovider tests/runner/test_decode_graph.py \
+  tests/moe/test_device_cache.py tests/kernels/test_paged_attention.py > "$out/tests.txt" 2>&1
 log "tests rc=$?: $(tail -1 "$out/tests.txt")"
 
 log "store"
 [ -f "$store/store/manifest.json" ] || "$py" -m tiermoe.cli bench make-qwen3moe "$store" --layers 24 --formats store --force \
   2>&1 | grep -v '%|' | tail -2
 
-log "server + sweep"
-"$py" -m tiermoe.cli serve "$store/store" --host 127.0.0.1 --port 8111 --served-model-name qwen3moe-synthetic \
-  --max-model-len 20480 --max-num-seqs 4 "${flags[@]}" --cpu-lane-threads 16 > "$out/server.log" 2>&1 &
-pid=$!
-for _ in $(seq 1 150); do
-  get http://127.0.0.1:8111/health > /dev/null 2>&1 && break
-  kill -0 $pid 2>/dev/null || break
-  sleep 2
+for attn in ${ATTENTIONS:-sdpa paged}; do
+  log "server + sweep, decode attention $attn"
+  "$py" -m tiermoe.cli serve "$store/store" --host 127.0.0.1 --port 8111 --served-model-name qwen3moe-synthetic \
+    --max-model-len 20480 --max-num-seqs 4 "${flags[@]}" --cpu-lane-threads 16 --decode-attention "$attn" \
+    > "$out/server-$attn.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 150); do
+    get http://127.0.0.1:8111/health > /dev/null 2>&1 && break
+    kill -0 $pid 2>/dev/null || break
+    sleep 2
+  done
+  sweep() { timeout 240 "$py" -m tiermoe.cli bench sweep --url http://127.0.0.1:8111 --model qwen3moe-synthetic \
+    --prefill-sizes 4k --reps 1 --concurrency 1,4 --long-prompt 0 "$@"; }
+  sweep --max-tokens 32 --seed 7 > "$out/warmup-$attn.log" 2>&1
+  get http://127.0.0.1:8111/stats > "$out/stats-before-$attn.json"
+  sweep --max-tokens "${MAX_TOKENS:-256}" --seed 1 --out "$out/sweep-$attn.json" > "$out/sweep-$attn.log" 2>&1
+  get http://127.0.0.1:8111/stats > "$out/stats-$attn.json"
+  grep -E "prefill|decode" "$out/sweep-$attn.log"
+  grep -iE "decode steps|graph" "$out/server-$attn.log" | head -5
+  kill $pid; wait $pid 2>/dev/null
+  timeout 200 "$py" scripts/engine_thread_check.py "$store/store" "${flags[@]}" --decode-attention "$attn" --tokens 128 \
+    > "$out/thread-check-$attn.txt" 2>&1
+  grep "ms/token" "$out/thread-check-$attn.txt"
 done
-sweep() { timeout 240 "$py" -m tiermoe.cli bench sweep --url http://127.0.0.1:8111 --model qwen3moe-synthetic \
-  --prefill-sizes 4k --reps 1 --concurrency 1,4 --long-prompt 0 "$@"; }
-sweep --max-tokens 32 --seed 7 > "$out/warmup.log" 2>&1
-get http://127.0.0.1:8111/stats > "$out/stats-before.json"
-sweep --max-tokens "${MAX_TOKENS:-256}" --seed 1 --out "$out/sweep.json" > "$out/sweep.log" 2>&1
-get http://127.0.0.1:8111/stats > "$out/stats.json"
-grep -E "prefill|decode" "$out/sweep.log"
-grep -iE "decode steps|graph" "$out/server.log" | head -5
-kill $pid; wait $pid 2>/dev/null
 
 log "profile"
 timeout 240 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile" "${flags[@]}" --compare-eager --prefill-tokens 4000 > "$out/profile.log" 2>&1
 grep -E "wall per|busy|engine built|prefill" "$out/profile.log"
+log "profile, paged decode attention"
+timeout 200 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile-paged" "${flags[@]}" --decode-attention paged \
+  > "$out/profile-paged.log" 2>&1
+grep -E "wall per|busy" "$out/profile-paged.log"
 log "profile, misses read in place (TIERMOE_DEVICE_CACHE_STAGE=0)"
 TIERMOE_DEVICE_CACHE_STAGE=0 timeout 200 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile-nostage" \
   "${flags[@]}" > "$out/profile-nostage.log" 2>&1

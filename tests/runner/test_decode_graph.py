@@ -61,6 +61,29 @@ def test_boundaries_one_per_layer_and_free_outside_recording(tiny_dir, arch):
     assert {b[0] for b in rec.breaks} == {name} and all(s[0][0] == 2 for _, s in rec.breaks)  # [B, ...] inputs
 
 
+def test_paged_decode_attention_leaves_nothing_to_break_at(tiny_dir):
+    """With block tables (--decode-attention paged) a decode step has static shapes throughout:
+    no attention core breaks the capture, so a step records as one graph."""
+    from tiermoe.models.loader import load_model
+
+    lm = load_model(tiny_dir("glm4_moe"), device="cpu", dtype=torch.float32)
+    caches = [{n: torch.zeros(8, 16, *shp) for n, shp in s.items()} for s in lm.cache_shapes()]
+    lm(build_forward_batch([([5, 17, 33, 64], 0, [3], 0), ([9, 11], 0, [5], 1)], 16, "cpu"), caches)
+    step = build_forward_batch([([101], 4, [3], 0), ([7], 2, [5], 1)], 16, "cpu", table_blocks=4)
+    assert step.block_table.tolist() == [[3, 0, 0, 0], [5, 0, 0, 0]] and step.seq_lens.tolist() == [5, 3]
+    rec = _PassThrough()
+    graph_break.set_recorder(rec)
+    try:
+        got = lm(step, caches)  # [B, H]
+    finally:
+        graph_break.set_recorder(None)
+    assert rec.breaks == [] and got.shape[0] == 2
+    with pytest.raises(ValueError, match="pure decode"):
+        build_forward_batch([([1, 2], 0, [0], 0)], 16, "cpu", table_blocks=4)
+    with pytest.raises(ValueError, match="table width"):
+        build_forward_batch([([1], 70, [0, 1, 2, 3, 4], 0)], 16, "cpu", table_blocks=4)
+
+
 def test_eligibility(tiny_dir):
     from tiermoe.models.loader import load_model
 
@@ -78,7 +101,8 @@ def test_cpu_engine_stays_eager(tiny_dir):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA (TIERMOE_KERNEL_TESTS_ON_GPU=1)")
-def test_graph_decode_is_bit_identical_to_eager(tiny_dir, tmp_path):
+@pytest.mark.parametrize("attention", ["sdpa", "paged"])
+def test_graph_decode_is_bit_identical_to_eager(tiny_dir, tmp_path, attention):
     from tiermoe.engine.build import build_engine_core
     from tiermoe.engine.protocol import SamplingParams
     from tiermoe.store.pack import pack
@@ -91,7 +115,7 @@ def test_graph_decode_is_bit_identical_to_eager(tiny_dir, tmp_path):
 
     def generate(eager: bool, batch: int) -> tuple[list, dict]:
         eng = build_engine_core(str(store), device="cuda", dtype="bfloat16", max_num_seqs=2,
-                                options={**opts, "enforce_eager": eager})  # fmt: skip
+                                options={**opts, "enforce_eager": eager, "decode_attention": attention})  # fmt: skip
         params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=5)
         for i in range(batch):
             eng.add_request(f"r{i}", [5 + i, 17, 33, 64, 101, 250][: 6 - i], params)
@@ -102,8 +126,11 @@ def test_graph_decode_is_bit_identical_to_eager(tiny_dir, tmp_path):
                     (t, lp.logprob, tuple(lp.top)) for t, lp in zip(o.new_token_ids, o.logprobs or []))
         counters = eng.model.expert_backend.counters()
         graphs = eng.runner.graphs.counters() if eng.runner.graphs is not None else None
+        if graphs is not None:  # graph and eager pieces of each recorded program
+            graphs["programs"] = {b: [k for k, *_ in e.program] for b, e in eng.runner.graphs._entries.items()}
         eng.model.expert_backend.close()
-        return [outs[k] for k in sorted(outs)], {"experts": counters, "graphs": graphs}
+        return [outs[k] for k in sorted(outs)], {"experts": counters, "graphs": graphs,
+                                                 "layers": eng.model.spec.num_layers}
 
     for batch in (1, 2):
         ref, c = generate(True, batch)
@@ -115,3 +142,7 @@ def test_graph_decode_is_bit_identical_to_eager(tiny_dir, tmp_path):
         assert dc["graph_replays"] == c["graphs"]["replays"]
         # every decode step (12 tokens per sequence, the first from the prefill) ran one cache step per layer
         assert dc["cache_steps"] == 11 * dc["layers"], dc
+        if attention == "paged":  # the whole decode step in one graph
+            assert c["graphs"]["programs"] == {batch: ["graph"]}, c["graphs"]
+        else:  # one eager attention core per layer between graph pieces
+            assert c["graphs"]["programs"][batch].count("eager") == c["layers"], c

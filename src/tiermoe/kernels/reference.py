@@ -275,3 +275,30 @@ def mailbox_wait_add_ref(result: torch.Tensor, ctrl: torch.Tensor, seq: torch.Te
     t = out.shape[0]
     out.copy_((out.float() + result[slot, :t].to(out.device)).to(out.dtype))
     return True
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                               page_size: int) -> torch.Tensor:
+    """Twin of kernels/triton/paged_attention.py: q [B, Hq, D] (one token per sequence),
+    k/v_cache [slots, Hk, D], block_table [B, max_blocks], seq_lens [B] -> [B, Hq, D].
+
+    Each sequence attends over its first seq_lens[b] cache rows in block-table order; fp32
+    scores and softmax, output rounded to q's dtype.
+    """
+    bsz, hq, _ = q.shape
+    g = hq // k_cache.shape[1]
+    out = torch.empty_like(q)
+    offsets = torch.arange(page_size, device=block_table.device)
+    for b in range(bsz):
+        n = int(seq_lens[b])
+        pages = block_table[b, : -(-n // page_size)].long()
+        rows = (pages[:, None] * page_size + offsets).reshape(-1)[:n]  # [n]
+        k = k_cache[rows].float().repeat_interleave(g, dim=1)  # [n, Hq, D]
+        v = v_cache[rows].float().repeat_interleave(g, dim=1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[b].float(), k) * scale, dim=-1)  # [Hq, n]
+        out[b] = torch.einsum("hn,nhd->hd", p, v).to(q.dtype)
+    return out

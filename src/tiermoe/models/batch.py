@@ -29,6 +29,10 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] flat cache slot each new token's K/V is written to
     seqs: list[SeqSlice]
     logits_index: torch.Tensor  # [N] rows of the stream whose logits are wanted
+    # Pure decode steps with the paged decode attention kernel only (else None): the context
+    # read through page tables of a fixed width, so the step's shapes depend on B alone.
+    block_table: torch.Tensor | None = None  # [B, max_blocks] int32 page of each block
+    seq_lens: torch.Tensor | None = None  # [B] int32 context length, this step's token included
 
     @property
     def num_tokens(self) -> int:
@@ -40,10 +44,13 @@ def build_forward_batch(
     page_size: int,
     device: torch.device | str,
     all_logits: bool = False,
+    table_blocks: int = 0,
 ) -> ForwardBatch:
     """chunks: per sequence (new token ids, number of tokens already cached, page ids, slot).
 
     Logits are taken at the last new token of each sequence (or at every token if all_logits).
+    table_blocks > 0 (pure decode steps only): also build block_table [B, table_blocks] and
+    seq_lens [B] for the paged decode attention kernel (unused table entries are page 0).
     """
     ids: list[int] = []
     positions: list[int] = []
@@ -69,4 +76,16 @@ def build_forward_batch(
         else:
             logits_rows.append(q_start + q_len - 1)
     as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-    return ForwardBatch(as_long(ids), as_long(positions), as_long(slots), seqs, as_long(logits_rows))
+    batch = ForwardBatch(as_long(ids), as_long(positions), as_long(slots), seqs, as_long(logits_rows))
+    if table_blocks:
+        if any(s.q_len != 1 for s in seqs):
+            raise ValueError("block tables are built for pure decode steps (one new token per sequence)")
+        table = torch.zeros(len(chunks), table_blocks, dtype=torch.int32)  # [B, table_blocks]
+        for b, (_, _, pages, _) in enumerate(chunks):
+            used = -(-seqs[b].ctx_len // page_size)
+            if used > table_blocks:
+                raise ValueError(f"context of {seqs[b].ctx_len} tokens needs {used} blocks > table width {table_blocks}")
+            table[b, :used] = torch.tensor(pages[:used], dtype=torch.int32)
+        batch.block_table = table.to(device)
+        batch.seq_lens = torch.tensor([s.ctx_len for s in seqs], dtype=torch.int32, device=device)
+    return batch

@@ -15,6 +15,11 @@ shapes) runs eagerly between them on the graphs' static tensors (models/blocks/g
 Replays launch the same kernels on the same shapes as eager steps, so logits are bit-identical
 to the eager engine (tests/runner/test_decode_graph.py on a GPU).
 
+With `--decode-attention paged` (ModelRunner.use_paged_decode_attention) a decode step reads
+its context through block tables of a fixed width with the paged decode kernel: no attention
+core breaks the capture and program(B) = [one graph]; the static batch's slot mapping, block
+table and lengths are refilled before each replay.
+
 What may be captured: the decoder families (models/decoder.py CausalLM) with routed experts
 behind TieredExperts' device cache in exact mode (no host sync in the MoE layer; the store's
 Python policy and the CPU lane read the picks back to the host, so those paths stay eager).
@@ -78,8 +83,19 @@ class _Recorder:
 
 
 class _Entry:
-    def __init__(self, program: list[tuple], ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor):
-        self.program, self.ids, self.positions, self.hidden = program, ids, positions, hidden
+    """A recorded program and the static batch tensors its graphs read (refilled per replay)."""
+
+    def __init__(self, program: list[tuple], static: ForwardBatch, hidden: torch.Tensor):
+        self.program, self.static, self.hidden = program, static, hidden
+
+    def load(self, batch: ForwardBatch) -> None:
+        st = self.static
+        st.input_ids.copy_(batch.input_ids)
+        st.positions.copy_(batch.positions)
+        st.slot_mapping.copy_(batch.slot_mapping)
+        if st.block_table is not None:
+            st.block_table.copy_(batch.block_table)
+            st.seq_lens.copy_(batch.seq_lens)
 
 
 class DecodeGraphs:
@@ -117,8 +133,7 @@ class DecodeGraphs:
                 torch.cuda.synchronize()
                 return None
         with torch.inference_mode():  # the static tensors were made in the recording's inference mode
-            entry.ids.copy_(batch.input_ids)
-            entry.positions.copy_(batch.positions)
+            entry.load(batch)
             for step in entry.program:
                 if step[0] == "graph":
                     step[1].replay()
@@ -131,8 +146,9 @@ class DecodeGraphs:
         return entry.hidden
 
     def _record(self, batch: ForwardBatch) -> _Entry:
-        ids, positions = batch.input_ids.clone(), batch.positions.clone()
-        static = ForwardBatch(ids, positions, batch.slot_mapping, batch.seqs, batch.logits_index)
+        clone = lambda t: None if t is None else t.clone()  # noqa: E731
+        static = ForwardBatch(batch.input_ids.clone(), batch.positions.clone(), batch.slot_mapping.clone(),
+                              batch.seqs, batch.logits_index, clone(batch.block_table), clone(batch.seq_lens))
         rec = _Recorder(torch.cuda.graph_pool_handle())
         main = torch.cuda.current_stream()
         side = torch.cuda.Stream()
@@ -157,7 +173,7 @@ class DecodeGraphs:
         if backend is not None:
             backend.graph_recorded()
         self.captures += 1
-        entry = _Entry(rec.program, ids, positions, hidden)
+        entry = _Entry(rec.program, static, hidden)
         self._entries[batch.num_tokens] = entry
         return entry
 

@@ -21,6 +21,7 @@ returns the tokens each verified request emits (several per step).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -65,6 +66,7 @@ class ModelRunner:
         self.prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         self.spec = make_drafter(model, num_pages, page_size, num_speculative_tokens)
         self.graphs = None  # DecodeGraphs once enable_decode_graphs() found the model capturable
+        self.table_blocks = 0  # > 0: pure decode steps attend through block tables this wide
 
     def enable_decode_graphs(self, max_batch: int) -> str | None:
         """Replay pure decode steps of up to max_batch sequences from CUDA graphs (see
@@ -75,6 +77,25 @@ class ModelRunner:
         if why is None:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, max_batch)
         return why
+
+    def use_paged_decode_attention(self, max_model_len: int) -> str | None:
+        """Attend pure decode steps with the paged decode kernel (kernels/triton/paged_attention.py):
+        static shapes, so a decode step needs no eager attention between graph pieces. Returns
+        None when switched on, else why the model cannot (only grouped-query attention can)."""
+        from tiermoe.models.blocks.attention import GQAttention, MLAttention
+        from tiermoe.models.decoder import CausalLM
+
+        if not isinstance(self.model, CausalLM):
+            return f"{type(self.model).__name__} is not one of the decoder families"
+        mods = list(self.model.modules())
+        if any(isinstance(m, MLAttention) for m in mods) or not any(isinstance(m, GQAttention) for m in mods):
+            return "only grouped-query attention has a paged decode kernel (this model uses latent attention)"
+        if self.page_size < 16 or self.page_size & (self.page_size - 1):
+            return f"the kernel needs a power-of-two page size >= 16, not {self.page_size}"
+        if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return "the kernel needs a CUDA device (on a CPU only Triton's interpreter runs it: TRITON_INTERPRET=1)"
+        self.table_blocks = -(-max_model_len // self.page_size)
+        return None
 
     def kv_cache_bytes(self) -> int:
         """Bytes of every paged cache tensor this runner allocated (trunk layers and MTP rows)."""
@@ -138,7 +159,9 @@ class ModelRunner:
             d = drafts.get(i, [])
             chunks.append((req.all_ids[req.num_computed : req.num_computed + n - len(d)] + d, req.num_computed,
                            req.pages, req.slot))
-        batch = build_forward_batch(chunks, self.page_size, self.device, all_logits=all_logits)
+        pure_decode = not drafts and all(n == 1 for _, n in items)
+        batch = build_forward_batch(chunks, self.page_size, self.device, all_logits=all_logits,
+                                    table_blocks=self.table_blocks if pure_decode else 0)
         backend = getattr(self.model, "expert_backend", None)
         if hasattr(backend, "begin_step"):
             backend.begin_step(batch.num_tokens, decode=all(n - len(drafts.get(i, ())) == 1 for i, (_, n) in enumerate(items)))

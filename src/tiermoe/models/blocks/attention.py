@@ -82,8 +82,23 @@ class GQAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         self._partial_rotary = cos.shape[-1] != self.head_dim  # the reference concatenates q and k
-        out = graph_break(self._core, (q, k, v), batch, cache)  # [T, heads, D]
+        if batch.block_table is not None:  # static shapes: nothing for a decode graph to break at
+            out = self._paged_decode_core(q, k, v, batch, cache)  # [B, heads, D]
+        else:
+            out = graph_break(self._core, (q, k, v), batch, cache)  # [T, heads, D]
         return self.o_proj(out.reshape(t, -1))
+
+    def _paged_decode_core(self, q, k, v, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One token per sequence: write its K/V rows, attend through the block tables with the
+        paged decode kernel (no host sync, shapes fixed by B): q [B, Hq, D] -> [B, Hq, D]."""
+        from tiermoe.kernels.triton.paged_attention import paged_decode_attention
+
+        k_flat = cache["k"].view(-1, self.num_kv_heads, self.head_dim)
+        v_flat = cache["v"].view(-1, self.num_kv_heads, self.head_dim)
+        k_flat[batch.slot_mapping] = k.to(k_flat.dtype)
+        v_flat[batch.slot_mapping] = v.to(v_flat.dtype)
+        return paged_decode_attention(q.to(k_flat.dtype), k_flat, v_flat, batch.block_table, batch.seq_lens,
+                                      self.scale, cache["k"].shape[1]).to(q.dtype)
 
     def _core(self, q, k, v, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
         """Write the step's K/V rows, attend per sequence: q [T, Hq, D], k/v [T, Hk, D] -> [T, Hq, D]."""
