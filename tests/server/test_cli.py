@@ -55,6 +55,14 @@ def test_missing_model_path_is_one_line_error(tmp_path):
         args.handler(args)
 
 
+def test_engine_build_error_on_the_engine_thread_is_one_line_error(tiny_dir):
+    """The core is built on the engine thread; what fails there still ends `serve` with one line."""
+    args = _serve_parser().parse_args(["serve", str(tiny_dir("deepseek_v3")), "--port", str(_free_port()),
+                                       "--device", "cpu", "--decode-attention", "paged"])
+    with pytest.raises(UserError, match="--decode-attention paged: only grouped-query attention"):
+        args.handler(args)
+
+
 def test_served_name_defaults():
     parser = _serve_parser()
     assert _served_name(parser.parse_args(["serve", "/models/GLM-5.3-Flash/"])) == "GLM-5.3-Flash"

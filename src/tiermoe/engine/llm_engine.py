@@ -104,6 +104,10 @@ class LLMEngine:
         with self._lock:
             self._aborts.append(request_id)
 
+    def warm_up(self) -> int:
+        """Compile and record every step shape before serving (ModelRunner.warm_up); steps run."""
+        return self.runner.warm_up(self.max_num_seqs, min(self.scheduler.max_batched_tokens, self.max_model_len))
+
     def has_unfinished_requests(self) -> bool:
         with self._lock:
             return bool(self._live or self._incoming or self._aborts)

@@ -97,6 +97,46 @@ class ModelRunner:
         self.table_blocks = -(-max_model_len // self.page_size)
         return None
 
+    @torch.inference_mode()
+    def warm_up(self, max_batch: int, max_chunk: int) -> int:
+        """Run the step shapes serving will meet before any request does; returns how many.
+
+        The first step of a new shape compiles Triton kernels (specialised by token counts) and,
+        for decode, the second records its CUDA graph: seconds during which every request waits
+        (time to first token 0.97 s for two of four simultaneous requests and 4.38 s for the
+        other two in docs/results.md section 15). Here one dummy sequence prefills chunks of 1, 2,
+        4, ... max_chunk tokens, then decode steps of 1..max_batch sequences run twice each. The
+        KV rows go to pages at the end of the pool, which no request holds yet (call before
+        serving); results do not change (tests/runner/test_warm_up.py). Expert-cache counters
+        include these steps.
+        """
+        pool = next(iter(self.kv_caches[0].values())).shape[0]  # KV pages
+        backend = getattr(self.model, "expert_backend", None)
+        steps = 0
+
+        def run(chunks, decode: bool) -> None:
+            batch = build_forward_batch(chunks, self.page_size, self.device,
+                                        table_blocks=self.table_blocks if decode else 0)  # fmt: skip
+            if hasattr(backend, "begin_step"):
+                backend.begin_step(batch.num_tokens, decode=decode)
+            if not (decode and self.graphs is not None and self.graphs.run(batch) is not None):
+                self.model(batch, self.kv_caches)
+
+        n = 1
+        while n <= max_chunk:
+            need = -(-n // self.page_size)
+            if need > pool:
+                break
+            run([([0] * n, 0, list(range(pool - need, pool)), 0)], decode=False)
+            steps, n = steps + 1, n * 2
+        for b in range(1, min(max_batch, pool) + 1):
+            for _ in range(2):  # the first compiles (and is seen), the second records its graph
+                run([([0], 0, [pool - 1 - i], i) for i in range(b)], decode=True)
+                steps += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return steps
+
     def kv_cache_bytes(self) -> int:
         """Bytes of every paged cache tensor this runner allocated (trunk layers and MTP rows)."""
         total = sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer.values())

@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 from tiermoe.engine.build import add_sizing_args, add_store_args
@@ -129,8 +130,14 @@ def build_core(args):
         raise
     options = {k: v for k, v in vars(args).items() if k not in ("handler", "api_key")}
     try:
-        return build_engine_core(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+        core = build_engine_core(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                                  max_num_seqs=args.max_num_seqs, options=options)
+        if core.runner.graphs is not None:  # compile and record now, not while the first requests wait
+            t0 = time.perf_counter()
+            steps = core.warm_up()
+            log.info("warm-up: %d steps (prefill chunks, decode batch sizes 1-%d) in %.1f s", steps,
+                     args.max_num_seqs, time.perf_counter() - t0)
+        return core
     except (UserError, KeyboardInterrupt):
         raise
     except Exception as exc:  # allocation, pinning, a missing or unreadable file: one line, exit 2

@@ -1,0 +1,31 @@
+"""Start-up warm-up (ModelRunner.warm_up): every step shape runs once before serving, and the
+tokens served afterwards are those of an engine that never warmed up (CPU, fp32)."""
+
+from __future__ import annotations
+
+from tiermoe.engine.build import build_engine_core
+from tiermoe.engine.llm_engine import generate_ids
+from tiermoe.engine.protocol import SamplingParams
+
+
+def test_warm_up_runs_every_shape_and_changes_no_token(tiny_dir):
+    def engine():
+        return build_engine_core(str(tiny_dir("glm4_moe")), device="cpu", dtype="float32", max_num_seqs=3,
+                                 max_model_len=96, options={"max_num_batched_tokens": 64})  # fmt: skip
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = [[7, 8, 9, 10, 11], list(range(20, 61)), [3]]
+    fresh = generate_ids(engine(), prompts, params)
+    warmed = engine()
+    calls = []
+    forward = warmed.model.forward
+    warmed.model.forward = lambda batch, caches, **kw: calls.append(
+        (batch.num_tokens, [s.q_len for s in batch.seqs])) or forward(batch, caches, **kw)
+    steps = warmed.warm_up()
+    warmed.model.forward = forward
+    # prefill chunks of 1, 2, 4, ..., 64 tokens, then decode batches of 1, 2, 3 sequences twice each
+    assert steps == 7 + 3 * 2 == len(calls)
+    assert [t for t, _ in calls[:7]] == [1, 2, 4, 8, 16, 32, 64]
+    assert [q for _, q in calls[7:]] == [[1], [1], [1, 1], [1, 1], [1, 1, 1], [1, 1, 1]]
+    assert warmed.stats()["steps"] == 0 and warmed.stats()["requests"] == 0  # not counted as served work
+    assert generate_ids(warmed, prompts, params) == fresh
