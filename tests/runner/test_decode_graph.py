@@ -113,9 +113,11 @@ def test_graph_decode_is_bit_identical_to_eager(tiny_dir, tmp_path, attention):
     rec = 4096
     opts = {"expert_kernel": "triton", "gpu_expert_gb": 4 * rec / GIB, "host_expert_gb": 16 * rec / GIB}
 
-    def generate(eager: bool, batch: int) -> tuple[list, dict]:
+    def generate(eager: bool, batch: int, warm: bool = False) -> tuple[list, dict]:
         eng = build_engine_core(str(store), device="cuda", dtype="bfloat16", max_num_seqs=2,
                                 options={**opts, "enforce_eager": eager, "decode_attention": attention})  # fmt: skip
+        if warm:  # as `tiermoe serve` does: every shape compiled and recorded before the requests
+            assert eng.warm_up() > 4 and eng.runner.graphs.counters()["captured_batch_sizes"] == [1, 2]
         params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=5)
         for i in range(batch):
             eng.add_request(f"r{i}", [5 + i, 17, 33, 64, 101, 250][: 6 - i], params)
@@ -142,6 +144,7 @@ def test_graph_decode_is_bit_identical_to_eager(tiny_dir, tmp_path, attention):
         assert dc["graph_replays"] == c["graphs"]["replays"]
         # every decode step (12 tokens per sequence, the first from the prefill) ran one cache step per layer
         assert dc["cache_steps"] == 11 * dc["layers"], dc
+        assert generate(False, batch, warm=True)[0] == ref, batch  # warm-up changes no token
         if attention == "paged":  # the whole decode step in one graph
             assert c["graphs"]["programs"] == {batch: ["graph"]}, c["graphs"]
         else:  # one eager attention core per layer between graph pieces
