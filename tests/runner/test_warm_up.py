@@ -27,5 +27,8 @@ def test_warm_up_runs_every_shape_and_changes_no_token(tiny_dir):
     assert steps == 7 + 3 * 2 == len(calls)
     assert [t for t, _ in calls[:7]] == [1, 2, 4, 8, 16, 32, 64]
     assert [q for _, q in calls[7:]] == [[1], [1], [1, 1], [1, 1], [1, 1, 1], [1, 1, 1]]
-    assert warmed.stats()["steps"] == 0 and warmed.stats()["requests"] == 0  # not counted as served work
+    stats = warmed.stats()
+    assert stats["steps"] == 0 and stats["requests"] == 0  # not counted as served work
+    assert stats["warm_up"]["steps"] == steps and stats["warm_up"]["seconds"] >= 0
+    assert stats["decode_attention"] == "sdpa" and "decode_graphs" not in stats  # CPU: no graphs
     assert generate_ids(warmed, prompts, params) == fresh

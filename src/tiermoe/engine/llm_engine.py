@@ -39,6 +39,7 @@ class LLMEngine:
                  num_speculative_tokens: int = 0):
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
+        self.warm_up_done: dict | None = None  # {"steps", "seconds"} once warm_up() ran
         self.vocab_size = model.spec.vocab_size
         eos = set(model.spec.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -106,7 +107,10 @@ class LLMEngine:
 
     def warm_up(self) -> int:
         """Compile and record every step shape before serving (ModelRunner.warm_up); steps run."""
-        return self.runner.warm_up(self.max_num_seqs, min(self.scheduler.max_batched_tokens, self.max_model_len))
+        t0 = time.perf_counter()
+        steps = self.runner.warm_up(self.max_num_seqs, min(self.scheduler.max_batched_tokens, self.max_model_len))
+        self.warm_up_done = {"steps": steps, "seconds": round(time.perf_counter() - t0, 3)}
+        return steps
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
@@ -152,6 +156,11 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             **self.counters,
         }
+        out["decode_attention"] = "paged" if self.runner.table_blocks else "sdpa"
+        if self.runner.graphs is not None:
+            out["decode_graphs"] = self.runner.graphs.counters()
+        if self.warm_up_done is not None:
+            out["warm_up"] = dict(self.warm_up_done)
         backend = getattr(self.model, "expert_backend", None)
         if backend is not None and hasattr(backend, "counters"):
             out["experts"] = backend.counters()

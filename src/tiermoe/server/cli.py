@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import sys
-import time
 from pathlib import Path
 
 from tiermoe.engine.build import add_sizing_args, add_store_args
@@ -133,10 +132,9 @@ def build_core(args):
         core = build_engine_core(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                                  max_num_seqs=args.max_num_seqs, options=options)
         if core.runner.graphs is not None:  # compile and record now, not while the first requests wait
-            t0 = time.perf_counter()
             steps = core.warm_up()
             log.info("warm-up: %d steps (prefill chunks, decode batch sizes 1-%d) in %.1f s", steps,
-                     args.max_num_seqs, time.perf_counter() - t0)
+                     args.max_num_seqs, core.warm_up_done["seconds"])
         return core
     except (UserError, KeyboardInterrupt):
         raise
