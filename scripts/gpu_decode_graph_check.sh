@@ -11,6 +11,7 @@
 #      before and after, and scripts/engine_thread_check.py (ms per token in-process)
 #   4. scripts/profile_engine_decode.py on the same store: graphs off vs on, and a 4000-token
 #      prefill; then the same with the paged decode kernel
+#      and with two prefill staging buffers (copies one layer ahead, --prefill-staging-gb 1.75)
 #   5. the same profile with misses read in place instead of staged (TIERMOE_DEVICE_CACHE_STAGE=0)
 # Environment: STORE (/root/sbs-graph-model), MAX_TOKENS (256), ATTENTIONS ("sdpa paged"),
 # PYTHON (python3).
@@ -63,6 +64,10 @@ done
 log "profile"
 timeout 240 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile" "${flags[@]}" --compare-eager --prefill-tokens 4000 > "$out/profile.log" 2>&1
 grep -E "wall per|busy|engine built|prefill" "$out/profile.log"
+log "profile, prefill staged one layer ahead (two staging buffers)"
+timeout 200 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile-ahead" "${flags[@]}" --prefill-staging-gb 1.75 \
+  --prefill-tokens 4000 > "$out/profile-ahead.log" 2>&1
+grep -E "prefill" "$out/profile-ahead.log" | head -3
 log "profile, paged decode attention"
 timeout 200 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile-paged" "${flags[@]}" --decode-attention paged \
   > "$out/profile-paged.log" 2>&1

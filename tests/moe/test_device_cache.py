@@ -118,6 +118,36 @@ def test_prefill_staging_is_bit_identical(stores, rows):
     assert c["cache_steps"] == 0 and c["lookups"] == 0  # prefill leaves the cache alone
 
 
+@pytest.mark.parametrize("rows,buffers", [(None, 1), (None, 2), (3, 2)])
+def test_planned_prefill_staging_is_bit_identical(stores, monkeypatch, rows, buffers):
+    """Chunks of STAGE_ALL_TOKENS or more plan every layer's staging once per step (no host read
+    per layer; with two buffers one layer ahead on a side stream): the same bits as the
+    store-managed path, every non-resident expert staged (up to the rows of a buffer)."""
+    import tiermoe.moe.prefill_staging as staging
+
+    monkeypatch.setattr(staging, "STAGE_ALL_TOKENS", 70)
+    path, rec = stores["int4"]
+    steps = [(70, 1), (70, 2), (69, 3)]  # the last chunk is below the threshold: per-layer staging
+    with _host_store(path, rec) as st:
+        be = TritonExperts(st)
+        ref = [be.forward(layer, *moe_batch(t, seed)).cpu() for t, seed in steps for layer in LAYERS]
+    with _host_store(path, rec) as st:
+        dc = DeviceCacheExperts(st, 2 * 2 + 2, rates={}, top_k=2, max_tokens=1, prefill_rows=rows,
+                                prefill_buffers=buffers)  # fmt: skip
+        got = []
+        for t, seed in steps:
+            dc.begin_step(t, decode=False)
+            got += [dc.forward(layer, *moe_batch(t, seed), decode=False).cpu() for layer in LAYERS]
+        c = dc.counters()
+        dc.begin_step(1, decode=True)
+        assert dc.prefill._plan is None  # a decode step drops the chunk's plan
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    per_layer = 6 if rows is None else 3  # 8 experts - 2 slots, or the rows of a buffer
+    assert c["prefill_planned_chunks"] == 2 and c["prefill_buffers"] == buffers
+    assert c["prefill_staged"] == per_layer * len(LAYERS) * len(steps)  # 69-70 tokens pick every expert
+    assert c["cache_steps"] == 0 and c["lookups"] == 0
+
+
 def test_warm_start_follows_rates_and_admission_moves_slots(stores):
     """Slots start with the most picked experts by the rates given, and a decode step whose
     misses are hotter than the residents admits them (the resident set changes on the device)."""
@@ -217,3 +247,13 @@ def test_engine_logits_with_device_cache(stores):
     assert c["cpu_lane"]["experts"] > 0 and c["device_cache"]["lane_calls"] > 0
     m = compare(ref, fast)
     assert m["kl_mean"] < 1e-2 and m["top1"] >= 0.9, m
+
+
+def test_prefill_buffers_follow_the_staging_budget(stores):
+    """--prefill-staging-gb: one layer's non-resident experts by default; two layers' worth buys a
+    second buffer (copies one layer ahead); less than one layer's stages what fits."""
+    path, rec = stores["int4"]
+    with _host_store(path, rec) as st:
+        for rows, want in ((None, (1, 6)), (12, (2, 6)), (40, (2, 6)), (9, (1, 6)), (4, (1, 4)), (0, (1, 0))):
+            dc = DeviceCacheExperts(st, 2 * 2 + 2, rates={}, top_k=2, max_tokens=1, prefill_rows=rows)
+            assert (dc.prefill.num_buffers, dc.prefill_rows) == want, rows

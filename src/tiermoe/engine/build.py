@@ -63,7 +63,8 @@ def add_store_args(p, with_mode: bool = True) -> None:
                         "kernel when host RAM holds every expert)")  # fmt: skip
     g.add_argument("--prefill-staging-gb", type=float, default=None,
                    help="device cache: GPU memory that prefill chunks copy their layer's misses into (default: one "
-                        "layer's non-resident experts; 0: read them in place)")  # fmt: skip
+                        "layer's non-resident experts; twice that: large chunks copy one layer ahead, overlapping "
+                        "compute; 0: read them in place)")  # fmt: skip
     if with_mode:
         g.add_argument("--mode", choices=("exact", "fast"), default="exact",
                        help="exact: bit-identical (default); fast: the CPU lane computes cold experts")

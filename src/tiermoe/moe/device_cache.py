@@ -10,9 +10,11 @@ moe-gpu` measures):
 
     per MoE layer, decode step:  cache_step(topk_ids) -> gather(admitted + staged misses)
                                  -> fused_moe(x, topk_ids, topk_weights, step_table)
-    prefill step of >= STAGE_TOKENS tokens: the layer's picked experts that are not in slots
-                                 are copied host -> staging rows (copy engine, one copy per
-                                 run of adjacent records), fused_moe reads slots + staging rows
+    prefill step of >= STAGE_TOKENS tokens: the layer's non-resident experts are copied
+                                 host -> staging rows (copy engine, one copy per run of
+                                 adjacent records; planned once per chunk and one layer ahead
+                                 for large chunks: moe/prefill_staging.py), fused_moe reads
+                                 slots + staging rows
     other steps (short non-decode chunks, decode steps with more picks than the cache kernel
     takes):                      fused_moe(..., ptr_table): slot experts from HBM, the rest
                                  read in place from pinned host memory
@@ -40,8 +42,9 @@ from __future__ import annotations
 
 import torch
 
+from tiermoe.moe.prefill_staging import STAGE_TOKENS, PrefillStaging
+
 STAGE_PICKS = 4  # staged (not admitted) misses per step are bounded by top_k x this many tokens
-STAGE_TOKENS = 64  # prefill chunks from this size copy their misses to the GPU instead of reading in place
 
 
 class DeviceCacheExperts:
@@ -52,7 +55,9 @@ class DeviceCacheExperts:
     token} (warm start: the most picked experts go into slots first, and seed the admission
     filter); max_tokens: the largest decode batch; top_k: the model's picks per token;
     prefill_rows: staging rows for prefill chunks (None: the most non-resident experts of any
-    layer, so a chunk never reads in place; 0: prefill reads misses in place). A chunk of
+    layer, so a chunk never reads in place; 0: prefill reads misses in place); prefill_buffers:
+    2 stages large chunks one layer ahead on a side stream in two buffers of that many rows
+    (None: 2 when prefill_rows holds two layers' non-resident experts, else 1). A chunk of
     thousands of tokens touches nearly every expert, and the kernel would read an in-place
     record once per block of tokens; one copy per record is several times cheaper;
     stage_misses: False reads the misses the filter does not admit in place (no staging rows; the
@@ -61,7 +66,8 @@ class DeviceCacheExperts:
 
     def __init__(self, store, slots: int, rates: dict[int, float], top_k: int, max_tokens: int,
                  swiglu_limit: float | None = None, config: dict | None = None,
-                 max_picks: int = 128, prefill_rows: int | None = None, stage_misses: bool = True) -> None:  # fmt: skip
+                 max_picks: int = 128, prefill_rows: int | None = None, stage_misses: bool = True,
+                 prefill_buffers: int | None = None) -> None:  # fmt: skip
         from tiermoe.kernels.layout import layout_from
         from tiermoe.kernels.triton.cache_manager import ExpertCache
 
@@ -102,13 +108,19 @@ class DeviceCacheExperts:
             self.caches[layer], self.slot_bufs[layer], self.slots_per_layer[layer] = cache, buf, s
             self.entries[layer] = entries
         most = max((len(self.entries[l]) - s for l, s in self.slots_per_layer.items()), default=0)
-        self.prefill_rows = most if prefill_rows is None else max(0, int(prefill_rows))
-        self._prefill_buf: torch.Tensor | None = None  # allocated by the first large prefill chunk
-        self.prefill_staged = 0  # records copied for prefill chunks
+        rows = most if prefill_rows is None else max(0, int(prefill_rows))
+        if prefill_buffers is None:
+            prefill_buffers = 2 if most and rows >= 2 * most else 1
+        self.prefill_rows = min(rows, most) if prefill_buffers == 2 or rows > most else rows  # per buffer
+        self.prefill = PrefillStaging(self.entries, self.caches, r, self.prefill_rows, prefill_buffers, dev)
         self._zero: torch.Tensor | None = None
         self.steps = 0  # layer calls that ran a cache step
         self.table_calls = 0  # layer calls served from the canonical table (prefill, large steps)
         self.lane_calls = 0
+
+    def begin_step(self, tokens: int, decode: bool) -> None:
+        """Before each forward: a large prefill chunk plans its staging once (PrefillStaging)."""
+        self.prefill.begin(0 if decode else tokens)  # a decode step drops the last chunk's plan
 
     @property
     def slots_total(self) -> int:
@@ -120,10 +132,10 @@ class DeviceCacheExperts:
         if x.shape[0] == 0:
             return torch.zeros_like(x)
         if not decode and x.shape[0] >= STAGE_TOKENS and self.prefill_rows:
-            table = self._staged_table(layer, topk_ids)
-        else:
-            table = self._decode_table(layer, topk_ids, step=decode)
-        return self._moe(x, topk_ids, topk_weights, table)
+            out = self._moe(x, topk_ids, topk_weights, self.prefill.table(layer, topk_ids))
+            self.prefill.done(layer)
+            return out
+        return self._moe(x, topk_ids, topk_weights, self._decode_table(layer, topk_ids, step=decode))
 
     def _decode_table(self, layer: int, topk_ids: torch.Tensor, step: bool = True) -> torch.Tensor:
         """The table a step reads: after a cache step (decode with at most max_picks picks), else
@@ -135,33 +147,6 @@ class DeviceCacheExperts:
             return cache.step_table
         self.table_calls += 1
         return cache.ptr_table
-
-    def _staged_table(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
-        """This layer's table with its picked non-resident experts copied into staging rows
-        (one host read of which experts those are; the copies queue on the current stream, after
-        the previous layer's kernel that read the same rows)."""
-        cache = self.caches[layer]
-        used = torch.zeros(cache.num_experts, dtype=torch.bool, device=topk_ids.device)
-        used[topk_ids.reshape(-1)] = True
-        need = torch.nonzero(used & (cache.expert_slot < 0)).flatten().tolist()[: self.prefill_rows]  # ascending
-        if self._prefill_buf is None:
-            self._prefill_buf = torch.empty(self.prefill_rows, self.store.record_bytes, dtype=torch.uint8,
-                                            device=cache.ptr_table.device)  # fmt: skip
-        entries, buf, r = self.entries[layer], self._prefill_buf, self.store.record_bytes
-        row = 0
-        while row < len(need):  # one copy per run of records adjacent in host memory
-            end = row + 1
-            while end < len(need) and _adjacent(entries[need[end - 1]], entries[need[end]], r):
-                end += 1
-            src = torch.as_strided(entries[need[row]], (end - row, r), (r, 1))  # [n, R] view of the run
-            buf[row:end].copy_(src, non_blocking=True)
-            row = end
-        self.prefill_staged += len(need)
-        table = cache.ptr_table.clone()
-        if need:
-            rows = torch.arange(len(need), dtype=torch.int64) * r + buf.data_ptr()
-            table[torch.tensor(need, dtype=torch.int64)] = rows.to(table.device)
-        return table
 
     def lane_candidates(self, layer: int, expert_ids: list[int]) -> list[int]:
         """Of `expert_ids`, the ones not in this layer's GPU slots (one small device read)."""
@@ -212,8 +197,9 @@ class DeviceCacheExperts:
         """stats: a `stats()` just read (each read waits for the device), else read here."""
         return {**(stats or self.stats()), "slots": self.slots_total, "stage_rows": self.stage_rows,
                 "layers": len(self.caches), "cache_steps": self.steps, "table_calls": self.table_calls,
-                "lane_calls": self.lane_calls, "prefill_staged": self.prefill_staged,
-                "prefill_rows": self.prefill_rows, "kind": self.layout.kind}
+                "lane_calls": self.lane_calls, "prefill_staged": self.prefill.staged,
+                "prefill_rows": self.prefill_rows, "prefill_buffers": self.prefill.num_buffers,
+                "prefill_planned_chunks": self.prefill.planned_chunks, "kind": self.layout.kind}
 
     def merge_store_counters(self, c: dict, stats: dict[str, int] | None = None) -> dict:
         """The store's counters dict with the device cache's slot traffic folded in: the store
@@ -235,8 +221,3 @@ class DeviceCacheExperts:
         per["bytes_moved"] = per.get("bytes_moved", 0.0) + s["misses"] * rec / tok  # each miss crosses PCIe once
         return c
 
-
-def _adjacent(a: torch.Tensor, b: torch.Tensor, record_bytes: int) -> bool:
-    """Is host entry b the record right after a, in the same allocation (one strided view)?"""
-    return (b.data_ptr() == a.data_ptr() + record_bytes
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())

@@ -146,8 +146,8 @@ class TieredExperts:
             store.close()
             raise
         log.info("expert slot cache: on the device, %d slots over %d layers + %d staging rows; "
-                 "prefill staging %d records", cache.slots_total, len(cache.caches), cache.stage_rows,
-                 cache.prefill_rows)
+                 "prefill staging %d x %d records", cache.slots_total, len(cache.caches), cache.stage_rows,
+                 cache.prefill.num_buffers, cache.prefill_rows)
         return cls(store, mode=mode, lane=lane, kernel=kernel, kernel_requested=(requested or "").lower() == "triton",
                    device_cache=cache)
 
@@ -179,6 +179,8 @@ class TieredExperts:
 
     def begin_step(self, tokens: int, decode: bool) -> None:
         self.store.begin_step(tokens=tokens, decode=decode)
+        if self.device_cache is not None:
+            self.device_cache.begin_step(tokens, decode)
         self._decode = decode
         self._lane_step = self.mode == "fast" and decode and tokens <= self.lane.max_tokens
         if self.mode == "fast" and decode:

@@ -1,0 +1,140 @@
+"""Prefill staging for the device cache: each layer's non-resident experts copied into HBM rows.
+
+A prefill chunk of many tokens touches nearly every expert, and the MoE kernel would read an
+in-place host record once per block of tokens; one copy per record is several times cheaper.
+Two ways to decide which records to copy (prefill never changes the slot cache):
+
+- per layer (chunks of STAGE_TOKENS to STAGE_ALL_TOKENS - 1 tokens): the layer's picked experts
+  that are not in slots, read back to the host when the layer runs (one host sync per layer);
+- planned once per chunk (chunks of STAGE_ALL_TOKENS tokens or more, which pick nearly every
+  expert anyway): every non-resident expert of every layer, from one host read of all layers'
+  residency at the start of the step. No host sync per layer, so the host queues the whole
+  forward ahead of the GPU. With two staging buffers (`--prefill-staging-gb` large enough for
+  two layers) the copies run one layer ahead on a side stream, overlapping the previous
+  layer's compute (as kernels/staging.py does for `tiermoe bench moe-gpu`); with one buffer
+  they queue on the compute stream right before their layer.
+
+Experts beyond the rows of a buffer keep their host address (read in place by the kernel).
+Exactness: the kernel reads the same bytes from a staging row as from the host record.
+"""
+
+from __future__ import annotations
+
+import torch
+
+STAGE_TOKENS = 64  # prefill chunks from this size copy their misses to the GPU instead of reading in place
+STAGE_ALL_TOKENS = 1024  # from this size: every non-resident expert, planned once per chunk
+
+
+class PrefillStaging:
+    """Staging rows and copy plans for the device cache's prefill chunks (see module doc).
+
+    entries[layer]: the pinned host record of each routed expert; caches[layer]: its ExpertCache
+    (expert_slot, ptr_table); rows: staging rows per buffer; buffers: 1 or 2.
+    """
+
+    def __init__(self, entries: dict[int, list[torch.Tensor]], caches: dict, record_bytes: int, rows: int,
+                 buffers: int, device: torch.device) -> None:
+        self.entries, self.caches, self.record_bytes = entries, caches, record_bytes
+        self.rows, self.num_buffers, self.device = max(0, int(rows)), max(1, int(buffers)), torch.device(device)
+        self.layers = list(caches)
+        self._bufs: list[torch.Tensor] = []  # allocated by the first chunk that stages
+        self._plan: dict[int, tuple[int, list[int]]] | None = None  # layer -> (buffer, experts) this chunk
+        cuda = self.device.type == "cuda" and self.num_buffers > 1
+        self._side = torch.cuda.Stream(self.device) if cuda else None
+        self._copied: dict[int, torch.cuda.Event] = {}
+        self._freed: dict[int, torch.cuda.Event] = {}
+        self.staged = 0  # records copied
+        self.planned_chunks = 0  # chunks planned once (no host sync per layer)
+
+    def _buf(self, i: int) -> torch.Tensor:
+        while len(self._bufs) <= i:
+            self._bufs.append(torch.empty(max(1, self.rows), self.record_bytes, dtype=torch.uint8, device=self.device))
+        return self._bufs[i]
+
+    # -- per chunk ------------------------------------------------------------------------------
+    def begin(self, tokens: int) -> None:
+        """Start of a prefill step of `tokens` tokens: plan it when it is large enough."""
+        self._plan = None
+        if tokens < STAGE_ALL_TOKENS or not self.rows or not self.layers:
+            return
+        slots = torch.cat([self.caches[layer].expert_slot for layer in self.layers]).tolist()  # one host read
+        plan, off = {}, 0
+        for i, layer in enumerate(self.layers):
+            n = len(self.entries[layer])
+            plan[layer] = (i % self.num_buffers, [e for e, s in enumerate(slots[off : off + n]) if s < 0][: self.rows])
+            off += n
+        self._plan = plan
+        self.planned_chunks += 1
+        self._copied, self._freed = {}, {}
+        self._buf(self.num_buffers - 1)  # allocate outside the side stream's context
+        if self._side is not None:
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+            self._stage_ahead(0)
+
+    def table(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The pointer table [E_total] the layer's MoE kernel reads, its staged rows in place."""
+        if self._plan is None or layer not in self._plan:  # a mid-size chunk: this layer's picks only
+            cache = self.caches[layer]
+            used = torch.zeros(cache.num_experts, dtype=torch.bool, device=topk_ids.device)
+            used[topk_ids.reshape(-1)] = True
+            need = torch.nonzero(used & (cache.expert_slot < 0)).flatten().tolist()[: self.rows]  # ascending
+            self._copy(layer, need, self._buf(0))
+            return self._table(layer, need, self._buf(0))
+        b, need = self._plan[layer]
+        if self._side is None:  # one buffer (or no CUDA): copy on this stream, right before the layer
+            self._copy(layer, need, self._buf(b))
+        else:
+            torch.cuda.current_stream(self.device).wait_event(self._copied[layer])
+            self._stage_ahead(self.layers.index(layer) + 1)
+        return self._table(layer, need, self._buf(b))
+
+    def done(self, layer: int) -> None:
+        """The layer's MoE kernel is queued: its buffer may be refilled once that kernel ran."""
+        if self._plan is not None and self._side is not None and layer in self._plan:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self._freed[layer] = ev
+
+    # -- internals ------------------------------------------------------------------------------
+    def _stage_ahead(self, i: int) -> None:
+        """Queue layer i's copies on the side stream, after the kernel that last read its buffer."""
+        if i >= len(self.layers) or self.layers[i] in self._copied:
+            return
+        layer = self.layers[i]
+        b, need = self._plan[layer]
+        with torch.cuda.stream(self._side):
+            if i >= self.num_buffers:
+                prev = self.layers[i - self.num_buffers]
+                if prev in self._freed:
+                    self._side.wait_event(self._freed[prev])
+            self._copy(layer, need, self._buf(b))
+            ev = torch.cuda.Event()
+            ev.record(self._side)
+            self._copied[layer] = ev
+
+    def _copy(self, layer: int, need: list[int], buf: torch.Tensor) -> None:
+        """Records `need` (ascending) -> buf rows 0.., one copy per run of records adjacent in host memory."""
+        entries, r = self.entries[layer], self.record_bytes
+        row = 0
+        while row < len(need):
+            end = row + 1
+            while end < len(need) and _adjacent(entries[need[end - 1]], entries[need[end]], r):
+                end += 1
+            src = torch.as_strided(entries[need[row]], (end - row, r), (r, 1))  # [n, R] view of the run
+            buf[row:end].copy_(src, non_blocking=True)
+            row = end
+        self.staged += len(need)
+
+    def _table(self, layer: int, need: list[int], buf: torch.Tensor) -> torch.Tensor:
+        table = self.caches[layer].ptr_table.clone()
+        if need:
+            rows = torch.arange(len(need), dtype=torch.int64) * self.record_bytes + buf.data_ptr()
+            table[torch.tensor(need, dtype=torch.int64)] = rows.to(table.device)
+        return table
+
+
+def _adjacent(a: torch.Tensor, b: torch.Tensor, record_bytes: int) -> bool:
+    """Is host entry b the record right after a, in the same allocation (one strided view)?"""
+    return (b.data_ptr() == a.data_ptr() + record_bytes
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
