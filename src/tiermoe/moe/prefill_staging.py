@@ -42,6 +42,7 @@ class PrefillStaging:
         self._plan: dict[int, tuple[int, list[int]]] | None = None  # layer -> (buffer, experts) this chunk
         cuda = self.device.type == "cuda" and self.num_buffers > 1
         self._side = torch.cuda.Stream(self.device) if cuda else None
+        self._side_busy = False  # side-stream copies queued since the last begin()
         self._copied: dict[int, torch.cuda.Event] = {}
         self._freed: dict[int, torch.cuda.Event] = {}
         self.staged = 0  # records copied
@@ -54,8 +55,11 @@ class PrefillStaging:
 
     # -- per chunk ------------------------------------------------------------------------------
     def begin(self, tokens: int) -> None:
-        """Start of a prefill step of `tokens` tokens: plan it when it is large enough."""
+        """Start of a step of `tokens` prefill tokens (0 for decode): plan it when large enough."""
         self._plan = None
+        if self._side_busy:  # copies queued ahead for layers that never ran (a failed forward)
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+            self._side_busy = False
         if tokens < STAGE_ALL_TOKENS or not self.rows or not self.layers:
             return
         slots = torch.cat([self.caches[layer].expert_slot for layer in self.layers]).tolist()  # one host read
@@ -112,6 +116,7 @@ class PrefillStaging:
             ev = torch.cuda.Event()
             ev.record(self._side)
             self._copied[layer] = ev
+        self._side_busy = True
 
     def _copy(self, layer: int, need: list[int], buf: torch.Tensor) -> None:
         """Records `need` (ascending) -> buf rows 0.., one copy per run of records adjacent in host memory."""
