@@ -86,22 +86,6 @@ def resolve_device(name: str | None) -> str:
     return name
 
 
-def prefer_planless_attention(device: str) -> None:
-    """Keep SDPA off cuDNN's attention kernels on CUDA (a process-wide torch setting).
-
-    cuDNN attention builds an execution plan per input shape and per calling thread; a decode
-    step attends over a context one token longer than the last, and the server steps on its own
-    thread, so every attention call paid a plan build: 5.5 ms of host time per call on the H200,
-    48 ms per token on an 8-layer model stepped from a second thread against 4 ms from the thread
-    whose plans were warm (scripts/engine_thread_check.py, docs/results.md section 15). Flash and
-    memory-efficient attention need no plan.
-    """
-    import torch
-
-    if device.startswith("cuda"):
-        torch.backends.cuda.enable_cudnn_sdp(False)
-
-
 def is_packed_store(path: Path) -> bool:
     return (path / "manifest.json").is_file() and (path / "experts.bin").exists()
 
@@ -132,7 +116,6 @@ def build_engine_core(model: str | None, *, device: str | None = None, dtype: st
     path = Path(model)
     spec = load_spec(path)
     dev = resolve_device(device)
-    prefer_planless_attention(dev)
     torch_dtype = parse_dtype(dtype, default=checkpoint_dtype(spec.hf_config))
     options.setdefault("max_num_seqs", max(1, int(max_num_seqs or 8)))  # the device cache sizes its staging rows
     backend = _expert_backend(path, dev, torch_dtype, options)

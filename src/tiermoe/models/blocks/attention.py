@@ -12,12 +12,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tiermoe.models.batch import ForwardBatch
 from tiermoe.models.blocks.common import Linear, RMSNorm
 from tiermoe.models.blocks.graph_break import graph_break
 from tiermoe.models.blocks.rope import apply_rotary, apply_rotary_interleaved
 from tiermoe.models.spec import ModelSpec
+
+
+# SDPA backends for one-token (decode) queries on CUDA: all but cuDNN. cuDNN attention builds an
+# execution plan per input shape and per calling thread; a decode step attends over a context one
+# token longer than the last, and the server steps on its own thread, so every call paid a plan
+# build: 5.5 ms of host time per call on the H200, 48 ms per token on an 8-layer model stepped
+# from a second thread against 4 ms from the thread whose plans were warm (docs/results.md
+# section 15). Flash and memory-efficient attention need no plan. Prefill chunks keep cuDNN:
+# their masked calls (q < context) have no other fused kernel with grouped-query attention.
+DECODE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dense_qk: bool = False) -> torch.Tensor:
@@ -36,7 +47,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, den
     if q_len == ctx:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     elif q_len == 1:
-        out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=gqa)
+        if q.is_cuda:  # not cuDNN: it builds a plan per context length and per thread (DECODE_SDPA_BACKENDS)
+            with sdpa_kernel(DECODE_SDPA_BACKENDS):
+                out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=gqa)
     else:
         rows = torch.arange(q_len, device=q.device)[:, None] + (ctx - q_len)
         mask = torch.arange(ctx, device=q.device)[None, :] <= rows  # [q, ctx]
