@@ -64,3 +64,11 @@ def test_split_count_fills_the_gpu_at_batch_one():
     assert num_splits(16, 1300) == 16
     assert num_splits(4, 3) == 3  # never more splits than blocks
     assert num_splits(512, 1300) == 1
+
+
+def test_an_empty_context_gives_zeros_not_nan(device):
+    q, k, v, table, seq_lens = _case(device, torch.float32, [0, 5])
+    out = paged_decode_attention(q, k, v, table, seq_lens, 0.125, 16)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    torch.testing.assert_close(out[1:], paged_decode_attention_ref(q[1:], k, v, table[1:], seq_lens[1:], 0.125, 16),
+                               rtol=1e-5, atol=1e-5)

@@ -127,23 +127,26 @@ def test_planned_prefill_staging_is_bit_identical(stores, monkeypatch, rows, buf
 
     monkeypatch.setattr(staging, "STAGE_ALL_TOKENS", 70)
     path, rec = stores["int4"]
-    steps = [(70, 1), (70, 2), (69, 3)]  # the last chunk is below the threshold: per-layer staging
+    # (tokens, seed, begin_step called): the third chunk is below the threshold (per-layer
+    # staging); the last runs its layers twice with no begin_step (a spent plan is never reused)
+    steps = [(70, 1, True), (70, 2, True), (69, 3, True), (70, 4, True), (70, 5, False)]
     with _host_store(path, rec) as st:
         be = TritonExperts(st)
-        ref = [be.forward(layer, *moe_batch(t, seed)).cpu() for t, seed in steps for layer in LAYERS]
+        ref = [be.forward(layer, *moe_batch(t, seed)).cpu() for t, seed, _ in steps for layer in LAYERS]
     with _host_store(path, rec) as st:
         dc = DeviceCacheExperts(st, 2 * 2 + 2, rates={}, top_k=2, max_tokens=1, prefill_rows=rows,
                                 prefill_buffers=buffers)  # fmt: skip
         got = []
-        for t, seed in steps:
-            dc.begin_step(t, decode=False)
+        for t, seed, begin in steps:
+            if begin:
+                dc.begin_step(t, decode=False)
             got += [dc.forward(layer, *moe_batch(t, seed), decode=False).cpu() for layer in LAYERS]
         c = dc.counters()
         dc.begin_step(1, decode=True)
         assert dc.prefill._plan is None  # a decode step drops the chunk's plan
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
     per_layer = 6 if rows is None else 3  # 8 experts - 2 slots, or the rows of a buffer
-    assert c["prefill_planned_chunks"] == 2 and c["prefill_buffers"] == buffers
+    assert c["prefill_planned_chunks"] == 3 and c["prefill_buffers"] == buffers
     assert c["prefill_staged"] == per_layer * len(LAYERS) * len(steps)  # 69-70 tokens pick every expert
     assert c["cache_steps"] == 0 and c["lookups"] == 0
 

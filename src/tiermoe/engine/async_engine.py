@@ -160,7 +160,11 @@ class AsyncEngine:
         Blocks until the core is built; raises what `factory` raised (the thread then ends).
         """
         owner = _CoreOwner(factory)
-        engine = cls(owner.wait_built(), idle_poll_s=idle_poll_s)
+        try:
+            engine = cls(owner.wait_built(), idle_poll_s=idle_poll_s)
+        except Exception:
+            owner.run(None)  # let a thread that built a core nobody will step end
+            raise
         engine._owner = owner
         return engine
 

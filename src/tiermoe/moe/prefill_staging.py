@@ -39,7 +39,9 @@ class PrefillStaging:
         self.rows, self.num_buffers, self.device = max(0, int(rows)), max(1, int(buffers)), torch.device(device)
         self.layers = list(caches)
         self._bufs: list[torch.Tensor] = []  # allocated by the first chunk that stages
-        self._plan: dict[int, tuple[int, list[int]]] | None = None  # layer -> (buffer, experts) this chunk
+        self._plan: dict[int, tuple[int, list[int], torch.Tensor]] | None = None  # layer -> (buffer, experts, table)
+        self._consumed: set[int] = set()  # planned layers whose table was handed out
+        self._tables_host: torch.Tensor | None = None
         cuda = self.device.type == "cuda" and self.num_buffers > 1
         self._side = torch.cuda.Stream(self.device) if cuda else None
         self._side_busy = False  # side-stream copies queued since the last begin()
@@ -55,58 +57,96 @@ class PrefillStaging:
 
     # -- per chunk ------------------------------------------------------------------------------
     def begin(self, tokens: int) -> None:
-        """Start of a step of `tokens` prefill tokens (0 for decode): plan it when large enough."""
+        """Start of a step of `tokens` prefill tokens (0 for decode): plan it when large enough.
+
+        The plan (every layer's non-resident experts and its staged pointer table) comes from one
+        read of all layers' residency and tables, and reaches the device in one copy.
+        """
         self._plan = None
-        if self._side_busy:  # copies queued ahead for layers that never ran (a failed forward)
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
-            self._side_busy = False
+        self._wait_side()
         if tokens < STAGE_ALL_TOKENS or not self.rows or not self.layers:
             return
-        slots = torch.cat([self.caches[layer].expert_slot for layer in self.layers]).tolist()  # one host read
-        plan, off = {}, 0
+        bufs = [self._buf(b) for b in range(self.num_buffers)]  # allocated outside any side-stream context
+        sizes = [len(self.caches[layer].ptr_table) for layer in self.layers]
+        state = torch.cat([torch.cat((self.caches[layer].expert_slot.to(torch.int64), self.caches[layer].ptr_table))
+                           for layer in self.layers]).cpu()  # the one host read: [sum(E + E_total)]
+        tables, plan, off = [], {}, 0
         for i, layer in enumerate(self.layers):
             n = len(self.entries[layer])
-            plan[layer] = (i % self.num_buffers, [e for e, s in enumerate(slots[off : off + n]) if s < 0][: self.rows])
-            off += n
-        self._plan = plan
+            slots, table = state[off : off + n], state[off + n : off + n + sizes[i]].clone()  # [E], [E_total]
+            off += n + sizes[i]
+            need = torch.nonzero(slots < 0).flatten()[: self.rows]  # ascending
+            b = i % self.num_buffers
+            table[need] = torch.arange(len(need), dtype=torch.int64) * self.record_bytes + bufs[b].data_ptr()
+            tables.append(table)
+            plan[layer] = (b, need.tolist())
+        flat = torch.cat(tables)
+        if self.device.type == "cuda":
+            flat = flat.pin_memory()
+        self._tables_host = flat  # kept alive until the next plan (the copy below is asynchronous)
+        dev_tables = flat.to(self.device, non_blocking=True).split(sizes)
+        self._plan = {layer: (b, need, dev_tables[i]) for i, (layer, (b, need)) in enumerate(plan.items())}
+        self._consumed: set[int] = set()
         self.planned_chunks += 1
         self._copied, self._freed = {}, {}
-        self._buf(self.num_buffers - 1)  # allocate outside the side stream's context
         if self._side is not None:
             self._side.wait_stream(torch.cuda.current_stream(self.device))
             self._stage_ahead(0)
 
     def table(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """The pointer table [E_total] the layer's MoE kernel reads, its staged rows in place."""
-        if self._plan is None or layer not in self._plan:  # a mid-size chunk: this layer's picks only
-            cache = self.caches[layer]
-            used = torch.zeros(cache.num_experts, dtype=torch.bool, device=topk_ids.device)
-            used[topk_ids.reshape(-1)] = True
-            need = torch.nonzero(used & (cache.expert_slot < 0)).flatten().tolist()[: self.rows]  # ascending
-            self._copy(layer, need, self._buf(0))
-            return self._table(layer, need, self._buf(0))
-        b, need = self._plan[layer]
+        if self._plan is None or layer not in self._plan or layer in self._consumed:
+            return self._table_for_picks(layer, topk_ids)  # a mid-size chunk, or a layer run twice
+        self._consumed.add(layer)
+        b, need, table = self._plan[layer]
         if self._side is None:  # one buffer (or no CUDA): copy on this stream, right before the layer
             self._copy(layer, need, self._buf(b))
         else:
+            i = self.layers.index(layer)
+            self._stage_ahead(i)  # already queued unless layers ran out of order
             torch.cuda.current_stream(self.device).wait_event(self._copied[layer])
-            self._stage_ahead(self.layers.index(layer) + 1)
-        return self._table(layer, need, self._buf(b))
+            self._stage_ahead(i + 1)
+        return table
 
     def done(self, layer: int) -> None:
         """The layer's MoE kernel is queued: its buffer may be refilled once that kernel ran."""
-        if self._plan is not None and self._side is not None and layer in self._plan:
+        if self._plan is None or layer not in self._plan:
+            return
+        if self._side is not None:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device))
             self._freed[layer] = ev
+        if len(self._consumed) == len(self._plan):  # every planned layer ran: the plan is spent
+            self._plan = None
 
     # -- internals ------------------------------------------------------------------------------
+    def _table_for_picks(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The layer's picked non-resident experts, read back now (one host sync), staged in buffer 0."""
+        self._wait_side()
+        cache = self.caches[layer]
+        used = torch.zeros(cache.num_experts, dtype=torch.bool, device=topk_ids.device)
+        used[topk_ids.reshape(-1)] = True
+        need = torch.nonzero(used & (cache.expert_slot < 0)).flatten().tolist()[: self.rows]  # ascending
+        buf = self._buf(0)
+        self._copy(layer, need, buf)
+        table = cache.ptr_table.clone()
+        if need:
+            rows = torch.arange(len(need), dtype=torch.int64) * self.record_bytes + buf.data_ptr()
+            table[torch.tensor(need, dtype=torch.int64)] = rows.to(table.device)
+        return table
+
+    def _wait_side(self) -> None:
+        """The compute stream waits for side-stream copies still queued (a plan left unfinished)."""
+        if self._side_busy:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+            self._side_busy = False
+
     def _stage_ahead(self, i: int) -> None:
         """Queue layer i's copies on the side stream, after the kernel that last read its buffer."""
-        if i >= len(self.layers) or self.layers[i] in self._copied:
+        if i >= len(self.layers) or self.layers[i] in self._copied or self.layers[i] in self._consumed:
             return
         layer = self.layers[i]
-        b, need = self._plan[layer]
+        b, need, _ = self._plan[layer]
         with torch.cuda.stream(self._side):
             if i >= self.num_buffers:
                 prev = self.layers[i - self.num_buffers]
@@ -130,13 +170,6 @@ class PrefillStaging:
             buf[row:end].copy_(src, non_blocking=True)
             row = end
         self.staged += len(need)
-
-    def _table(self, layer: int, need: list[int], buf: torch.Tensor) -> torch.Tensor:
-        table = self.caches[layer].ptr_table.clone()
-        if need:
-            rows = torch.arange(len(need), dtype=torch.int64) * self.record_bytes + buf.data_ptr()
-            table[torch.tensor(need, dtype=torch.int64)] = rows.to(table.device)
-        return table
 
 
 def _adjacent(a: torch.Tensor, b: torch.Tensor, record_bytes: int) -> bool:

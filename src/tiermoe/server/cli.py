@@ -170,7 +170,13 @@ def serve(args) -> int:
 
     # built on the thread that will step it (engine/async_engine.py: a core stepped from another
     # thread than the one that built it ran 3.3x slower per token on a CPU)
-    engine = AsyncEngine.build_in_thread(lambda: build_core(args))
+    try:
+        engine = AsyncEngine.build_in_thread(lambda: build_core(args))
+    except KeyboardInterrupt:
+        # The building thread cannot be stopped inside CUDA calls or page-locking; tearing the
+        # interpreter down around it can hang. Leave at once (the OS frees pinned memory).
+        print("tiermoe: interrupted while loading the model", file=sys.stderr, flush=True)
+        os._exit(130)
     app = create_app(
         engine,
         served_model_name=_served_name(args),

@@ -118,7 +118,8 @@ def _merge_kernel(
     top = tl.max(m, 0)
     w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)  # empty splits weigh nothing
     acc = tl.load(acc_ptr + (row * S + s)[:, None] * BD + d[None, :], mask=s_ok[:, None], other=0.0)  # [BS, BD]
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_sum * w, 0)
+    den = tl.sum(l_sum * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(den > 0, den, 1.0)  # an empty context gives 0, not NaN
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
