@@ -116,6 +116,7 @@ def _merge_kernel(
     m = tl.load(ml_ptr + (row * S + s) * 2, mask=s_ok, other=float("-inf"))  # [BS]
     l_sum = tl.load(ml_ptr + (row * S + s) * 2 + 1, mask=s_ok, other=0.0)
     top = tl.max(m, 0)
+    top = tl.where(top > float("-inf"), top, 0.0)  # every split empty (no context): no inf - inf
     w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)  # empty splits weigh nothing
     acc = tl.load(acc_ptr + (row * S + s)[:, None] * BD + d[None, :], mask=s_ok[:, None], other=0.0)  # [BS, BD]
     den = tl.sum(l_sum * w, 0)
