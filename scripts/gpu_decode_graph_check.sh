@@ -13,13 +13,13 @@
 #      prefill; then the same with the paged decode kernel
 #      and with two prefill staging buffers (copies one layer ahead, --prefill-staging-gb 1.75)
 #   5. the same profile with misses read in place instead of staged (TIERMOE_DEVICE_CACHE_STAGE=0)
-# Environment: STORE (/root/sbs-graph-model), MAX_TOKENS (256), ATTENTIONS ("sdpa paged"),
+# Environment: STORE ($HOME/sbs-graph-model), MAX_TOKENS (256), ATTENTIONS ("sdpa paged"),
 # PYTHON (python3).
 set -uo pipefail
 out=${1:?usage: $0 OUT_DIR}
 mkdir -p "$out"
 py=${PYTHON:-python3}
-store=${STORE:-/root/sbs-graph-model}
+store=${STORE:-${HOME:-.}/sbs-graph-model}
 site=/tmp/tiermoe-site
 "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl > /dev/null 2>&1
 export PYTHONPATH=$PWD/src:$site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
