@@ -10,9 +10,9 @@ from tiermoe.kernels.triton import fused_moe as F
 H, I, G, E, K = 64, 32, 32, 6, 3
 
 
-def _setup(kind, device, seed=0):
+def _setup(kind, device, seed=0, group=G):
     gen = torch.Generator().manual_seed(seed)
-    lay = expert_layout(kind, H, I, G)
+    lay = expert_layout(kind, H, I, group)
     recs = torch.stack([R.make_record(lay, gen) for _ in range(E)]).to(device)  # [E, R]
     table = torch.tensor([recs[e].data_ptr() for e in range(E)], dtype=torch.int64, device=device)
     return lay, recs, table
@@ -90,9 +90,14 @@ def test_align_torch_path_matches_twin(device):
 def test_config_validation():
     lay = expert_layout("int4", H, I, G)
     bad = {"gate_up": {"BM": 16, "BN": 32, "BK": 64, "num_warps": 4, "num_stages": 1}}
-    bad["down"] = dict(bad["gate_up"])
-    with pytest.raises(ValueError):
+    bad["down"] = dict(bad["gate_up"])  # BK 64 > the down matrix's K (I = 32)
+    with pytest.raises(ValueError, match="must divide N"):
         F._check_config(lay, bad, 1)
+    ok = {"gate_up": dict(bad["gate_up"]), "down": {**bad["down"], "BK": 32}}  # a K tile of two groups of 32
+    F._check_config(lay, ok, 1)
+    with pytest.raises(ValueError, match="divide one another"):
+        F._check_config(expert_layout("int4", 96, 48, 24), {"gate_up": {**ok["gate_up"], "BN": 16, "BK": 16},
+                                                            "down": {**ok["down"], "BK": 16}}, 1)
     assert F.token_bucket(1) == "decode" and F.token_bucket(8192) == "prefill"
 
 
@@ -121,3 +126,22 @@ def test_swiglu_limit_matches_twin_and_bites(kind, device):
     want = expert_mlp(x[:1].cpu().float(), gu_e, dn, limit)
     got = R.expert_ref(x[:1].cpu(), recs[e].cpu(), lay, limit)
     assert _rel(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("tokens", [1, 20])
+def test_k_tiles_spanning_several_groups_match_twin(kind, tokens, device):
+    """Groups of 16 with K tiles of 64 (gate_up) and 32 (down): each tile gathers a scale per
+    row instead of one per output row; same function as the twin and as one-group tiles."""
+    lay, recs, table = _setup(kind, device, seed=5, group=16)
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, H, generator=gen).to(torch.bfloat16).to(device)
+    ids = _picks(tokens, gen).to(device)
+    w = torch.rand(tokens, K, generator=gen).to(device)
+    wide = {"gate_up": {"BM": 16, "BN": 32, "BK": 64, "num_warps": 4, "num_stages": 1},
+            "down": {"BM": 16, "BN": 32, "BK": 32, "num_warps": 4, "num_stages": 1}}
+    narrow = {st: {**c, "BK": 16} for st, c in wide.items()}
+    out = F.fused_moe(x, ids, w, table, lay, config=wide)
+    ref = R.fused_moe_ref(x, ids, w, recs, lay)
+    assert _rel(out, ref) < 2e-2
+    assert _rel(out, F.fused_moe(x, ids, w, table, lay, config=narrow)) < 1e-2

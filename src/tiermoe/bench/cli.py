@@ -15,7 +15,8 @@ import json
 
 from tiermoe.errors import UserError
 
-BENCH_EXTRA_MODULES = ("tiermoe.bench.decode", "tiermoe.bench.moe_gpu", "tiermoe.bench.synthetic_qwen3", "tiermoe.bench.mtp")
+BENCH_EXTRA_MODULES = ("tiermoe.bench.decode", "tiermoe.bench.moe_gpu", "tiermoe.bench.tune_moe",
+                       "tiermoe.bench.synthetic_qwen3", "tiermoe.bench.mtp")
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 

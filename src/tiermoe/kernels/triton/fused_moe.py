@@ -48,6 +48,20 @@ DECODE_MAX_TOKENS = 16  # decode path (one block per expert) up to this many tok
 
 
 @triton.jit
+def _scales(s_ptrs, k0, k_rows, G: tl.constexpr, BK: tl.constexpr):
+    """fp32 scales of one weight tile whose rows are columns k0 + k_rows of the matrix.
+
+    s_ptrs [BN]: each output row's first scale. A tile within one group (BK <= G) takes one
+    scale per output row: [1, BN]. A tile spanning BK / G groups (small groups such as Q4_0's
+    32, where a K tile capped at the group size leaves tensor-core dots of K = 16) gathers the
+    scale of each of its rows: [rows, BN]. Either way each weight is q * its group's scale.
+    """
+    if BK > G:
+        return tl.load(s_ptrs[None, :] + ((k0 + k_rows) // G)[:, None]).to(tl.float32)
+    return tl.load(s_ptrs + k0 // G).to(tl.float32)[None, :]
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr,  # [rows, KD] bf16: x (row = pair // A_DIV) or act (row = pair)
     out_ptr,  # GATED: act [P, N] bf16; else y [P, N] fp32
@@ -109,9 +123,9 @@ def _moe_gemm_kernel(
         if KIND == 1:
             a_even, a_odd = tl.split(tl.reshape(a, (BM, BK // 2, 2)))  # [BM, BK/2] each
             q = tl.load(w_ptrs)  # [BK/2, BN] u8
-            s = tl.load(s_ptrs + k0 // G).to(tl.float32)  # [BN]
-            w_lo = (((q & 15).to(tl.int32) - 8).to(tl.float32) * s[None, :]).to(tl.bfloat16)
-            w_hi = (((q >> 4).to(tl.int32) - 8).to(tl.float32) * s[None, :]).to(tl.bfloat16)
+            s = _scales(s_ptrs, k0, 2 * offs_kh, G, BK)  # [1 or BK/2, BN]
+            w_lo = (((q & 15).to(tl.int32) - 8).to(tl.float32) * s).to(tl.bfloat16)
+            w_hi = (((q >> 4).to(tl.int32) - 8).to(tl.float32) * s).to(tl.bfloat16)
             if DOT_F32:
                 acc += tl.dot(a_even.to(tl.float32), w_lo.to(tl.float32))
                 acc += tl.dot(a_odd.to(tl.float32), w_hi.to(tl.float32))
@@ -120,9 +134,9 @@ def _moe_gemm_kernel(
                 acc += tl.dot(a_odd, w_hi)
             if GATED:
                 q = tl.load(w_ptrs + w_up)
-                s = tl.load(s_ptrs + s_up + k0 // G).to(tl.float32)
-                w_lo = (((q & 15).to(tl.int32) - 8).to(tl.float32) * s[None, :]).to(tl.bfloat16)
-                w_hi = (((q >> 4).to(tl.int32) - 8).to(tl.float32) * s[None, :]).to(tl.bfloat16)
+                s = _scales(s_ptrs + s_up, k0, 2 * offs_kh, G, BK)
+                w_lo = (((q & 15).to(tl.int32) - 8).to(tl.float32) * s).to(tl.bfloat16)
+                w_hi = (((q >> 4).to(tl.int32) - 8).to(tl.float32) * s).to(tl.bfloat16)
                 if DOT_F32:
                     acc_u += tl.dot(a_even.to(tl.float32), w_lo.to(tl.float32))
                     acc_u += tl.dot(a_odd.to(tl.float32), w_hi.to(tl.float32))
@@ -133,8 +147,8 @@ def _moe_gemm_kernel(
             if KIND == 0:
                 w = tl.load(w_ptrs)  # [BK, BN] bf16
             else:
-                s = tl.load(s_ptrs + k0 // G).to(tl.float32)
-                w = (tl.load(w_ptrs).to(tl.float32) * s[None, :]).to(tl.bfloat16)  # [BK, BN]
+                s = _scales(s_ptrs, k0, offs_k, G, BK)
+                w = (tl.load(w_ptrs).to(tl.float32) * s).to(tl.bfloat16)  # [BK, BN]
             if DOT_F32:
                 acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
             else:
@@ -143,8 +157,8 @@ def _moe_gemm_kernel(
                 if KIND == 0:
                     w = tl.load(w_ptrs + w_up)
                 else:
-                    s = tl.load(s_ptrs + s_up + k0 // G).to(tl.float32)
-                    w = (tl.load(w_ptrs + w_up).to(tl.float32) * s[None, :]).to(tl.bfloat16)
+                    s = _scales(s_ptrs + s_up, k0, offs_k, G, BK)
+                    w = (tl.load(w_ptrs + w_up).to(tl.float32) * s).to(tl.bfloat16)
                 if DOT_F32:
                     acc_u += tl.dot(a.to(tl.float32), w.to(tl.float32))
                 else:
@@ -305,8 +319,8 @@ def _check_config(layout: ExpertLayout, cfg: dict, tokens: int) -> None:
         c = cfg[stage]
         if n % c["BN"] or kd % c["BK"]:
             raise ValueError(f"{stage}: BN={c['BN']}/BK={c['BK']} must divide N={n}/K={kd}")
-        if layout.kind != "bf16" and layout.group_size % c["BK"]:
-            raise ValueError(f"{stage}: BK={c['BK']} must divide group size {layout.group_size}")
+        if layout.kind != "bf16" and layout.group_size % c["BK"] and c["BK"] % layout.group_size:
+            raise ValueError(f"{stage}: BK={c['BK']} and the group size {layout.group_size} must divide one another")
     if cfg["gate_up"]["BM"] != cfg["down"]["BM"]:
         raise ValueError("gate_up and down must share BM (one block plan)")
 

@@ -25,12 +25,20 @@ def _decode_candidates(layout: ExpertLayout) -> list[dict]:
     g = layout.group_size or 128
     shapes = [(32, 128, 4, 4), (64, 128, 4, 4), (16, 128, 4, 4), (32, 64, 4, 4), (64, 128, 8, 3), (32, 128, 4, 2)]
     return [{"BM": 16, "BN": bn, "BK": bk, "num_warps": nw, "num_stages": ns}
-            for bn, bk, nw, ns in shapes if layout.kind == "bf16" or g % bk == 0]  # fmt: skip
+            for bn, bk, nw, ns in shapes if _fits(layout, bn, bk, g)]  # fmt: skip
+
+
+def _fits(layout: ExpertLayout, bn: int, bk: int, g: int) -> bool:
+    """Does a BN x BK tile divide both matrices, with K tiles within or across whole groups?"""
+    dims_ok = all(n % bn == 0 and k % bk == 0 for n, k in ((layout.inter, layout.hidden), (layout.hidden, layout.inter)))
+    return dims_ok and (layout.kind == "bf16" or g % bk == 0 or bk % g == 0)
 
 
 def _prefill_candidates(layout: ExpertLayout, bm: int) -> list[dict]:
-    shapes = [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4)] if bm == 64 else [(128, 64, 8, 3), (128, 32, 8, 4)]
-    return [{"BM": bm, "BN": bn, "BK": bk, "num_warps": nw, "num_stages": ns} for bn, bk, nw, ns in shapes]
+    shapes = [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3)] if bm == 64 else \
+        [(128, 64, 8, 3), (128, 32, 8, 4)]
+    return [{"BM": bm, "BN": bn, "BK": bk, "num_warps": nw, "num_stages": ns} for bn, bk, nw, ns in shapes
+            if _fits(layout, bn, bk, layout.group_size or 128)]
 
 
 def _sample(pop: torch.Tensor, tokens: int, k: int, gen: torch.Generator, shared_row: int):
