@@ -2,9 +2,10 @@
 # Decode CUDA graphs on the GPU machine, in one call: correctness, then the side-by-side
 # model's decode rate over HTTP and the in-process step profile (docs/results.md section 13).
 # Usage: scripts/gpu_decode_graph_check.sh OUT_DIR   (from the repository root; carry .whl)
-#   1. tests/runner/test_decode_graph.py, tests/moe/test_device_cache.py and
-#      tests/kernels/test_paged_attention.py compiled on CUDA (graph replays bit-identical to the
-#      eager engine at batch 1 and 2, with SDPA and with the paged decode kernel)
+#   1. tests/runner/test_decode_graph.py, tests/moe/test_device_cache.py,
+#      tests/kernels/test_paged_attention.py and test_fused_moe.py compiled on CUDA (graph replays
+#      bit-identical to the eager engine at batch 1 and 2, with SDPA and with the paged decode
+#      kernel; K tiles spanning several scale groups); then `tiermoe bench tune-moe` for the store's shape
 #   2. the side-by-side Qwen3-MoE store (24 layers, random weights) written to $STORE
 #   3. per decode attention in $ATTENTIONS: tiermoe serve with the side-by-side flags,
 #      `tiermoe bench sweep` (4k prefill once, decode C1 and C4, $MAX_TOKENS tokens), /stats
@@ -14,7 +15,10 @@
 #      and with two prefill staging buffers (copies one layer ahead, --prefill-staging-gb 1.75)
 #   5. the same profile with misses read in place instead of staged (TIERMOE_DEVICE_CACHE_STAGE=0)
 # Environment: STORE ($HOME/sbs-graph-model), MAX_TOKENS (256), ATTENTIONS ("sdpa paged"),
-# PYTHON (python3).
+# PYTHON (python3), STEPS ("tests tune store serve profile": any subset, in that order; the whole
+# script runs longer than one 10-minute call, so split it, e.g. STEPS="tests tune store serve" then
+# STEPS="profile" while the machine is still warm). `tune` rewrites the package's configs.json in
+# the working copy (kept as OUT/configs.json: commit it if the figures improve).
 set -uo pipefail
 out=${1:?usage: $0 OUT_DIR}
 mkdir -p "$out"
@@ -27,16 +31,31 @@ log() { echo "[graph $(date -u +%H:%M:%S)] $*"; }
 get() { "$py" -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())" "$1"; }
 flags=(--gpu-expert-gb 10.125 --host-expert-gb 31.38 --max-num-batched-tokens 4096 --dtype bfloat16)
 
-log "tests on CUDA"
-TIERMOE_KERNEL_TESTS_ON_GPU=1 timeout 300 "$py" -m pytest -q -p no:cacheprovider tests/runner/test_decode_graph.py \
-  tests/moe/test_device_cache.py tests/kernels/test_paged_attention.py > "$out/tests.txt" 2>&1
-log "tests rc=$?: $(tail -1 "$out/tests.txt")"
+want() { [[ " ${STEPS:-tests tune store serve profile} " == *" $1 "* ]]; }
 
-log "store"
-[ -f "$store/store/manifest.json" ] || "$py" -m tiermoe.cli bench make-qwen3moe "$store" --layers 24 --formats store --force \
-  2>&1 | grep -v '%|' | tail -2
+if want tests; then
+  log "tests on CUDA"
+  TIERMOE_KERNEL_TESTS_ON_GPU=1 timeout 300 "$py" -m pytest -q -p no:cacheprovider tests/runner/test_decode_graph.py \
+    tests/moe/test_device_cache.py tests/kernels/test_paged_attention.py tests/kernels/test_fused_moe.py \
+    > "$out/tests.txt" 2>&1
+  log "tests rc=$?: $(tail -1 "$out/tests.txt")"
+fi
 
-for attn in ${ATTENTIONS:-sdpa paged}; do
+if want tune; then  # the store's record shape has no tuned launch configuration yet (results section 15)
+  log "tune the fused MoE kernel for int4/H4096/I1536/G32 (written to the package's configs.json)"
+  timeout 300 "$py" -m tiermoe.cli bench tune-moe --hidden 4096 --inter 1536 --experts 128 --top-k 8 --group-size 32 \
+    --time-budget 150 > "$out/tune.json" 2>&1
+  tail -12 "$out/tune.json"
+  cp src/tiermoe/kernels/triton/configs.json "$out/configs.json"
+fi
+
+if want store; then
+  log "store"
+  [ -f "$store/store/manifest.json" ] || "$py" -m tiermoe.cli bench make-qwen3moe "$store" --layers 24 --formats store \
+    --force 2>&1 | grep -v '%|' | tail -2
+fi
+
+want serve && for attn in ${ATTENTIONS:-sdpa paged}; do
   log "server + sweep, decode attention $attn"
   "$py" -m tiermoe.cli serve "$store/store" --host 127.0.0.1 --port 8111 --served-model-name qwen3moe-synthetic \
     --max-model-len 20480 --max-num-seqs 4 "${flags[@]}" --cpu-lane-threads 16 --decode-attention "$attn" \
@@ -61,6 +80,7 @@ for attn in ${ATTENTIONS:-sdpa paged}; do
   grep "ms/token" "$out/thread-check-$attn.txt"
 done
 
+want profile || { log "done"; exit 0; }
 log "profile"
 timeout 240 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile" "${flags[@]}" --compare-eager --prefill-tokens 4000 > "$out/profile.log" 2>&1
 grep -E "wall per|busy|engine built|prefill" "$out/profile.log"
