@@ -18,7 +18,9 @@ class SeqSlice:
     q_start: int  # first token of this sequence in the flat stream
     q_len: int  # tokens computed this step
     ctx_len: int  # tokens in the KV cache after this step (= past + q_len)
-    kv_index: torch.Tensor  # [ctx_len] flat cache slots of the whole context, in order
+    # [ctx_len] flat cache slots of the whole context, in order; None when the step carries block
+    # tables instead (paged decode attention reads those; nothing else would use it)
+    kv_index: torch.Tensor | None
     slot: int = 0  # sequence slot (for per-sequence recurrent state in some families)
 
 
@@ -58,7 +60,8 @@ def build_forward_batch(
     seqs: list[SeqSlice] = []
     logits_rows: list[int] = []
     offsets = torch.arange(page_size, dtype=torch.long)  # [page_size]
-    for new_ids, past, pages, seq_slot in chunks:
+    table = torch.zeros(len(chunks), table_blocks, dtype=torch.int32) if table_blocks else None  # [B, blocks]
+    for b, (new_ids, past, pages, seq_slot) in enumerate(chunks):
         q_start, q_len = len(ids), len(new_ids)
         ctx = past + q_len
         # flat slot of position p = pages[p // page_size] * page_size + p % page_size, built with
@@ -69,7 +72,15 @@ def build_forward_batch(
         ids.extend(new_ids)
         positions.extend(range(past, ctx))
         slots.extend(flat[past:].tolist())
-        kv_index = flat.to(device)
+        kv_index = None
+        if table is None:
+            kv_index = flat.to(device)
+        elif q_len != 1:
+            raise ValueError("block tables are built for pure decode steps (one new token per sequence)")
+        elif len(used) > table_blocks:
+            raise ValueError(f"context of {ctx} tokens needs {len(used)} blocks > table width {table_blocks}")
+        else:
+            table[b, : len(used)] = used
         seqs.append(SeqSlice(q_start, q_len, ctx, kv_index, seq_slot))
         if all_logits:
             logits_rows.extend(range(q_start, q_start + q_len))
@@ -77,15 +88,7 @@ def build_forward_batch(
             logits_rows.append(q_start + q_len - 1)
     as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
     batch = ForwardBatch(as_long(ids), as_long(positions), as_long(slots), seqs, as_long(logits_rows))
-    if table_blocks:
-        if any(s.q_len != 1 for s in seqs):
-            raise ValueError("block tables are built for pure decode steps (one new token per sequence)")
-        table = torch.zeros(len(chunks), table_blocks, dtype=torch.int32)  # [B, table_blocks]
-        for b, (_, _, pages, _) in enumerate(chunks):
-            used = -(-seqs[b].ctx_len // page_size)
-            if used > table_blocks:
-                raise ValueError(f"context of {seqs[b].ctx_len} tokens needs {used} blocks > table width {table_blocks}")
-            table[b, :used] = torch.tensor(pages[:used], dtype=torch.int32)
+    if table is not None:
         batch.block_table = table.to(device)
         batch.seq_lens = torch.tensor([s.ctx_len for s in seqs], dtype=torch.int32, device=device)
     return batch

@@ -26,7 +26,7 @@ import os
 import torch
 
 from tiermoe.engine.protocol import TokenLogprob
-from tiermoe.models.batch import build_forward_batch
+from tiermoe.models.batch import ForwardBatch, build_forward_batch
 from tiermoe.runner.sampler import SampleResult, SampleRow, bias_tensors, sample
 from tiermoe.runner.speculative import draft_cache_shapes, make_drafter
 from tiermoe.runner.structured import GrammarBackend, RequestGrammar
@@ -111,27 +111,17 @@ class ModelRunner:
         include these steps.
         """
         pool = next(iter(self.kv_caches[0].values())).shape[0]  # KV pages
-        backend = getattr(self.model, "expert_backend", None)
         steps = 0
-
-        def run(chunks, decode: bool) -> None:
-            batch = build_forward_batch(chunks, self.page_size, self.device,
-                                        table_blocks=self.table_blocks if decode else 0)  # fmt: skip
-            if hasattr(backend, "begin_step"):
-                backend.begin_step(batch.num_tokens, decode=decode)
-            if not (decode and self.graphs is not None and self.graphs.run(batch) is not None):
-                self.model(batch, self.kv_caches)
-
         n = 1
         while n <= max_chunk:
             need = -(-n // self.page_size)
             if need > pool:
                 break
-            run([([0] * n, 0, list(range(pool - need, pool)), 0)], decode=False)
+            self._forward_chunks([([0] * n, 0, list(range(pool - need, pool)), 0)], decode=False)
             steps, n = steps + 1, n * 2
         for b in range(1, min(max_batch, pool) + 1):
             for _ in range(2):  # the first compiles (and is seen), the second records its graph
-                run([([0], 0, [pool - 1 - i], i) for i in range(b)], decode=True)
+                self._forward_chunks([([0], 0, [pool - 1 - i], i) for i in range(b)], decode=True)
                 steps += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -199,15 +189,25 @@ class ModelRunner:
             d = drafts.get(i, [])
             chunks.append((req.all_ids[req.num_computed : req.num_computed + n - len(d)] + d, req.num_computed,
                            req.pages, req.slot))
-        pure_decode = not drafts and all(n == 1 for _, n in items)
-        batch = build_forward_batch(chunks, self.page_size, self.device, all_logits=all_logits,
-                                    table_blocks=self.table_blocks if pure_decode else 0)
+        decode = all(n - len(drafts.get(i, ())) == 1 for i, (_, n) in enumerate(items))  # one known token each
+        if drafts:  # verified sequences keep per-token recurrent state for the rollback
+            batch = build_forward_batch(chunks, self.page_size, self.device, all_logits=all_logits)
+            self._begin_step(batch, decode)
+            return batch, self.model(batch, self.kv_caches, keep_states=[i in drafts for i in range(len(items))])
+        return self._forward_chunks(chunks, decode, all_logits)
+
+    def _begin_step(self, batch: ForwardBatch, decode: bool) -> None:
         backend = getattr(self.model, "expert_backend", None)
         if hasattr(backend, "begin_step"):
-            backend.begin_step(batch.num_tokens, decode=all(n - len(drafts.get(i, ())) == 1 for i, (_, n) in enumerate(items)))
-        if drafts:  # verified sequences keep per-token recurrent state for the rollback
-            return batch, self.model(batch, self.kv_caches, keep_states=[i in drafts for i in range(len(items))])
-        if self.graphs is not None and batch.num_tokens == len(items):  # pure decode: one token each
+            backend.begin_step(batch.num_tokens, decode=decode)
+
+    def _forward_chunks(self, chunks: list, decode: bool, all_logits: bool = False) -> tuple[ForwardBatch, torch.Tensor]:
+        """One forward without drafts: a pure decode step through its block tables and graphs
+        when those are on, anything else eagerly. Returns (batch, hidden [T, H])."""
+        batch = build_forward_batch(chunks, self.page_size, self.device, all_logits=all_logits,
+                                    table_blocks=self.table_blocks if decode else 0)
+        self._begin_step(batch, decode)
+        if decode and self.graphs is not None:
             hidden = self.graphs.run(batch)
             if hidden is not None:
                 return batch, hidden
