@@ -66,10 +66,11 @@ def test_paged_decode_attention_leaves_nothing_to_break_at(tiny_dir):
     no attention core breaks the capture, so a step records as one graph."""
     from tiermoe.models.loader import load_model
 
-    lm = load_model(tiny_dir("glm4_moe"), device="cpu", dtype=torch.float32)
-    caches = [{n: torch.zeros(8, 16, *shp) for n, shp in s.items()} for s in lm.cache_shapes()]
-    lm(build_forward_batch([([5, 17, 33, 64], 0, [3], 0), ([9, 11], 0, [5], 1)], 16, "cpu"), caches)
-    step = build_forward_batch([([101], 4, [3], 0), ([7], 2, [5], 1)], 16, "cpu", table_blocks=4)
+    dev = "cuda" if ON_GPU else "cpu"  # the paged kernel runs on CUDA or through the interpreter
+    lm = load_model(tiny_dir("glm4_moe"), device=dev, dtype=torch.float32)
+    caches = [{n: torch.zeros(8, 16, *shp, device=dev) for n, shp in s.items()} for s in lm.cache_shapes()]
+    lm(build_forward_batch([([5, 17, 33, 64], 0, [3], 0), ([9, 11], 0, [5], 1)], 16, dev), caches)
+    step = build_forward_batch([([101], 4, [3], 0), ([7], 2, [5], 1)], 16, dev, table_blocks=4)
     assert step.block_table.tolist() == [[3, 0, 0, 0], [5, 0, 0, 0]] and step.seq_lens.tolist() == [5, 3]
     rec = _PassThrough()
     graph_break.set_recorder(rec)

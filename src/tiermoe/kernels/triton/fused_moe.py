@@ -56,8 +56,24 @@ def _scales(s_ptrs, k0, k_rows, G: tl.constexpr, BK: tl.constexpr):
     32, where a K tile capped at the group size leaves tensor-core dots of K = 16) gathers the
     scale of each of its rows: [rows, BN]. Either way each weight is q * its group's scale.
     """
+    # Two helpers, not two returns: the compiler wants one return type per function even when
+    # the branch is decided at compile time.
     if BK > G:
-        return tl.load(s_ptrs[None, :] + ((k0 + k_rows) // G)[:, None]).to(tl.float32)
+        s = _scales_per_row(s_ptrs, k0, k_rows, G)
+    else:
+        s = _scales_per_tile(s_ptrs, k0, G)
+    return s
+
+
+@triton.jit
+def _scales_per_row(s_ptrs, k0, k_rows, G: tl.constexpr):
+    """[rows, BN] fp32: the scale of each tile row's group (tiles spanning several groups)."""
+    return tl.load(s_ptrs[None, :] + ((k0 + k_rows) // G)[:, None]).to(tl.float32)
+
+
+@triton.jit
+def _scales_per_tile(s_ptrs, k0, G: tl.constexpr):
+    """[1, BN] fp32: one scale per output row (a tile within one group)."""
     return tl.load(s_ptrs + k0 // G).to(tl.float32)[None, :]
 
 
