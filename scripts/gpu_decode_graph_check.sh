@@ -15,7 +15,7 @@
 #      and with two prefill staging buffers (copies one layer ahead, --prefill-staging-gb 1.75)
 #   5. the same profile with misses read in place instead of staged (TIERMOE_DEVICE_CACHE_STAGE=0)
 # Environment: STORE ($HOME/sbs-graph-model), MAX_TOKENS (256), ATTENTIONS ("sdpa paged"),
-# PYTHON (python3), THREAD_CHECK (1: run engine_thread_check after each sweep), USE_TUNED (1: a
+# SERVE_FLAGS (more `tiermoe serve` flags, e.g. "--prefill-staging-gb 1.75"), PYTHON (python3), THREAD_CHECK (1: run engine_thread_check after each sweep), USE_TUNED (1: a
 # configs.json tuned by an earlier call on this machine replaces the working copy's), STEPS ("tests tune store serve profile": any subset, in that order; the whole
 # script runs longer than one 10-minute call, so split it, e.g. STEPS="tests tune store serve" then
 # STEPS="profile" while the machine is still warm). `tune` rewrites the package's configs.json in
@@ -64,7 +64,7 @@ want serve && for attn in ${ATTENTIONS:-sdpa paged}; do
   log "server + sweep, decode attention $attn"
   "$py" -m tiermoe.cli serve "$store/store" --host 127.0.0.1 --port 8111 --served-model-name qwen3moe-synthetic \
     --max-model-len 20480 --max-num-seqs 4 "${flags[@]}" --cpu-lane-threads 16 --decode-attention "$attn" \
-    > "$out/server-$attn.log" 2>&1 &
+    ${SERVE_FLAGS:-} > "$out/server-$attn.log" 2>&1 &
   pid=$!
   for _ in $(seq 1 150); do
     get http://127.0.0.1:8111/health > /dev/null 2>&1 && break

@@ -144,4 +144,6 @@ def test_k_tiles_spanning_several_groups_match_twin(kind, tokens, device):
     out = F.fused_moe(x, ids, w, table, lay, config=wide)
     ref = R.fused_moe_ref(x, ids, w, recs, lay)
     assert _rel(out, ref) < 2e-2
+    if kind == "int4" and device.type == "cuda":
+        return  # int4 tiles of BK = G = 16 make dots of K = 8, under the GPU's minimum of 16
     assert _rel(out, F.fused_moe(x, ids, w, table, lay, config=narrow)) < 1e-2

@@ -99,6 +99,18 @@ def test_cpu_engine_stays_eager(tiny_dir):
 
     eng = build_engine_core(str(tiny_dir("glm4_moe")), device="cpu", max_num_seqs=2, options={})
     assert eng.runner.graphs is None
+    assert eng.stats()["decode_attention"] == "sdpa"  # auto: the paged kernel only on CUDA
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA (TIERMOE_KERNEL_TESTS_ON_GPU=1)")
+def test_auto_decode_attention_is_paged_where_the_model_allows(tiny_dir):
+    """The default (auto) picks the paged kernel for grouped-query attention on CUDA and falls
+    back to SDPA, without an error, for latent attention (no paged kernel)."""
+    from tiermoe.engine.build import build_engine_core
+
+    for arch, want in (("glm4_moe", "paged"), ("deepseek_v3", "sdpa")):
+        eng = build_engine_core(str(tiny_dir(arch)), device="cuda", max_num_seqs=2, options={})
+        assert eng.stats()["decode_attention"] == want, arch
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA (TIERMOE_KERNEL_TESTS_ON_GPU=1)")

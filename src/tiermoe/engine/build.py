@@ -38,10 +38,10 @@ def add_sizing_args(p, max_num_seqs: int = 8) -> None:
     p.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never replay decode steps from CUDA graphs (default: captured where the model allows)")
-    p.add_argument("--decode-attention", choices=("sdpa", "paged"), default="sdpa",
-                   help="attention of decode steps: sdpa (torch, per sequence; default) or paged (Triton kernel over "
-                        "block tables, static shapes: a whole decode step in one CUDA graph; grouped-query "
-                        "attention only)")  # fmt: skip
+    p.add_argument("--decode-attention", choices=("auto", "sdpa", "paged"), default="auto",
+                   help="attention of decode steps: paged (Triton kernel over block tables, static shapes: a whole "
+                        "decode step in one CUDA graph; grouped-query attention only), sdpa (torch, per sequence) "
+                        "or auto (default: paged on a CUDA device where the model allows, else sdpa)")  # fmt: skip
     p.add_argument("--num-speculative-tokens", type=int, default=0, choices=(0, 1, 2),
                    help="MTP draft tokens verified per greedy decode step (0: off; models with an MTP head)")
 
@@ -148,10 +148,13 @@ def build_engine_core(model: str | None, *, device: str | None = None, dtype: st
     engine = LLMEngine(lm, tokenizer, max_model_len=ctx, max_num_seqs=max_num_seqs, max_batched_tokens=budget,
                        num_pages=num_pages, page_size=PAGE_SIZE, model_info={"arch": spec.arch, "name": path.name},
                        seed=options.get("seed"), num_speculative_tokens=options.get("num_speculative_tokens") or 0)
-    if options.get("decode_attention") == "paged":
+    attention = options.get("decode_attention") or "auto"
+    if attention == "paged" or (attention == "auto" and dev != "cpu"):
         why = engine.runner.use_paged_decode_attention(ctx)
-        if why is not None:
+        if why is not None and attention == "paged":
             raise UserError(f"--decode-attention paged: {why}")
+        if why is not None:
+            log.info("decode attention: sdpa (%s)", why)
     if not options.get("enforce_eager") and dev != "cpu":
         why = engine.runner.enable_decode_graphs(max_num_seqs)
         log.info("decode steps: %s", "CUDA graphs" if why is None else f"eager ({why})")

@@ -120,8 +120,9 @@ def tune(layout: ExpertLayout, records: torch.Tensor, pop: torch.Tensor, top_k: 
 
     dec, dec_t = search("decode", default_config(layout, 1), _decode_candidates(layout), dec_timer)
     log(f"tune decode: {dec} ({dec_t * 1e6:.1f} us for T=1 + T=4)")
-    pre_best, pre_t = None, float("inf")
+    pre_best, pre_t, pre_default_t = None, float("inf"), None
     if prefill_tokens:
+        pre_default_t = _time_prefill(layout, table, pop, top_k, default_config(layout, prefill_tokens), prefill_tokens, gen)
         for bm in (64, 128):
             base = default_config(layout, prefill_tokens)
             base = {s: {**c, "BM": bm} for s, c in base.items()}
@@ -131,7 +132,8 @@ def tune(layout: ExpertLayout, records: torch.Tensor, pop: torch.Tensor, top_k: 
                 pre_best, pre_t = cfg, t
         log(f"tune prefill: {pre_best} ({pre_t * 1e3:.2f} ms per {prefill_tokens}-token layer)")
     out = {"decode": dec, "prefill": pre_best or default_config(layout, max(prefill_tokens, 17))}
-    return out, {"decode_s": dec_t, "prefill_s": pre_t if pre_best else None, "trials": report}
+    defaults = {"decode_s": report["decode"][0]["s"], "prefill_s": pre_default_t}  # what untuned shapes get
+    return out, {"decode_s": dec_t, "prefill_s": pre_t if pre_best else None, "default": defaults, "trials": report}
 
 
 def save_configs(path: str | Path, device_name: str, layout: ExpertLayout, cfgs: dict, base: str | Path = CONFIG_PATH) -> None:
