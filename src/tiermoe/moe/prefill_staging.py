@@ -51,8 +51,10 @@ class PrefillStaging:
         self.planned_chunks = 0  # chunks planned once (no host sync per layer)
 
     def _buf(self, i: int) -> torch.Tensor:
-        while len(self._bufs) <= i:
-            self._bufs.append(torch.empty(max(1, self.rows), self.record_bytes, dtype=torch.uint8, device=self.device))
+        while len(self._bufs) <= i:  # a plain tensor even when the first user (warm-up) runs in inference mode
+            with torch.inference_mode(False):
+                buf = torch.empty(max(1, self.rows), self.record_bytes, dtype=torch.uint8, device=self.device)
+            self._bufs.append(buf)
         return self._bufs[i]
 
     # -- per chunk ------------------------------------------------------------------------------
