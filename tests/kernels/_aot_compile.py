@@ -1,0 +1,338 @@
+"""Compile every Triton kernel the package launches for real CUDA targets, without a GPU.
+
+Run by test_compile_targets.py as a script in a process of its own, with TRITON_INTERPRET=0:
+`triton.jit` picks the interpreter or the compiler when a kernel is decorated, and the test
+process has the interpreter on.
+
+1. Record: `JITFunction.run` is replaced by a recorder, then the package's own wrappers
+   (fused_moe, paged_decode_attention, ExpertCache.step, gather_records, Mailbox.post and
+   wait_add) are called on small CPU tensors. Each launch is kept (kernel, arguments,
+   constexprs, num_warps/num_stages) instead of run, so the argument types and launch
+   configurations are exactly what those wrappers pass on a GPU without a tuned entry in
+   configs.json; the entries tuned for a device are recorded for that device's target only.
+2. Compile: each distinct launch goes through Triton's own `JITFunction.run(warmup=True)`
+   against a stand-in driver that reports the target GPU, so Triton specialises the
+   arguments as a real launch would (16-byte alignment, integers equal to 1) before compiling
+   to a cubin with ptxas. That matters: alignment decides whether loads are pipelined through
+   shared memory, so a hand-written signature would understate the shared memory a launch needs.
+
+Usage: TRITON_INTERPRET=0 python _aot_compile.py OUT.json   (writes this report as JSON)
+  {"targets": [...], "launches": recorded, "variants": distinct, "errors": [wrapper calls that raised],
+   "results": [{"kernel", "variant", "scenario", "target", "shared" (bytes), "seconds", "error"}]}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction
+
+from tiermoe.kernels.layout import expert_layout
+from tiermoe.kernels.triton import fused_moe as fm
+from tiermoe.kernels.triton.cache_manager import ExpertCache, gather_records
+from tiermoe.kernels.triton.mailbox import Mailbox
+from tiermoe.kernels.triton.paged_attention import paged_decode_attention
+
+# compute capability of each target; sm_86 / sm_89: RTX 3090 / 4090, sm_90: H100 / H200
+TARGETS = {"sm_90": 90, "sm_89": 89, "sm_86": 86}
+# devices that configs.json may hold tuned entries for -> the target those entries run on
+TUNED_DEVICE_TARGETS = {
+    "NVIDIA H200": "sm_90",
+    "NVIDIA H100 80GB HBM3": "sm_90",
+    "NVIDIA H100 PCIe": "sm_90",
+    "NVIDIA GeForce RTX 4090": "sm_89",
+    "NVIDIA GeForce RTX 3090": "sm_86",
+}
+HIDDEN, INTER, TOP_K, EXPERTS = 2048, 768, 8, 128  # a Qwen3-30B-A3B-sized MoE layer; one shared expert on top
+PREFILL_TOKENS = 300
+
+_REAL_RUN = JITFunction.run
+
+
+@dataclass
+class Launch:
+    kernel: JITFunction
+    args: tuple
+    kwargs: dict
+    scenario: str
+    targets: set[str] = field(default_factory=set)
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__
+
+
+class Recorder:
+    """Stands in for JITFunction.run: keeps each launch, tagged with the scenario and targets."""
+
+    def __init__(self) -> None:
+        self.launches: list[Launch] = []
+        self.scenario, self.targets = "", tuple(TARGETS)
+
+    def run(self, kernel: JITFunction, *args, grid, warmup, **kwargs) -> None:
+        self.launches.append(Launch(kernel, args, kwargs, self.scenario, set(self.targets)))
+
+    @contextlib.contextmanager
+    def tagged(self, scenario: str, targets: tuple[str, ...] = tuple(TARGETS)):
+        self.scenario, self.targets = scenario, targets
+        try:
+            yield
+        finally:
+            self.scenario, self.targets = "", tuple(TARGETS)
+
+
+# ----------------------------------------------------------------------------- scenarios
+
+
+def _moe(layout, tokens: int, config: dict | None = None, swiglu_limit: float | None = None) -> None:
+    """One fused_moe call: TOP_K routed picks per token plus the shared expert (table row EXPERTS)."""
+    ids = (torch.arange(tokens)[:, None] + torch.arange(TOP_K)[None, :]) % EXPERTS
+    ids = torch.cat([ids, torch.full((tokens, 1), EXPERTS)], 1).to(torch.int32)  # [T, K + 1]
+    x = torch.zeros(tokens, layout.hidden, dtype=torch.bfloat16)
+    w = torch.ones(tokens, TOP_K + 1)
+    table = torch.zeros(EXPERTS + 1, dtype=torch.int64)
+    fm.fused_moe(x, ids, w, table, layout, config=config, swiglu_limit=swiglu_limit)
+
+
+def fused_moe_defaults(rec: Recorder) -> None:
+    """Default launch configurations (a device without a tuned entry) of every record kind, at
+    decode (1 and 8 tokens: the one-program align kernel at 9 and 72 picks) and prefill sizes.
+    int4 with the SwiGLU clamp of GLM models, the others without."""
+    for kind, group in (("bf16", 0), ("int4", 128), ("int8", 128)):
+        layout = expert_layout(kind, HIDDEN, INTER, group)
+        with rec.tagged(f"fused_moe {kind} G{group} default configs"):
+            for tokens in (1, 8, PREFILL_TOKENS):
+                _moe(layout, tokens, swiglu_limit=10.0 if kind == "int4" else None)
+
+
+def fused_moe_k_tiles_spanning_groups(rec: Recorder) -> None:
+    """int4 with groups of 32 (Q4_0 checkpoints) and the default tile shapes with K tiles of
+    128 (decode) and 64 (prefill), each spanning several groups: the per-row scale path."""
+    layout = expert_layout("int4", HIDDEN, INTER, 32)
+    with rec.tagged("fused_moe int4 G32, K tiles spanning groups"):
+        for tokens, bk in ((1, 128), (PREFILL_TOKENS, 64)):
+            cfg = {stage: {**c, "BK": bk} for stage, c in fm.default_config(layout, tokens).items()}
+            _moe(layout, tokens, config=cfg)
+
+
+def _layout_from_key(key: str):
+    """Inverse of fused_moe.shape_key: 'int4/H4096/I2048/G128' -> ExpertLayout."""
+    kind, h, i, g = key.split("/")
+    return expert_layout(kind, int(h[1:]), int(i[1:]), int(g[1:]))
+
+
+def fused_moe_tuned(rec: Recorder) -> None:
+    """Every configuration tuned in configs.json, on its device's target only."""
+    devices = json.loads(fm.CONFIG_PATH.read_text()).get("devices", {})
+    for device, shapes in devices.items():
+        if device not in TUNED_DEVICE_TARGETS:
+            raise KeyError(f"configs.json has configs tuned for {device!r}: add its target to TUNED_DEVICE_TARGETS")
+        for key, buckets in shapes.items():
+            for bucket, cfg in buckets.items():
+                with rec.tagged(f"fused_moe {key} {bucket} tuned for {device}", (TUNED_DEVICE_TARGETS[device],)):
+                    _moe(_layout_from_key(key), 1 if bucket == "decode" else PREFILL_TOKENS, config=cfg)
+
+
+def paged_attention(rec: Recorder) -> None:
+    """Decode attention of a 32/4-head, D=128 model (bf16), and of the embedded default model
+    (9/3 heads, D=64) in bf16 and in fp32 (exact fp32 dots); 16-token pages, 4096 positions."""
+    page, max_blocks, batch = 16, 256, 4
+    for hq, hk, dim, dtype in ((32, 4, 128, torch.bfloat16), (9, 3, 64, torch.bfloat16), (9, 3, 64, torch.float32)):
+        q = torch.zeros(batch, hq, dim, dtype=dtype)
+        kv = torch.zeros(8 * page, hk, dim, dtype=dtype)
+        table = torch.zeros(batch, max_blocks, dtype=torch.int32)
+        lens = torch.ones(batch, dtype=torch.int32)
+        with rec.tagged(f"paged attention Hq{hq}/Hk{hk}/D{dim} {str(dtype)[6:]}"):
+            paged_decode_attention(q, kv, kv, table, lens, dim**-0.5, page)
+
+
+def expert_cache(rec: Recorder) -> None:
+    """One layer's cache step at 1 and 16 tokens (128 picks: the largest step moe/device_cache
+    runs), then the record gather with each chunk size the bandwidth probe sweeps (a 2 MiB
+    record: a multiple of them all)."""
+    record = 2 << 20
+    slots = torch.empty(64, 16, dtype=torch.uint8)  # stands in for GPU slots: only the address is used
+    scratch = torch.empty(64, 16, dtype=torch.uint8)
+    host = torch.arange(EXPERTS, dtype=torch.int64) * record
+    cache = ExpertCache(host, slots.data_ptr(), 64, record, extra_ptrs=torch.zeros(1, dtype=torch.int64),
+                        max_picks=128, scratch_base=scratch.data_ptr(), scratch_slots=64)  # fmt: skip
+    with rec.tagged("expert cache step + gather"):
+        for tokens in (1, 16):
+            cache.step((torch.arange(tokens)[:, None] + torch.arange(TOP_K)[None, :]) % EXPERTS)
+        for chunk in (4096, 16384, 32768):
+            gather_records(cache.copy_src, cache.copy_dst, cache.n_copy, record, chunk_bytes=chunk)
+
+
+def mailbox(rec: Recorder) -> None:
+    """post and wait_add with bf16 and fp32 rows, through the inline-PTX path a CUDA mailbox takes."""
+    mb = Mailbox(2, HIDDEN, 16, "cpu")
+    mb._asm = True  # a mailbox on a CUDA device publishes and polls with inline PTX (CPU: atomics)
+    with rec.tagged("mailbox post + wait_add"):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.zeros(4, HIDDEN, dtype=dtype)
+            mb.post(0, x)
+            mb.wait_add(0, x)
+
+
+SCENARIOS = (fused_moe_defaults, fused_moe_k_tiles_spanning_groups, fused_moe_tuned, paged_attention,
+             expert_cache, mailbox)  # fmt: skip
+
+
+def record() -> tuple[list[Launch], list[str]]:
+    """Every launch of every scenario (JITFunction.run swapped for the recorder meanwhile)."""
+    rec, errors = Recorder(), []
+
+    def recorded_run(kernel, *args, grid, warmup, **kwargs):
+        rec.run(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+
+    JITFunction.run = recorded_run
+    try:
+        for scenario in SCENARIOS:
+            try:
+                scenario(rec)
+            except Exception:  # noqa: BLE001 - reported, and the other scenarios still run
+                errors.append(f"{scenario.__name__}: {traceback.format_exc(limit=4)}")
+    finally:
+        JITFunction.run = _REAL_RUN
+    return rec.launches, errors
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+           torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}  # fmt: skip
+
+
+def _arg_type(value, specialize: bool = True) -> str:
+    """What Triton specialises a runtime argument on: its type, 16-alignment, and ints equal to 1
+    (only its type for parameters marked do_not_specialize)."""
+    if isinstance(value, torch.Tensor):
+        dtype = _DTYPES.get(value.dtype, str(value.dtype))
+        return f"*{dtype}" + ("" if value.data_ptr() % 16 == 0 else " (unaligned)")
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        if value == 1 and specialize:
+            return "1"
+        kind = "i32" if -(2**31) <= value < 2**31 else "i64" if -(2**63) <= value < 2**63 else "u64"
+        return kind + (":16" if value % 16 == 0 and specialize else "")
+    if isinstance(value, float):
+        return "fp32"
+    return repr(value)
+
+
+def describe(launch: Launch) -> tuple[str, tuple]:
+    """(human-readable variant, dedupe key): runtime argument types, constexprs and options."""
+    fn = launch.kernel
+    names = [p.name for p in fn.params]
+    bound = inspect.signature(fn.fn).bind(*launch.args, **{k: v for k, v in launch.kwargs.items() if k in names})
+    bound.apply_defaults()
+    types = [f"{p.name}: {_arg_type(bound.arguments[p.name], not p.do_not_specialize)}"
+             for p in fn.params if not p.is_constexpr]  # fmt: skip
+    consts = [f"{p.name}={bound.arguments[p.name]!r}" for p in fn.params if p.is_constexpr]
+    opts = [f"{k}={v!r}" for k, v in sorted(launch.kwargs.items()) if k not in names]
+    text = f"{launch.name}[{', '.join(opts)}]({', '.join(consts)}) ({', '.join(types)})"
+    return text, (launch.name, tuple(types), tuple(consts), tuple(opts))
+
+
+def distinct(launches: list[Launch]) -> list[tuple[str, Launch]]:
+    """One launch per distinct variant; the targets of duplicates are merged."""
+    seen: dict[tuple, tuple[str, Launch]] = {}
+    for launch in launches:
+        text, key = describe(launch)
+        if key in seen:
+            seen[key][1].targets |= launch.targets
+        else:
+            seen[key] = (text, Launch(launch.kernel, launch.args, launch.kwargs, launch.scenario, set(launch.targets)))
+    return list(seen.values())
+
+
+# ----------------------------------------------------------------------------- compile
+
+
+class TargetDriver:
+    """The part of a GPU driver that JITFunction.run asks before compiling: which GPU is current."""
+
+    def __init__(self, capability: int) -> None:
+        self.capability = capability
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", self.capability, 32)
+
+    def get_current_device(self) -> int:
+        return self.capability  # one kernel cache per target
+
+    def get_current_stream(self, device: int) -> int:
+        return 0
+
+
+def error_text(exc: BaseException) -> str:
+    """The exception and its causes, innermost (the reason) first; each is cut to its first
+    line and the last three (for a CompilationError: where, and the offending source line)."""
+    chain: list[BaseException] = []
+    while exc is not None and len(chain) < 8:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    parts = []
+    for e in reversed(chain):
+        lines = str(e).strip().splitlines() or [""]
+        lines = lines if len(lines) <= 4 else [lines[0], "...", *lines[-3:]]
+        parts.append(f"{type(e).__name__}: " + "\n    ".join(lines))
+    return "\n".join(parts)[:4000]
+
+
+_VARIANTS: list[tuple[str, Launch]] = []  # filled before the worker processes fork
+
+
+def compile_one(task: tuple[int, str]) -> dict:
+    """Compile variant `index` for `target` through Triton's launch path (warmup: no launch)."""
+    index, target = task
+    text, launch = _VARIANTS[index]
+    driver.set_active(TargetDriver(TARGETS[target]))
+    row = {"kernel": launch.name, "variant": text, "scenario": launch.scenario, "target": target}
+    start = time.perf_counter()
+    try:
+        kernel = _REAL_RUN(launch.kernel, *launch.args, grid=(1,), warmup=True, **launch.kwargs)
+        row.update(shared=int(kernel.metadata.shared), error=None)
+    except Exception as exc:  # noqa: BLE001 - a compile error is the finding
+        row.update(shared=None, error=error_text(exc))
+    row["seconds"] = round(time.perf_counter() - start, 2)
+    return row
+
+
+def compile_all(variants: list[tuple[str, Launch]], processes: int) -> list[dict]:
+    _VARIANTS[:] = variants
+    tasks = [(i, t) for i, (_, launch) in enumerate(variants) for t in TARGETS if t in launch.targets]
+    tasks.sort(key=lambda task: variants[task[0]][1].name != "_moe_gemm_kernel")  # the slow ones first
+    if processes <= 1:
+        return [compile_one(task) for task in tasks]
+    with multiprocessing.get_context("fork").Pool(processes) as pool:
+        return list(pool.imap_unordered(compile_one, tasks))
+
+
+def main(out_path: str) -> None:
+    if os.environ.get("TRITON_INTERPRET") != "0":  # read when the kernels were decorated, at import
+        sys.exit("run with TRITON_INTERPRET=0: the kernels must be compiled, not interpreted")
+    launches, errors = record()
+    variants = distinct(launches)
+    results = compile_all(variants, processes=min(2, os.cpu_count() or 1))
+    report = {"targets": list(TARGETS), "launches": len(launches), "variants": len(variants), "errors": errors,
+              "results": results}  # fmt: skip
+    with open(out_path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
