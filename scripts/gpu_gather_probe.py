@@ -44,6 +44,13 @@ def main() -> int:
     dst = torch.empty(16, r, dtype=torch.uint8, device=dev)
     dst_addr = torch.tensor([dst[i].data_ptr() for i in range(16)], dtype=torch.int64, device=dev)
     rnd = random.Random(0)
+    # Warm the link and clocks first: the first timed case read 8.0 and 10.1 GB/s in two runs
+    # (docs/results.md sections 15-16) while the same case on other memory read 48-49.
+    warm_src = torch.tensor([e.data_ptr() for e in kinds["store arena"][:16]], dtype=torch.int64, device=dev)
+    warm_cnt = torch.tensor([16], dtype=torch.int32, device=dev)
+    for _ in range(20):
+        gather_records(warm_src, dst_addr, warm_cnt, r)
+    torch.cuda.synchronize()
     print(f"record {r} bytes, {n} records per kind")
     print("| memory | records per call | gather kernel GB/s | copy engine GB/s |")
     print("|---|---|---|---|")
