@@ -154,6 +154,47 @@ def test_planned_prefill_staging_is_bit_identical(stores, monkeypatch, rows, buf
     assert c["cache_steps"] == 0 and c["lookups"] == 0
 
 
+@pytest.mark.parametrize("rows", [None, 3])
+def test_slots_lent_to_prefill_staging_come_back(stores, monkeypatch, rows):
+    """--prefill-borrow-slots: planned chunks stage one layer ahead in a second buffer made of
+    the last slots (a whole layer's, or part of one with rows=3); the same bits as the store-
+    managed path, and the first decode step finds every slot, table entry and record as before."""
+    import tiermoe.moe.prefill_staging as staging
+
+    monkeypatch.setattr(staging, "STAGE_ALL_TOKENS", 70)
+    path, rec = stores["int4"]
+    steps = [(70, 1, True), (70, 2, True), (69, 3, True), (70, 4, True), (1, 6, False)]  # the last: decode
+    with _host_store(path, rec) as st:
+        be = TritonExperts(st)
+        ref = [be.forward(layer, *moe_batch(t, seed)).cpu() for t, seed, _ in steps for layer in LAYERS]
+    with _host_store(path, rec) as st:
+        dc = DeviceCacheExperts(st, 4 * 2 + 2, rates={}, top_k=2, max_tokens=1, prefill_rows=rows,
+                                borrow_slots=True)  # fmt: skip
+        lender = dc.prefill.lender
+        assert dc.prefill.num_buffers == 2 and lender.rows == (rows or 4) and dc.prefill_rows == (rows or 4)
+        for layer in LAYERS:  # every slot full, so a loan really empties some
+            dc.caches[layer].step(torch.arange(4, device=DEVICE).reshape(2, 2) + 4 * (layer - 1))
+        before = {layer: {n: t.clone() for n, t in dc.caches[layer].state().items()} for layer in LAYERS}
+        arena = dc.arena.clone()
+        got = []
+        for t, seed, planned in steps:
+            decode = not planned
+            dc.begin_step(t, decode=decode)
+            if planned and t >= 70:
+                assert lender.lent and (dc.caches[2].slot_expert[-1] < 0).item()  # layer 2's last slot is out
+            if decode:
+                assert not lender.lent
+                for layer in LAYERS:
+                    now = dc.caches[layer].state()
+                    for name in ("slot_expert", "expert_slot", "ptr_table", "ref"):
+                        assert torch.equal(now[name], before[layer][name]), (layer, name)
+                assert torch.equal(dc.arena, arena)  # the lent slots' records copied back
+            got += [dc.forward(layer, *moe_batch(t, seed), decode=decode).cpu() for layer in LAYERS]
+        c = dc.counters()
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert c["prefill_loans"] == 2 and c["prefill_borrowed_rows"] == (rows or 4) and c["prefill_planned_chunks"] == 3
+
+
 def test_warm_start_follows_rates_and_admission_moves_slots(stores):
     """Slots start with the most picked experts by the rates given, and a decode step whose
     misses are hotter than the residents admits them (the resident set changes on the device)."""

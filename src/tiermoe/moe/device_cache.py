@@ -67,7 +67,7 @@ class DeviceCacheExperts:
     def __init__(self, store, slots: int, rates: dict[int, float], top_k: int, max_tokens: int,
                  swiglu_limit: float | None = None, config: dict | None = None,
                  max_picks: int = 128, prefill_rows: int | None = None, stage_misses: bool = True,
-                 prefill_buffers: int | None = None) -> None:  # fmt: skip
+                 prefill_buffers: int | None = None, borrow_slots: bool = False) -> None:  # fmt: skip
         from tiermoe.kernels.layout import layout_from
         from tiermoe.kernels.triton.cache_manager import ExpertCache
 
@@ -90,29 +90,44 @@ class DeviceCacheExperts:
         self.entries: dict[int, list[torch.Tensor]] = {}  # host entry of each routed expert
         self.slot_bufs: dict[int, torch.Tensor] = {}
         self.slots_per_layer: dict[int, int] = {}
+        all_entries = {}
         for i, layer in enumerate(layers):
             entries = store.host_entries(layer)
             if entries is None:
                 raise ValueError(f"layer {layer}: the host tier does not hold every routed expert")
+            all_entries[layer] = entries
+            self.slots_per_layer[layer] = min(len(entries), per_layer + (1 if i < extra else 0))
+        # every layer's slots in one arena [sum S, R], so the last rows can be lent as one buffer
+        self.arena = torch.empty(max(1, sum(self.slots_per_layer.values())), r, dtype=torch.uint8, device=dev)
+        self._arena_start: dict[int, int] = {}
+        start = 0
+        for layer in layers:
+            entries, s = all_entries[layer], self.slots_per_layer[layer]
             n = len(entries)
-            s = min(n, per_layer + (1 if i < extra else 0))
-            buf = torch.empty(max(s, 1), r, dtype=torch.uint8, device=dev)
+            buf = self.arena[start : start + s]  # [s, R] view
+            self._arena_start[layer] = start
             host_addr = torch.tensor([t.data_ptr() for t in entries], dtype=torch.int64, device=dev)  # [E]
-            cache = ExpertCache(host_addr, buf.data_ptr(), s, r, max_picks=self.max_picks,
+            cache = ExpertCache(host_addr, self.arena.data_ptr() + start * r, s, r, max_picks=self.max_picks,
                                 scratch_base=self.scratch.data_ptr(), scratch_slots=self.stage_rows)
+            start += s
             layer_rates = torch.tensor([float(rates.get(store.key(layer, e), 0.0)) for e in range(n)])  # [E]
             order = torch.argsort(layer_rates, descending=True, stable=True).tolist()
             for e, slot in cache.warm_start(order[:s]):
                 buf[slot].copy_(entries[e])
             cache.warm_frequencies(layer_rates.clamp(max=1.0).to(dev))
-            self.caches[layer], self.slot_bufs[layer], self.slots_per_layer[layer] = cache, buf, s
+            self.caches[layer], self.slot_bufs[layer] = cache, buf
             self.entries[layer] = entries
         most = max((len(self.entries[l]) - s for l, s in self.slots_per_layer.items()), default=0)
         rows = most if prefill_rows is None else max(0, int(prefill_rows))
         if prefill_buffers is None:
             prefill_buffers = 2 if most and rows >= 2 * most else 1
         self.prefill_rows = min(rows, most) if prefill_buffers == 2 or rows > most else rows  # per buffer
-        self.prefill = PrefillStaging(self.entries, self.caches, r, self.prefill_rows, prefill_buffers, dev)
+        lender = None
+        if borrow_slots and prefill_buffers == 1 and self.prefill_rows:
+            lender = SlotLender(self, min(self.prefill_rows, self.slots_total))
+            prefill_buffers = 2 if lender.rows else 1
+        self.prefill = PrefillStaging(self.entries, self.caches, r, self.prefill_rows, prefill_buffers, dev,
+                                      lender=lender if prefill_buffers == 2 else None)  # fmt: skip
         self._zero: torch.Tensor | None = None
         self.steps = 0  # layer calls that ran a cache step
         self.table_calls = 0  # layer calls served from the canonical table (prefill, large steps)
@@ -142,6 +157,9 @@ class DeviceCacheExperts:
         the canonical one (slots from HBM, the rest read in place)."""
         cache = self.caches[layer]
         if step and topk_ids.numel() <= self.max_picks:
+            lender = self.prefill.lender
+            if lender is not None and lender.lent:  # a cache decision must never meet lent slots
+                lender.give_back()
             cache.step(topk_ids)
             self.steps += 1
             return cache.step_table
@@ -198,6 +216,8 @@ class DeviceCacheExperts:
         return {**(stats or self.stats()), "slots": self.slots_total, "stage_rows": self.stage_rows,
                 "layers": len(self.caches), "cache_steps": self.steps, "table_calls": self.table_calls,
                 "lane_calls": self.lane_calls, "prefill_staged": self.prefill.staged,
+                "prefill_borrowed_rows": self.prefill.lender.rows if self.prefill.lender else 0,
+                "prefill_loans": self.prefill.lender.loans if self.prefill.lender else 0,
                 "prefill_rows": self.prefill_rows, "prefill_buffers": self.prefill.num_buffers,
                 "prefill_planned_chunks": self.prefill.planned_chunks, "kind": self.layout.kind}
 
@@ -221,3 +241,48 @@ class DeviceCacheExperts:
         per["bytes_moved"] = per.get("bytes_moved", 0.0) + s["misses"] * rec / tok  # each miss crosses PCIe once
         return c
 
+
+
+class SlotLender:
+    """Lends the last `rows` rows of the slot arena to prefill staging as its second buffer.
+
+    Two staging buffers let large prefill chunks copy one layer ahead (+31 % prefill tok/s on
+    the H200, docs/results.md section 16), but a buffer of dedicated memory is one more layer of
+    non-resident experts in HBM that decode would rather spend on slots. A loan empties the
+    slots that hold those rows (the last layers' slots: their experts point back at their host
+    copies) for the length of the prefill chunks; `give_back` puts the same experts back (tables
+    and one gather per layer, no host sync) before the next step that is not a planned chunk.
+    Outputs do not change: only where records are read from does (tests/moe/test_device_cache.py).
+    """
+
+    def __init__(self, cache: DeviceCacheExperts, rows: int) -> None:
+        self.cache, self.rows = cache, max(0, int(rows))
+        total = cache.arena.shape[0] if cache.slots_total else 0
+        self.rows = min(self.rows, total)
+        self.first = total - self.rows  # first lent arena row
+        self._held: dict[int, tuple[int, torch.Tensor]] | None = None  # layer -> (first slot, experts held)
+        self.loans = 0
+
+    @property
+    def lent(self) -> bool:
+        return self._held is not None
+
+    def borrow(self) -> torch.Tensor:
+        """Empty the lent slots (once per run of planned chunks); returns the rows [rows, R]."""
+        if self._held is None:
+            self._held = {}
+            for layer, cache in self.cache.caches.items():
+                start, s = self.cache._arena_start[layer], self.cache.slots_per_layer[layer]
+                if start + s > self.first and s:
+                    first_slot = max(0, self.first - start)
+                    self._held[layer] = (first_slot, cache.lend_slots(first_slot))
+            self.loans += 1
+        return self.cache.arena[self.first : self.first + self.rows]
+
+    def give_back(self) -> None:
+        """Put the experts back into their slots (queued on the current stream)."""
+        if self._held is None:
+            return
+        for layer, (first_slot, held) in self._held.items():
+            self.cache.caches[layer].restore_slots(first_slot, held)
+        self._held = None

@@ -34,8 +34,9 @@ class PrefillStaging:
     """
 
     def __init__(self, entries: dict[int, list[torch.Tensor]], caches: dict, record_bytes: int, rows: int,
-                 buffers: int, device: torch.device) -> None:
+                 buffers: int, device: torch.device, lender=None) -> None:
         self.entries, self.caches, self.record_bytes = entries, caches, record_bytes
+        self.lender = lender  # device_cache.SlotLender: buffer 1 is lent slots, only during planned chunks
         self.rows, self.num_buffers, self.device = max(0, int(rows)), max(1, int(buffers)), torch.device(device)
         self.layers = list(caches)
         self._bufs: list[torch.Tensor] = []  # allocated by the first chunk that stages
@@ -51,6 +52,8 @@ class PrefillStaging:
         self.planned_chunks = 0  # chunks planned once (no host sync per layer)
 
     def _buf(self, i: int) -> torch.Tensor:
+        if i == 1 and self.lender is not None:
+            return self.lender.borrow()  # [rows, R] of slots (emptied on the first call of a run of chunks)
         while len(self._bufs) <= i:  # a plain tensor even when the first user (warm-up) runs in inference mode
             with torch.inference_mode(False):
                 buf = torch.empty(max(1, self.rows), self.record_bytes, dtype=torch.uint8, device=self.device)
@@ -67,8 +70,10 @@ class PrefillStaging:
         self._plan = None
         self._wait_side()
         if tokens < STAGE_ALL_TOKENS or not self.rows or not self.layers:
+            if self.lender is not None:
+                self.lender.give_back()  # lent slots refilled before any other step reads the cache
             return
-        bufs = [self._buf(b) for b in range(self.num_buffers)]  # allocated outside any side-stream context
+        bufs = [self._buf(b) for b in range(self.num_buffers)]  # allocated (or lent) before the residency read
         sizes = [len(self.caches[layer].ptr_table) for layer in self.layers]
         state = torch.cat([torch.cat((self.caches[layer].expert_slot.to(torch.int64), self.caches[layer].ptr_table))
                            for layer in self.layers]).cpu()  # the one host read: [sum(E + E_total)]
@@ -77,8 +82,8 @@ class PrefillStaging:
             n = len(self.entries[layer])
             slots, table = state[off : off + n], state[off + n : off + n + sizes[i]].clone()  # [E], [E_total]
             off += n + sizes[i]
-            need = torch.nonzero(slots < 0).flatten()[: self.rows]  # ascending
             b = i % self.num_buffers
+            need = torch.nonzero(slots < 0).flatten()[: len(bufs[b])]  # ascending
             table[need] = torch.arange(len(need), dtype=torch.int64) * self.record_bytes + bufs[b].data_ptr()
             tables.append(table)
             plan[layer] = (b, need.tolist())

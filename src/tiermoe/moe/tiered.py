@@ -141,13 +141,14 @@ class TieredExperts:
             rows = None if staging_gb is None else int(staging_gb * 2**30 // store.record_bytes)
             cache = DeviceCacheExperts(store, slots, rates, top_k=config_top_k(manifest.config),
                                        max_tokens=int(options.get("max_num_seqs") or 8), prefill_rows=rows,
-                                       stage_misses=os.environ.get(STAGE_ENV, "1") != "0")
+                                       stage_misses=os.environ.get(STAGE_ENV, "1") != "0",
+                                       borrow_slots=bool(options.get("prefill_borrow_slots")))
         except BaseException:
             store.close()
             raise
         log.info("expert slot cache: on the device, %d slots over %d layers + %d staging rows; "
-                 "prefill staging %d x %d records", cache.slots_total, len(cache.caches), cache.stage_rows,
-                 cache.prefill.num_buffers, cache.prefill_rows)
+                 "prefill staging %d x %d records%s", cache.slots_total, len(cache.caches), cache.stage_rows,
+                 cache.prefill.num_buffers, cache.prefill_rows, " (the second lent by slots)" if cache.prefill.lender else "")
         return cls(store, mode=mode, lane=lane, kernel=kernel, kernel_requested=(requested or "").lower() == "triton",
                    device_cache=cache)
 

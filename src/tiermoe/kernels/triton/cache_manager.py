@@ -277,6 +277,45 @@ class ExpertCache:
     def reset_stats(self) -> None:
         self.stats.zero_()
 
+    def lend_slots(self, start: int) -> torch.Tensor:
+        """Empty slots start.. for another use (prefill staging): their experts point back at
+        their pinned host copies. Returns the experts they held, int32 [S - start] (-1: none), for
+        `restore_slots`. Device-side tensor ops only (no host sync), so it queues like a kernel.
+        """
+        held = self.slot_expert[start:].clone()  # [n]
+        self._set_rows(held, torch.full_like(held, -1), self.host_addr[held.clamp(min=0).long()])
+        self.slot_expert[start:] = -1  # reference bits stay: no cache step runs before restore_slots
+        return held
+
+    def restore_slots(self, start: int, held: torch.Tensor) -> None:
+        """Undo `lend_slots(start)`: the experts in `held` [S - start] go back into the same
+        slots, tables first, then their records are copied in by the gather kernel (a device-side
+        count; empty slots copy onto themselves), so nothing waits for the host. Valid while the
+        cache made no decision in between (prefill steps leave it alone)."""
+        n = held.numel()
+        if not n:
+            return
+        slot_addr = self.slot_addr[start:]  # [n]
+        self._set_rows(held, torch.arange(start, start + n, dtype=torch.int32, device=held.device), slot_addr)
+        self.slot_expert[start:] = held
+        src = torch.where(held >= 0, self.host_addr[held.clamp(min=0).long()], slot_addr)  # [n]
+        count = torch.full((1,), n, dtype=torch.int32, device=held.device)
+        gather_records(src, slot_addr.clone(), count, self.record_bytes, chunk_bytes=self.gather_chunk,
+                       programs=self.gather_programs, num_warps=self.gather_warps)  # fmt: skip
+
+    def _set_rows(self, experts: torch.Tensor, slots: torch.Tensor, addrs: torch.Tensor) -> None:
+        """expert_slot[e] = slots[i] and ptr_table[e] = addrs[i] for each e = experts[i] >= 0
+        (all [n]). Entries with e < 0 write to a spare row past the end, never read, so no
+        boolean indexing (which would wait for the device)."""
+        e_n = self.num_experts
+        idx = torch.where(experts >= 0, experts, e_n).long()  # [n], -1 -> the spare row
+        es = torch.cat([self.expert_slot, self.expert_slot.new_full((1,), -1)])  # [E + 1]
+        es[idx] = slots.to(es.dtype)
+        self.expert_slot.copy_(es[:e_n])
+        pt = torch.cat([self.ptr_table[:e_n], self.ptr_table.new_zeros(1)])  # [E + 1]
+        pt[idx] = addrs.to(pt.dtype)
+        self.ptr_table[:e_n].copy_(pt[:e_n])
+
     def step(self, topk_ids: torch.Tensor, *, gather: bool = True) -> None:
         """One decode step: cache decisions for the routed picks topk_ids [T, K], then gather."""
         cache_step(self, topk_ids)
