@@ -15,6 +15,8 @@
 #      and with two prefill staging buffers (copies one layer ahead, --prefill-staging-gb 1.75)
 #   5. the same profile with misses read in place instead of staged (TIERMOE_DEVICE_CACHE_STAGE=0)
 # Environment: STORE ($HOME/sbs-graph-model), MAX_TOKENS (256), ATTENTIONS ("sdpa paged"),
+# SPY (1: after the measured sweep, a C1 sweep recorded by py-spy, summarised per thread by
+# scripts/pyspy_summary.py; carry .peer/tools, which holds the py-spy wheel),
 # SERVE_FLAGS (more `tiermoe serve` flags, e.g. "--prefill-staging-gb 1.75"), PYTHON (python3), THREAD_CHECK (1: run engine_thread_check after each sweep), USE_TUNED (1: a
 # configs.json tuned by an earlier call on this machine replaces the working copy's), STEPS ("tests tune store serve profile": any subset, in that order; the whole
 # script runs longer than one 10-minute call, so split it, e.g. STEPS="tests tune store serve" then
@@ -77,6 +79,17 @@ want serve && for attn in ${ATTENTIONS:-sdpa paged}; do
   get http://127.0.0.1:8111/stats > "$out/stats-before-$attn.json"
   sweep --max-tokens "${MAX_TOKENS:-256}" --seed 1 --out "$out/sweep-$attn.json" > "$out/sweep-$attn.log" 2>&1
   get http://127.0.0.1:8111/stats > "$out/stats-$attn.json"
+  if [ "${SPY:-0}" = 1 ]; then  # an extra C1 sweep under py-spy: where each server thread's time goes
+    "$py" -m pip install -q --no-index --no-deps --target /tmp/pyspy .peer/tools/py_spy-*.whl > /dev/null 2>&1
+    /tmp/pyspy/bin/py-spy record --threads --idle --rate 250 --format raw -o "$out/pyspy-$attn.txt" -p $pid \
+      > "$out/pyspy-$attn.log" 2>&1 &
+    spy=$!
+    timeout 120 "$py" -m tiermoe.cli bench sweep --url http://127.0.0.1:8111 --model qwen3moe-synthetic \
+      --prefill-sizes 1k --reps 1 --concurrency 1 --long-prompt 0 --max-tokens 256 --seed 3 > "$out/spy-sweep-$attn.log" 2>&1
+    kill -INT $spy; wait $spy 2>/dev/null
+    "$py" scripts/pyspy_summary.py "$out/pyspy-$attn.txt" --thread tiermoe-engine --top 15 --frames 4 \
+      > "$out/pyspy-summary-$attn.txt" 2>&1
+  fi
   grep -E "prefill|decode" "$out/sweep-$attn.log"
   grep -iE "decode steps|graph" "$out/server-$attn.log" | head -5
   kill $pid; wait $pid 2>/dev/null
