@@ -126,6 +126,18 @@ def fused_moe_k_tiles_spanning_groups(rec: Recorder) -> None:
             _moe(layout, tokens, config=cfg)
 
 
+def fused_moe_gemv(rec: Recorder) -> None:
+    """The few-token matrix-vector path (moe_gemv.py) for every record kind: K tiles within one
+    group (G128) and spanning several (int4 G32), the SwiGLU clamp on int4; 1 and 4 tokens."""
+    for kind, group, bk in (("bf16", 0, 128), ("int4", 128, 128), ("int4", 32, 128), ("int8", 128, 64)):
+        layout = expert_layout(kind, HIDDEN, INTER, group)
+        gemv = {st: {"BN": 32, "BK": bk, "num_warps": 4, "num_stages": 4} for st in ("gate_up", "down")}
+        cfg = {**fm.default_config(layout, 1), "gemv": {**gemv, "max_tokens": 4}}
+        with rec.tagged(f"fused_moe {kind} G{group} gemv"):
+            for tokens in (1, 4):
+                _moe(layout, tokens, config=cfg, swiglu_limit=10.0 if kind == "int4" else None)
+
+
 def _layout_from_key(key: str):
     """Inverse of fused_moe.shape_key: 'int4/H4096/I2048/G128' -> ExpertLayout."""
     kind, h, i, g = key.split("/")
@@ -185,8 +197,8 @@ def mailbox(rec: Recorder) -> None:
             mb.wait_add(0, x)
 
 
-SCENARIOS = (fused_moe_defaults, fused_moe_k_tiles_spanning_groups, fused_moe_tuned, paged_attention,
-             expert_cache, mailbox)  # fmt: skip
+SCENARIOS = (fused_moe_defaults, fused_moe_k_tiles_spanning_groups, fused_moe_gemv, fused_moe_tuned,
+             paged_attention, expert_cache, mailbox)  # fmt: skip
 
 
 def record() -> tuple[list[Launch], list[str]]:

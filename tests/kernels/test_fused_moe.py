@@ -147,3 +147,49 @@ def test_k_tiles_spanning_several_groups_match_twin(kind, tokens, device):
     if kind == "int4" and device.type == "cuda":
         return  # int4 tiles of BK = G = 16 make dots of K = 8, under the GPU's minimum of 16
     assert _rel(out, F.fused_moe(x, ids, w, table, lay, config=narrow)) < 1e-2
+
+
+def _gemv_config(lay, bn, bk, max_tokens=4):
+    base = F.default_config(lay, 1)
+    gemv = {st: {"BN": bn, "BK": bk, "num_warps": 4, "num_stages": 2} for st in ("gate_up", "down")}
+    return {**base, "gemv": {**gemv, "max_tokens": max_tokens}}
+
+
+@pytest.mark.parametrize("kind,group,bk", [("int4", 32, 16), ("int4", 16, 32), ("int8", 16, 16),
+                                           ("int8", 16, 32), ("bf16", 32, 32)])  # fmt: skip
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_gemv_decode_path_matches_twin(kind, group, bk, tokens, device):
+    """Few-token steps through the per-pick matrix-vector kernel (moe_gemv.py), K tiles within
+    one scale group and across several: the twin's function, and the block kernel's to rounding;
+    a SwiGLU limit clamps as there. More tokens than the config's max_tokens take the block kernel."""
+    lay, recs, table = _setup(kind, device, seed=7, group=group)
+    gen = torch.Generator().manual_seed(tokens + 10)
+    x = torch.randn(tokens, H, generator=gen).to(torch.bfloat16).to(device)
+    ids = _picks(tokens, gen).to(device)
+    w = torch.rand(tokens, K, generator=gen).to(device)
+    cfg = _gemv_config(lay, 16, bk)
+    for limit in (None, 0.5):
+        out = F.fused_moe(x, ids, w, table, lay, config=cfg, swiglu_limit=limit)
+        ref = R.fused_moe_ref(x, ids, w, recs, lay, swiglu_limit=limit)
+        assert out.shape == (tokens, H) and torch.isfinite(out.float()).all()
+        assert _rel(out, ref) < 2e-2
+        assert _rel(out, F.fused_moe(x, ids, w, table, lay, swiglu_limit=limit)) < 2e-2
+    above = _gemv_config(lay, 16, bk, max_tokens=tokens - 1)
+    assert torch.equal(F.fused_moe(x, ids, w, table, lay, config=above), F.fused_moe(x, ids, w, table, lay))
+
+
+def test_gemv_is_exact_across_tiers_and_rejects_bad_tiles(device):
+    """Like the block kernel: only the addresses change between tiers, so the bits do not."""
+    lay, recs, table = _setup("int4", device, seed=3)
+    copy = recs.clone()
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(2, H, generator=gen).to(torch.bfloat16).to(device)
+    ids = _picks(2, gen).to(device)
+    w = torch.rand(2, K, generator=gen).to(device)
+    cfg = _gemv_config(lay, 32, 32)
+    mixed = table.clone()
+    mixed[1::2] = torch.tensor([copy[e].data_ptr() for e in range(1, E, 2)], dtype=torch.int64, device=device)
+    assert torch.equal(F.fused_moe(x, ids, w, mixed, lay, config=cfg), F.fused_moe(x, ids, w, table, lay, config=cfg))
+    bad = _gemv_config(lay, 48, 32)  # 48 does not divide I = 32
+    with pytest.raises(ValueError, match="gemv gate_up"):
+        F.fused_moe(x, ids, w, table, lay, config=bad)

@@ -60,5 +60,6 @@ def _handler(args: argparse.Namespace) -> int:
     out = args.out or str(fused_moe.CONFIG_PATH)
     tuning.save_configs(out, torch.cuda.get_device_name(dev), layout, cfgs)
     print(json.dumps({"shape": fused_moe.shape_key(layout), "configs": cfgs, "decode_s": report["decode_s"],
-                      "prefill_s": report["prefill_s"], "default": report["default"], "written": out}, indent=1))
+                      "prefill_s": report["prefill_s"], "default": report["default"],
+                      "gemv_vs_block_s": report["trials"].get("gemv_vs_block"), "written": out}, indent=1))
     return 0

@@ -25,7 +25,9 @@ int4 nibbles are consumed as an even and an odd half-tile (low nibble = even col
 interleave is needed: the activations are split instead.
 
 Launch configurations (BLOCK_M/N/K, warps, stages) come from configs.json, keyed by device
-name, record shape and a token bucket; `tiermoe bench moe-gpu --tune` regenerates them.
+name, record shape and a token bucket; `tiermoe bench moe-gpu --tune` regenerates them. A
+decode configuration may carry "gemv" (launch shape and max_tokens): steps of that many tokens
+or fewer run the two projections as matrix-vector products instead (moe_gemv.py).
 """
 
 from __future__ import annotations
@@ -367,13 +369,19 @@ def fused_moe(
         raise ValueError(f"x must be bf16 [{t}, {h}], got {x.dtype} {tuple(x.shape)}")
     cfg = config or get_config(layout, t, x.device)
     _check_config(layout, cfg, t)
+    x = x.contiguous()
+    w = topk_weights.reshape(-1).to(torch.float32)
+    gemv = cfg.get("gemv")
+    if gemv is not None and t <= gemv.get("max_tokens", 0):  # few tokens: one weight stream per pick
+        from tiermoe.kernels.triton.moe_gemv import moe_projections_gemv
+
+        y = moe_projections_gemv(x, topk_ids.reshape(-1).to(torch.int32), w, ptr_table, layout, gemv, k, swiglu_limit)
+        return _sum_pairs(y, t, k, h, out)
     bm = cfg["gate_up"]["BM"]
     p = t * k
     e = ptr_table.numel()
     sorted_pairs, block_expert = moe_align(topk_ids, e, bm)
     nb = block_expert.numel()
-    x = x.contiguous()
-    w = topk_weights.reshape(-1).to(torch.float32)
     act = torch.empty(p, i, dtype=torch.bfloat16, device=x.device)  # [P, I]
     y = torch.empty(p, h, dtype=torch.float32, device=x.device)  # [P, H]
     kind = _KIND_ID[layout.kind]
@@ -392,8 +400,13 @@ def fused_moe(
         Q_OFF=layout.down_q, S_OFF=s_dn, N=h, KD=i, G=g, KIND=kind, GATED=False, CLAMP=False,
         BM=bm, BN=c["BN"], BK=c["BK"], DOT_F32=_INTERPRET, num_warps=c["num_warps"], num_stages=c["num_stages"],
     )  # fmt: skip
+    return _sum_pairs(y, t, k, h, out)
+
+
+def _sum_pairs(y: torch.Tensor, t: int, k: int, h: int, out: torch.Tensor | None) -> torch.Tensor:
+    """out bf16 [T, H] = each token's K rows of y fp32 [T * K, H] summed in pick order."""
     if out is None:
-        out = torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
+        out = torch.empty(t, h, dtype=torch.bfloat16, device=y.device)
     bh = min(1024, triton.next_power_of_2(h))
     _sum_pairs_kernel[(t, triton.cdiv(h, bh))](y, out, K=k, H=h, BH=bh)
     return out

@@ -28,6 +28,14 @@ def _decode_candidates(layout: ExpertLayout) -> list[dict]:
             for bn, bk, nw, ns in shapes if _fits(layout, bn, bk, g)]  # fmt: skip
 
 
+def _gemv_candidates(layout: ExpertLayout) -> list[dict]:
+    """Launch shapes of the few-token matrix-vector kernel (moe_gemv.py), most promising first."""
+    g = layout.group_size or 128
+    shapes = [(32, 256, 4, 3), (16, 256, 4, 3), (64, 128, 4, 3), (32, 128, 4, 3), (16, 512, 4, 3), (64, 256, 8, 3),
+              (8, 512, 2, 3), (128, 128, 8, 3)]  # fmt: skip
+    return [{"BN": bn, "BK": bk, "num_warps": nw, "num_stages": ns} for bn, bk, nw, ns in shapes if _fits(layout, bn, bk, g)]
+
+
 def _fits(layout: ExpertLayout, bn: int, bk: int, g: int) -> bool:
     """Does a BN x BK tile divide both matrices, with K tiles within or across whole groups?"""
     dims_ok = all(n % bn == 0 and k % bk == 0 for n, k in ((layout.inter, layout.hidden), (layout.hidden, layout.inter)))
@@ -120,6 +128,10 @@ def tune(layout: ExpertLayout, records: torch.Tensor, pop: torch.Tensor, top_k: 
 
     dec, dec_t = search("decode", default_config(layout, 1), _decode_candidates(layout), dec_timer)
     log(f"tune decode: {dec} ({dec_t * 1e6:.1f} us for T=1 + T=4)")
+    gemv = _tune_gemv(layout, table, pop, top_k, dec, gen, deadline, report)
+    if gemv is not None:
+        dec = {**dec, "gemv": gemv}
+        log(f"tune decode: the matrix-vector kernel up to {gemv['max_tokens']} tokens: {gemv}")
     pre_best, pre_t, pre_default_t = None, float("inf"), None
     if prefill_tokens:
         pre_default_t = _time_prefill(layout, table, pop, top_k, default_config(layout, prefill_tokens), prefill_tokens, gen)
@@ -134,6 +146,48 @@ def tune(layout: ExpertLayout, records: torch.Tensor, pop: torch.Tensor, top_k: 
     out = {"decode": dec, "prefill": pre_best or default_config(layout, max(prefill_tokens, 17))}
     defaults = {"decode_s": report["decode"][0]["s"], "prefill_s": pre_default_t}  # what untuned shapes get
     return out, {"decode_s": dec_t, "prefill_s": pre_t if pre_best else None, "default": defaults, "trials": report}
+
+
+def _tune_gemv(layout: ExpertLayout, table: torch.Tensor, pop: torch.Tensor, top_k: int, block_cfg: dict,
+               gen: torch.Generator, deadline: float, report: dict) -> dict | None:  # fmt: skip
+    """The best matrix-vector configuration at T = 1 and the most tokens up to which it beats the
+    block kernel's `block_cfg` (tried at 2, 4, 8, 16), or None where it never does."""
+    cands = _gemv_candidates(layout)
+    report["gemv"] = []
+    if not cands:
+        return None
+
+    def timed(gemv: dict, tokens: int) -> float:
+        return _time_decode(layout, table, pop, top_k, {**block_cfg, "gemv": {**gemv, "max_tokens": 16}}, tokens, gen)
+
+    best, best_t = None, float("inf")
+    for stage in ("both", "gate_up", "down"):  # one shape for both, then each stage in turn
+        for cand in cands:
+            if time.perf_counter() > deadline:
+                break
+            trial = {"gate_up": dict(cand), "down": dict(cand)} if stage == "both" else {**best, stage: dict(cand)}
+            try:
+                t = timed(trial, 1)
+            except Exception as exc:  # a config may not compile (resources); skip it
+                report["gemv"].append({"config": trial, "error": str(exc).splitlines()[0][:200]})
+                continue
+            report["gemv"].append({"config": trial, "s": t})
+            if t < best_t:
+                best, best_t = trial, t
+        if best is None:
+            return None
+    block_t = {1: _time_decode(layout, table, pop, top_k, block_cfg, 1, gen)}
+    report["gemv_vs_block"] = {1: [best_t, block_t[1]]}
+    if best_t >= block_t[1]:
+        return None
+    max_tokens = 1
+    for tokens in (2, 4, 8, 16):
+        mine, theirs = timed(best, tokens), _time_decode(layout, table, pop, top_k, block_cfg, tokens, gen)
+        report["gemv_vs_block"][tokens] = [mine, theirs]
+        if mine >= theirs:
+            break
+        max_tokens = tokens
+    return {**best, "max_tokens": max_tokens}
 
 
 def save_configs(path: str | Path, device_name: str, layout: ExpertLayout, cfgs: dict, base: str | Path = CONFIG_PATH) -> None:

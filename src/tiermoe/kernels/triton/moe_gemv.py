@@ -1,0 +1,172 @@
+"""Decode-shape MoE projections as one matrix-vector product per (pick, row slice) (Triton).
+
+At decode a batch of T <= 4 tokens gives each expert one or a few picks, and the block GEMM of
+fused_moe.py pads every expert's block to BLOCK_M >= 16 rows for its tensor-core dots: on the
+H200 the tuned int4 decode layer (Qwen3-235B shape; T = 1 plus T = 4 under uniform routing,
+about 39 records of 10.6 MB in 383 us, docs/results.md section 16) moved about 1.1 TB/s, a
+quarter of the HBM copy rate, while a decode step is a pure weight stream.
+Here each program takes one pick p (expert e = ptr_table row ids[p]) and BLOCK_N output rows,
+streams those rows' weights once along K (k contiguous in the record, so every load is a run
+of contiguous bytes), multiplies them with the pick's activation row in fp32 registers and
+reduces once at the end. No block plan (moe_align) is needed: the pick order is the grid.
+
+Numerics, as in the block kernel and kernels/reference.py: each weight is dequantized to
+bf16(float32(q) * float32(scale)), products and sums are fp32, act = bf16(silu(g) * u), the
+down projection times the routing weight is fp32 and `_sum_pairs_kernel` sums a token's picks
+in pick order. Only the summation order inside one dot product differs from the block kernel,
+so results agree with the twin to rounding; every tier reads the same bytes through the same
+kernel and configuration, so exact mode stays bit-identical across budgets.
+
+A weight is re-read once per pick of its expert (no sharing across a block's tokens), so this
+wins only for few tokens: the tuned decode configuration says up to how many
+(`configs.json`, decode bucket, "gemv": {..., "max_tokens": n}; `tiermoe bench tune-moe`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tiermoe.kernels.layout import ExpertLayout
+
+
+@triton.jit
+def _dequant_nk(qf, s_row, k0, BN: tl.constexpr, C: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
+    """bf16(q * scale) as fp32 for an n-major tile qf fp32 [BN, C] whose C columns cover K
+    columns k0 .. k0 + BK (C = BK/2 for int4: one byte, two columns, per tile column).
+
+    s_row [BN]: each output row's first scale. A tile within one group (BK <= G) takes one
+    scale per row; a tile spanning BK / G groups loads [BN, BK / G] scales (16-byte runs, not a
+    gather per column) and applies them to column groups of C * G / BK through a reshape.
+    """
+    if BK > G:
+        s = tl.load(s_row[:, None] + (k0 // G + tl.arange(0, BK // G))[None, :]).to(tl.float32)  # [BN, BK/G]
+        w = tl.reshape(tl.reshape(qf, (BN, BK // G, C * G // BK)) * s[:, :, None], (BN, C))
+    else:
+        w = qf * tl.load(s_row + k0 // G).to(tl.float32)[:, None]
+    return w.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _dot_rows(wp, sp, a_ptr, offs_n, k0, KD: tl.constexpr, G: tl.constexpr, KIND: tl.constexpr,
+              BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """[BN, BK or BK/2] fp32 products of one K tile: rows offs_n of the matrix at wp (scales at
+    sp) times the activation row at a_ptr (columns k0 .. k0 + BK)."""
+    n64 = offs_n.to(tl.int64)
+    x = tl.load(a_ptr + k0 + tl.arange(0, BK)).to(tl.float32)  # [BK], one contiguous run
+    if KIND == 1:  # int4: low nibble = even column
+        offs_kh = tl.arange(0, BK // 2)
+        q = tl.load(wp + n64[:, None] * (KD // 2) + (k0 // 2 + offs_kh)[None, :])  # [BN, BK/2] u8
+        x_even, x_odd = tl.split(tl.reshape(x, (BK // 2, 2)))  # [BK/2] each
+        s_row = sp + n64 * (KD // G)
+        w_lo = _dequant_nk(((q & 15).to(tl.int32) - 8).to(tl.float32), s_row, k0, BN, BK // 2, G, BK)
+        w_hi = _dequant_nk(((q >> 4).to(tl.int32) - 8).to(tl.float32), s_row, k0, BN, BK // 2, G, BK)
+        prod = w_lo * x_even[None, :] + w_hi * x_odd[None, :]
+    else:
+        w_offs = n64[:, None] * KD + (k0 + tl.arange(0, BK))[None, :]  # [BN, BK] elements
+        if KIND == 0:
+            w = tl.load(wp + w_offs).to(tl.float32)
+        else:
+            w = _dequant_nk(tl.load(wp + w_offs).to(tl.float32), sp + n64 * (KD // G), k0, BN, BK, G, BK)
+        prod = w * x[None, :]
+    return prod
+
+
+@triton.jit
+def _moe_gemv_kernel(
+    a_ptr,  # [rows, KD] bf16: x (row = pair // A_DIV) or act (row = pair)
+    out_ptr,  # GATED: act [P, N] bf16; else y [P, N] fp32
+    ids_ptr,  # [P] int32 pointer-table row of each pair
+    ptr_table_ptr,  # [E] int64 record addresses
+    weights_ptr,  # [P] fp32 routing weights (not GATED)
+    A_DIV,
+    LIMIT,  # SwiGLU clamp (used when CLAMP)
+    Q_OFF: tl.constexpr,  # byte offset of the weight matrix in the record
+    S_OFF: tl.constexpr,  # byte offset of its scales (quantized kinds)
+    N: tl.constexpr,  # output rows of one matrix (I when GATED, else H)
+    KD: tl.constexpr,  # reduction dim
+    G: tl.constexpr,  # group size (quantized kinds)
+    KIND: tl.constexpr,  # 0 bf16, 1 int4, 2 int8
+    GATED: tl.constexpr,
+    CLAMP: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    KW: tl.constexpr,  # accumulator width: BK // 2 for int4, else BK
+):
+    p = tl.program_id(0)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
+    e = tl.load(ids_ptr + p)
+    base = tl.load(ptr_table_ptr + e)
+    if KIND == 0:
+        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.bfloat16)), 16)
+    elif KIND == 1:
+        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.uint8)), 16)
+    else:
+        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.int8)), 16)
+    sp = tl.multiple_of((base + S_OFF).to(tl.pointer_type(tl.bfloat16)), 16)
+    a_row = a_ptr + (p // A_DIV).to(tl.int64) * KD
+    if KIND == 0:
+        up_w = N * KD  # elements
+    elif KIND == 1:
+        up_w = N * (KD // 2)  # bytes
+    else:
+        up_w = N * KD
+    up_s = N * (KD // G)
+    acc = tl.zeros((BN, KW), dtype=tl.float32)
+    acc_u = tl.zeros((BN, KW), dtype=tl.float32)
+    for k0 in range(0, KD, BK):
+        acc += _dot_rows(wp, sp, a_row, offs_n, k0, KD, G, KIND, BN, BK)
+        if GATED:
+            acc_u += _dot_rows(wp + up_w, sp + up_s, a_row, offs_n, k0, KD, G, KIND, BN, BK)
+    g = tl.sum(acc, axis=1)  # [BN]
+    out_offs = p.to(tl.int64) * N + offs_n
+    if GATED:
+        u = tl.sum(acc_u, axis=1)
+        if CLAMP:
+            g = tl.minimum(g, LIMIT)
+            u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+        act = g / (1.0 + tl.exp(-g)) * u
+        tl.store(out_ptr + out_offs, act.to(tl.bfloat16))
+    else:
+        wt = tl.load(weights_ptr + p)
+        tl.store(out_ptr + out_offs, g * wt)
+
+
+def check_gemv_config(layout: ExpertLayout, cfg: dict) -> None:
+    """BN must divide each stage's rows, BK its reduction dim; BK and the group size must
+    divide one another (quantized kinds); int4 needs BK >= 2."""
+    for stage, (n, kd) in (("gate_up", (layout.inter, layout.hidden)), ("down", (layout.hidden, layout.inter))):
+        c = cfg[stage]
+        if n % c["BN"] or kd % c["BK"] or (layout.kind == "int4" and c["BK"] < 2):
+            raise ValueError(f"gemv {stage}: BN={c['BN']}/BK={c['BK']} must divide N={n}/K={kd}")
+        if layout.kind != "bf16" and layout.group_size % c["BK"] and c["BK"] % layout.group_size:
+            raise ValueError(f"gemv {stage}: BK={c['BK']} and the group size {layout.group_size} must divide one another")
+
+
+def moe_projections_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ptr_table: torch.Tensor,
+                         layout: ExpertLayout, cfg: dict, k: int, swiglu_limit: float | None) -> torch.Tensor:  # fmt: skip
+    """The gated and down projections of every pick: y fp32 [P, H] (routing weight applied).
+
+    x [T, H] bf16; ids [P] int32 pointer-table rows (P = T * k, pick order); weights [P] fp32.
+    Fixed shapes, no host sync (graph-capturable).
+    """
+    from tiermoe.kernels.triton.fused_moe import _KIND_ID
+
+    check_gemv_config(layout, cfg)
+    p = ids.numel()
+    h, i = layout.hidden, layout.inter
+    kind = _KIND_ID[layout.kind]
+    g = layout.group_size or 1
+    act = torch.empty(p, i, dtype=torch.bfloat16, device=x.device)  # [P, I]
+    y = torch.empty(p, h, dtype=torch.float32, device=x.device)  # [P, H]
+    for stage, a, out, n, kd, a_div, gated in (("gate_up", x, act, i, h, k, True), ("down", act, y, h, i, 1, False)):
+        c = cfg[stage]
+        q_off, s_off = (layout.gate_up_q, layout.gate_up_s) if gated else (layout.down_q, layout.down_s)
+        _moe_gemv_kernel[(p, n // c["BN"])](
+            a, out, ids, ptr_table, weights, a_div, float(swiglu_limit or 0.0),
+            Q_OFF=q_off, S_OFF=max(s_off, 0), N=n, KD=kd, G=g, KIND=kind, GATED=gated,
+            CLAMP=gated and swiglu_limit is not None, BN=c["BN"], BK=c["BK"],
+            KW=c["BK"] // 2 if kind == 1 else c["BK"], num_warps=c["num_warps"], num_stages=c["num_stages"],
+        )  # fmt: skip
+    return y
