@@ -47,7 +47,7 @@ def main() -> int:
     # Warm the link and clocks first: the first timed case read 8.0 and 10.1 GB/s in two runs
     # (docs/results.md sections 15-16) while the same case on other memory read 48-49.
     warm_src = torch.tensor([e.data_ptr() for e in kinds["store arena"][:16]], dtype=torch.int64, device=dev)
-    warm_cnt = torch.tensor([16], dtype=torch.int32, device=dev)
+    warm_cnt = torch.tensor([warm_src.numel()], dtype=torch.int32, device=dev)
     for _ in range(20):
         gather_records(warm_src, dst_addr, warm_cnt, r)
     torch.cuda.synchronize()

@@ -152,8 +152,12 @@ def fused_moe_tuned(rec: Recorder) -> None:
             raise KeyError(f"configs.json has configs tuned for {device!r}: add its target to TUNED_DEVICE_TARGETS")
         for key, buckets in shapes.items():
             for bucket, cfg in buckets.items():
+                # decode: T=1, and past a matrix-vector entry's max_tokens so the block config compiles too
+                tokens = [PREFILL_TOKENS] if bucket != "decode" else \
+                    [1] + ([cfg["gemv"]["max_tokens"] + 1] if "gemv" in cfg and cfg["gemv"]["max_tokens"] < 16 else [])
                 with rec.tagged(f"fused_moe {key} {bucket} tuned for {device}", (TUNED_DEVICE_TARGETS[device],)):
-                    _moe(_layout_from_key(key), 1 if bucket == "decode" else PREFILL_TOKENS, config=cfg)
+                    for t in tokens:
+                        _moe(_layout_from_key(key), t, config=cfg)
 
 
 def paged_attention(rec: Recorder) -> None:

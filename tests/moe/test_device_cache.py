@@ -157,8 +157,10 @@ def test_planned_prefill_staging_is_bit_identical(stores, monkeypatch, rows, buf
 @pytest.mark.parametrize("rows", [None, 3])
 def test_slots_lent_to_prefill_staging_come_back(stores, monkeypatch, rows):
     """--prefill-borrow-slots: planned chunks stage one layer ahead in a second buffer made of
-    the last slots (a whole layer's, or part of one with rows=3); the same bits as the store-
-    managed path, and the first decode step finds every slot, table entry and record as before."""
+    the last slots of every layer (all four, or three each with rows=3: a share that leaves
+    room for the experts the loan makes non-resident); the same bits as the store-managed path,
+    every non-resident expert staged, and the first decode step finds every slot, table entry
+    and record as before."""
     import tiermoe.moe.prefill_staging as staging
 
     monkeypatch.setattr(staging, "STAGE_ALL_TOKENS", 70)
@@ -171,7 +173,9 @@ def test_slots_lent_to_prefill_staging_come_back(stores, monkeypatch, rows):
         dc = DeviceCacheExperts(st, 4 * 2 + 2, rates={}, top_k=2, max_tokens=1, prefill_rows=rows,
                                 borrow_slots=True)  # fmt: skip
         lender = dc.prefill.lender
-        assert dc.prefill.num_buffers == 2 and lender.rows == (rows or 4) and dc.prefill_rows == (rows or 4)
+        share = 4 if rows is None else 3  # lend_share([4, 4], rows): 2 * share >= rows + share
+        assert dc.prefill.num_buffers == 2 and lender.lent_slots == {1: share, 2: share}
+        assert lender.rows == dc.prefill_rows == (rows or 4) + share
         for layer in LAYERS:  # every slot full, so a loan really empties some
             dc.caches[layer].step(torch.arange(4, device=DEVICE).reshape(2, 2) + 4 * (layer - 1))
         before = {layer: {n: t.clone() for n, t in dc.caches[layer].state().items()} for layer in LAYERS}
@@ -181,7 +185,7 @@ def test_slots_lent_to_prefill_staging_come_back(stores, monkeypatch, rows):
             decode = not planned
             dc.begin_step(t, decode=decode)
             if planned and t >= 70:
-                assert lender.lent and (dc.caches[2].slot_expert[-1] < 0).item()  # layer 2's last slot is out
+                assert lender.lent and all((dc.caches[layer].slot_expert[-share:] < 0).all().item() for layer in LAYERS)
             if decode:
                 assert not lender.lent
                 for layer in LAYERS:
@@ -192,7 +196,19 @@ def test_slots_lent_to_prefill_staging_come_back(stores, monkeypatch, rows):
             got += [dc.forward(layer, *moe_batch(t, seed), decode=decode).cpu() for layer in LAYERS]
         c = dc.counters()
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
-    assert c["prefill_loans"] == 2 and c["prefill_borrowed_rows"] == (rows or 4) and c["prefill_planned_chunks"] == 3
+    assert c["prefill_loans"] == 2 and c["prefill_borrowed_rows"] == lender.rows and c["prefill_planned_chunks"] == 3
+    # the loan adds as many rows as it evicts experts: in-place reads only where rows were short
+    # before it (rows=3 < the 4 non-resident experts of a layer: one per layer and chunk)
+    assert c["prefill_in_place"] == (0 if rows is None else len(LAYERS) * 3)
+
+
+def test_lend_share_leaves_room_for_what_the_loan_evicts():
+    from tiermoe.moe.device_cache import lend_share
+
+    assert lend_share([42] * 24, 86) == 4  # 24 * 4 = 96 >= 86 + 4
+    assert lend_share([4, 4], 4) == 4 and lend_share([4, 4], 3) == 3
+    assert lend_share([1, 0], 7) == 0 and lend_share([50], 10) == 0  # too few slots; one layer cannot lend
+    assert lend_share([3, 3, 0], 0) == 0
 
 
 def test_warm_start_follows_rates_and_admission_moves_slots(stores):

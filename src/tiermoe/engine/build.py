@@ -153,12 +153,13 @@ def build_engine_core(model: str | None, *, device: str | None = None, dtype: st
                        num_pages=num_pages, page_size=PAGE_SIZE, model_info={"arch": spec.arch, "name": path.name},
                        seed=options.get("seed"), num_speculative_tokens=options.get("num_speculative_tokens") or 0)
     attention = options.get("decode_attention") or "auto"
+    if attention not in ("auto", "sdpa", "paged"):
+        raise UserError(f"--decode-attention {attention!r}: choose auto, sdpa or paged")
     if attention == "paged" or (attention == "auto" and dev != "cpu"):
         why = engine.runner.use_paged_decode_attention(ctx)
         if why is not None and attention == "paged":
             raise UserError(f"--decode-attention paged: {why}")
-        if why is not None:
-            log.info("decode attention: sdpa (%s)", why)
+        log.info("decode attention: %s", "paged kernel" if why is None else f"sdpa ({why})")
     if not options.get("enforce_eager") and dev != "cpu":
         why = engine.runner.enable_decode_graphs(max_num_seqs)
         log.info("decode steps: %s", "CUDA graphs" if why is None else f"eager ({why})")

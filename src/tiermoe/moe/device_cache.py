@@ -88,7 +88,6 @@ class DeviceCacheExperts:
         self.scratch = torch.empty(max(1, self.stage_rows), r, dtype=torch.uint8, device=dev)
         self.caches: dict[int, ExpertCache] = {}
         self.entries: dict[int, list[torch.Tensor]] = {}  # host entry of each routed expert
-        self.slot_bufs: dict[int, torch.Tensor] = {}
         self.slots_per_layer: dict[int, int] = {}
         all_entries = {}
         for i, layer in enumerate(layers):
@@ -97,37 +96,45 @@ class DeviceCacheExperts:
                 raise ValueError(f"layer {layer}: the host tier does not hold every routed expert")
             all_entries[layer] = entries
             self.slots_per_layer[layer] = min(len(entries), per_layer + (1 if i < extra else 0))
-        # every layer's slots in one arena [sum S, R], so the last rows can be lent as one buffer
-        self.arena = torch.empty(max(1, sum(self.slots_per_layer.values())), r, dtype=torch.uint8, device=dev)
-        self._arena_start: dict[int, int] = {}
-        start = 0
-        for layer in layers:
-            entries, s = all_entries[layer], self.slots_per_layer[layer]
-            n = len(entries)
-            buf = self.arena[start : start + s]  # [s, R] view
-            self._arena_start[layer] = start
-            host_addr = torch.tensor([t.data_ptr() for t in entries], dtype=torch.int64, device=dev)  # [E]
-            cache = ExpertCache(host_addr, self.arena.data_ptr() + start * r, s, r, max_picks=self.max_picks,
-                                scratch_base=self.scratch.data_ptr(), scratch_slots=self.stage_rows)
-            start += s
-            layer_rates = torch.tensor([float(rates.get(store.key(layer, e), 0.0)) for e in range(n)])  # [E]
-            order = torch.argsort(layer_rates, descending=True, stable=True).tolist()
-            for e, slot in cache.warm_start(order[:s]):
-                buf[slot].copy_(entries[e])
-            cache.warm_frequencies(layer_rates.clamp(max=1.0).to(dev))
-            self.caches[layer], self.slot_bufs[layer] = cache, buf
-            self.entries[layer] = entries
-        most = max((len(self.entries[l]) - s for l, s in self.slots_per_layer.items()), default=0)
+        most = max((len(all_entries[l]) - s for l, s in self.slots_per_layer.items()), default=0)
         rows = most if prefill_rows is None else max(0, int(prefill_rows))
         if prefill_buffers is None:
             prefill_buffers = 2 if most and rows >= 2 * most else 1
         self.prefill_rows = min(rows, most) if prefill_buffers == 2 or rows > most else rows  # per buffer
-        lender = None
-        if borrow_slots and prefill_buffers == 1 and self.prefill_rows:
-            lender = SlotLender(self, min(self.prefill_rows, self.slots_total))
-            prefill_buffers = 2 if lender.rows else 1
+        # Slot lending: each layer lends its last `share` slots, so a loan grows no layer's
+        # non-resident experts by more than `share`; both buffers get that many rows more.
+        share = lend_share(list(self.slots_per_layer.values()), self.prefill_rows) if (
+            borrow_slots and prefill_buffers == 1 and self.prefill_rows) else 0  # fmt: skip
+        if share:
+            self.prefill_rows = min(self.prefill_rows + share, max(len(e) for e in all_entries.values()))
+            prefill_buffers = 2
+        # One arena [sum S, R] for every layer's slots: first each layer's own slots, then the
+        # lendable ones of every layer side by side, so a loan is one contiguous buffer.
+        lent = {layer: min(share, s) for layer, s in self.slots_per_layer.items()}
+        self.arena = torch.empty(max(1, sum(self.slots_per_layer.values())), r, dtype=torch.uint8, device=dev)
+        self.lend_start = sum(s - lent[layer] for layer, s in self.slots_per_layer.items())  # first lendable row
+        self._arena_rows: dict[int, torch.Tensor] = {}  # layer -> arena row of each slot
+        own, tail = 0, self.lend_start
+        for layer in layers:
+            entries, s = all_entries[layer], self.slots_per_layer[layer]
+            n = len(entries)
+            arena_rows = torch.cat([torch.arange(own, own + s - lent[layer]), torch.arange(tail, tail + lent[layer])])
+            own, tail = own + s - lent[layer], tail + lent[layer]
+            self._arena_rows[layer] = arena_rows  # [s]
+            host_addr = torch.tensor([t.data_ptr() for t in entries], dtype=torch.int64, device=dev)  # [E]
+            slot_addr = (self.arena.data_ptr() + arena_rows * r).to(dev)  # [s] int64
+            cache = ExpertCache(host_addr, slot_addr, s, r, max_picks=self.max_picks,
+                                scratch_base=self.scratch.data_ptr(), scratch_slots=self.stage_rows)
+            layer_rates = torch.tensor([float(rates.get(store.key(layer, e), 0.0)) for e in range(n)])  # [E]
+            order = torch.argsort(layer_rates, descending=True, stable=True).tolist()
+            for e, slot in cache.warm_start(order[:s]):
+                self.arena[int(arena_rows[slot])].copy_(entries[e])
+            cache.warm_frequencies(layer_rates.clamp(max=1.0).to(dev))
+            self.caches[layer] = cache
+            self.entries[layer] = entries
+        lender = SlotLender(self, lent) if share else None
         self.prefill = PrefillStaging(self.entries, self.caches, r, self.prefill_rows, prefill_buffers, dev,
-                                      lender=lender if prefill_buffers == 2 else None)  # fmt: skip
+                                      lender=lender)
         self._zero: torch.Tensor | None = None
         self.steps = 0  # layer calls that ran a cache step
         self.table_calls = 0  # layer calls served from the canonical table (prefill, large steps)
@@ -157,9 +164,7 @@ class DeviceCacheExperts:
         the canonical one (slots from HBM, the rest read in place)."""
         cache = self.caches[layer]
         if step and topk_ids.numel() <= self.max_picks:
-            lender = self.prefill.lender
-            if lender is not None and lender.lent:  # a cache decision must never meet lent slots
-                lender.give_back()
+            self.prefill.return_loan()  # a cache decision must never meet lent slots
             cache.step(topk_ids)
             self.steps += 1
             return cache.step_table
@@ -216,6 +221,7 @@ class DeviceCacheExperts:
         return {**(stats or self.stats()), "slots": self.slots_total, "stage_rows": self.stage_rows,
                 "layers": len(self.caches), "cache_steps": self.steps, "table_calls": self.table_calls,
                 "lane_calls": self.lane_calls, "prefill_staged": self.prefill.staged,
+                "prefill_in_place": self.prefill.in_place,
                 "prefill_borrowed_rows": self.prefill.lender.rows if self.prefill.lender else 0,
                 "prefill_loans": self.prefill.lender.loans if self.prefill.lender else 0,
                 "prefill_rows": self.prefill_rows, "prefill_buffers": self.prefill.num_buffers,
@@ -243,23 +249,35 @@ class DeviceCacheExperts:
 
 
 
+def lend_share(slots: list[int], rows: int) -> int:
+    """Slots each layer lends (its last ones) so that the lent rows hold one planned layer's
+    staging, which the loan itself grows by the share: sum(min(m, s)) >= rows + m. 0 where no
+    share works (a single MoE layer, or too few slots)."""
+    if len(slots) < 2 or rows <= 0:
+        return 0
+    for m in range(1, max(slots) + 1):
+        if sum(min(m, s) for s in slots) >= rows + m:
+            return m
+    return 0
+
+
 class SlotLender:
-    """Lends the last `rows` rows of the slot arena to prefill staging as its second buffer.
+    """Lends the last slots of every layer (`lent[layer]` each, side by side at the end of the
+    slot arena) to prefill staging as its second buffer.
 
     Two staging buffers let large prefill chunks copy one layer ahead (+31 % prefill tok/s on
     the H200, docs/results.md section 16), but a buffer of dedicated memory is one more layer of
-    non-resident experts in HBM that decode would rather spend on slots. A loan empties the
-    slots that hold those rows (the last layers' slots: their experts point back at their host
-    copies) for the length of the prefill chunks; `give_back` puts the same experts back (tables
-    and one gather per layer, no host sync) before the next step that is not a planned chunk.
-    Outputs do not change: only where records are read from does (tests/moe/test_device_cache.py).
+    non-resident experts in HBM that decode would rather spend on slots. A loan empties those
+    slots (their experts point back at their host copies) for a run of planned prefill chunks;
+    every layer lends only a few, so no layer's staging outgrows the buffers (sized for the most
+    non-resident experts plus the share). `give_back` puts the same experts back (tables and one
+    gather per layer, no host sync) before any cache decision. Outputs do not change: only where
+    records are read from does (tests/moe/test_device_cache.py).
     """
 
-    def __init__(self, cache: DeviceCacheExperts, rows: int) -> None:
-        self.cache, self.rows = cache, max(0, int(rows))
-        total = cache.arena.shape[0] if cache.slots_total else 0
-        self.rows = min(self.rows, total)
-        self.first = total - self.rows  # first lent arena row
+    def __init__(self, cache: DeviceCacheExperts, lent: dict[int, int]) -> None:
+        self.cache, self.lent_slots = cache, {layer: n for layer, n in lent.items() if n}
+        self.rows = cache.prefill_rows  # the buffer: the first rows of the lendable part
         self._held: dict[int, tuple[int, torch.Tensor]] | None = None  # layer -> (first slot, experts held)
         self.loans = 0
 
@@ -268,21 +286,19 @@ class SlotLender:
         return self._held is not None
 
     def borrow(self) -> torch.Tensor:
-        """Empty the lent slots (once per run of planned chunks); returns the rows [rows, R]."""
+        """Empty the lendable slots (once per run of planned chunks); returns the buffer [rows, R]."""
         if self._held is None:
             self._held = {}
-            for layer, cache in self.cache.caches.items():
-                start, s = self.cache._arena_start[layer], self.cache.slots_per_layer[layer]
-                if start + s > self.first and s:
-                    first_slot = max(0, self.first - start)
-                    self._held[layer] = (first_slot, cache.lend_slots(first_slot))
+            for layer, n in self.lent_slots.items():
+                first = self.cache.slots_per_layer[layer] - n
+                self._held[layer] = (first, self.cache.caches[layer].lend_slots(first))
             self.loans += 1
-        return self.cache.arena[self.first : self.first + self.rows]
+        return self.cache.arena[self.cache.lend_start : self.cache.lend_start + self.rows]
 
     def give_back(self) -> None:
         """Put the experts back into their slots (queued on the current stream)."""
         if self._held is None:
             return
-        for layer, (first_slot, held) in self._held.items():
-            self.cache.caches[layer].restore_slots(first_slot, held)
+        for layer, (first, held) in self._held.items():
+            self.cache.caches[layer].restore_slots(first, held)
         self._held = None

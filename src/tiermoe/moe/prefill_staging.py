@@ -42,6 +42,7 @@ class PrefillStaging:
         self._bufs: list[torch.Tensor] = []  # allocated by the first chunk that stages
         self._plan: dict[int, tuple[int, list[int], torch.Tensor]] | None = None  # layer -> (buffer, experts, table)
         self._consumed: set[int] = set()  # planned layers whose table was handed out
+        self._plan_bufs: list[torch.Tensor] = []
         self._tables_host: torch.Tensor | None = None
         cuda = self.device.type == "cuda" and self.num_buffers > 1
         self._side = torch.cuda.Stream(self.device) if cuda else None
@@ -49,10 +50,11 @@ class PrefillStaging:
         self._copied: dict[int, torch.cuda.Event] = {}
         self._freed: dict[int, torch.cuda.Event] = {}
         self.staged = 0  # records copied
+        self.in_place = 0  # non-resident experts of planned chunks left to in-place reads (too few rows)
         self.planned_chunks = 0  # chunks planned once (no host sync per layer)
 
     def _buf(self, i: int) -> torch.Tensor:
-        if i == 1 and self.lender is not None:
+        if i == 1 and self.lender is not None:  # only from begin(), on the compute stream
             return self.lender.borrow()  # [rows, R] of slots (emptied on the first call of a run of chunks)
         while len(self._bufs) <= i:  # a plain tensor even when the first user (warm-up) runs in inference mode
             with torch.inference_mode(False):
@@ -70,10 +72,10 @@ class PrefillStaging:
         self._plan = None
         self._wait_side()
         if tokens < STAGE_ALL_TOKENS or not self.rows or not self.layers:
-            if self.lender is not None:
-                self.lender.give_back()  # lent slots refilled before any other step reads the cache
+            self.return_loan()  # lent slots refilled before any other step reads the cache
             return
         bufs = [self._buf(b) for b in range(self.num_buffers)]  # allocated (or lent) before the residency read
+        self._plan_bufs = bufs  # the plan's copies go here, whatever happens to a loan meanwhile
         sizes = [len(self.caches[layer].ptr_table) for layer in self.layers]
         state = torch.cat([torch.cat((self.caches[layer].expert_slot.to(torch.int64), self.caches[layer].ptr_table))
                            for layer in self.layers]).cpu()  # the one host read: [sum(E + E_total)]
@@ -83,7 +85,9 @@ class PrefillStaging:
             slots, table = state[off : off + n], state[off + n : off + n + sizes[i]].clone()  # [E], [E_total]
             off += n + sizes[i]
             b = i % self.num_buffers
-            need = torch.nonzero(slots < 0).flatten()[: len(bufs[b])]  # ascending
+            missing = torch.nonzero(slots < 0).flatten()  # ascending
+            need = missing[: len(bufs[b])]
+            self.in_place += len(missing) - len(need)  # read over PCIe by the kernel instead
             table[need] = torch.arange(len(need), dtype=torch.int64) * self.record_bytes + bufs[b].data_ptr()
             tables.append(table)
             plan[layer] = (b, need.tolist())
@@ -100,6 +104,14 @@ class PrefillStaging:
             self._side.wait_stream(torch.cuda.current_stream(self.device))
             self._stage_ahead(0)
 
+    def return_loan(self) -> None:
+        """Give lent slots back (after any queued staging copy; a plan using them is dropped)."""
+        if self.lender is None or not self.lender.lent:
+            return
+        self._wait_side()
+        self._plan = None
+        self.lender.give_back()
+
     def table(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """The pointer table [E_total] the layer's MoE kernel reads, its staged rows in place."""
         if self._plan is None or layer not in self._plan or layer in self._consumed:
@@ -107,7 +119,7 @@ class PrefillStaging:
         self._consumed.add(layer)
         b, need, table = self._plan[layer]
         if self._side is None:  # one buffer (or no CUDA): copy on this stream, right before the layer
-            self._copy(layer, need, self._buf(b))
+            self._copy(layer, need, self._plan_bufs[b])
         else:
             i = self.layers.index(layer)
             self._stage_ahead(i)  # already queued unless layers ran out of order
@@ -159,7 +171,7 @@ class PrefillStaging:
                 prev = self.layers[i - self.num_buffers]
                 if prev in self._freed:
                     self._side.wait_event(self._freed[prev])
-            self._copy(layer, need, self._buf(b))
+            self._copy(layer, need, self._plan_bufs[b])
             ev = torch.cuda.Event()
             ev.record(self._side)
             self._copied[layer] = ev

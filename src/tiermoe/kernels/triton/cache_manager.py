@@ -208,11 +208,11 @@ class ExpertCache:
     """The device-side cache state of one MoE layer (see the module docstring for the tables).
 
     host_addr: int64 [E] pinned host record addresses; slot_base: address of S * record_bytes
-    bytes of GPU memory (kept alive by the caller); extra_ptrs: table rows after the routed
+    bytes of GPU memory, or an int64 [S] tensor of each slot's address (kept alive by the caller); extra_ptrs: table rows after the routed
     experts (shared experts), fixed. `admit_max` bounds the misses admitted per step.
     """
 
-    def __init__(self, host_addr: torch.Tensor, slot_base: int, num_slots: int, record_bytes: int,
+    def __init__(self, host_addr: torch.Tensor, slot_base: int | torch.Tensor, num_slots: int, record_bytes: int,
                  *, extra_ptrs: torch.Tensor | None = None, admit_max: int | None = None,
                  max_picks: int = 128, admission_filter: bool = True, decay_shift: int = 8,
                  scratch_base: int = 0, scratch_slots: int = 0) -> None:  # fmt: skip
@@ -225,7 +225,12 @@ class ExpertCache:
         i64 = dict(dtype=torch.int64, device=dev)
         self.host_addr = host_addr.to(torch.int64).contiguous()
         self.ptr_table = torch.cat([self.host_addr, extra.to(torch.int64)])
-        self.slot_addr = slot_base + torch.arange(self.num_slots, **i64) * self.record_bytes
+        if isinstance(slot_base, torch.Tensor):  # each slot's own address (slots need not be adjacent)
+            self.slot_addr = slot_base.to(device=dev, dtype=torch.int64).contiguous()
+            if self.slot_addr.numel() != self.num_slots:
+                raise ValueError(f"{self.slot_addr.numel()} slot addresses for {self.num_slots} slots")
+        else:
+            self.slot_addr = slot_base + torch.arange(self.num_slots, **i64) * self.record_bytes
         self.slot_expert = torch.full((self.num_slots,), -1, **i32)
         self.expert_slot = torch.full((e,), -1, **i32)
         self.ref = torch.zeros(self.num_slots, **i32)

@@ -20,6 +20,9 @@ kernel and configuration, so exact mode stays bit-identical across budgets.
 A weight is re-read once per pick of its expert (no sharing across a block's tokens), so this
 wins only for few tokens: the tuned decode configuration says up to how many
 (`configs.json`, decode bucket, "gemv": {..., "max_tokens": n}; `tiermoe bench tune-moe`).
+Like the decode/prefill bucket boundary, that switch makes a sequence's rounding depend on how
+many tokens share its step (a tuned GPU at C1 vs C4); batch invariance is not promised, and
+every tier of one step still runs the same kernel, so exactness across budgets holds.
 """
 
 from __future__ import annotations

@@ -176,13 +176,17 @@ def _tune_gemv(layout: ExpertLayout, table: torch.Tensor, pop: torch.Tensor, top
                 best, best_t = trial, t
         if best is None:
             return None
-    block_t = {1: _time_decode(layout, table, pop, top_k, block_cfg, 1, gen)}
-    report["gemv_vs_block"] = {1: [best_t, block_t[1]]}
-    if best_t >= block_t[1]:
+    block_t = _time_decode(layout, table, pop, top_k, block_cfg, 1, gen)
+    report["gemv_vs_block"] = {1: [best_t, block_t]}
+    if best_t >= block_t:
         return None
     max_tokens = 1
     for tokens in (2, 4, 8, 16):
-        mine, theirs = timed(best, tokens), _time_decode(layout, table, pop, top_k, block_cfg, tokens, gen)
+        try:
+            mine, theirs = timed(best, tokens), _time_decode(layout, table, pop, top_k, block_cfg, tokens, gen)
+        except Exception as exc:  # keep what was measured so far
+            report["gemv_vs_block"][tokens] = str(exc).splitlines()[0][:200]
+            break
         report["gemv_vs_block"][tokens] = [mine, theirs]
         if mine >= theirs:
             break
