@@ -7,21 +7,24 @@
 #      bit-identical to the eager engine at batch 1 and 2, with SDPA and with the paged decode
 #      kernel; K tiles spanning several scale groups); then `tiermoe bench tune-moe` for the store's shape
 #   2. the side-by-side Qwen3-MoE store (24 layers, random weights) written to $STORE
-#   3. per decode attention in $ATTENTIONS: tiermoe serve with the side-by-side flags,
-#      `tiermoe bench sweep` (4k prefill once, decode C1 and C4, $MAX_TOKENS tokens), /stats
-#      before and after, and scripts/engine_thread_check.py (ms per token in-process)
+#   3. per serving variant in $VARIANTS: tiermoe serve with the side-by-side flags and the
+#      variant's own, `tiermoe bench sweep` (4k prefill once, decode C1 and C4, $MAX_TOKENS
+#      tokens), /stats before and after, and scripts/engine_thread_check.py (ms per token in-process)
 #   4. scripts/profile_engine_decode.py on the same store: graphs off vs on, and a 4000-token
 #      prefill (the default paged decode kernel); then the same with SDPA decode attention
 #      and with two prefill staging buffers (copies one layer ahead, --prefill-staging-gb 1.75)
 #   5. the same profile with misses read in place instead of staged (TIERMOE_DEVICE_CACHE_STAGE=0)
-# Environment: STORE ($HOME/sbs-graph-model), MAX_TOKENS (256), ATTENTIONS ("sdpa paged"),
+# Environment: STORE ($HOME/sbs-graph-model), MAX_TOKENS (256),
+# VARIANTS ("default: sdpa:--decode-attention,sdpa": space-separated NAME:FLAGS, flags joined by
+#   commas, e.g. "borrow:--prefill-borrow-slots ahead:--prefill-staging-gb,1.75"),
 # SPY (1: after the measured sweep, a C1 sweep recorded by py-spy, summarised per thread by
-# scripts/pyspy_summary.py; carry .peer/tools, which holds the py-spy wheel),
-# SERVE_FLAGS (more `tiermoe serve` flags, e.g. "--prefill-staging-gb 1.75"), PYTHON (python3), THREAD_CHECK (1: run engine_thread_check after each sweep), USE_TUNED (1: a
-# configs.json tuned by an earlier call on this machine replaces the working copy's), STEPS ("tests tune store serve profile": any subset, in that order; the whole
-# script runs longer than one 10-minute call, so split it, e.g. STEPS="tests tune store serve" then
-# STEPS="profile" while the machine is still warm). `tune` rewrites the package's configs.json in
-# the working copy (kept as OUT/configs.json: commit it if the figures improve).
+#   scripts/pyspy_summary.py; carry .peer/tools, which holds the py-spy wheel),
+# PYTHON (python3), THREAD_CHECK (1: run engine_thread_check after each sweep), USE_TUNED (1: a
+# configs.json tuned by an earlier call on this machine replaces the working copy's), STEPS
+# ("tests tune store serve profile": any subset, in that order; the whole script runs longer
+# than one 10-minute call, so split it, e.g. STEPS="tests tune store" then STEPS="serve" while
+# the machine is still warm). `tune` rewrites the package's configs.json in the working copy
+# (kept as OUT/configs.json: commit it if the figures improve).
 set -uo pipefail
 out=${1:?usage: $0 OUT_DIR}
 mkdir -p "$out"
@@ -63,11 +66,13 @@ if want store; then
     --force 2>&1 | grep -v '%|' | tail -2
 fi
 
-want serve && for attn in ${ATTENTIONS:-sdpa paged}; do
-  log "server + sweep, decode attention $attn"
+want serve && for variant in ${VARIANTS:-default: sdpa:--decode-attention,sdpa}; do
+  attn=${variant%%:*}  # the variant's name (files are named after it)
+  IFS=, read -r -a extra <<< "${variant#*:}"
+  log "server + sweep, variant $attn: ${extra[*]:-(defaults)}"
   "$py" -m tiermoe.cli serve "$store/store" --host 127.0.0.1 --port 8111 --served-model-name qwen3moe-synthetic \
-    --max-model-len 20480 --max-num-seqs 4 "${flags[@]}" --cpu-lane-threads 16 --decode-attention "$attn" \
-    ${SERVE_FLAGS:-} > "$out/server-$attn.log" 2>&1 &
+    --max-model-len 20480 --max-num-seqs 4 "${flags[@]}" --cpu-lane-threads 16 ${extra[@]+"${extra[@]}"} \
+    > "$out/server-$attn.log" 2>&1 &
   pid=$!
   for _ in $(seq 1 150); do
     get http://127.0.0.1:8111/health > /dev/null 2>&1 && break
@@ -94,8 +99,8 @@ want serve && for attn in ${ATTENTIONS:-sdpa paged}; do
   grep -E "prefill|decode" "$out/sweep-$attn.log"
   grep -iE "decode steps|graph" "$out/server-$attn.log" | head -5
   kill $pid; wait $pid 2>/dev/null
-  [ "${THREAD_CHECK:-1}" = 1 ] && timeout 200 "$py" scripts/engine_thread_check.py "$store/store" "${flags[@]}" --decode-attention "$attn" --tokens 128 \
-    > "$out/thread-check-$attn.txt" 2>&1
+  [ "${THREAD_CHECK:-1}" = 1 ] && timeout 200 "$py" scripts/engine_thread_check.py "$store/store" "${flags[@]}" \
+    ${extra[@]+"${extra[@]}"} --tokens 128 > "$out/thread-check-$attn.txt" 2>&1
   grep -s "ms/token" "$out/thread-check-$attn.txt"
 done
 
