@@ -80,6 +80,19 @@ def _scales_per_tile(s_ptrs, k0, G: tl.constexpr):
 
 
 @triton.jit
+def record_pointers(base, Q_OFF: tl.constexpr, S_OFF: tl.constexpr, KIND: tl.constexpr):
+    """Typed pointers to one matrix of the record at address `base` and to its bf16 scales."""
+    if KIND == 0:
+        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.bfloat16)), 16)
+    elif KIND == 1:
+        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.uint8)), 16)
+    else:
+        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.int8)), 16)
+    sp = tl.multiple_of((base + S_OFF).to(tl.pointer_type(tl.bfloat16)), 16)
+    return wp, sp
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr,  # [rows, KD] bf16: x (row = pair // A_DIV) or act (row = pair)
     out_ptr,  # GATED: act [P, N] bf16; else y [P, N] fp32
@@ -116,13 +129,7 @@ def _moe_gemm_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)  # [BN]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    if KIND == 0:
-        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.bfloat16)), 16)
-    elif KIND == 1:
-        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.uint8)), 16)
-    else:
-        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.int8)), 16)
-    sp = tl.multiple_of((base + S_OFF).to(tl.pointer_type(tl.bfloat16)), 16)
+    wp, sp = record_pointers(base, Q_OFF, S_OFF, KIND)
     offs_k = tl.arange(0, BK)
     a_ptrs = a_ptr + rows[:, None] * KD + offs_k[None, :]  # [BM, BK]
     if KIND == 1:

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from tiermoe.kernels.layout import ExpertLayout
+from tiermoe.kernels.triton.fused_moe import _KIND_ID, record_pointers
 
 
 @triton.jit
@@ -101,13 +102,7 @@ def _moe_gemv_kernel(
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
     e = tl.load(ids_ptr + p)
     base = tl.load(ptr_table_ptr + e)
-    if KIND == 0:
-        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.bfloat16)), 16)
-    elif KIND == 1:
-        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.uint8)), 16)
-    else:
-        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.int8)), 16)
-    sp = tl.multiple_of((base + S_OFF).to(tl.pointer_type(tl.bfloat16)), 16)
+    wp, sp = record_pointers(base, Q_OFF, S_OFF, KIND)
     a_row = a_ptr + (p // A_DIV).to(tl.int64) * KD
     if KIND == 0:
         up_w = N * KD  # elements
@@ -154,8 +149,6 @@ def moe_projections_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
     x [T, H] bf16; ids [P] int32 pointer-table rows (P = T * k, pick order); weights [P] fp32.
     Fixed shapes, no host sync (graph-capturable).
     """
-    from tiermoe.kernels.triton.fused_moe import _KIND_ID
-
     check_gemv_config(layout, cfg)
     p = ids.numel()
     h, i = layout.hidden, layout.inter
