@@ -67,8 +67,8 @@ def add_store_args(p, with_mode: bool = True) -> None:
                         "compute; 0: read them in place)")  # fmt: skip
     g.add_argument("--prefill-borrow-slots", action="store_true",
                    help="device cache: large prefill chunks copy one layer ahead into a second staging buffer lent "
-                        "by expert slots, whose experts are copied back before the next decode step (two buffers "
-                        "without their memory; with the default --prefill-staging-gb)")  # fmt: skip
+                        "by expert slots (a few per layer), whose experts are copied back before the next decode "
+                        "step; both buffers get that share of rows more than --prefill-staging-gb's one buffer")  # fmt: skip
     if with_mode:
         g.add_argument("--mode", choices=("exact", "fast"), default="exact",
                        help="exact: bit-identical (default); fast: the CPU lane computes cold experts")

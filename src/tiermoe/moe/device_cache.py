@@ -110,7 +110,10 @@ class DeviceCacheExperts:
             prefill_buffers = 2
         # One arena [sum S, R] for every layer's slots: first each layer's own slots, then the
         # lendable ones of every layer side by side, so a loan is one contiguous buffer.
-        lent = {layer: min(share, s) for layer, s in self.slots_per_layer.items()}
+        lent, left = {}, self.prefill_rows if share else 0  # exactly one buffer's rows, at most `share` a layer
+        for layer in reversed(layers):
+            lent[layer] = min(share, self.slots_per_layer[layer], left)
+            left -= lent[layer]
         self.arena = torch.empty(max(1, sum(self.slots_per_layer.values())), r, dtype=torch.uint8, device=dev)
         self.lend_start = sum(s - lent[layer] for layer, s in self.slots_per_layer.items())  # first lendable row
         self._arena_rows: dict[int, torch.Tensor] = {}  # layer -> arena row of each slot
@@ -262,8 +265,8 @@ def lend_share(slots: list[int], rows: int) -> int:
 
 
 class SlotLender:
-    """Lends the last slots of every layer (`lent[layer]` each, side by side at the end of the
-    slot arena) to prefill staging as its second buffer.
+    """Lends the last slots of the layers (`lent[layer]` each, at most the share, side by side
+    at the end of the slot arena: one buffer's rows) to prefill staging as its second buffer.
 
     Two staging buffers let large prefill chunks copy one layer ahead (+31 % prefill tok/s on
     the H200, docs/results.md section 16), but a buffer of dedicated memory is one more layer of

@@ -146,6 +146,9 @@ class TieredExperts:
         except BaseException:
             store.close()
             raise
+        if options.get("prefill_borrow_slots") and cache.prefill.lender is None:
+            log.info("--prefill-borrow-slots: not used (%s)", "two dedicated staging buffers already"
+                     if cache.prefill.num_buffers == 2 else "too few slots or MoE layers to lend a buffer")
         log.info("expert slot cache: on the device, %d slots over %d layers + %d staging rows; "
                  "prefill staging %d x %d records%s", cache.slots_total, len(cache.caches), cache.stage_rows,
                  cache.prefill.num_buffers, cache.prefill_rows, " (the second lent by slots)" if cache.prefill.lender else "")

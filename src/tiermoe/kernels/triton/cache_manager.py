@@ -30,7 +30,7 @@ Contract of the tables (`ExpertCache` owns them, one per layer):
   ptr_table   int64 [E_total]  row e = device-visible address of expert e's record; rows
                                >= num_experts (e.g. shared experts) are never touched here
   host_addr   int64 [E]        pinned host record address of each routed expert
-  slot_addr   int64 [S]        GPU slot addresses (record-length apart, 4096-aligned)
+  slot_addr   int64 [S]        GPU slot addresses (4096-aligned; adjacent or not)
   slot_expert int32 [S]        expert held by each slot, -1 = empty
   expert_slot int32 [E]        slot of each expert, -1 = not resident
   ref         int32 [S]        CLOCK reference bits
@@ -208,7 +208,8 @@ class ExpertCache:
     """The device-side cache state of one MoE layer (see the module docstring for the tables).
 
     host_addr: int64 [E] pinned host record addresses; slot_base: address of S * record_bytes
-    bytes of GPU memory, or an int64 [S] tensor of each slot's address (kept alive by the caller); extra_ptrs: table rows after the routed
+    bytes of GPU memory, or an int64 [S] tensor of each slot's address (kept alive by the
+    caller); extra_ptrs: table rows after the routed
     experts (shared experts), fixed. `admit_max` bounds the misses admitted per step.
     """
 
