@@ -115,6 +115,10 @@ class PrefillStaging:
     def table(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """The pointer table [E_total] the layer's MoE kernel reads, its staged rows in place."""
         if self._plan is None or layer not in self._plan or layer in self._consumed:
+            if self._plan is not None and self._side is not None:
+                # a layer run twice inside a plan whose side stream may already fill buffer 0 with
+                # a later layer's records: read this layer's misses in place instead
+                return self.caches[layer].ptr_table
             return self._table_for_picks(layer, topk_ids)  # a mid-size chunk, or a layer run twice
         self._consumed.add(layer)
         b, need, table = self._plan[layer]
