@@ -131,7 +131,8 @@ def fused_moe_gemv(rec: Recorder) -> None:
     group (G128) and spanning several (int4 G32), the SwiGLU clamp on int4; 1 and 4 tokens."""
     for kind, group, bk in (("bf16", 0, 128), ("int4", 128, 128), ("int4", 32, 128), ("int8", 128, 64)):
         layout = expert_layout(kind, HIDDEN, INTER, group)
-        gemv = {st: {"BN": 32, "BK": bk, "num_warps": 4, "num_stages": 4} for st in ("gate_up", "down")}
+        gemv = {st: {"BN": 32, "BK": bk, "num_warps": 4, "num_stages": 4, "acc": acc}
+                for st, acc in (("gate_up", "tile"), ("down", "row"))}  # both accumulator forms
         cfg = {**fm.default_config(layout, 1), "gemv": {**gemv, "max_tokens": 4}}
         with rec.tagged(f"fused_moe {kind} G{group} gemv"):
             for tokens in (1, 4):

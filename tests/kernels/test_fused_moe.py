@@ -149,9 +149,10 @@ def test_k_tiles_spanning_several_groups_match_twin(kind, tokens, device):
     assert _rel(out, F.fused_moe(x, ids, w, table, lay, config=narrow)) < 1e-2
 
 
-def _gemv_config(lay, bn, bk, max_tokens=4):
+def _gemv_config(lay, bn, bk, max_tokens=4, acc=("tile", "row")):
+    """gate_up and down with the two accumulator forms (a tile reduced at the end, a row per tile)."""
     base = F.default_config(lay, 1)
-    gemv = {st: {"BN": bn, "BK": bk, "num_warps": 4, "num_stages": 2} for st in ("gate_up", "down")}
+    gemv = {st: {"BN": bn, "BK": bk, "num_warps": 4, "num_stages": 2, "acc": a} for st, a in zip(("gate_up", "down"), acc)}
     return {**base, "gemv": {**gemv, "max_tokens": max_tokens}}
 
 
@@ -167,9 +168,10 @@ def test_gemv_decode_path_matches_twin(kind, group, bk, tokens, device):
     x = torch.randn(tokens, H, generator=gen).to(torch.bfloat16).to(device)
     ids = _picks(tokens, gen).to(device)
     w = torch.rand(tokens, K, generator=gen).to(device)
-    cfg = _gemv_config(lay, 16, bk)
+    cfg, swapped = _gemv_config(lay, 16, bk), _gemv_config(lay, 16, bk, acc=("row", "tile"))
     for limit in (None, 0.5):
         out = F.fused_moe(x, ids, w, table, lay, config=cfg, swiglu_limit=limit)
+        assert _rel(out, F.fused_moe(x, ids, w, table, lay, config=swapped, swiglu_limit=limit)) < 1e-2
         ref = R.fused_moe_ref(x, ids, w, recs, lay, swiglu_limit=limit)
         assert out.shape == (tokens, H) and torch.isfinite(out.float()).all()
         assert _rel(out, ref) < 2e-2

@@ -96,7 +96,8 @@ def _moe_gemv_kernel(
     CLAMP: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
-    KW: tl.constexpr,  # accumulator width: BK // 2 for int4, else BK
+    KW: tl.constexpr,  # accumulator width: a tile's (BK // 2 for int4, else BK; reduced once at
+    # the end: fewer reductions, more registers) or 1 (each tile reduced into [BN, 1] as it comes)
 ):
     p = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
@@ -114,9 +115,17 @@ def _moe_gemv_kernel(
     acc = tl.zeros((BN, KW), dtype=tl.float32)
     acc_u = tl.zeros((BN, KW), dtype=tl.float32)
     for k0 in range(0, KD, BK):
-        acc += _dot_rows(wp, sp, a_row, offs_n, k0, KD, G, KIND, BN, BK)
+        prod = _dot_rows(wp, sp, a_row, offs_n, k0, KD, G, KIND, BN, BK)
+        if KW == 1:
+            acc += tl.sum(prod, axis=1, keep_dims=True)
+        else:
+            acc += prod
         if GATED:
-            acc_u += _dot_rows(wp + up_w, sp + up_s, a_row, offs_n, k0, KD, G, KIND, BN, BK)
+            prod_u = _dot_rows(wp + up_w, sp + up_s, a_row, offs_n, k0, KD, G, KIND, BN, BK)
+            if KW == 1:
+                acc_u += tl.sum(prod_u, axis=1, keep_dims=True)
+            else:
+                acc_u += prod_u
     g = tl.sum(acc, axis=1)  # [BN]
     out_offs = p.to(tl.int64) * N + offs_n
     if GATED:
@@ -133,9 +142,11 @@ def _moe_gemv_kernel(
 
 def check_gemv_config(layout: ExpertLayout, cfg: dict) -> None:
     """BN must divide each stage's rows, BK its reduction dim; BK and the group size must
-    divide one another (quantized kinds); int4 needs BK >= 2."""
+    divide one another (quantized kinds); int4 needs BK >= 2; "acc" is "tile" (default) or "row"."""
     for stage, (n, kd) in (("gate_up", (layout.inter, layout.hidden)), ("down", (layout.hidden, layout.inter))):
         c = cfg[stage]
+        if c.get("acc", "tile") not in ("tile", "row"):
+            raise ValueError(f"gemv {stage}: acc={c['acc']!r}: choose tile or row")
         if n % c["BN"] or kd % c["BK"] or (layout.kind == "int4" and c["BK"] < 2):
             raise ValueError(f"gemv {stage}: BN={c['BN']}/BK={c['BK']} must divide N={n}/K={kd}")
         if layout.kind != "bf16" and layout.group_size % c["BK"] and c["BK"] % layout.group_size:
@@ -163,6 +174,7 @@ def moe_projections_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
             a, out, ids, ptr_table, weights, a_div, float(swiglu_limit or 0.0),
             Q_OFF=q_off, S_OFF=max(s_off, 0), N=n, KD=kd, G=g, KIND=kind, GATED=gated,
             CLAMP=gated and swiglu_limit is not None, BN=c["BN"], BK=c["BK"],
-            KW=c["BK"] // 2 if kind == 1 else c["BK"], num_warps=c["num_warps"], num_stages=c["num_stages"],
+            KW=1 if c.get("acc") == "row" else c["BK"] // 2 if kind == 1 else c["BK"],
+            num_warps=c["num_warps"], num_stages=c["num_stages"],
         )  # fmt: skip
     return y

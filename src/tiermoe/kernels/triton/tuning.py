@@ -31,9 +31,13 @@ def _decode_candidates(layout: ExpertLayout) -> list[dict]:
 def _gemv_candidates(layout: ExpertLayout) -> list[dict]:
     """Launch shapes of the few-token matrix-vector kernel (moe_gemv.py), most promising first."""
     g = layout.group_size or 128
-    shapes = [(32, 256, 4, 3), (16, 256, 4, 3), (64, 128, 4, 3), (32, 128, 4, 3), (16, 512, 4, 3), (64, 256, 8, 3),
-              (8, 512, 2, 3), (128, 128, 8, 3)]  # fmt: skip
-    return [{"BN": bn, "BK": bk, "num_warps": nw, "num_stages": ns} for bn, bk, nw, ns in shapes if _fits(layout, bn, bk, g)]
+    # (BN, BK, warps, stages, accumulator): "tile" keeps [BN, BK] fp32 tiles and reduces once
+    # (int4, G32, BN 32, BK 256: 168 registers a thread on sm_90), "row" reduces each tile as it
+    # comes (120 registers: more blocks an SM in flight, more shuffles)
+    shapes = [(32, 256, 4, 3, "tile"), (16, 256, 4, 3, "tile"), (32, 256, 4, 3, "row"), (64, 256, 4, 3, "row"),
+              (64, 128, 4, 3, "tile"), (16, 512, 4, 3, "row"), (128, 256, 8, 3, "row"), (8, 512, 2, 3, "tile")]  # fmt: skip
+    return [{"BN": bn, "BK": bk, "num_warps": nw, "num_stages": ns, "acc": acc}
+            for bn, bk, nw, ns, acc in shapes if _fits(layout, bn, bk, g)]  # fmt: skip
 
 
 def _fits(layout: ExpertLayout, bn: int, bk: int, g: int) -> bool:
