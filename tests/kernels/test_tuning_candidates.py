@@ -17,6 +17,12 @@ def test_every_candidate_passes_the_kernels_config_check(shape):
     assert cands
     for c in cands:
         F._check_config(lay, {"gate_up": c, "down": c}, 1)
+    from tiermoe.kernels.triton.moe_gemv import check_gemv_config
+
+    gemv = tuning._gemv_candidates(lay)
+    assert gemv and {c["acc"] for c in gemv} == {"tile", "row"}
+    for c in gemv:  # the matrix-vector path's shapes pass its own check
+        check_gemv_config(lay, {"gate_up": c, "down": c})
 
 
 def test_small_groups_get_k_tiles_beyond_the_group():

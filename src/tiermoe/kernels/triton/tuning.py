@@ -132,10 +132,6 @@ def tune(layout: ExpertLayout, records: torch.Tensor, pop: torch.Tensor, top_k: 
 
     dec, dec_t = search("decode", default_config(layout, 1), _decode_candidates(layout), dec_timer)
     log(f"tune decode: {dec} ({dec_t * 1e6:.1f} us for T=1 + T=4)")
-    gemv = _tune_gemv(layout, table, pop, top_k, dec, gen, deadline, report)
-    if gemv is not None:
-        dec = {**dec, "gemv": gemv}
-        log(f"tune decode: the matrix-vector kernel up to {gemv['max_tokens']} tokens: {gemv}")
     pre_best, pre_t, pre_default_t = None, float("inf"), None
     if prefill_tokens:
         pre_default_t = _time_prefill(layout, table, pop, top_k, default_config(layout, prefill_tokens), prefill_tokens, gen)
@@ -147,6 +143,10 @@ def tune(layout: ExpertLayout, records: torch.Tensor, pop: torch.Tensor, top_k: 
             if t < pre_t:
                 pre_best, pre_t = cfg, t
         log(f"tune prefill: {pre_best} ({pre_t * 1e3:.2f} ms per {prefill_tokens}-token layer)")
+    gemv = _tune_gemv(layout, table, pop, top_k, dec, gen, deadline, report)  # last: what time is left
+    if gemv is not None:
+        dec = {**dec, "gemv": gemv}
+        log(f"tune decode: the matrix-vector kernel up to {gemv['max_tokens']} tokens: {gemv}")
     out = {"decode": dec, "prefill": pre_best or default_config(layout, max(prefill_tokens, 17))}
     defaults = {"decode_s": report["decode"][0]["s"], "prefill_s": pre_default_t}  # what untuned shapes get
     return out, {"decode_s": dec_t, "prefill_s": pre_t if pre_best else None, "default": defaults, "trials": report}
