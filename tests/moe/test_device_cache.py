@@ -75,6 +75,38 @@ def test_bit_identical_to_store_path_and_across_budgets(stores, kind):
             assert c["slots"] == 0 and c["hits"] == 0 and c["admitted"] == 0
 
 
+def test_matrix_vector_decode_path_is_bit_identical_across_budgets(stores, monkeypatch):
+    """With a decode config that sends steps of up to 4 tokens to the matrix-vector kernel (as a
+    tuned configs.json entry does), the device cache with 8, 2 and 0 slots per layer still gives
+    the store-managed path's bits: every tier runs that kernel on the same bytes."""
+    from tiermoe.kernels.triton import fused_moe as fm
+
+    plain = fm.default_config
+
+    def with_gemv(layout, tokens):
+        cfg = plain(layout, tokens)
+        gemv = {"BN": 16, "BK": 32, "num_warps": 4, "num_stages": 2}
+        return {**cfg, "gemv": {"gate_up": gemv, "down": {**gemv, "acc": "row"}, "max_tokens": 4}}
+
+    from tiermoe.kernels.triton import moe_gemv
+
+    calls = []
+    real = moe_gemv.moe_projections_gemv
+    monkeypatch.setattr(moe_gemv, "moe_projections_gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(fm, "default_config", with_gemv)
+    path, rec = stores["int4"]
+    trace = _trace(2)
+    with _host_store(path, rec) as st:
+        be = TritonExperts(st)
+        ref = [be.forward(layer, *moe_batch(t, seed)).cpu() for layer, t, seed in trace]
+    for slots in (2 * 8, 2 * 2 + 2, 0):
+        with _host_store(path, rec) as st:
+            dc = DeviceCacheExperts(st, slots, rates={}, top_k=2, max_tokens=1)
+            got = [dc.forward(layer, *moe_batch(t, seed), decode=t < 17).cpu() for layer, t, seed in trace]
+        assert all(torch.equal(a, b) for a, b in zip(ref, got)), slots
+    assert len(calls) == 4 * sum(t <= 4 for _, t, _ in trace)  # the kernel ran: both paths, 1 + 3 budgets
+
+
 def test_misses_read_in_place_without_staging_rows(stores, monkeypatch):
     """stage_misses=False (TIERMOE_DEVICE_CACHE_STAGE=0): no staging rows, the whole budget in
     slots, misses read in place by the kernel: the same bits as with staging."""
