@@ -101,7 +101,7 @@ class DeviceCacheExperts:
         if prefill_buffers is None:
             prefill_buffers = 2 if most and rows >= 2 * most else 1
         self.prefill_rows = min(rows, most) if prefill_buffers == 2 or rows > most else rows  # per buffer
-        # Slot lending: each layer lends its last `share` slots, so a loan grows no layer's
+        # Slot lending: a layer lends at most its last `share` slots, so a loan grows no layer's
         # non-resident experts by more than `share`; both buffers get that many rows more.
         share = lend_share(list(self.slots_per_layer.values()), self.prefill_rows) if (
             borrow_slots and prefill_buffers == 1 and self.prefill_rows) else 0  # fmt: skip
