@@ -22,6 +22,13 @@ def _picks(t, gen, e=E, k=K):
     return torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
 
 
+def _batch(tokens, seed, device):
+    """x bf16 [T, H], distinct picks [T, K], routing weights [T, K] on `device`."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, H, generator=gen).to(torch.bfloat16).to(device)
+    return x, _picks(tokens, gen).to(device), torch.rand(tokens, K, generator=gen).to(device)
+
+
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -30,10 +37,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("tokens", [1, 4, 20])
 def test_fused_moe_matches_twin(kind, tokens, device):
     lay, recs, table = _setup(kind, device)
-    gen = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, H, generator=gen).to(torch.bfloat16).to(device)
-    ids = _picks(tokens, gen).to(device)
-    w = torch.rand(tokens, K, generator=gen).to(device)
+    x, ids, w = _batch(tokens, tokens, device)
     out = F.fused_moe(x, ids, w, table, lay)
     ref = R.fused_moe_ref(x, ids, w, recs, lay)
     assert out.shape == (tokens, H) and out.dtype == torch.bfloat16
@@ -46,10 +50,7 @@ def test_pointer_table_only_addresses_matter(device):
     """Same records in two buffers ('slots' and 'host'): any mix of addresses, same bits."""
     lay, recs, table = _setup("int4", device, seed=1)
     copy = recs.clone()
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(3, H, generator=gen).to(torch.bfloat16).to(device)
-    ids = _picks(3, gen).to(device)
-    w = torch.rand(3, K, generator=gen).to(device)
+    x, ids, w = _batch(3, 5, device)
     base = F.fused_moe(x, ids, w, table, lay)
     mixed = table.clone()
     mixed[::2] = torch.tensor([copy[e].data_ptr() for e in range(0, E, 2)], dtype=torch.int64, device=device)
@@ -106,10 +107,7 @@ def test_swiglu_limit_matches_twin_and_bites(kind, device):
     """GLM-5.3's clamp (gate <= L, |up| <= L) in the kernel epilogue, at a limit that clips
     about half of the projections of these random records."""
     lay, recs, table = _setup(kind, device, seed=5)
-    gen = torch.Generator().manual_seed(9)
-    x = torch.randn(4, H, generator=gen).to(torch.bfloat16).to(device)
-    ids = _picks(4, gen).to(device)
-    w = torch.rand(4, K, generator=gen).to(device)
+    x, ids, w = _batch(4, 9, device)
     gu = R.dequant_matrix(recs[0].cpu(), lay, "gate_up").float()  # [2I, H]
     limit = float((x.cpu().float() @ gu.t()).abs().median())
     out = F.fused_moe(x, ids, w, table, lay, swiglu_limit=limit)
@@ -134,10 +132,7 @@ def test_k_tiles_spanning_several_groups_match_twin(kind, tokens, device):
     """Groups of 16 with K tiles of 64 (gate_up) and 32 (down): each tile gathers a scale per
     row instead of one per output row; same function as the twin and as one-group tiles."""
     lay, recs, table = _setup(kind, device, seed=5, group=16)
-    gen = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, H, generator=gen).to(torch.bfloat16).to(device)
-    ids = _picks(tokens, gen).to(device)
-    w = torch.rand(tokens, K, generator=gen).to(device)
+    x, ids, w = _batch(tokens, tokens, device)
     wide = {"gate_up": {"BM": 16, "BN": 32, "BK": 64, "num_warps": 4, "num_stages": 1},
             "down": {"BM": 16, "BN": 32, "BK": 32, "num_warps": 4, "num_stages": 1}}
     narrow = {st: {**c, "BK": 16} for st, c in wide.items()}
@@ -164,10 +159,7 @@ def test_gemv_decode_path_matches_twin(kind, group, bk, tokens, device):
     one scale group and across several: the twin's function, and the block kernel's to rounding;
     a SwiGLU limit clamps as there. More tokens than the config's max_tokens take the block kernel."""
     lay, recs, table = _setup(kind, device, seed=7, group=group)
-    gen = torch.Generator().manual_seed(tokens + 10)
-    x = torch.randn(tokens, H, generator=gen).to(torch.bfloat16).to(device)
-    ids = _picks(tokens, gen).to(device)
-    w = torch.rand(tokens, K, generator=gen).to(device)
+    x, ids, w = _batch(tokens, tokens + 10, device)
     cfg, swapped = _gemv_config(lay, 16, bk), _gemv_config(lay, 16, bk, acc=("row", "tile"))
     for limit in (None, 0.5):
         out = F.fused_moe(x, ids, w, table, lay, config=cfg, swiglu_limit=limit)
@@ -184,10 +176,7 @@ def test_gemv_is_exact_across_tiers_and_rejects_bad_tiles(device):
     """Like the block kernel: only the addresses change between tiers, so the bits do not."""
     lay, recs, table = _setup("int4", device, seed=3)
     copy = recs.clone()
-    gen = torch.Generator().manual_seed(9)
-    x = torch.randn(2, H, generator=gen).to(torch.bfloat16).to(device)
-    ids = _picks(2, gen).to(device)
-    w = torch.rand(2, K, generator=gen).to(device)
+    x, ids, w = _batch(2, 9, device)
     cfg = _gemv_config(lay, 32, 32)
     mixed = table.clone()
     mixed[1::2] = torch.tensor([copy[e].data_ptr() for e in range(1, E, 2)], dtype=torch.int64, device=device)

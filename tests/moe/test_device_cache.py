@@ -45,6 +45,13 @@ def _host_store(path, rec: int) -> ExpertStore:
 
 
 
+def _store_path_outputs(path, rec: int, calls) -> list[torch.Tensor]:
+    """The store-managed Triton path's output for each (layer, tokens, seed) call: the reference."""
+    with _host_store(path, rec) as st:
+        be = TritonExperts(st)
+        return [be.forward(layer, *moe_batch(t, seed)).cpu() for layer, t, seed in calls]
+
+
 def _trace(n: int = 4) -> list[tuple[int, int, int]]:
     """(layer, tokens, seed) calls: decode steps of 1-3 tokens and a 17-token prefill."""
     rnd = random.Random(0)
@@ -57,9 +64,7 @@ def test_bit_identical_to_store_path_and_across_budgets(stores, kind):
     device cache with 8, 2 and 0 slots per layer (everything, ~10 %, nothing on the GPU)."""
     path, rec = stores[kind]
     trace = _trace()
-    with _host_store(path, rec) as st:
-        be = TritonExperts(st)
-        ref = [be.forward(layer, *moe_batch(t, seed)).cpu() for layer, t, seed in trace]
+    ref = _store_path_outputs(path, rec, trace)
     for slots in (2 * 8, 2 * 2 + 2, 0):  # (+2: staging rows come out of the budget first)
         with _host_store(path, rec) as st:
             dc = DeviceCacheExperts(st, slots, rates={}, top_k=2, max_tokens=1)
@@ -96,9 +101,7 @@ def test_matrix_vector_decode_path_is_bit_identical_across_budgets(stores, monke
     monkeypatch.setattr(fm, "default_config", with_gemv)
     path, rec = stores["int4"]
     trace = _trace(2)
-    with _host_store(path, rec) as st:
-        be = TritonExperts(st)
-        ref = [be.forward(layer, *moe_batch(t, seed)).cpu() for layer, t, seed in trace]
+    ref = _store_path_outputs(path, rec, trace)
     for slots in (2 * 8, 2 * 2 + 2, 0):
         with _host_store(path, rec) as st:
             dc = DeviceCacheExperts(st, slots, rates={}, top_k=2, max_tokens=1)
@@ -137,9 +140,7 @@ def test_prefill_staging_is_bit_identical(stores, rows):
     only 3 with the rest read in place, or none): the same bits as the store-managed path."""
     path, rec = stores["int4"]
     calls = [(layer, 70, seed) for seed in (1, 2) for layer in LAYERS]
-    with _host_store(path, rec) as st:
-        be = TritonExperts(st)
-        ref = [be.forward(layer, *moe_batch(t, seed)).cpu() for layer, t, seed in calls]
+    ref = _store_path_outputs(path, rec, calls)
     with _host_store(path, rec) as st:
         dc = DeviceCacheExperts(st, 2 * 2 + 2, rates={}, top_k=2, max_tokens=1, prefill_rows=rows)
         got = [dc.forward(layer, *moe_batch(t, seed), decode=False).cpu() for layer, t, seed in calls]
@@ -162,9 +163,7 @@ def test_planned_prefill_staging_is_bit_identical(stores, monkeypatch, rows, buf
     # (tokens, seed, begin_step called): the third chunk is below the threshold (per-layer
     # staging); the last runs its layers twice with no begin_step (a spent plan is never reused)
     steps = [(70, 1, True), (70, 2, True), (69, 3, True), (70, 4, True), (70, 5, False)]
-    with _host_store(path, rec) as st:
-        be = TritonExperts(st)
-        ref = [be.forward(layer, *moe_batch(t, seed)).cpu() for t, seed, _ in steps for layer in LAYERS]
+    ref = _store_path_outputs(path, rec, [(layer, t, seed) for t, seed, _ in steps for layer in LAYERS])
     with _host_store(path, rec) as st:
         dc = DeviceCacheExperts(st, 2 * 2 + 2, rates={}, top_k=2, max_tokens=1, prefill_rows=rows,
                                 prefill_buffers=buffers)  # fmt: skip
@@ -198,9 +197,7 @@ def test_slots_lent_to_prefill_staging_come_back(stores, monkeypatch, rows):
     monkeypatch.setattr(staging, "STAGE_ALL_TOKENS", 70)
     path, rec = stores["int4"]
     steps = [(70, 1, True), (70, 2, True), (69, 3, True), (70, 4, True), (1, 6, False)]  # the last: decode
-    with _host_store(path, rec) as st:
-        be = TritonExperts(st)
-        ref = [be.forward(layer, *moe_batch(t, seed)).cpu() for t, seed, _ in steps for layer in LAYERS]
+    ref = _store_path_outputs(path, rec, [(layer, t, seed) for t, seed, _ in steps for layer in LAYERS])
     with _host_store(path, rec) as st:
         dc = DeviceCacheExperts(st, 4 * 2 + 2, rates={}, top_k=2, max_tokens=1, prefill_rows=rows,
                                 borrow_slots=True)  # fmt: skip

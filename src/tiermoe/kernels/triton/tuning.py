@@ -32,8 +32,8 @@ def _gemv_candidates(layout: ExpertLayout) -> list[dict]:
     """Launch shapes of the few-token matrix-vector kernel (moe_gemv.py), most promising first."""
     g = layout.group_size or 128
     # (BN, BK, warps, stages, accumulator): "tile" keeps [BN, BK] fp32 tiles and reduces once
-    # (int4, G32, BN 32, BK 256: 168 registers a thread on sm_90), "row" reduces each tile as it
-    # comes (120 registers: more blocks an SM in flight, more shuffles)
+    # (more registers a thread), "row" reduces each tile as it comes (fewer registers, so more
+    # blocks an SM in flight, but more shuffles); which wins is measured here
     shapes = [(32, 256, 4, 3, "tile"), (16, 256, 4, 3, "tile"), (32, 256, 4, 3, "row"), (64, 256, 4, 3, "row"),
               (64, 128, 4, 3, "tile"), (16, 512, 4, 3, "row"), (128, 256, 8, 3, "row"), (8, 512, 2, 3, "tile")]  # fmt: skip
     return [{"BN": bn, "BK": bk, "num_warps": nw, "num_stages": ns, "acc": acc}

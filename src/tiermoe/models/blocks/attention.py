@@ -9,6 +9,8 @@ of what else is in the batch (batched decode gives the tokens each gives alone).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,10 +49,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, den
     if q_len == ctx:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     elif q_len == 1:
-        if q.is_cuda:  # not cuDNN: it builds a plan per context length and per thread (DECODE_SDPA_BACKENDS)
-            with sdpa_kernel(DECODE_SDPA_BACKENDS):
-                out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=gqa)
-        else:
+        # on CUDA not cuDNN: it builds a plan per context length and per thread (DECODE_SDPA_BACKENDS)
+        with sdpa_kernel(DECODE_SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=gqa)
     else:
         rows = torch.arange(q_len, device=q.device)[:, None] + (ctx - q_len)
@@ -108,19 +108,21 @@ class GQAttention(nn.Module):
         paged decode kernel (no host sync, shapes fixed by B): q [B, Hq, D] -> [B, Hq, D]."""
         from tiermoe.kernels.triton.paged_attention import paged_decode_attention
 
-        k_flat = cache["k"].view(-1, self.num_kv_heads, self.head_dim)
-        v_flat = cache["v"].view(-1, self.num_kv_heads, self.head_dim)
-        k_flat[batch.slot_mapping] = k.to(k_flat.dtype)
-        v_flat[batch.slot_mapping] = v.to(v_flat.dtype)
+        k_flat, v_flat = self._write_kv(k, v, batch, cache)
         return paged_decode_attention(q.to(k_flat.dtype), k_flat, v_flat, batch.block_table, batch.seq_lens,
                                       self.scale, cache["k"].shape[1]).to(q.dtype)
 
-    def _core(self, q, k, v, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Write the step's K/V rows, attend per sequence: q [T, Hq, D], k/v [T, Hk, D] -> [T, Hq, D]."""
+    def _write_kv(self, k, v, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's K/V rows [T, Hk, D] into their cache slots; returns the caches as [slots, Hk, D]."""
         k_flat = cache["k"].view(-1, self.num_kv_heads, self.head_dim)
         v_flat = cache["v"].view(-1, self.num_kv_heads, self.head_dim)
         k_flat[batch.slot_mapping] = k.to(k_flat.dtype)
         v_flat[batch.slot_mapping] = v.to(v_flat.dtype)
+        return k_flat, v_flat
+
+    def _core(self, q, k, v, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Write the step's K/V rows, attend per sequence: q [T, Hq, D], k/v [T, Hk, D] -> [T, Hq, D]."""
+        k_flat, v_flat = self._write_kv(k, v, batch, cache)
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         for s in batch.seqs:
             qs = q[s.q_start : s.q_start + s.q_len]
