@@ -18,15 +18,27 @@ import time
 from tiermoe.models.batch import build_forward_batch
 
 
+def _contexts(text: str) -> list[int]:
+    try:
+        values = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of token counts: {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("token counts must be >= 1")
+    return values
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--seqs", type=int, default=4)
-    p.add_argument("--contexts", default="4096,20480,200000")
+    p.add_argument("--seqs", type=int, default=4, choices=range(1, 257), metavar="1..256")
+    p.add_argument("--contexts", default="4096,20480,200000", type=_contexts, help="comma-separated token counts")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
+    if args.reps < 1 or args.page_size < 1:
+        p.error("--reps and --page-size must be >= 1")
     ps = args.page_size
-    for ctx in (int(c) for c in args.contexts.split(",")):
+    for ctx in args.contexts:
         pages = list(range(ctx // ps + 2))
         chunks = [([5], ctx - 1, pages, b) for b in range(args.seqs)]
         width = -(-max(ctx, 204800) // ps)

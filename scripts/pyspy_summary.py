@@ -24,7 +24,12 @@ def main() -> int:
     p.add_argument("--thread", default="", help="only threads whose name contains this")
     args = p.parse_args()
     per_thread: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    with open(args.recording) as f:
+    try:
+        f = open(args.recording)
+    except OSError as exc:
+        print(f"pyspy_summary: cannot read {args.recording}: {exc.strerror}", file=sys.stderr)
+        return 2
+    with f:
         for line in f:
             stack, _, count = line.rstrip("\n").rpartition(" ")
             if not stack or not count.isdigit():

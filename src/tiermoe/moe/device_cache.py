@@ -116,14 +116,13 @@ class DeviceCacheExperts:
             left -= lent[layer]
         self.arena = torch.empty(max(1, sum(self.slots_per_layer.values())), r, dtype=torch.uint8, device=dev)
         self.lend_start = sum(s - lent[layer] for layer, s in self.slots_per_layer.items())  # first lendable row
-        self._arena_rows: dict[int, torch.Tensor] = {}  # layer -> arena row of each slot
         own, tail = 0, self.lend_start
         for layer in layers:
             entries, s = all_entries[layer], self.slots_per_layer[layer]
             n = len(entries)
+            # arena row of each slot [s]: the layer's own rows, then its lendable ones
             arena_rows = torch.cat([torch.arange(own, own + s - lent[layer]), torch.arange(tail, tail + lent[layer])])
             own, tail = own + s - lent[layer], tail + lent[layer]
-            self._arena_rows[layer] = arena_rows  # [s]
             host_addr = torch.tensor([t.data_ptr() for t in entries], dtype=torch.int64, device=dev)  # [E]
             slot_addr = (self.arena.data_ptr() + arena_rows * r).to(dev)  # [s] int64
             cache = ExpertCache(host_addr, slot_addr, s, r, max_picks=self.max_picks,
