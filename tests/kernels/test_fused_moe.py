@@ -184,3 +184,14 @@ def test_gemv_is_exact_across_tiers_and_rejects_bad_tiles(device):
     bad = _gemv_config(lay, 48, 32)  # 48 does not divide I = 32
     with pytest.raises(ValueError, match="gemv gate_up"):
         F.fused_moe(x, ids, w, table, lay, config=bad)
+
+
+def test_block_tiles_keep_the_dot_at_16(device):
+    """tl.dot needs K >= 16 on the GPU (the interpreter does not check): int4 tiles split BK
+    into two nibble halves, so BK >= 32 there; a small group size must not pull the default below."""
+    lay, _, _ = _setup("int4", device, seed=1, group=16)
+    assert all(F.default_config(lay, t)[s]["BK"] >= 32 for t in (1, 64) for s in ("gate_up", "down"))
+    cfg = F.default_config(lay, 1)
+    cfg["down"] = {**cfg["down"], "BK": 16}
+    with pytest.raises(ValueError, match="down: BK=16 is below 32"):
+        F._check_config(lay, cfg, 1)

@@ -125,6 +125,7 @@ def test_skipped_experts_add_exact_zero(stores):
 def test_selection_rules(stores, monkeypatch):
     path, rec = stores["int4"]
     with _open(path, gpu_expert_gb=0, host_expert_gb=0) as st:
+        store_layout = st.layout
         assert triton_unsupported(st.layout, torch.bfloat16, DEVICE) is None
         assert "bfloat16" in triton_unsupported(st.layout, torch.float32, DEVICE)
         assert choose_expert_kernel("auto", st, "cpu") == "torch"  # auto never picks Triton on CPU
@@ -138,6 +139,21 @@ def test_selection_rules(stores, monkeypatch):
             monkeypatch.setenv("TRITON_INTERPRET", "0")
             with pytest.raises(UserError, match="need CUDA"):
                 choose_expert_kernel("triton", st, "cpu")
+
+    # a tuned decode entry carrying the few-token gemv shape (configs.json) keeps the backend
+    from tiermoe.kernels.layout import layout_from
+    from tiermoe.kernels.triton import fused_moe as fm
+
+    monkeypatch.undo()  # the environment set above
+    lay = layout_from(store_layout)
+    gemv = {"gate_up": {"BN": 16, "BK": 32, "num_warps": 4, "num_stages": 3, "acc": "row"}, "max_tokens": 2}
+    gemv["down"] = dict(gemv["gate_up"])
+    tuned = {**fm.default_config(lay, 1), "gemv": gemv}
+    monkeypatch.setattr(fm, "get_config", lambda layout, tokens, dev=None: tuned)
+    assert triton_unsupported(store_layout, torch.bfloat16, DEVICE) is None
+    gemv["down"]["BN"] = 48  # divides neither projection's rows
+    assert "gemv down" in triton_unsupported(store_layout, torch.bfloat16, DEVICE)
+    monkeypatch.undo()
 
     class Layout:  # an fp16 store's layout: the kernel has no fp16 records
         kind, hidden, intermediate, group_size = "fp16", 64, 32, None

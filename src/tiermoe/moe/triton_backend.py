@@ -56,7 +56,8 @@ def triton_unsupported(record_layout, act_dtype: torch.dtype, device: str | torc
         for tokens in (1, fm.DECODE_MAX_TOKENS + 1):  # the decode and the prefill bucket
             cfg = fm.get_config(lay, tokens, dev)
             fm._check_config(lay, cfg, tokens)
-            if not all(_pow2(c[b]) for c in cfg.values() for b in ("BM", "BN", "BK")):
+            stages = [cfg["gate_up"], cfg["down"], *(cfg["gemv"][s] for s in ("gate_up", "down") if "gemv" in cfg)]
+            if not all(_pow2(c[b]) for c in stages for b in ("BN", "BK")) or not _pow2(cfg["gate_up"]["BM"]):
                 raise ValueError(f"block sizes {cfg} are not powers of two")
     except ValueError as exc:
         return f"record shape H={record_layout.hidden} I={record_layout.intermediate}: {exc}"

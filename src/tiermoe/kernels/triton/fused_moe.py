@@ -324,7 +324,7 @@ def default_config(layout: ExpertLayout, tokens: int) -> dict:
         bm, bn, bk, nw, ns = 64, 128, 64, 8, 3
     cfg = {}
     for stage, (n, kd) in dims.items():
-        k_cap = min(bk, kd, g) if layout.kind != "bf16" else min(bk, kd, 64)
+        k_cap = max(min(bk, kd, g), _min_block_k(layout)) if layout.kind != "bf16" else min(bk, kd, 64)
         cfg[stage] = {"BM": bm, "BN": min(bn, n), "BK": k_cap, "num_warps": nw, "num_stages": ns}
     return cfg
 
@@ -339,15 +339,27 @@ def get_config(layout: ExpertLayout, tokens: int, device: torch.device | None = 
     return default_config(layout, tokens)
 
 
+def _min_block_k(layout: ExpertLayout) -> int:
+    """tl.dot needs K >= 16 on the GPU; int4 tiles split K into two nibble halves of BK / 2."""
+    return 32 if layout.kind == "int4" else 16
+
+
 def _check_config(layout: ExpertLayout, cfg: dict, tokens: int) -> None:
+    """Raise ValueError for a launch configuration the kernels cannot run (block and gemv stages)."""
     for stage, (n, kd) in (("gate_up", (layout.inter, layout.hidden)), ("down", (layout.hidden, layout.inter))):
         c = cfg[stage]
         if n % c["BN"] or kd % c["BK"]:
             raise ValueError(f"{stage}: BN={c['BN']}/BK={c['BK']} must divide N={n}/K={kd}")
+        if c["BK"] < _min_block_k(layout):
+            raise ValueError(f"{stage}: BK={c['BK']} is below {_min_block_k(layout)} for {layout.kind} (the dot needs K >= 16)")
         if layout.kind != "bf16" and layout.group_size % c["BK"] and c["BK"] % layout.group_size:
             raise ValueError(f"{stage}: BK={c['BK']} and the group size {layout.group_size} must divide one another")
     if cfg["gate_up"]["BM"] != cfg["down"]["BM"]:
         raise ValueError("gate_up and down must share BM (one block plan)")
+    if "gemv" in cfg:
+        from tiermoe.kernels.triton.moe_gemv import check_gemv_config
+
+        check_gemv_config(layout, cfg["gemv"])
 
 
 def fused_moe(
