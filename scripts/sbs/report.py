@@ -3,11 +3,12 @@
 
 python3 scripts/sbs/report.py SBS_DIR --layers L --n-cpu-moe N --threads T --ubatch U
 
-Reads SBS_DIR/results (written by scripts/llamacpp_side_by_side.sh), computes the decode
-floor of this memory budget with `tiermoe bench floor` (bandwidths measured by probe.py), and
-writes results/side_by_side.md: setup (machine, versions, commands, GPU memory of each engine),
-one comparison row per measurement with each engine's rate, the ratio and the share of the
-floor, the agreement of the two engines' outputs, and `tiermoe bench report`'s detailed tables.
+Reads SBS_DIR/results (written by scripts/llamacpp_side_by_side.sh), computes each engine's
+decode floor for its own expert placement with `tiermoe bench floor` (bandwidths measured by
+probe.py; llama.cpp's fixed layer split, tiermoe's slot hit share over its sweep), and writes
+results/side_by_side.md: setup (machine, versions, commands, GPU memory of each engine), one
+comparison row per measurement with each engine's rate, the ratio and the share of its floor,
+the agreement of the two engines' outputs, and `tiermoe bench report`'s detailed tables.
 Numbers are only ever read from the result files; a missing file leaves its cells as "-".
 """
 
@@ -65,20 +66,48 @@ def rows_of(sweep: dict | None) -> dict:
     return out
 
 
-def floor_args(meta: dict, env: dict, layers: int, n_cpu_moe: int) -> list[str]:
-    """`tiermoe bench floor` arguments for this budget: (L - N) / L of the expert reads from HBM,
-    the rest from host RAM, split at best between PCIe and the CPU, both sharing host bandwidth."""
-    gpu = (layers - n_cpu_moe) / layers
+def floor_args(meta: dict, env: dict, layers: int, gpu_share: float) -> list[str]:
+    """`tiermoe bench floor` arguments: `gpu_share` of the expert reads from HBM, the rest from
+    host RAM, split at best between PCIe and the CPU (both share host bandwidth), plus the dense
+    weights (attention, norms, embeddings) read from HBM once per token."""
     args = ["--bytes-per-expert", str(meta["sizes"]["store_bytes_per_expert"]), "--top-k", str(meta["spec"]["top_k"]),
-            "--moe-layers", str(layers), "--fractions", f"gpu={gpu:.6f},ram={1 - gpu:.6f}", "--balance-host"]
+            "--moe-layers", str(layers), "--fractions", f"gpu={gpu_share:.6f},ram={1 - gpu_share:.6f}", "--balance-host"]
     for flag, key in (("--hbm-gbs", "hbm_gbs"), ("--pcie-gbs", "pcie_gbs"), ("--cpu-gbs", "host_read_gbs"),
                       ("--host-gbs", "host_read_gbs")):
         if env.get(key):
             args += [flag, str(env[key])]
+    dense = meta["sizes"].get("dense_bytes")
+    if dense and env.get("hbm_gbs"):
+        args += ["--non-moe-ms", f"{dense / float(env['hbm_gbs']) / 1e6:.4f}"]
     return args
 
 
-def comparison(sweeps: dict, floor: dict | None) -> list[str]:
+def slot_hit_share(after: dict | None, before: dict | None) -> float | None:
+    """Share of expert reads the GPU slots served during the sweep (tiermoe's /stats before and
+    after): the device cache moves hot experts into HBM, so its floor is not the static split."""
+    now, then = flatten((after or {}).get("engine") or {}), flatten((before or {}).get("engine") or {})
+    hits, misses = (now.get(f"experts.slots.{k}", 0) - then.get(f"experts.slots.{k}", 0) for k in ("hits", "misses"))
+    return hits / (hits + misses) if hits + misses > 0 else None
+
+
+def floors(res: Path, meta: dict, env: dict, labels: list[str], layers: int, n_cpu_moe: int) -> dict:
+    """{engine label: `tiermoe bench floor` result} for the work each engine did: llama.cpp's
+    fixed split ((L - N) / L of the experts in HBM), tiermoe's slot hit share measured over its
+    sweep (the static split when its counters are missing). Written to results/floor-LABEL.json."""
+    out = {}
+    for label in labels:
+        share = (layers - n_cpu_moe) / layers
+        if label.startswith("tiermoe"):
+            measured = slot_hit_share(_load(res / f"stats-{label}.json"), _load(res / f"stats-before-{label}.json"))
+            share = measured if measured is not None else share
+        path = res / f"floor-{label}.json"
+        cmd = [sys.executable, "-m", "tiermoe.cli", "bench", "floor", *floor_args(meta, env, layers, share), "--out", str(path)]
+        if subprocess.run(cmd, capture_output=True, text=True).returncode == 0 and _load(path):
+            out[label] = {**_load(path), "gpu_share": share}
+    return out
+
+
+def comparison(sweeps: dict, floor_of: dict) -> list[str]:
     labels = [k for k in sweeps if k.startswith("tiermoe")] + (["llamacpp"] if "llamacpp" in sweeps else [])
     rows = {k: rows_of(v) for k, v in sweeps.items()}
     keys = []
@@ -99,12 +128,15 @@ def comparison(sweeps: dict, floor: dict | None) -> list[str]:
             if ratio is not None and ratio < 1.0:
                 behind.append(key)
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
-    if floor and "C1 per-stream" in keys:
+    if floor_of and "C1 per-stream" in keys:  # each engine against the floor of its own expert placement
+        pad = " | |" if len(head) > len(labels) + 1 else " |"
+        share = [_f(100 * floor_of[lab]["gpu_share"], 1) + " %" if lab in floor_of else "-" for lab in labels]
+        lines.append("| expert reads from HBM (C1 floor's split) | " + " | ".join(share) + pad)
         cells = []
         for lab in labels:
-            v = rows[lab].get("C1 per-stream")
-            cells.append(_f(100 * v / floor["tok_s"], 0) + " %" if v else "-")
-        lines.append("| C1 per-stream / floor | " + " | ".join(cells) + (" | |" if len(head) > len(labels) + 1 else " |"))
+            v, fl = rows[lab].get("C1 per-stream"), floor_of.get(lab)
+            cells.append(f"{_f(100 * v / fl['tok_s'], 0)} % of {_f(fl['tok_s'])}" if v and fl else "-")
+        lines.append("| C1 per-stream / floor (tok/s) | " + " | ".join(cells) + pad)
     lines.append("")
     if behind:
         lines.append(f"Rows where tiermoe is not ahead: {', '.join(behind)} (profile below).")
@@ -181,14 +213,10 @@ def main() -> int:
         print("no synthetic-*.json in results: nothing to report", file=sys.stderr)
         return 2
     py = sys.executable
-    floor = None
-    floor_cmd = [py, "-m", "tiermoe.cli", "bench", "floor", *floor_args(meta, env, a.layers, a.n_cpu_moe),
-                 "--out", str(res / "floor.json")]
-    if subprocess.run(floor_cmd, capture_output=True, text=True).returncode == 0:
-        floor = _load(res / "floor.json")
     sweeps = {}
     for p in sorted(res.glob("sweep-*.json")):
         sweeps[p.stem.removeprefix("sweep-")] = _load(p)
+    floor_of = floors(res, meta, env, list(sweeps), a.layers, a.n_cpu_moe)
     spec, sizes = meta["spec"], meta["sizes"]
     gguf_meta, store_meta = _load(res / "synthetic-gguf.json"), _load(res / "synthetic-store.json")
     gpu_gib = (a.layers - a.n_cpu_moe) * spec["experts"] * sizes["store_bytes_per_expert"] / 2**30
@@ -216,14 +244,15 @@ def main() -> int:
     if buffers:
         md += ["llama.cpp buffers:", "", "```", buffers, "```", ""]
     md += ["Commands:", "", "```"] + [_text(p) for p in sorted(res.glob("cmd-*.txt"))] + ["```", ""]
-    md += comparison(sweeps, floor)
+    md += comparison(sweeps, floor_of)
     md += agreement(res)
     notes = _text(res / "notes.txt")
     if notes:
         md += ["Notes: " + notes, ""]
     for label in [k for k in sweeps if k.startswith("tiermoe")]:
-        md += profile(_load(res / f"stats-{label}.json"), _load(res / f"stats-before-{label}.json"), label, floor)
-    detail = [str(res / "floor.json")] if floor else []
+        md += profile(_load(res / f"stats-{label}.json"), _load(res / f"stats-before-{label}.json"), label,
+                      floor_of.get(label))
+    detail = [str(res / f"floor-{label}.json") for label in floor_of]
     detail += [str(res / f"sweep-{k}.json") for k in sweeps]
     if detail:
         r = subprocess.run([py, "-m", "tiermoe.cli", "bench", "report", *detail, "--title", "Detail"],
