@@ -6,6 +6,7 @@ CLI (`generate`, `eval`, `bench`) and the server all start models the same way.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import math
 from pathlib import Path
@@ -65,10 +66,11 @@ def add_store_args(p, with_mode: bool = True) -> None:
                    help="device cache: GPU memory that prefill chunks copy their layer's misses into (default: one "
                         "layer's non-resident experts; twice that: large chunks copy one layer ahead, overlapping "
                         "compute; 0: read them in place)")  # fmt: skip
-    g.add_argument("--prefill-borrow-slots", action="store_true",
+    g.add_argument("--prefill-borrow-slots", action=argparse.BooleanOptionalAction, default=None,
                    help="device cache: large prefill chunks copy one layer ahead into a second staging buffer lent "
                         "by expert slots (a few per layer), whose experts are copied back before the next decode "
-                        "step; both buffers get that share of rows more than --prefill-staging-gb's one buffer")  # fmt: skip
+                        "step; both buffers get that share of rows more than --prefill-staging-gb's one buffer "
+                        "(default on; --no-prefill-borrow-slots: one buffer, copies and compute take turns)")  # fmt: skip
     if with_mode:
         g.add_argument("--mode", choices=("exact", "fast"), default="exact",
                        help="exact: bit-identical (default); fast: the CPU lane computes cold experts")

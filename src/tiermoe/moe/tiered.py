@@ -142,11 +142,11 @@ class TieredExperts:
             cache = DeviceCacheExperts(store, slots, rates, top_k=config_top_k(manifest.config),
                                        max_tokens=int(options.get("max_num_seqs") or 8), prefill_rows=rows,
                                        stage_misses=os.environ.get(STAGE_ENV, "1") != "0",
-                                       borrow_slots=bool(options.get("prefill_borrow_slots")))
+                                       borrow_slots=options.get("prefill_borrow_slots") is not False)
         except BaseException:
             store.close()
             raise
-        if options.get("prefill_borrow_slots") and cache.prefill.lender is None:
+        if options.get("prefill_borrow_slots") and cache.prefill.lender is None:  # asked for by name
             log.info("--prefill-borrow-slots: not used (%s)", "two dedicated staging buffers already"
                      if cache.prefill.num_buffers == 2 else "too few slots or MoE layers to lend a buffer")
         log.info("expert slot cache: on the device, %d slots over %d layers + %d staging rows; "
