@@ -62,6 +62,37 @@ def test_cache_step_matches_twin(e, s, tokens, k, admit_max, filt, scratch, devi
     assert int(table[-1]) == 7  # extra rows untouched
 
 
+ZERO_ADDR = 1 << 36  # the all-zero record's address (fake)
+
+
+@pytest.mark.parametrize("e,s,tokens,k,lane_max,scratch", [(12, 4, 1, 4, 2, 3), (16, 3, 3, 3, 4, 2), (8, 0, 2, 3, 3, 0)])
+def test_lane_choice_matches_twin(e, s, tokens, k, lane_max, scratch, device):
+    """Fast mode: the coldest misses go to the CPU lane (listed, never admitted or staged, their
+    step-table rows at the zero record), the rest of the step as in exact mode; step by step
+    against the twin, switching the lane off and on as a mode switch would."""
+    cache = _fake_cache(e, s, device, scratch=scratch)
+    cache = C.ExpertCache(cache.host_addr, 1 << 20, s, REC, extra_ptrs=torch.tensor([7], device=device),
+                          decay_shift=3, scratch_base=SCRATCH_BASE, scratch_slots=scratch, lane_max=lane_max)  # fmt: skip
+    cache.zero_addr = ZERO_ADDR
+    st = _twin_state(cache)
+    gen = torch.Generator().manual_seed(e + 7 * s)
+    popular = torch.linspace(3.0, 0.2, e)
+    sent = 0
+    for step in range(20):
+        cache.lane_max = 0 if step in (5, 6) else lane_max  # exact-mode steps in between
+        ids = torch.stack([torch.multinomial(popular, k, generator=gen) for _ in range(tokens)])
+        C.cache_step(cache, ids.to(device))
+        R.cache_step_ref(st, ids, cache.admit_max, True, 3, (SCRATCH_BASE, scratch, REC), (cache.lane_max, ZERO_ADDR))
+        _check_equal(cache, st)
+        lane = [x for x in cache.lane_ids.tolist() if x >= 0] if cache.lane_max else []
+        sent += len(lane)
+        assert len(lane) <= lane_max and not any(int(cache.expert_slot[x]) >= 0 for x in lane)
+        assert all(int(cache.step_table[x]) == ZERO_ADDR for x in lane)
+        copied = set(cache.copy_src[: int(cache.n_copy)].tolist())
+        assert not copied & {int(cache.host_addr[x]) for x in lane}  # no PCIe bytes for lane experts
+    assert sent > 0
+
+
 def test_warm_start_then_hits(device):
     cache = _fake_cache(12, 4, device)
     cache.warm_start([5, 6, 7, 8])

@@ -118,16 +118,41 @@ def test_server_failure_releases_device(device):
 
 
 def test_post_matches_twin_bit_for_bit(device):
-    mb, twin = Mailbox(2, H, TMAX, device), Mailbox(2, H, TMAX, device)
+    mb, twin = Mailbox(2, H, TMAX, device, meta_words=9), Mailbox(2, H, TMAX, device, meta_words=9)
     gen = torch.Generator().manual_seed(5)
-    for t, slot in ((3, 1), (1, 1), (4, 0)):
+    for t, slot, n_meta in ((3, 1, 9), (1, 1, None), (4, 0, 2)):
         x = (torch.randn(t, H, generator=gen) * 100).to(device)  # fp32 -> bf16 rounding too
-        mb.post(slot, x)
-        R.mailbox_post_ref(twin.x_host, twin.ctrl, twin.seq, slot, x)
+        meta = None if n_meta is None else torch.randint(-2**31, 2**31 - 1, (n_meta,), generator=gen,
+                                                         dtype=torch.int32).to(device)  # fmt: skip
+        mb.post(slot, x, meta)
+        R.mailbox_post_ref(twin.x_host, twin.ctrl, twin.seq, slot, x, twin.meta, meta)
     _sync(device)
     assert torch.equal(mb.x_host, twin.x_host)
+    assert torch.equal(mb.meta, twin.meta) and mb.meta.abs().sum() > 0
     assert torch.equal(mb.ctrl, twin.ctrl)
     assert torch.equal(mb.seq, twin.seq)
+    with pytest.raises(ValueError, match="meta_words"):
+        mb.post(0, x, torch.zeros(10, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="int32"):
+        mb.post(0, x, torch.zeros(3, dtype=torch.int64, device=device))
+
+
+def test_server_hands_meta_to_compute(device):
+    """With meta_words, compute_fn gets the slot's side data posted with x (the lane's routing)."""
+    mb = Mailbox(1, H, TMAX, device, meta_words=4)
+    got = []
+
+    def fn(slot, x, meta):
+        got.append(meta.clone())
+        return x.float() * int(meta[0])
+
+    with MailboxServer(mb, fn, threads=1, spin_s=0.0, max_sleep_s=2e-4):
+        x = torch.ones(2, H, dtype=torch.bfloat16, device=device)
+        out = torch.zeros(2, H, dtype=torch.float32, device=device)
+        mb.post(0, x, torch.tensor([3, -1, 7], dtype=torch.int32, device=device))
+        mb.wait_add(0, out, max_spins=1 << 30)
+        _sync(device)
+    assert got[0][:3].tolist() == [3, -1, 7] and torch.equal(out, torch.full_like(out, 3.0))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -157,7 +157,7 @@ def moe_align_ref(topk_ids: torch.Tensor, block_m: int, nb_max: int) -> tuple[to
 
 def cache_step_ref(state: dict[str, torch.Tensor], topk_ids: torch.Tensor, admit_max: int,
                    admission_filter: bool = True, decay_shift: int = 8, scratch: tuple[int, int, int] = (0, 0, 0),
-                   ) -> dict[str, torch.Tensor]:  # fmt: skip
+                   lane: tuple[int, int] = (0, 0)) -> dict[str, torch.Tensor]:  # fmt: skip
     """Twin of triton.cache_manager.cache_step, on a dict of CPU tensors (mutated and returned).
 
     state keys: ptr_table [E'] i64, host_addr [E] i64, slot_addr [S] i64, slot_expert [S] i32,
@@ -176,6 +176,10 @@ def cache_step_ref(state: dict[str, torch.Tensor], topk_ids: torch.Tensor, admit
     scratch = (base, rows, record_bytes): misses not admitted are staged, in first-pick order,
     into the first `rows` scratch rows for this step (appended to the copy list); step_table
     is ptr_table with those rows.
+    lane = (lane_max, zero_addr), fast mode (state also holds lane_ids [L] i32, lmark [E] i32):
+    before any admission, the lane_max misses of lowest frequency (after this step's update; ties
+    in first-pick order) go to the CPU lane: lane_ids lists them in first-pick order (-1
+    padded), they are neither admitted nor staged, and their step_table rows are zero_addr.
     """
     st = state
     ids = topk_ids.reshape(-1).tolist()
@@ -187,7 +191,17 @@ def cache_step_ref(state: dict[str, torch.Tensor], topk_ids: torch.Tensor, admit
     picked[torch.tensor(uniq, dtype=torch.int64)] = 1024
     freq.copy_(freq - (freq >> decay_shift) + picked)
     hits = [e for e in uniq if int(es[e]) >= 0]
-    misses = [e for e in uniq if int(es[e]) < 0]
+    all_misses = misses = [e for e in uniq if int(es[e]) < 0]
+    lane_max, zero_addr = lane
+    on_lane = []
+    if lane_max > 0:
+        by_heat = sorted(range(len(misses)), key=lambda j: (int(freq[misses[j]]), j))
+        on_lane = [misses[j] for j in sorted(by_heat[:lane_max])]
+        st["lane_ids"].fill_(-1)
+        st["lane_ids"][: len(on_lane)] = torch.tensor(on_lane, dtype=st["lane_ids"].dtype)
+        for e in on_lane:
+            st["lmark"][e] = int(st["clock"][1])
+        misses = [e for e in misses if e not in on_lane]
     inuse = {int(es[e]) for e in hits}
     n_free = s_n - len(inuse)
     a = min(len(misses), n_free, admit_max)
@@ -230,13 +244,15 @@ def cache_step_ref(state: dict[str, torch.Tensor], topk_ids: torch.Tensor, admit
         n += 1
     base, rows, rec = scratch
     st["step_table"].copy_(st["ptr_table"])
-    rejected = [e for e in misses if int(es[e]) < 0]
+    rejected = [e for e in misses if int(es[e]) < 0]  # not the lane's
     for q, e in enumerate(rejected[:rows]):
         st["copy_src"][n + q] = st["host_addr"][e]
         st["copy_dst"][n + q] = base + q * rec
         st["step_table"][e] = base + q * rec
+    for e in on_lane:
+        st["step_table"][e] = zero_addr
     st["n_copy"][0] = n + min(len(rejected), rows)
-    st["stats"] += torch.tensor([len(uniq), len(hits), len(misses), n], dtype=st["stats"].dtype)
+    st["stats"] += torch.tensor([len(uniq), len(hits), len(all_misses), n], dtype=st["stats"].dtype)
     return st
 
 
@@ -255,10 +271,14 @@ def gather_records_ref(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[i
 MAILBOX_CTRL, MAILBOX_POSTED, MAILBOX_NTOK, MAILBOX_DONE, MAILBOX_ERR = 16, 0, 1, 8, 9
 
 
-def mailbox_post_ref(x_host: torch.Tensor, ctrl: torch.Tensor, seq: torch.Tensor, slot: int, x: torch.Tensor) -> None:
-    """Twin of Mailbox.post: x [T, H] -> x_host[slot, :T] (bf16), seq[slot] += 1, ntok, posted."""
+def mailbox_post_ref(x_host: torch.Tensor, ctrl: torch.Tensor, seq: torch.Tensor, slot: int, x: torch.Tensor,
+                     meta_host: torch.Tensor | None = None, meta: torch.Tensor | None = None) -> None:  # fmt: skip
+    """Twin of Mailbox.post: x [T, H] -> x_host[slot, :T] (bf16), meta int32 [n] ->
+    meta_host[slot, :n], seq[slot] += 1, ntok, posted."""
     t = x.shape[0]
     x_host[slot, :t].copy_(x.to(torch.bfloat16))
+    if meta is not None:
+        meta_host[slot, : meta.numel()].copy_(meta)
     seq[slot] += 1
     ctrl[slot, MAILBOX_NTOK] = t
     ctrl[slot, MAILBOX_POSTED] = seq[slot].to(ctrl.device)

@@ -16,6 +16,9 @@ reads the router's picks on the device and:
      admitted ones at their new slot; fills the (src, dst) copy list;
   6. stages the misses it did not admit into shared scratch rows for this step only (when a
      scratch area is configured) and writes `step_table` = ptr_table with those rows;
+  fast mode (lane_max > 0): before 4., the lane_max coldest misses (lowest decayed frequency)
+     go to the CPU lane instead: listed in lane_ids, never admitted or staged, and their
+     step_table rows point at an all-zero record (they add exactly 0 on the device);
 
 then `_gather_kernel` copies the admitted (and staged) records host -> GPU (the loads cross PCIe, the
 stores stay in HBM), sized by the device-side count, so no host round trip happens anywhere.
@@ -42,6 +45,8 @@ Contract of the tables (`ExpertCache` owns them, one per layer):
   freq        int32 [E]        decayed pick counts (1024 per pick, decay 1 - 2^-shift per step)
   step_table  int64 [E_total]  the table the MoE kernel reads this step (ptr_table + scratch rows)
   smark/saddr int32/int64 [E]  scratch staging marks of the last step (scratch)
+  lane_ids    int32 [L]        fast mode: the experts the CPU lane computes this step, -1 padded
+  lmark       int32 [E]        fast mode: stamp of the step that last sent the expert to the lane
 
 The scratch area (scratch_base, scratch_slots records) may be shared by all layers of a
 stack: stream order puts each layer's gather after the previous layer's MoE kernel.
@@ -59,8 +64,9 @@ def _cache_step_kernel(
     ids_ptr, P, ptr_table_ptr, host_addr_ptr, slot_addr_ptr, slot_expert_ptr, expert_slot_ptr,
     ref_ptr, clock_ptr, emark_ptr, victims_ptr, copy_src_ptr, copy_dst_ptr, n_copy_ptr, stats_ptr, freq_ptr,
     step_table_ptr, smark_ptr, saddr_ptr, scratch_base, SCRATCH, R,
-    S, E, E_TOTAL, ADMIT_MAX, FILTER: tl.constexpr, SHIFT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
+    S, E, E_TOTAL, ADMIT_MAX, lane_ids_ptr, lmark_ptr, LANE_MAX, zero_addr,
+    FILTER: tl.constexpr, SHIFT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, LANE: tl.constexpr, BLOCK_L: tl.constexpr,
 ):  # fmt: skip
     # ---- picks: dedup in first-pick order, lookup
     offs_p = tl.arange(0, BLOCK_P)
@@ -75,7 +81,6 @@ def _cache_step_kernel(
     n_first = tl.sum(first.to(tl.int32), axis=0)
     n_hit = tl.sum(hit.to(tl.int32), axis=0)
     n_miss = tl.sum(miss.to(tl.int32), axis=0)
-    miss_rank = tl.sum((miss[None, :] & earlier).to(tl.int32), axis=1)  # misses before me
     hand = tl.load(clock_ptr)
     stamp = tl.load(clock_ptr + 1) + 1
     tl.store(emark_ptr + ids, stamp, mask=first)
@@ -86,6 +91,19 @@ def _cache_step_kernel(
     f = tl.load(freq_ptr + offs_e, mask=ok_e, other=0)
     picked = tl.load(emark_ptr + offs_e, mask=ok_e, other=0, cache_modifier=".cg") == stamp
     tl.store(freq_ptr + offs_e, f - (f >> SHIFT) + tl.where(picked, 1024, 0), mask=ok_e)
+    if LANE:  # ---- CPU lane (fast mode): the LANE_MAX coldest misses, ties in first-pick order
+        tl.debug_barrier()
+        fl = tl.load(freq_ptr + ids, mask=miss, other=0, cache_modifier=".cg")
+        colder = miss[None, :] & ((fl[None, :] < fl[:, None]) | ((fl[None, :] == fl[:, None]) & earlier))
+        lane = miss & (tl.sum(colder.to(tl.int32), axis=1) < LANE_MAX)
+        offs_l = tl.arange(0, BLOCK_L)
+        tl.store(lane_ids_ptr + offs_l, -1, mask=offs_l < LANE_MAX)
+        tl.debug_barrier()
+        tl.store(lane_ids_ptr + tl.sum((lane[None, :] & earlier).to(tl.int32), axis=1), ids, mask=lane)
+        tl.store(lmark_ptr + ids, stamp, mask=lane)
+        miss = miss & (lane == 0)  # the lane's experts are neither admitted nor staged
+    miss_rank = tl.sum((miss[None, :] & earlier).to(tl.int32), axis=1)  # (non-lane) misses before me
+    n_adm_cand = tl.sum(miss.to(tl.int32), axis=0)
     # ---- slots: in use this step (hit), CLOCK sweep
     offs_s = tl.arange(0, BLOCK_S)
     ok_s = offs_s < S
@@ -97,7 +115,7 @@ def _cache_step_kernel(
     cand2 = ok_s & (inuse == 0) & (refv != 0)
     n1 = tl.sum(cand1.to(tl.int32), axis=0)
     n_free = tl.sum((ok_s & (inuse == 0)).to(tl.int32), axis=0)
-    a = tl.minimum(tl.minimum(n_miss, n_free), ADMIT_MAX)
+    a = tl.minimum(tl.minimum(n_adm_cand, n_free), ADMIT_MAX)
     s_safe = tl.maximum(S, 1)
     rot = (offs_s - hand + s_safe) % s_safe  # sweep position of each slot
     # rank in sweep order = exclusive prefix count, rotated to start at the hand
@@ -164,7 +182,11 @@ def _cache_step_kernel(
     canon = tl.load(ptr_table_ptr + offs_t, mask=ok_t, other=0, cache_modifier=".cg")
     staged = tl.load(smark_ptr + offs_t, mask=offs_t < E, other=0, cache_modifier=".cg") == stamp
     s_addr = tl.load(saddr_ptr + offs_t, mask=staged, other=0, cache_modifier=".cg")
-    tl.store(step_table_ptr + offs_t, tl.where(staged, s_addr, canon), mask=ok_t)
+    row = tl.where(staged, s_addr, canon)
+    if LANE:  # lane experts read the all-zero record: they add exactly 0 on the device
+        on_lane = tl.load(lmark_ptr + offs_t, mask=offs_t < E, other=0, cache_modifier=".cg") == stamp
+        row = tl.where(on_lane, zero_addr, row)
+    tl.store(step_table_ptr + offs_t, row, mask=ok_t)
     tl.store(clock_ptr, new_hand)
     tl.store(clock_ptr + 1, stamp)
     tl.store(stats_ptr, tl.load(stats_ptr) + n_first.to(tl.int64))
@@ -216,7 +238,7 @@ class ExpertCache:
     def __init__(self, host_addr: torch.Tensor, slot_base: int | torch.Tensor, num_slots: int, record_bytes: int,
                  *, extra_ptrs: torch.Tensor | None = None, admit_max: int | None = None,
                  max_picks: int = 128, admission_filter: bool = True, decay_shift: int = 8,
-                 scratch_base: int = 0, scratch_slots: int = 0) -> None:  # fmt: skip
+                 scratch_base: int = 0, scratch_slots: int = 0, lane_max: int = 0) -> None:  # fmt: skip
         dev = host_addr.device
         e = host_addr.numel()
         self.num_experts, self.num_slots, self.record_bytes = e, int(num_slots), int(record_bytes)
@@ -249,12 +271,18 @@ class ExpertCache:
         self.saddr = torch.zeros(e, **i64)
         self.scratch_base, self.scratch_slots = int(scratch_base), int(scratch_slots)
         self.max_picks = max_picks
+        # fast mode: up to lane_cap misses a step go to the CPU lane (lane_max of them; 0 = off)
+        self.lane_cap = max(0, int(lane_max))
+        self.lane_max = self.lane_cap
+        self.lane_ids = torch.full((max(1, self.lane_cap),), -1, **i32)
+        self.lmark = torch.zeros(e, **i32)
+        self.zero_addr = 0  # the all-zero record lane rows point at (set by the owner with lane_max)
         # gather kernel launch (2 programs per SM of an H100/H200 by default; the bench tunes it)
         self.gather_programs, self.gather_chunk, self.gather_warps = 264, 16384, 8
 
     def state(self) -> dict[str, torch.Tensor]:
         names = ("ptr_table", "host_addr", "slot_addr", "slot_expert", "expert_slot", "ref", "clock",
-                 "copy_src", "copy_dst", "n_copy", "stats", "freq", "step_table")  # fmt: skip
+                 "copy_src", "copy_dst", "n_copy", "stats", "freq", "step_table", "lane_ids", "lmark")  # fmt: skip
         return {n: getattr(self, n) for n in names}
 
     def warm_start(self, experts: list[int]) -> list[tuple[int, int]]:
@@ -343,7 +371,9 @@ def cache_step(cache: ExpertCache, topk_ids: torch.Tensor) -> None:
         cache.ref, cache.clock, cache.emark, cache.victims, cache.copy_src, cache.copy_dst, cache.n_copy,
         cache.stats, cache.freq, cache.step_table, cache.smark, cache.saddr, cache.scratch_base, cache.scratch_slots,
         cache.record_bytes, cache.num_slots, cache.num_experts, cache.ptr_table.numel(), cache.admit_max,
-        FILTER=cache.admission_filter, SHIFT=cache.decay_shift, BLOCK_P=bp, BLOCK_S=bs,
+        cache.lane_ids, cache.lmark, cache.lane_max, cache.zero_addr,
+        FILTER=cache.admission_filter, SHIFT=cache.decay_shift, BLOCK_P=bp, BLOCK_S=bs, LANE=cache.lane_max > 0,
+        BLOCK_L=max(16, triton.next_power_of_2(cache.lane_cap)),
         BLOCK_E=max(16, triton.next_power_of_2(cache.num_experts)),
         BLOCK_T=max(16, triton.next_power_of_2(cache.ptr_table.numel())), num_warps=4 if bp * bp <= 8192 else 8,
     )  # fmt: skip

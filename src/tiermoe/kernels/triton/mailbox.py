@@ -92,10 +92,12 @@ def _to_out(v, OUT_BF16: tl.constexpr):
         return v
 
 
-@triton.jit(do_not_specialize=["ntok", "slot"])  # T = 1 would otherwise become a constant int
-def _post_kernel(x_ptr, n_elem, ntok, seq_ptr, slot, req_addr, ctrl_addr, POSTED: tl.constexpr, NTOK: tl.constexpr,
-                 X_BF16: tl.constexpr, BLOCK: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """One program: x (n_elem values) -> request area, seq[slot] += 1, then posted = seq."""
+@triton.jit(do_not_specialize=["ntok", "slot", "n_meta"])  # T = 1 would otherwise become a constant int
+def _post_kernel(x_ptr, n_elem, ntok, seq_ptr, slot, req_addr, ctrl_addr, meta_ptr, n_meta, meta_addr,
+                 POSTED: tl.constexpr, NTOK: tl.constexpr, X_BF16: tl.constexpr, BLOCK: tl.constexpr,
+                 ASM: tl.constexpr):  # fmt: skip
+    """One program: x (n_elem values) and meta (n_meta int32 words) -> the slot's request and
+    meta areas, seq[slot] += 1, then posted = seq."""
     req = req_addr.to(tl.pointer_type(tl.bfloat16))
     ctrl = ctrl_addr.to(tl.pointer_type(tl.int64))
     for off in range(0, n_elem, BLOCK):
@@ -105,6 +107,11 @@ def _post_kernel(x_ptr, n_elem, ntok, seq_ptr, slot, req_addr, ctrl_addr, POSTED
         if not X_BF16:
             v = _bf16_rne(v.to(tl.float32))
         tl.store(req + offs, v, mask=m)
+    meta_out = meta_addr.to(tl.pointer_type(tl.int32))
+    for off in range(0, n_meta, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        m = offs < n_meta
+        tl.store(meta_out + offs, tl.load(meta_ptr + offs, mask=m), mask=m)
     s = tl.load(seq_ptr + slot) + 1
     tl.store(seq_ptr + slot, s)
     tl.store(ctrl + NTOK, ntok.to(tl.int64))
@@ -149,17 +156,21 @@ class Mailbox:
 
     slots: independent mailboxes (e.g. one per MoE layer); hidden: row width H; max_tokens:
     largest T per request; device: where x, out and the sequence counters live (CPU: plain
-    memory and Triton's interpreter).
+    memory and Triton's interpreter); meta_words: int32 words of side data a post may carry
+    with x (the CPU lane's routing), copied by the same kernel before the release.
     """
 
-    def __init__(self, slots: int, hidden: int, max_tokens: int, device: torch.device | str) -> None:
+    def __init__(self, slots: int, hidden: int, max_tokens: int, device: torch.device | str,
+                 meta_words: int = 0) -> None:  # fmt: skip
         self.slots, self.hidden, self.max_tokens = int(slots), int(hidden), int(max_tokens)
+        self.meta_words = int(meta_words)
         self.device = torch.device(device)
         pin = self.device.type == "cuda"
         s, t, h = self.slots, self.max_tokens, self.hidden
         self.x_host = torch.zeros(s, t, h, dtype=torch.bfloat16, pin_memory=pin)  # [S, Tmax, H] requests
         self.result = torch.zeros(s, t, h, dtype=torch.float32, pin_memory=pin)  # [S, Tmax, H] answers
         self.ctrl = torch.zeros(s, MAILBOX_CTRL, dtype=torch.int64, pin_memory=pin)  # [S, 16]
+        self.meta = torch.zeros(s, max(1, self.meta_words), dtype=torch.int32, pin_memory=pin)  # [S, M] side data
         self.seq = torch.zeros(s, dtype=torch.int64, device=self.device)  # [S] last posted number
         self.ok = torch.zeros(s, dtype=torch.int32, device=self.device)  # [S] last wait succeeded
         self._ctrl_np = self.ctrl.numpy()
@@ -183,13 +194,23 @@ class Mailbox:
         if t.device != self.seq.device or not t.is_contiguous():
             raise ValueError(f"tensor must be contiguous on {self.seq.device}")
 
-    def post(self, slot: int, x: torch.Tensor) -> None:
-        """Queue x [T, H] (bf16, fp16 or fp32; sent as bf16) for the host on the current stream."""
+    def post(self, slot: int, x: torch.Tensor, meta: torch.Tensor | None = None) -> None:
+        """Queue x [T, H] (bf16, fp16 or fp32; sent as bf16) and optionally meta int32 [<=
+        meta_words] (same device, contiguous) for the host on the current stream."""
         self._check(slot, x)
         if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
+        if meta is None:
+            meta, n_meta = self.seq, 0  # any device tensor: nothing is read
+        else:
+            if meta.dtype != torch.int32 or meta.dim() != 1 or not meta.is_contiguous() or meta.device != self.seq.device:
+                raise ValueError(f"meta must be a contiguous 1-D int32 tensor on {self.seq.device}")
+            if meta.numel() > self.meta_words:
+                raise ValueError(f"meta of {meta.numel()} words exceeds meta_words={self.meta_words}")
+            n_meta = meta.numel()
         _post_kernel[(1,)](x, x.numel(), x.shape[0], self.seq, slot, self._req_addr(slot), self._ctrl_addr(slot),
-                           POSTED=MAILBOX_POSTED, NTOK=MAILBOX_NTOK, X_BF16=x.dtype == torch.bfloat16, BLOCK=1024, ASM=self._asm, num_warps=4)  # fmt: skip
+                           meta, n_meta, self.meta[slot].data_ptr(), POSTED=MAILBOX_POSTED, NTOK=MAILBOX_NTOK,
+                           X_BF16=x.dtype == torch.bfloat16, BLOCK=1024, ASM=self._asm, num_warps=4)  # fmt: skip
 
     def wait_add(self, slot: int, out: torch.Tensor, max_spins: int = DEFAULT_MAX_SPINS) -> None:
         """out [T, H] (bf16 or fp32) += the host's answer to this slot's last post, in place."""
@@ -226,7 +247,8 @@ class MailboxServer:
     """A host thread that answers a Mailbox: polls `posted`, runs compute_fn, publishes `done`.
 
     compute_fn(slot, x) gets x bf16 [T, H] (a view of the pinned request rows, valid until it
-    returns) and returns fp32 [T, H]. threads: torch intra-op threads for this thread's work
+    returns) and returns fp32 [T, H]; with a mailbox of meta_words > 0 it is called as
+    compute_fn(slot, x, meta), meta the slot's int32 [meta_words] side data (a view, same life). threads: torch intra-op threads for this thread's work
     (0 = leave as is). spin_s: busy polling after the last request before backing off to short
     sleeps (latency when requests come back to back; sleeps of up to max_sleep_s when idle).
     If compute_fn raises, the slot's result is zeroed, ERR = -seq, done is still published (the
@@ -266,7 +288,8 @@ class MailboxServer:
         t = int(ctrl[slot, MAILBOX_NTOK])
         res = self.mb.result[slot, :t]  # [T, H] fp32, pinned
         try:
-            y = self.compute_fn(slot, self.mb.x_host[slot, :t])
+            extra = (self.mb.meta[slot],) if self.mb.meta_words else ()
+            y = self.compute_fn(slot, self.mb.x_host[slot, :t], *extra)
             if tuple(y.shape) != (t, self.mb.hidden):
                 raise ValueError(f"compute_fn returned {list(y.shape)}, expected [{t}, {self.mb.hidden}]")
             res.copy_(y)
