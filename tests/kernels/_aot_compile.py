@@ -183,22 +183,26 @@ def expert_cache(rec: Recorder) -> None:
     scratch = torch.empty(64, 16, dtype=torch.uint8)
     host = torch.arange(EXPERTS, dtype=torch.int64) * record
     cache = ExpertCache(host, slots.data_ptr(), 64, record, extra_ptrs=torch.zeros(1, dtype=torch.int64),
-                        max_picks=128, scratch_base=scratch.data_ptr(), scratch_slots=64)  # fmt: skip
+                        max_picks=128, scratch_base=scratch.data_ptr(), scratch_slots=64, lane_max=4)  # fmt: skip
     with rec.tagged("expert cache step + gather"):
-        for tokens in (1, 16):
-            cache.step((torch.arange(tokens)[:, None] + torch.arange(TOP_K)[None, :]) % EXPERTS)
+        for lane in (0, 4):  # exact mode, and fast mode's lane choice
+            cache.lane_max = lane
+            for tokens in (1, 16):
+                cache.step((torch.arange(tokens)[:, None] + torch.arange(TOP_K)[None, :]) % EXPERTS)
         for chunk in (4096, 16384, 32768):
             gather_records(cache.copy_src, cache.copy_dst, cache.n_copy, record, chunk_bytes=chunk)
 
 
 def mailbox(rec: Recorder) -> None:
-    """post and wait_add with bf16 and fp32 rows, through the inline-PTX path a CUDA mailbox takes."""
-    mb = Mailbox(2, HIDDEN, 16, "cpu")
+    """post (with and without side data) and wait_add with bf16 and fp32 rows, through the
+    inline-PTX path a CUDA mailbox takes."""
+    mb = Mailbox(2, HIDDEN, 16, "cpu", meta_words=4 + 2 * 16 * TOP_K)
     mb._asm = True  # a mailbox on a CUDA device publishes and polls with inline PTX (CPU: atomics)
     with rec.tagged("mailbox post + wait_add"):
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.zeros(4, HIDDEN, dtype=dtype)
             mb.post(0, x)
+            mb.post(1, x, torch.zeros(4 + 2 * 4 * TOP_K, dtype=torch.int32))
             mb.wait_add(0, x)
 
 

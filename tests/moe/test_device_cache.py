@@ -1,6 +1,6 @@
 """Device-side slot cache behind the engine (moe/device_cache.py): bit-identical to the
 store-managed Triton path and across GPU budgets, slots really used, counters folded into the
-store's, the lane's experts add exactly zero, eligibility rules.
+store's, fast mode's CPU lane through the mailbox, eligibility rules.
 
 On CPU (CI) the kernels run through Triton's interpreter with CPU tensors standing in for device
 memory; TIERMOE_KERNEL_TESTS_ON_GPU=1 runs the same tests compiled on CUDA (host entries then
@@ -257,24 +257,76 @@ def test_warm_start_follows_rates_and_admission_moves_slots(stores):
         assert dc.counters()["admitted"] >= 1
 
 
-def test_lane_experts_add_exact_zero(stores):
-    """combine_without(skip=S) equals a forward with S's routing weights zeroed, bit for bit;
-    lane candidates are the experts not in slots."""
+def test_lane_forward_adds_the_lanes_part_through_the_mailbox(stores):
+    """Fast mode on the device (DeviceLane): the cache step sends up to lane_max of the step's
+    misses to the CPU lane (never admitted: no PCIe bytes for them); the device part reads zeros
+    for them and the mailbox adds the lane's fp32 partial. Bit for bit: the device part with
+    their routing weights zeroed, plus CpuLane.compute of the same experts, rounded once."""
+    from tiermoe.moe.cpu_lane import CpuLane
+    from tiermoe.moe.device_lane import DeviceLane
+
     path, rec = stores["int4"]
-    x, ids, w = moe_batch(4, seed=3)
-    skip = sorted({int(ids[0, 0]), int(ids[2, 1])})
-    mask = torch.isin(ids, torch.tensor(skip, device=ids.device))
-    outs = []
-    for variant in ("skip", "zeroed"):
-        with _host_store(path, rec) as st:
-            dc = DeviceCacheExperts(st, 2 * 3 + 2, rates={}, top_k=2, max_tokens=1)
-            if variant == "skip":
-                outs.append(dc.combine_without(1, x, ids, w, skip))
-                resident = dc.resident(1)
-                assert dc.lane_candidates(1, list(range(8))) == [e for e in range(8) if e not in resident]
-            else:
-                outs.append(dc.forward(1, x, ids, w.masked_fill(mask, 0)))
-    assert torch.equal(outs[0], outs[1])
+    with _host_store(path, rec) as st, _host_store(path, rec) as ref_st:
+        dc = DeviceCacheExperts(st, 2 * 2 + 2, rates={}, top_k=2, max_tokens=3, lane_cap=2)
+        ref = DeviceCacheExperts(ref_st, 2 * 2 + 2, rates={}, top_k=2, max_tokens=3)
+        lane = CpuLane(st.layout, max_experts=2, max_tokens=3, threads=1, act_dtype=torch.bfloat16)
+        dev_lane = DeviceLane(dc, lane, max_tokens=3)
+        try:
+            dc.set_lane(1)
+            sent = set()
+            for step in range(8):
+                if step == 4:
+                    dc.set_lane(2)
+                x, ids, w = moe_batch(1 + step % 3, seed=step)
+                out = dev_lane.forward(1, x, ids, w)
+                cache = dc.caches[1]
+                on_lane = [e for e in cache.lane_ids[: cache.lane_max].tolist() if e >= 0]
+                assert len(on_lane) <= cache.lane_max
+                assert all(int(cache.expert_slot[e]) < 0 for e in on_lane)  # misses, not admitted
+                mask = torch.isin(ids, torch.tensor(on_lane, dtype=ids.dtype, device=ids.device))
+                device_part = ref.forward(1, x, ids, w.masked_fill(mask, 0))
+                entries = st.host_entries(1)
+                part = lane.compute(1, x.cpu(), ids.cpu().int(), w.cpu(), {e: entries[e] for e in on_lane})
+                want = (device_part.float() + part.to(device_part.device)).to(device_part.dtype)
+                assert torch.equal(out, want), step
+                sent.update(on_lane)
+            assert sent and dc.lane_calls == 8 and lane.c.experts >= 2 * len(sent) - 1
+            dev_lane.check()  # nothing failed, nothing timed out
+            dc.set_lane(0)  # exact mode again: the plain path, no lane picks
+            x, ids, w = moe_batch(2, seed=99)
+            assert torch.equal(dev_lane.forward(1, x, ids, w), ref.forward(1, x, ids, w))
+            with pytest.raises(ValueError, match="lane_cap"):
+                dc.set_lane(3)
+        finally:
+            dev_lane.close()
+            lane.close()
+
+
+def test_device_lane_reports_a_failed_answer(stores):
+    """A lane computation that raises cannot stop the device (its answer is zero); the next
+    step's check() raises with the reason instead of serving wrong tokens silently."""
+    from tiermoe.moe.cpu_lane import CpuLane
+    from tiermoe.moe.device_lane import DeviceLane
+
+    path, rec = stores["int4"]
+    with _host_store(path, rec) as st:
+        dc = DeviceCacheExperts(st, 2, rates={}, top_k=2, max_tokens=1, lane_cap=2)
+        lane = CpuLane(st.layout, max_experts=2, max_tokens=1, threads=1)
+        dev_lane = DeviceLane(dc, lane, max_tokens=1)
+        try:
+            dc.set_lane(2)
+
+            def broken(*args):
+                raise MemoryError("no room for the repack")
+
+            lane.compute = broken
+            x, ids, w = moe_batch(1, seed=5)
+            dev_lane.forward(1, x, ids, w)
+            with pytest.raises(RuntimeError, match="CPU lane failed: no room for the repack"):
+                dev_lane.check()
+        finally:
+            dev_lane.close()
+            lane.close()
 
 
 def test_eligibility_rules(stores, monkeypatch):

@@ -114,8 +114,9 @@ def test_auto_decode_attention_is_paged_where_the_model_allows(tiny_dir):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA (TIERMOE_KERNEL_TESTS_ON_GPU=1)")
-@pytest.mark.parametrize("attention", ["sdpa", "paged"])
-def test_graph_decode_is_bit_identical_to_eager(tiny_dir, tmp_path, attention):
+@pytest.mark.parametrize("attention,mode", [("sdpa", "exact"), ("paged", "exact"), ("paged", "fast")])
+def test_graph_decode_is_bit_identical_to_eager(tiny_dir, tmp_path, attention, mode):
+    """Fast mode too: the CPU lane answers through the mailbox inside the replayed graph."""
     from tiermoe.engine.build import build_engine_core
     from tiermoe.engine.protocol import SamplingParams
     from tiermoe.store.pack import pack
@@ -124,7 +125,8 @@ def test_graph_decode_is_bit_identical_to_eager(tiny_dir, tmp_path, attention):
     pack(str(tiny_dir("glm4_moe", "bfloat16")), str(store), quant="int4", group_size=32, progress=False,
          log=lambda _: None)  # fmt: skip
     rec = 4096
-    opts = {"expert_kernel": "triton", "gpu_expert_gb": 4 * rec / GIB, "host_expert_gb": 16 * rec / GIB}
+    opts = {"expert_kernel": "triton", "gpu_expert_gb": 4 * rec / GIB, "host_expert_gb": 16 * rec / GIB,
+            "mode": mode, "cpu_lane_experts": 2, "cpu_lane_threads": 2}
 
     def generate(eager: bool, batch: int, warm: bool = False) -> tuple[list, dict]:
         eng = build_engine_core(str(store), device="cuda", dtype="bfloat16", max_num_seqs=2,
@@ -142,7 +144,7 @@ def test_graph_decode_is_bit_identical_to_eager(tiny_dir, tmp_path, attention):
         counters = eng.model.expert_backend.counters()
         graphs = eng.runner.graphs.counters() if eng.runner.graphs is not None else None
         if graphs is not None:  # graph and eager pieces of each recorded program
-            graphs["programs"] = {b: [k for k, *_ in e.program] for b, e in eng.runner.graphs._entries.items()}
+            graphs["programs"] = {b: [k for k, *_ in e.program] for (b, _), e in eng.runner.graphs._entries.items()}
         eng.model.expert_backend.close()
         return [outs[k] for k in sorted(outs)], {"experts": counters, "graphs": graphs,
                                                  "layers": eng.model.spec.num_layers}
@@ -157,6 +159,8 @@ def test_graph_decode_is_bit_identical_to_eager(tiny_dir, tmp_path, attention):
         assert dc["graph_replays"] == c["graphs"]["replays"]
         # every decode step (12 tokens per sequence, the first from the prefill) ran one cache step per layer
         assert dc["cache_steps"] == 11 * dc["layers"], dc
+        if mode == "fast":  # the lane served every decode layer (lane_calls) and computed experts
+            assert dc["lane_calls"] == dc["cache_steps"] and c["experts"]["cpu_lane"]["experts"] > 0, c
         assert generate(False, batch, warm=True)[0] == ref, batch  # warm-up changes no token
         if attention == "paged":  # the whole decode step in one graph
             assert c["graphs"]["programs"] == {batch: ["graph"]}, c["graphs"]

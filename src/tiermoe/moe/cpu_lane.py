@@ -340,17 +340,7 @@ class CpuLane:
         job = LaneJob(self, store, layer, ids)
         try:
             xc = x.detach().to("cpu", torch.float32)  # [T, H]
-            tk = topk_ids.detach().cpu()  # [T, k]
-            tw = topk_weights.detach().to("cpu", torch.float32)  # [T, k]
-            work = []
-            for e in ids:
-                top_k_pos, token_idx = torch.where((tk == e).t())  # same visiting order as combine_experts
-                buf, fut = records[e]
-                work.append((e, buf, fut, token_idx, tw[token_idx, top_k_pos]))
-                self.c.disk_experts += fut is not None
-            self.c.experts += len(ids)
-            self.c.decode_experts += len(ids) if decode else 0
-            self.c.layers += 1
+            work = self._work(records, topk_ids, topk_weights, decode)
             for w in range(self.workers):
                 share = work[w :: self.workers]
                 if share:
@@ -359,6 +349,30 @@ class CpuLane:
             job.cancel()
             raise
         return job
+
+    def _work(self, records: dict, topk_ids: torch.Tensor, topk_weights: torch.Tensor, decode: bool) -> list:
+        """Per lane expert (ascending ids): (id, record bytes, disk read future or None, token
+        rows, routing weights fp32), counted in the lane's counters."""
+        tk = topk_ids.detach().cpu()  # [T, k]
+        tw = topk_weights.detach().to("cpu", torch.float32)  # [T, k]
+        work = []
+        for e in sorted(records):
+            top_k_pos, token_idx = torch.where((tk == e).t())  # same visiting order as combine_experts
+            buf, fut = records[e]
+            work.append((e, buf, fut, token_idx, tw[token_idx, top_k_pos]))
+            self.c.disk_experts += fut is not None
+        self.c.experts += len(work)
+        self.c.decode_experts += len(work) if decode else 0
+        self.c.layers += 1
+        return work
+
+    def compute(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                records: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The partial sum fp32 [T, H] of `records` ({expert: host record bytes}) for a decode
+        step, computed in the calling thread (the device mailbox's server; no pool, no store
+        reservation: the device cache's host tier holds every record for the engine's life)."""
+        work = self._work({e: (buf, None) for e, buf in records.items()}, topk_ids, topk_weights, True)
+        return self._run(layer, x.to(torch.float32), work)
 
     def _run(self, layer: int, x: torch.Tensor, work: list) -> torch.Tensor:
         """Worker: the partial sum fp32 [T, H] of its share of the layer's lane experts."""

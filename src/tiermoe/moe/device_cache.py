@@ -33,9 +33,14 @@ Exactness: the kernel reads a record's bytes wherever they sit; the tier changes
 entry, never the launch configuration or the summation order, so outputs are bit-identical to
 TritonExperts and across budgets (tests/moe/test_device_cache.py, exact mode).
 
-Fast mode: a decode step the CPU lane serves still runs the cache step, then points the lane's
-experts (chosen among the non-resident ones, which costs the one host read this step already
-waits for) at an all-zero record with zero weight, exactly as TritonExperts does.
+Fast mode (`lane_forward`, no host sync either, so it is captured in decode graphs too):
+
+    per MoE layer, decode step:  cache_step(topk_ids) also picks the lane's experts (the
+                                 coldest misses; never admitted or staged: no PCIe bytes)
+                                 -> mailbox.post(x, lane ids + routing)   the host lane starts
+                                 -> gather(admitted + staged) -> fused_moe(lane rows at an
+                                    all-zero record, their weights 0)      the GPU meanwhile
+                                 -> mailbox.wait_add(out)  out += the lane's fp32 partial sum
 """
 
 from __future__ import annotations
@@ -61,13 +66,14 @@ class DeviceCacheExperts:
     thousands of tokens touches nearly every expert, and the kernel would read an in-place
     record once per block of tokens; one copy per record is several times cheaper;
     stage_misses: False reads the misses the filter does not admit in place (no staging rows; the
-    MoE kernel reads them over PCIe) instead of gathering them into HBM first.
+    MoE kernel reads them over PCIe) instead of gathering them into HBM first; lane_cap: most
+    experts per layer and step the CPU lane may take in fast mode (`set_lane`).
     """
 
     def __init__(self, store, slots: int, rates: dict[int, float], top_k: int, max_tokens: int,
                  swiglu_limit: float | None = None, config: dict | None = None,
                  max_picks: int = 128, prefill_rows: int | None = None, stage_misses: bool = True,
-                 prefill_buffers: int | None = None, borrow_slots: bool = False) -> None:  # fmt: skip
+                 prefill_buffers: int | None = None, borrow_slots: bool = False, lane_cap: int = 0) -> None:  # fmt: skip
         from tiermoe.kernels.layout import layout_from
         from tiermoe.kernels.triton.cache_manager import ExpertCache
 
@@ -126,7 +132,8 @@ class DeviceCacheExperts:
             host_addr = torch.tensor([t.data_ptr() for t in entries], dtype=torch.int64, device=dev)  # [E]
             slot_addr = (self.arena.data_ptr() + arena_rows * r).to(dev)  # [s] int64
             cache = ExpertCache(host_addr, slot_addr, s, r, max_picks=self.max_picks,
-                                scratch_base=self.scratch.data_ptr(), scratch_slots=self.stage_rows)
+                                scratch_base=self.scratch.data_ptr(), scratch_slots=self.stage_rows,
+                                lane_max=lane_cap)  # fmt: skip
             layer_rates = torch.tensor([float(rates.get(store.key(layer, e), 0.0)) for e in range(n)])  # [E]
             order = torch.argsort(layer_rates, descending=True, stable=True).tolist()
             for e, slot in cache.warm_start(order[:s]):
@@ -173,26 +180,39 @@ class DeviceCacheExperts:
         self.table_calls += 1
         return cache.ptr_table
 
-    def lane_candidates(self, layer: int, expert_ids: list[int]) -> list[int]:
-        """Of `expert_ids`, the ones not in this layer's GPU slots (one small device read)."""
-        if not expert_ids:
-            return []
-        cache = self.caches[layer]
-        ids = torch.tensor(expert_ids, dtype=torch.int64, device=cache.expert_slot.device)
-        slot = cache.expert_slot[ids].tolist()
-        return [e for e, s in zip(expert_ids, slot) if s < 0]
+    def set_lane(self, experts: int) -> None:
+        """Fast mode on the device: every later cache step sends up to `experts` of its coldest
+        misses to the CPU lane (0: exact mode). At most the constructor's lane_cap."""
+        for cache in self.caches.values():
+            if experts > cache.lane_cap:
+                raise ValueError(f"{experts} lane experts exceed the cache's lane_cap={cache.lane_cap}")
+            cache.lane_max = max(0, int(experts))
+            cache.zero_addr = self._zero_record(self.scratch.device).data_ptr()
 
-    def combine_without(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                        skip: list[int]) -> torch.Tensor:
-        """A decode step's cache step and MoE without the experts in `skip` (another lane's):
-        their rows point at an all-zero record and their weights are zero, so they add exactly 0."""
-        table = self._decode_table(layer, topk_ids).clone()  # [E] int64, rewritten below
+    def lane_forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     mailbox, slot: int) -> torch.Tensor:
+        """A fast-mode decode step of one layer with no host sync (module doc): x [T, H] ->
+        [T, H] in x's dtype. The lane's answer arrives through `mailbox` (a Mailbox with
+        meta_words >= lane_cap + 2 T k; `slot` is this layer's) as the fp32 partial of the
+        experts in the cache's lane_ids, given meta = lane_ids (-1 padded to lane_cap) |
+        topk_ids [T k] | topk_weights as fp32 bits [T k] (moe/device_lane.py)."""
+        cache = self.caches[layer]
+        if topk_ids.numel() > self.max_picks or not cache.lane_max:
+            return self.forward(layer, x, topk_ids, topk_weights)
+        self.prefill.return_loan()  # a cache decision must never meet lent slots
+        cache.step(topk_ids, gather=False)  # decisions, lane choice included
+        self.steps += 1
         self.lane_calls += 1
-        if skip:
-            lane = torch.tensor(sorted(skip), dtype=torch.int64, device=table.device)
-            table[lane] = self._zero_record(x.device).data_ptr()
-            topk_weights = topk_weights.masked_fill(torch.isin(topk_ids, lane), 0)  # [T, k]
-        return self._moe(x, topk_ids, topk_weights, table)
+        ids = topk_ids.reshape(-1).to(torch.int32)  # [T k]
+        w = topk_weights.reshape(-1).to(torch.float32)  # [T k]
+        pad = cache.lane_ids.new_full((cache.lane_cap - cache.lane_max,), -1)  # the lane field is lane_cap wide
+        meta = torch.cat([cache.lane_ids[: cache.lane_max], pad, ids, w.view(torch.int32)])  # [cap + 2 T k] int32
+        mailbox.post(slot, x.contiguous(), meta)
+        cache.gather()
+        on_lane = cache.lmark[topk_ids.long()] == cache.clock[1]  # [T, k] (stamp of this step)
+        out = self._moe(x, topk_ids, topk_weights.masked_fill(on_lane, 0), cache.step_table)
+        mailbox.wait_add(slot, out)
+        return out
 
     def _moe(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              table: torch.Tensor) -> torch.Tensor:

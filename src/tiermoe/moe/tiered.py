@@ -20,10 +20,10 @@ layer L's input and the predicted experts' disk reads are started, so they overl
 Fast mode (`mode="fast"`): in decode steps, the CPU lane (cpu_lane.py) computes the coldest
 misses from the host tier's record bytes while the device computes the rest; the two partial
 sums are added. Exact mode never touches the lane, so its arithmetic is unchanged.
-CUDA hand-off, this version: one device->host copy of the layer input when the lane has work,
-and one host wait per layer (LaneJob.wait) before the lane's pinned partial sum is copied up
-and added; no per-expert synchronisation. A mapped-memory mailbox (see moe/README.md) would
-remove the host wait: the GPU would poll a done-flag in mapped pinned memory instead.
+CUDA hand-off on the store path: one device->host copy of the layer input when the lane has
+work, and one host wait per layer (LaneJob.wait) before the lane's pinned partial sum is copied
+up and added. On the device cache the hand-off has no host sync (device_lane.DeviceLane: a
+mapped-memory mailbox the GPU polls), so fast-mode decode steps are captured in CUDA graphs too.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ class TieredExperts:
         self.prefetch = prefetch
         self.next_router: dict[int, tuple[int, object]] = {}  # layer -> (next MoE layer, its router)
         self.lane = None
+        self.device_lane = None  # DeviceLane: fast mode on the device cache (created on the first switch)
         self._lane_args = lane or {}
         self._lane_step = False  # the current step is a decode step the lane may serve
         self._decode = True
@@ -141,7 +142,7 @@ class TieredExperts:
             rows = None if staging_gb is None else int(staging_gb * 2**30 // store.record_bytes)
             cache = DeviceCacheExperts(store, slots, rates, top_k=config_top_k(manifest.config),
                                        max_tokens=int(options.get("max_num_seqs") or 8), prefill_rows=rows,
-                                       stage_misses=os.environ.get(STAGE_ENV, "1") != "0",
+                                       stage_misses=os.environ.get(STAGE_ENV, "1") != "0", lane_cap=lane["max_experts"],
                                        borrow_slots=options.get("prefill_borrow_slots") is not False)
         except BaseException:
             store.close()
@@ -165,6 +166,12 @@ class TieredExperts:
 
             self.lane = CpuLane(self.store.layout, swiglu_limit=self.swiglu_limit, act_dtype=self.store.dtype,
                                 **self._lane_args)
+        if self.device_cache is not None:
+            if mode == "fast" and self.device_lane is None:
+                from tiermoe.moe.device_lane import DeviceLane
+
+                self.device_lane = DeviceLane(self.device_cache, self.lane, self.lane.max_tokens)
+            self.device_cache.set_lane(self.lane.max_experts if mode == "fast" else 0)
         self.mode = mode
         self._lane_step = False
 
@@ -191,6 +198,8 @@ class TieredExperts:
             self._fast_decode_tokens += tokens
         if self._lane_step:
             self.lane.prune(self.store)
+            if self.device_lane is not None:
+                self.device_lane.check()
 
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if self.device_cache is not None:
@@ -226,37 +235,38 @@ class TieredExperts:
 
     def graph_safe(self) -> bool:
         """May the current step's MoE layers be captured in a CUDA graph (runner/decode_graph.py)?
-        Only device-cache decode steps without the CPU lane: every other path syncs with the host."""
-        return self.device_cache is not None and self._decode and not self._lane_step
+        Only device-cache decode steps (the CPU lane's included: it answers through the mailbox);
+        the store path syncs with the host."""
+        return self.device_cache is not None and self._decode
+
+    def graph_key(self) -> bool:
+        """What else a captured decode program depends on: whether its layers hand work to the
+        CPU lane (fast mode, few enough tokens) or not."""
+        return self._lane_step
 
     def graph_recorded(self) -> None:
-        """A decode step was recorded (its kernels queued into graphs, not run): uncount its cache steps."""
-        self.device_cache.steps -= len(self.device_cache.caches)
+        """A decode step was recorded (its kernels queued into graphs, not run): uncount its cache
+        steps (and lane hand-offs)."""
+        self._count_graph_step(-1)
 
     def graph_replayed(self) -> None:
-        """A captured decode step was replayed: count the cache steps it ran on the device."""
+        """A captured decode step was replayed: count the cache steps (and lane hand-offs) it ran."""
         self.graph_replays += 1
-        self.device_cache.steps += len(self.device_cache.caches)
+        self._count_graph_step(1)
+
+    def _count_graph_step(self, sign: int) -> None:
+        dc = self.device_cache
+        dc.steps += sign * len(dc.caches)
+        if self._lane_step and self.lane.max_experts > 0:  # lane_forward ran (DeviceCacheExperts)
+            dc.lane_calls += sign * len(dc.caches)
 
     def _forward_device_cache(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                               topk_weights: torch.Tensor) -> torch.Tensor:
         """Every expert is in pinned host RAM (nothing to prefetch from disk); the slot cache is
         decided on the device. Only a CPU-lane step reads anything back to the host."""
-        dc = self.device_cache
         if not self._lane_step:
-            return dc.forward(layer, x, topk_ids, topk_weights, decode=self._decode)
-        expert_ids = torch.unique(topk_ids).tolist()  # sorted ascending
-        job = self.lane.submit(self.store, layer, x, topk_ids, topk_weights,
-                               self.lane.assign(self.store, layer, dc.lane_candidates(layer, expert_ids)),
-                               decode=self._decode)  # fmt: skip
-        if job is None:
-            return dc.forward(layer, x, topk_ids, topk_weights, decode=self._decode)
-        try:
-            out = dc.combine_without(layer, x, topk_ids, topk_weights, job.ids)
-        except BaseException:
-            job.cancel()
-            raise
-        return _add_lane_partial(out, job, x.dtype)
+            return self.device_cache.forward(layer, x, topk_ids, topk_weights, decode=self._decode)
+        return self.device_lane.forward(layer, x, topk_ids, topk_weights)
 
     def counters(self) -> dict:
         c = self.store.counters()
@@ -273,6 +283,8 @@ class TieredExperts:
         return c
 
     def close(self) -> None:
+        if self.device_lane is not None:
+            self.device_lane.close()
         if self.lane is not None:
             self.lane.close()
         self.store.close()

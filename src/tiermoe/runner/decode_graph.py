@@ -21,10 +21,12 @@ core breaks the capture and program(B) = [one graph]; the static batch's slot ma
 table and lengths are refilled before each replay.
 
 What may be captured: the decoder families (models/decoder.py CausalLM) with routed experts
-behind TieredExperts' device cache in exact mode (no host sync in the MoE layer; the store's
-Python policy and the CPU lane read the picks back to the host, so those paths stay eager).
-The first step of a batch size runs eagerly (it compiles kernels and warms allocators); the
-second records and replays. Disabled by `--enforce-eager` (vLLM's flag).
+behind TieredExperts' device cache, exact or fast mode (no host sync in the MoE layer: fast
+mode's CPU lane answers through a mapped-memory mailbox, moe/device_lane.py; the store's
+Python policy reads the picks back to the host, so that path stays eager). Programs are kept
+per batch size and per the backend's `graph_key()` (lane on or off). The first step of a kind
+runs eagerly (it compiles kernels and warms allocators); the second records and replays.
+Disabled by `--enforce-eager` (vLLM's flag).
 """
 
 from __future__ import annotations
@@ -103,8 +105,8 @@ class DecodeGraphs:
 
     def __init__(self, model, kv_caches: list[dict[str, torch.Tensor]], max_batch: int) -> None:
         self.model, self.kv_caches, self.max_batch = model, kv_caches, int(max_batch)
-        self._entries: dict[int, _Entry] = {}
-        self._seen: set[int] = set()
+        self._entries: dict[tuple, _Entry] = {}  # (batch size, backend's graph key) -> program
+        self._seen: set[tuple] = set()
         self.captures = 0
         self.replays = 0
         self.failed: str | None = None  # why recording failed (graphs then stay off)
@@ -119,13 +121,15 @@ class DecodeGraphs:
         backend = getattr(self.model, "expert_backend", None)
         if b > self.max_batch or (backend is not None and not backend.graph_safe()):
             return None
-        entry = self._entries.get(b)
+        # a backend whose layers run differently by mode (fast mode's CPU lane) keys its programs
+        key = (b, backend.graph_key() if hasattr(backend, "graph_key") else None)
+        entry = self._entries.get(key)
         if entry is None:
-            if b not in self._seen:  # first step of this size: eager (compiles, warms allocators)
-                self._seen.add(b)
+            if key not in self._seen:  # first step of this kind: eager (compiles, warms allocators)
+                self._seen.add(key)
                 return None
             try:
-                entry = self._record(batch)
+                entry = self._record(batch, key)
             except Exception as exc:  # a capture that fails must not fail the request: stay eager
                 log.warning("decode CUDA graphs disabled: recording batch size %d failed (%s)", b,
                             str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
@@ -145,7 +149,7 @@ class DecodeGraphs:
             backend.graph_replayed()
         return entry.hidden
 
-    def _record(self, batch: ForwardBatch) -> _Entry:
+    def _record(self, batch: ForwardBatch, key: tuple) -> _Entry:
         clone = lambda t: None if t is None else t.clone()  # noqa: E731
         static = ForwardBatch(batch.input_ids.clone(), batch.positions.clone(), batch.slot_mapping.clone(),
                               batch.seqs, batch.logits_index, clone(batch.block_table), clone(batch.seq_lens))
@@ -174,9 +178,10 @@ class DecodeGraphs:
             backend.graph_recorded()
         self.captures += 1
         entry = _Entry(rec.program, static, hidden)
-        self._entries[batch.num_tokens] = entry
+        self._entries[key] = entry
         return entry
 
     def counters(self) -> dict:
-        return {"captured_batch_sizes": sorted(self._entries), "captures": self.captures, "replays": self.replays,
+        return {"captured_batch_sizes": sorted({b for b, _ in self._entries}), "captures": self.captures,
+                "replays": self.replays,
                 "failed": self.failed}

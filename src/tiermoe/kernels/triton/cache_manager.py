@@ -353,7 +353,12 @@ class ExpertCache:
     def step(self, topk_ids: torch.Tensor, *, gather: bool = True) -> None:
         """One decode step: cache decisions for the routed picks topk_ids [T, K], then gather."""
         cache_step(self, topk_ids)
-        if gather and (self.num_slots or self.scratch_slots):
+        if gather:
+            self.gather()
+
+    def gather(self) -> None:
+        """Copy the last step's admitted and staged records host -> GPU (sized on the device)."""
+        if self.num_slots or self.scratch_slots:
             gather_records(self.copy_src, self.copy_dst, self.n_copy, self.record_bytes, chunk_bytes=self.gather_chunk,
                            programs=self.gather_programs, num_warps=self.gather_warps)  # fmt: skip
 

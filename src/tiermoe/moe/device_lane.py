@@ -1,0 +1,76 @@
+"""Fast mode on the device cache: the CPU lane answers through a mapped-memory mailbox.
+
+The host-synchronous lane (tiered.TieredExperts with the store path) reads each layer's picks
+back to the host, submits the lane's experts and waits for their partial sum before adding it:
+two host round trips per MoE layer, so such steps cannot be captured in a CUDA graph. Here the
+device decides and hands off, and the host only answers:
+
+  GPU (one stream, graph-capturable)              host (MailboxServer thread)
+  cache step: lane = the coldest misses
+  post(layer, x, lane ids | routing)  ------->    compute_fn: CpuLane.compute over the lane's
+  gather, fused MoE (lane rows read zeros)        host records (the device cache's host tier
+  wait_add(layer, out)                <-------    holds every expert) -> fp32 [T, H]
+                                                  -> result rows, done
+
+Arithmetic: out = dtype(fp32(device part) + fp32(lane part)), as in the host-synchronous
+path; which experts the lane takes is the device cache's choice (its decayed pick counts), so
+fast mode here is not the same selection as the store path's `CpuLane.assign`.
+
+Failures: a compute_fn error zeroes that answer and marks the slot; a device wait that runs out
+of polls leaves `out` without the lane's part and marks the slot. Neither can stop a replayed
+graph, so `check()` (called before every step) raises on the next step with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiermoe.kernels.triton.mailbox import Mailbox, MailboxServer
+
+
+class DeviceLane:
+    """One mailbox slot per MoE layer and the host thread that serves them with `lane`.
+
+    device_cache: DeviceCacheExperts (its caches carry lane_cap lane rows); lane: CpuLane;
+    max_tokens: largest decode batch handed to the lane.
+    """
+
+    def __init__(self, device_cache, lane, max_tokens: int) -> None:
+        self.dc, self.lane = device_cache, lane
+        self.layers = list(device_cache.caches)
+        self.slot_of = {layer: i for i, layer in enumerate(self.layers)}
+        self.lane_cap = max(c.lane_cap for c in device_cache.caches.values()) if self.layers else 0
+        self.top_k = device_cache.top_k
+        self.hidden = device_cache.layout.hidden
+        words = self.lane_cap + 2 * int(max_tokens) * self.top_k  # lane ids | topk ids | weights (fp32 bits)
+        self.mailbox = Mailbox(max(1, len(self.layers)), self.hidden, int(max_tokens), device_cache.scratch.device,
+                               meta_words=words)  # fmt: skip
+        self.server = MailboxServer(self.mailbox, self._compute, threads=lane.threads).start()
+
+    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]: one fast-mode decode layer (DeviceCacheExperts.lane_forward)."""
+        return self.dc.lane_forward(layer, x, topk_ids, topk_weights, self.mailbox, self.slot_of[layer])
+
+    def _compute(self, slot: int, x: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+        """Server thread: x bf16 [T, H], meta int32 [words] -> the lane experts' fp32 [T, H]."""
+        t, k, m = x.shape[0], self.top_k, self.lane_cap
+        layer = self.layers[slot]
+        experts = [e for e in meta[:m].tolist() if e >= 0]
+        if not experts:
+            return torch.zeros(t, self.hidden, dtype=torch.float32)
+        topk_ids = meta[m : m + t * k].view(t, k)  # [T, k] int32
+        topk_weights = meta[m + t * k : m + 2 * t * k].view(torch.float32).view(t, k)  # [T, k] fp32
+        entries = self.dc.entries[layer]
+        return self.lane.compute(layer, x, topk_ids, topk_weights, {e: entries[e] for e in experts})
+
+    def check(self) -> None:
+        """Raise if an earlier step's lane work failed or timed out (see the module doc)."""
+        if self.server.failure is not None:
+            raise RuntimeError(f"CPU lane failed: {self.server.failure}")
+        err = self.mailbox.errors()
+        if (err != 0).any():
+            bad = int(err[err != 0][0])
+            raise RuntimeError("CPU lane answer timed out on the device" if bad > 0 else "CPU lane failed")
+
+    def close(self) -> None:
+        self.server.stop()
