@@ -180,3 +180,48 @@ def test_build_in_thread_reraises_and_release_ends_an_unstarted_thread(tokenizer
     engine.release()  # the server never started: the building thread must not linger
     thread.join(5)
     assert not thread.is_alive() and not engine.alive
+
+
+def test_outputs_reach_the_loop_while_the_next_step_waits_on_the_device(tokenizer):
+    """A step's outputs are held while the next step builds and launches its work, and handed
+    to the event loop when it calls the core's device_wait_hook (its device work queued): the
+    server's per-token work then overlaps the device instead of taking the GIL from the engine
+    thread mid-launch. Here each step spends 50 ms before its hook (the last token must not be
+    out yet) and then waits at its "device wait" until the consumer has it."""
+    import time
+
+    consumed = [0]
+    before, waits = [], []
+
+    def wait_consumed(n: int) -> bool:
+        deadline = time.monotonic() + 10
+        while consumed[0] < n and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return consumed[0] >= n
+
+    class WaitingCore(ScriptedEngineCore):
+        def step(self):
+            hook, self.device_wait_hook = self.device_wait_hook, None  # ScriptedEngineCore.step would call it too
+            try:
+                produced = self.counters["generated_tokens"]  # by the earlier steps
+                if produced:
+                    time.sleep(0.05)  # building and launching the step
+                    before.append(consumed[0] >= produced)
+                hook()
+                if produced:
+                    waits.append(wait_consumed(produced))
+                return super().step()
+            finally:
+                self.device_wait_hook = hook
+
+    async def main():
+        engine = AsyncEngine(WaitingCore(tokenizer=tokenizer))
+        engine.start()
+        async for out in engine.generate("a", _ids(tokenizer, "hi"), SamplingParams(ignore_eos=True, max_tokens=8)):
+            consumed[0] += len(out.new_token_ids)
+        await engine.shutdown()
+        return consumed[0]
+
+    assert asyncio.run(main()) == 8
+    assert len(waits) >= 6 and all(waits), waits  # delivered at the hook
+    assert not any(before), before  # not before it

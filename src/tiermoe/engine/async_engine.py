@@ -7,6 +7,14 @@ ONE `loop.call_soon_threadsafe` call, which fans them out to per-request asyncio
 consumer that falls behind gets several step outputs merged into one, so a slow client costs
 the loop nothing extra.
 
+When: a step's outputs are held until the next step has queued its device work and is about
+to wait for it (the core calls `device_wait_hook`, LLMEngine.step), or until the thread has
+nothing else to do. The loop's per-token work (detokenizing, JSON, socket writes) then runs
+while the GPU computes, instead of taking the GIL from the engine thread in the middle of
+building and launching the next step (every torch call releases the GIL, and the loop keeps it
+until its callbacks are done): the next step's launch is not delayed by the server
+(scripts/server_overhead_check.py emulates both).
+
 Failure containment: an exception from `add_request` fails that request only; an exception
 from `step()` fails the requests it names through an `request_ids` attribute, or else every
 request the core was running (they are aborted in the core so their pages are freed). Either
@@ -185,6 +193,9 @@ class AsyncEngine:
         self._draining = False
         self._stopped = threading.Event()
         self._last_stats: dict = {}
+        self._held: list[RequestOutput] = []  # the last step's outputs, not yet handed to the loop
+        if hasattr(core, "device_wait_hook"):
+            core.device_wait_hook = self._release_held
         self.steps = 0
         self.step_errors = 0
 
@@ -337,12 +348,15 @@ class AsyncEngine:
                 # step whenever the core has work, even with no live request: a core may
                 # only release an aborted sequence's pages inside step()
                 busy = self._has_work()
+                if not busy:
+                    self._release_held()  # nothing to overlap with: deliver now
                 try:
                     cmd = self._commands.get_nowait() if busy else self._commands.get(timeout=self._idle_poll_s)
                 except queue.Empty:
                     cmd = None
                 while cmd is not None:
                     if isinstance(cmd, _Stop):
+                        self._release_held()
                         return
                     self._apply(cmd, live)
                     try:
@@ -353,6 +367,7 @@ class AsyncEngine:
                     self._step(live)
         except BaseException:  # pragma: no cover - a bug in this loop itself
             log.exception("engine thread crashed")
+            self._release_held()
             err = [RequestOutput(rid, [], finished=True, finish_reason="error", error="engine stopped") for rid in live]
             self._post(self._deliver, err)
         finally:
@@ -398,10 +413,17 @@ class AsyncEngine:
             snap.setdefault("engine_step_errors", self.step_errors)
             self._post(self._resolve, cmd.future, snap)
 
+    def _release_held(self) -> None:
+        """Hand the held outputs to the event loop (engine thread; also the core's hook)."""
+        if self._held:
+            held, self._held = self._held, []
+            self._post(self._deliver, held)
+
     def _step(self, live: set[str]) -> None:
         try:
-            outputs = self.core.step()
+            outputs = self.core.step()  # releases the previous step's outputs (hook) when it waits
         except Exception as exc:
+            self._release_held()
             self.step_errors += 1
             named = getattr(exc, "request_ids", None)
             victims = [r for r in (named if named is not None else list(live)) if r in live]
@@ -415,6 +437,7 @@ class AsyncEngine:
             msg = f"engine error: {exc}" if str(exc) else f"engine error: {type(exc).__name__}"
             self._post(self._deliver, [RequestOutput(r, [], finished=True, finish_reason="error", error=msg) for r in victims])
             return
+        self._release_held()  # the hook did not run (no device wait in that step)
         self.steps += 1
         if not outputs:
             return
@@ -425,5 +448,4 @@ class AsyncEngine:
             if out.finished:
                 live.discard(out.request_id)
             kept.append(out)
-        if kept:
-            self._post(self._deliver, kept)
+        self._held = kept

@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from collections import deque
+from typing import Callable
 
 from tiermoe.engine.protocol import InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
 from tiermoe.errors import UserError
@@ -61,6 +62,9 @@ class LLMEngine:
         self._live: dict[str, Request] = {}
         self.counters = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                          "decode_steps": 0, "errors": 0, "aborted": 0, "step_seconds": 0.0}
+        # called once a step's device work is queued, before its tokens are read back (a wait):
+        # AsyncEngine hands the previous step's outputs to the event loop there
+        self.device_wait_hook: Callable[[], None] | None = None
 
     # -- EngineCore API -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -127,6 +131,8 @@ class LLMEngine:
             self.counters["decode_steps"] += 1
         try:
             done, result, verified = self.runner.execute(batch.items, tuple(self.eos_token_ids))
+            if self.device_wait_hook is not None:  # the step's device work is queued; reading its tokens waits
+                self.device_wait_hook()
         except Exception as exc:  # fail this step's requests, keep serving the others
             log.exception("forward pass failed")
             self.counters["errors"] += 1

@@ -168,6 +168,7 @@ class ScriptedEngineCore:
         self.step_delay_s = step_delay_s
         self.tool_format = tool_format
         self.model_info = {"arch": "scripted", "name": name, "tool_format": tool_format}
+        self.device_wait_hook = None  # as LLMEngine: called where a real step would wait for the GPU
         vocab = tokenizer.get_vocab()
         self.eos_token_ids = [vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab]
         self._vocab_size = len(tokenizer)
@@ -215,6 +216,8 @@ class ScriptedEngineCore:
         return bool(self._running or self._waiting)
 
     def step(self) -> list[RequestOutput]:
+        if self.device_wait_hook is not None:
+            self.device_wait_hook()
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         self.counters["steps"] += 1
