@@ -168,12 +168,17 @@ def test_report_comparison_rows():
                 "decode": [{"concurrency": 1, "per_stream_tok_s": c1, "aggregate_tok_s": c1},
                            {"concurrency": 4, "per_stream_tok_s": c4 / 4, "aggregate_tok_s": c4}]}
 
-    lines = rep.comparison({"tiermoe-exact": sweep(900.0, 30.0, 80.0), "llamacpp": sweep(1000.0, 20.0, 60.0)},
-                           {"tok_s": 40.0})
+    floors = {"tiermoe-exact": {"tok_s": 120.0, "gpu_share": 0.95}, "llamacpp": {"tok_s": 40.0, "gpu_share": 1 / 3}}
+    lines = rep.comparison({"tiermoe-exact": sweep(900.0, 30.0, 80.0), "llamacpp": sweep(1000.0, 20.0, 60.0)}, floors)
     table = "\n".join(lines)
     assert "| prefill 4096 | 900.0 | 1,000.0 | 0.90x |" in table
     assert "| C1 per-stream | 30.0 | 20.0 | 1.50x |" in table
-    assert "| C1 per-stream / floor | 75 % | 50 % | |" in table
+    # each engine against the floor of its own expert placement
+    assert "| expert reads from HBM (C1 floor's split) | 95.0 % | 33.3 % | |" in table
+    assert "| C1 per-stream / floor (tok/s) | 25 % of 120.0 | 50 % of 40.0 | |" in table
+    share = rep.slot_hit_share({"engine": {"experts": {"slots": {"hits": 130, "misses": 10}}}},
+                               {"engine": {"experts": {"slots": {"hits": 30, "misses": 5}}}})
+    assert share == 100 / 105 and rep.slot_hit_share({}, None) is None
     assert "Rows where tiermoe is not ahead: prefill 4096" in table
     assert rep.vram_peak_mib(Path("/nonexistent")) is None
 

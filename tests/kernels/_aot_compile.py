@@ -185,10 +185,11 @@ def expert_cache(rec: Recorder) -> None:
     cache = ExpertCache(host, slots.data_ptr(), 64, record, extra_ptrs=torch.zeros(1, dtype=torch.int64),
                         max_picks=128, scratch_base=scratch.data_ptr(), scratch_slots=64, lane_max=4)  # fmt: skip
     with rec.tagged("expert cache step + gather"):
+        cache.zero_addr = scratch.data_ptr()  # a real (64-bit) address, as the all-zero record's is
         for lane in (0, 4):  # exact mode, and fast mode's lane choice
             cache.lane_max = lane
             for tokens in (1, 16):
-                cache.step((torch.arange(tokens)[:, None] + torch.arange(TOP_K)[None, :]) % EXPERTS)
+                cache.step((torch.arange(tokens)[:, None] + torch.arange(TOP_K)[None, :]) % EXPERTS, lane=lane > 0)
         for chunk in (4096, 16384, 32768):
             gather_records(cache.copy_src, cache.copy_dst, cache.n_copy, record, chunk_bytes=chunk)
 

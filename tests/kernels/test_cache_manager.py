@@ -67,30 +67,41 @@ ZERO_ADDR = 1 << 36  # the all-zero record's address (fake)
 
 @pytest.mark.parametrize("e,s,tokens,k,lane_max,scratch", [(12, 4, 1, 4, 2, 3), (16, 3, 3, 3, 4, 2), (8, 0, 2, 3, 3, 0)])
 def test_lane_choice_matches_twin(e, s, tokens, k, lane_max, scratch, device):
-    """Fast mode: the coldest misses go to the CPU lane (listed, never admitted or staged, their
-    step-table rows at the zero record), the rest of the step as in exact mode; step by step
-    against the twin, switching the lane off and on as a mode switch would."""
-    cache = _fake_cache(e, s, device, scratch=scratch)
-    cache = C.ExpertCache(cache.host_addr, 1 << 20, s, REC, extra_ptrs=torch.tensor([7], device=device),
-                          decay_shift=3, scratch_base=SCRATCH_BASE, scratch_slots=scratch, lane_max=lane_max)  # fmt: skip
+    """Fast mode: of the misses not admitted, the coldest go to the CPU lane (listed, not staged,
+    their step-table rows at the zero record); admissions and residency stay those of exact
+    mode (a cache without the lane, stepped alongside). Step by step against the twin, with
+    steps without the lane and a smaller lane_max in between, as a mode switch would give."""
+    host = torch.arange(e, dtype=torch.int64, device=device) * REC + (1 << 40)
+    make = lambda cap: C.ExpertCache(host, 1 << 20, s, REC, extra_ptrs=torch.tensor([7], device=device),  # noqa: E731
+                                     decay_shift=3, scratch_base=SCRATCH_BASE, scratch_slots=scratch, lane_max=cap)
+    cache, exact = make(lane_max), make(0)
+    assert cache.lane_max == 0  # off until its owner sets it (with a zero record)
     cache.zero_addr = ZERO_ADDR
     st = _twin_state(cache)
     gen = torch.Generator().manual_seed(e + 7 * s)
     popular = torch.linspace(3.0, 0.2, e)
     sent = 0
-    for step in range(20):
-        cache.lane_max = 0 if step in (5, 6) else lane_max  # exact-mode steps in between
+    for step in range(24):
+        on = step not in (5, 6)  # steps without the lane in between
+        cache.lane_max = lane_max if step < 12 else max(1, lane_max // 2)
         ids = torch.stack([torch.multinomial(popular, k, generator=gen) for _ in range(tokens)])
-        C.cache_step(cache, ids.to(device))
-        R.cache_step_ref(st, ids, cache.admit_max, True, 3, (SCRATCH_BASE, scratch, REC), (cache.lane_max, ZERO_ADDR))
+        C.cache_step(cache, ids.to(device), lane=on)
+        C.cache_step(exact, ids.to(device))
+        R.cache_step_ref(st, ids, cache.admit_max, True, 3, (SCRATCH_BASE, scratch, REC),
+                         (cache.lane_max if on else 0, ZERO_ADDR))  # fmt: skip
         _check_equal(cache, st)
-        lane = [x for x in cache.lane_ids.tolist() if x >= 0] if cache.lane_max else []
+        for key in ("slot_expert", "expert_slot", "ptr_table", "freq", "stats"):
+            assert torch.equal(getattr(cache, key), getattr(exact, key)), key
+        lane = [x for x in cache.lane_ids.tolist() if x >= 0] if on else []
         sent += len(lane)
-        assert len(lane) <= lane_max and not any(int(cache.expert_slot[x]) >= 0 for x in lane)
+        assert len(lane) <= cache.lane_max and not any(int(cache.expert_slot[x]) >= 0 for x in lane)
         assert all(int(cache.step_table[x]) == ZERO_ADDR for x in lane)
         copied = set(cache.copy_src[: int(cache.n_copy)].tolist())
         assert not copied & {int(cache.host_addr[x]) for x in lane}  # no PCIe bytes for lane experts
     assert sent > 0
+    cache.lane_max = lane_max + 1
+    with pytest.raises(ValueError, match="lane_cap"):
+        C.cache_step(cache, ids.to(device), lane=True)
 
 
 def test_warm_start_then_hits(device):

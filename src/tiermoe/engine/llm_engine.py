@@ -133,6 +133,7 @@ class LLMEngine:
             done, result, verified = self.runner.execute(batch.items, tuple(self.eos_token_ids))
             if self.device_wait_hook is not None:  # the step's device work is queued; reading its tokens waits
                 self.device_wait_hook()
+            self.runner.check_step()
         except Exception as exc:  # fail this step's requests, keep serving the others
             log.exception("forward pass failed")
             self.counters["errors"] += 1

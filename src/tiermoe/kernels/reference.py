@@ -177,9 +177,9 @@ def cache_step_ref(state: dict[str, torch.Tensor], topk_ids: torch.Tensor, admit
     into the first `rows` scratch rows for this step (appended to the copy list); step_table
     is ptr_table with those rows.
     lane = (lane_max, zero_addr), fast mode (state also holds lane_ids [L] i32, lmark [E] i32):
-    before any admission, the lane_max misses of lowest frequency (after this step's update; ties
-    in first-pick order) go to the CPU lane: lane_ids lists them in first-pick order (-1
-    padded), they are neither admitted nor staged, and their step_table rows are zero_addr.
+    of the misses not admitted, the lane_max of lowest frequency (after this step's update;
+    ties in first-pick order) go to the CPU lane: lane_ids lists them in first-pick order (-1
+    padded), they are not staged, and their step_table rows are zero_addr.
     """
     st = state
     ids = topk_ids.reshape(-1).tolist()
@@ -191,17 +191,7 @@ def cache_step_ref(state: dict[str, torch.Tensor], topk_ids: torch.Tensor, admit
     picked[torch.tensor(uniq, dtype=torch.int64)] = 1024
     freq.copy_(freq - (freq >> decay_shift) + picked)
     hits = [e for e in uniq if int(es[e]) >= 0]
-    all_misses = misses = [e for e in uniq if int(es[e]) < 0]
-    lane_max, zero_addr = lane
-    on_lane = []
-    if lane_max > 0:
-        by_heat = sorted(range(len(misses)), key=lambda j: (int(freq[misses[j]]), j))
-        on_lane = [misses[j] for j in sorted(by_heat[:lane_max])]
-        st["lane_ids"].fill_(-1)
-        st["lane_ids"][: len(on_lane)] = torch.tensor(on_lane, dtype=st["lane_ids"].dtype)
-        for e in on_lane:
-            st["lmark"][e] = int(st["clock"][1])
-        misses = [e for e in misses if e not in on_lane]
+    misses = [e for e in uniq if int(es[e]) < 0]
     inuse = {int(es[e]) for e in hits}
     n_free = s_n - len(inuse)
     a = min(len(misses), n_free, admit_max)
@@ -244,7 +234,17 @@ def cache_step_ref(state: dict[str, torch.Tensor], topk_ids: torch.Tensor, admit
         n += 1
     base, rows, rec = scratch
     st["step_table"].copy_(st["ptr_table"])
-    rejected = [e for e in misses if int(es[e]) < 0]  # not the lane's
+    rejected = [e for e in misses if int(es[e]) < 0]  # not admitted
+    lane_max, zero_addr = lane
+    on_lane = []
+    if lane_max > 0:
+        by_heat = sorted(range(len(rejected)), key=lambda j: (int(freq[rejected[j]]), j))
+        on_lane = [rejected[j] for j in sorted(by_heat[:lane_max])]
+        st["lane_ids"].fill_(-1)
+        st["lane_ids"][: len(on_lane)] = torch.tensor(on_lane, dtype=st["lane_ids"].dtype)
+        for e in on_lane:
+            st["lmark"][e] = int(st["clock"][1])
+        rejected = [e for e in rejected if e not in on_lane]
     for q, e in enumerate(rejected[:rows]):
         st["copy_src"][n + q] = st["host_addr"][e]
         st["copy_dst"][n + q] = base + q * rec
@@ -252,7 +252,7 @@ def cache_step_ref(state: dict[str, torch.Tensor], topk_ids: torch.Tensor, admit
     for e in on_lane:
         st["step_table"][e] = zero_addr
     st["n_copy"][0] = n + min(len(rejected), rows)
-    st["stats"] += torch.tensor([len(uniq), len(hits), len(all_misses), n], dtype=st["stats"].dtype)
+    st["stats"] += torch.tensor([len(uniq), len(hits), len(misses), n], dtype=st["stats"].dtype)
     return st
 
 

@@ -181,8 +181,8 @@ class DeviceCacheExperts:
         return cache.ptr_table
 
     def set_lane(self, experts: int) -> None:
-        """Fast mode on the device: every later cache step sends up to `experts` of its coldest
-        misses to the CPU lane (0: exact mode). At most the constructor's lane_cap."""
+        """Fast mode on the device: later `lane_forward` steps send up to `experts` of their
+        coldest misses to the CPU lane (0: none; other steps never do). At most lane_cap."""
         for cache in self.caches.values():
             if experts > cache.lane_cap:
                 raise ValueError(f"{experts} lane experts exceed the cache's lane_cap={cache.lane_cap}")
@@ -200,7 +200,7 @@ class DeviceCacheExperts:
         if topk_ids.numel() > self.max_picks or not cache.lane_max:
             return self.forward(layer, x, topk_ids, topk_weights)
         self.prefill.return_loan()  # a cache decision must never meet lent slots
-        cache.step(topk_ids, gather=False)  # decisions, lane choice included
+        cache.step(topk_ids, gather=False, lane=True)  # decisions, the lane's choice included
         self.steps += 1
         self.lane_calls += 1
         ids = topk_ids.reshape(-1).to(torch.int32)  # [T k]

@@ -18,13 +18,17 @@ fast mode here is not the same selection as the store path's `CpuLane.assign`.
 
 Failures: a compute_fn error zeroes that answer and marks the slot; a device wait that runs out
 of polls leaves `out` without the lane's part and marks the slot. Neither can stop a replayed
-graph, so `check()` (called before every step) raises on the next step with the reason.
+graph, so `check()` runs after each lane step's device work, before its tokens are read
+(ModelRunner.check_step): the step then fails with the reason instead of serving tokens that
+miss the lane's experts. Only CUDA-graph-safe work happens per layer; `workers` of the lane is
+not used here (one serving thread computes each layer's experts with the lane's threads).
 """
 
 from __future__ import annotations
 
 import torch
 
+from tiermoe.kernels.reference import MAILBOX_ERR
 from tiermoe.kernels.triton.mailbox import Mailbox, MailboxServer
 
 
@@ -64,13 +68,26 @@ class DeviceLane:
         return self.lane.compute(layer, x, topk_ids, topk_weights, {e: entries[e] for e in experts})
 
     def check(self) -> None:
-        """Raise if an earlier step's lane work failed or timed out (see the module doc)."""
-        if self.server.failure is not None:
-            raise RuntimeError(f"CPU lane failed: {self.server.failure}")
-        err = self.mailbox.errors()
-        if (err != 0).any():
-            bad = int(err[err != 0][0])
-            raise RuntimeError("CPU lane answer timed out on the device" if bad > 0 else "CPU lane failed")
+        """After a step's device work: raise if its lane work failed, timed out, or the serving
+        thread is gone (the step's tokens must then not be served; see the module doc). Waits
+        for the device, as reading the step's sampled tokens would. The marks are cleared, so
+        the next step is served normally."""
+        if self.mailbox.device.type == "cuda":
+            torch.cuda.current_stream(self.mailbox.device).synchronize()
+        if not self.server.alive:
+            raise RuntimeError("CPU lane stopped: its mailbox server thread is not running")
+        failure, err = self.server.failure, self.mailbox.errors()
+        if failure is None and not err.any():
+            return
+        self.server.failure = None
+        self.mailbox.ctrl[:, MAILBOX_ERR] = 0
+        if failure is not None:
+            raise RuntimeError(f"CPU lane failed: {failure}")
+        raise RuntimeError("CPU lane answer timed out on the device")
 
     def close(self) -> None:
-        self.server.stop()
+        """Let queued device waits be answered, then stop the serving thread (before the lane
+        and the store it reads from are closed)."""
+        if self.mailbox.device.type == "cuda":
+            torch.cuda.synchronize(self.mailbox.device)
+        self.server.stop(timeout=None)

@@ -87,6 +87,8 @@ class TieredExperts:
         self._decode = True
         self._fast_decode_tokens = 0  # decode tokens computed in fast mode (for lane experts/token)
         self.graph_replays = 0  # decode steps replayed from CUDA graphs (runner/decode_graph.py)
+        self._step_start: tuple = (0, False, 0, 0)  # (tokens, lane step, device cache steps, lane calls)
+        self._graph_counts: dict[tuple[int, bool], tuple[int, int]] = {}  # per recorded program
         self.mode = "exact"
         self.set_mode(mode)
 
@@ -198,8 +200,14 @@ class TieredExperts:
             self._fast_decode_tokens += tokens
         if self._lane_step:
             self.lane.prune(self.store)
-            if self.device_lane is not None:
-                self.device_lane.check()
+        if self.device_cache is not None:  # what this step counts, so a graph replay can count it again
+            self._step_start = (tokens, self._lane_step, self.device_cache.steps, self.device_cache.lane_calls)
+
+    def end_step(self) -> None:
+        """After the step's device work is queued (ModelRunner.check_step): a fast-mode step on the
+        device cache raises here if its CPU lane failed (DeviceLane.check), before its tokens are used."""
+        if self._lane_step and self.device_lane is not None:
+            self.device_lane.check()
 
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if self.device_cache is not None:
@@ -245,25 +253,26 @@ class TieredExperts:
         return self._lane_step
 
     def graph_recorded(self) -> None:
-        """A decode step was recorded (its kernels queued into graphs, not run): uncount its cache
-        steps (and lane hand-offs)."""
-        self._count_graph_step(-1)
+        """A decode step was recorded (its kernels queued into graphs, not run): uncount what the
+        recording counted (cache steps, lane hand-offs) and keep it for the replays."""
+        tokens, lane, steps, lane_calls = self._step_start
+        dc = self.device_cache
+        delta = (dc.steps - steps, dc.lane_calls - lane_calls)
+        self._graph_counts[(tokens, lane)] = delta
+        dc.steps -= delta[0]
+        dc.lane_calls -= delta[1]
 
     def graph_replayed(self) -> None:
-        """A captured decode step was replayed: count the cache steps (and lane hand-offs) it ran."""
+        """A captured decode step was replayed: count what its recording would have counted."""
         self.graph_replays += 1
-        self._count_graph_step(1)
-
-    def _count_graph_step(self, sign: int) -> None:
-        dc = self.device_cache
-        dc.steps += sign * len(dc.caches)
-        if self._lane_step and self.lane.max_experts > 0:  # lane_forward ran (DeviceCacheExperts)
-            dc.lane_calls += sign * len(dc.caches)
+        steps, lane_calls = self._graph_counts.get((self._step_start[0], self._step_start[1]), (0, 0))
+        self.device_cache.steps += steps
+        self.device_cache.lane_calls += lane_calls
 
     def _forward_device_cache(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                               topk_weights: torch.Tensor) -> torch.Tensor:
         """Every expert is in pinned host RAM (nothing to prefetch from disk); the slot cache is
-        decided on the device. Only a CPU-lane step reads anything back to the host."""
+        decided on the device, and fast mode's CPU lane answers through a mailbox: no host sync."""
         if not self._lane_step:
             return self.device_cache.forward(layer, x, topk_ids, topk_weights, decode=self._decode)
         return self.device_lane.forward(layer, x, topk_ids, topk_weights)
@@ -274,6 +283,10 @@ class TieredExperts:
             stats = self.device_cache.stats()
             c = self.device_cache.merge_store_counters(c, stats)
             c["device_cache"] = {**self.device_cache.counters(stats), "graph_replays": self.graph_replays}
+            if self.device_lane is not None:  # lane experts are read by the CPU where they sit, not over PCIe
+                per, tok = c.setdefault("per_decode_token", {}), max(1, int(c.get("decode_tokens") or 0))
+                moved = per.get("bytes_moved", 0.0) - self.lane.c.experts * self.store.record_bytes / tok
+                per["bytes_moved"] = max(0.0, moved)
         c["mode"] = self.mode
         c["expert_kernel"] = "torch" if self.kernel is None else "triton"
         if self.kernel is not None:

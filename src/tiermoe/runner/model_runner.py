@@ -196,6 +196,13 @@ class ModelRunner:
             return batch, self.model(batch, self.kv_caches, keep_states=[i in drafts for i in range(len(items))])
         return self._forward_chunks(chunks, decode, all_logits)
 
+    def check_step(self) -> None:
+        """After execute() queued a step's device work: let the expert backend raise for work of
+        this step that failed off the stream (fast mode's CPU lane), before its tokens are used."""
+        backend = getattr(self.model, "expert_backend", None)
+        if hasattr(backend, "end_step"):
+            backend.end_step()
+
     def _begin_step(self, batch: ForwardBatch, decode: bool) -> None:
         backend = getattr(self.model, "expert_backend", None)
         if hasattr(backend, "begin_step"):

@@ -16,9 +16,10 @@ reads the router's picks on the device and:
      admitted ones at their new slot; fills the (src, dst) copy list;
   6. stages the misses it did not admit into shared scratch rows for this step only (when a
      scratch area is configured) and writes `step_table` = ptr_table with those rows;
-  fast mode (lane_max > 0): before 4., the lane_max coldest misses (lowest decayed frequency)
-     go to the CPU lane instead: listed in lane_ids, never admitted or staged, and their
-     step_table rows point at an all-zero record (they add exactly 0 on the device);
+  fast mode (`cache_step(..., lane=True)` with lane_max > 0): of the misses step 4 did not
+     admit, the lane_max coldest (lowest decayed frequency) go to the CPU lane instead of 6.:
+     listed in lane_ids, not staged, their step_table rows at an all-zero record (they add
+     exactly 0 on the device). Admissions are those of exact mode: the cache adapts alike;
 
 then `_gather_kernel` copies the admitted (and staged) records host -> GPU (the loads cross PCIe, the
 stores stay in HBM), sized by the device-side count, so no host round trip happens anywhere.
@@ -64,7 +65,7 @@ def _cache_step_kernel(
     ids_ptr, P, ptr_table_ptr, host_addr_ptr, slot_addr_ptr, slot_expert_ptr, expert_slot_ptr,
     ref_ptr, clock_ptr, emark_ptr, victims_ptr, copy_src_ptr, copy_dst_ptr, n_copy_ptr, stats_ptr, freq_ptr,
     step_table_ptr, smark_ptr, saddr_ptr, scratch_base, SCRATCH, R,
-    S, E, E_TOTAL, ADMIT_MAX, lane_ids_ptr, lmark_ptr, LANE_MAX, zero_addr,
+    S, E, E_TOTAL, ADMIT_MAX, lane_ids_ptr, lmark_ptr, LANE_MAX, LANE_CAP, zero_addr,
     FILTER: tl.constexpr, SHIFT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, LANE: tl.constexpr, BLOCK_L: tl.constexpr,
 ):  # fmt: skip
@@ -91,19 +92,7 @@ def _cache_step_kernel(
     f = tl.load(freq_ptr + offs_e, mask=ok_e, other=0)
     picked = tl.load(emark_ptr + offs_e, mask=ok_e, other=0, cache_modifier=".cg") == stamp
     tl.store(freq_ptr + offs_e, f - (f >> SHIFT) + tl.where(picked, 1024, 0), mask=ok_e)
-    if LANE:  # ---- CPU lane (fast mode): the LANE_MAX coldest misses, ties in first-pick order
-        tl.debug_barrier()
-        fl = tl.load(freq_ptr + ids, mask=miss, other=0, cache_modifier=".cg")
-        colder = miss[None, :] & ((fl[None, :] < fl[:, None]) | ((fl[None, :] == fl[:, None]) & earlier))
-        lane = miss & (tl.sum(colder.to(tl.int32), axis=1) < LANE_MAX)
-        offs_l = tl.arange(0, BLOCK_L)
-        tl.store(lane_ids_ptr + offs_l, -1, mask=offs_l < LANE_MAX)
-        tl.debug_barrier()
-        tl.store(lane_ids_ptr + tl.sum((lane[None, :] & earlier).to(tl.int32), axis=1), ids, mask=lane)
-        tl.store(lmark_ptr + ids, stamp, mask=lane)
-        miss = miss & (lane == 0)  # the lane's experts are neither admitted nor staged
-    miss_rank = tl.sum((miss[None, :] & earlier).to(tl.int32), axis=1)  # (non-lane) misses before me
-    n_adm_cand = tl.sum(miss.to(tl.int32), axis=0)
+    miss_rank = tl.sum((miss[None, :] & earlier).to(tl.int32), axis=1)  # misses before me
     # ---- slots: in use this step (hit), CLOCK sweep
     offs_s = tl.arange(0, BLOCK_S)
     ok_s = offs_s < S
@@ -115,7 +104,7 @@ def _cache_step_kernel(
     cand2 = ok_s & (inuse == 0) & (refv != 0)
     n1 = tl.sum(cand1.to(tl.int32), axis=0)
     n_free = tl.sum((ok_s & (inuse == 0)).to(tl.int32), axis=0)
-    a = tl.minimum(tl.minimum(n_adm_cand, n_free), ADMIT_MAX)
+    a = tl.minimum(tl.minimum(n_miss, n_free), ADMIT_MAX)
     s_safe = tl.maximum(S, 1)
     rot = (offs_s - hand + s_safe) % s_safe  # sweep position of each slot
     # rank in sweep order = exclusive prefix count, rotated to start at the hand
@@ -166,6 +155,16 @@ def _cache_step_kernel(
     # misses not admitted: staged for this step only in the scratch rows (the gather kernel
     # reads host memory faster than the MoE kernel's in-place reads), else read in place
     rej = miss & (adm == 0)
+    if LANE:  # ---- CPU lane (fast mode): the LANE_MAX coldest misses not admitted, ties in first-pick order
+        fl = tl.load(freq_ptr + ids, mask=rej, other=0, cache_modifier=".cg")
+        colder = rej[None, :] & ((fl[None, :] < fl[:, None]) | ((fl[None, :] == fl[:, None]) & earlier))
+        lane = rej & (tl.sum(colder.to(tl.int32), axis=1) < LANE_MAX)
+        offs_l = tl.arange(0, BLOCK_L)
+        tl.store(lane_ids_ptr + offs_l, -1, mask=offs_l < LANE_CAP)
+        tl.debug_barrier()
+        tl.store(lane_ids_ptr + tl.sum((lane[None, :] & earlier).to(tl.int32), axis=1), ids, mask=lane)
+        tl.store(lmark_ptr + ids, stamp, mask=lane)
+        rej = rej & (lane == 0)  # the lane's experts are not staged either: no PCIe bytes for them
     q = tl.sum((rej[None, :] & earlier).to(tl.int32), axis=1)
     stg = rej & (q < SCRATCH)
     n_stg = tl.sum(stg.to(tl.int32), axis=0)
@@ -271,9 +270,9 @@ class ExpertCache:
         self.saddr = torch.zeros(e, **i64)
         self.scratch_base, self.scratch_slots = int(scratch_base), int(scratch_slots)
         self.max_picks = max_picks
-        # fast mode: up to lane_cap misses a step go to the CPU lane (lane_max of them; 0 = off)
+        # fast mode: steps run with lane=True send up to lane_max (<= lane_cap) misses to the CPU lane
         self.lane_cap = max(0, int(lane_max))
-        self.lane_max = self.lane_cap
+        self.lane_max = 0  # the owner turns it on (DeviceCacheExperts.set_lane) with a zero record
         self.lane_ids = torch.full((max(1, self.lane_cap),), -1, **i32)
         self.lmark = torch.zeros(e, **i32)
         self.zero_addr = 0  # the all-zero record lane rows point at (set by the owner with lane_max)
@@ -350,9 +349,10 @@ class ExpertCache:
         pt[idx] = addrs.to(pt.dtype)
         self.ptr_table[:e_n].copy_(pt[:e_n])
 
-    def step(self, topk_ids: torch.Tensor, *, gather: bool = True) -> None:
-        """One decode step: cache decisions for the routed picks topk_ids [T, K], then gather."""
-        cache_step(self, topk_ids)
+    def step(self, topk_ids: torch.Tensor, *, gather: bool = True, lane: bool = False) -> None:
+        """One decode step: cache decisions for the routed picks topk_ids [T, K], then gather;
+        lane: this step hands up to lane_max misses to the CPU lane (fast mode)."""
+        cache_step(self, topk_ids, lane=lane)
         if gather:
             self.gather()
 
@@ -363,11 +363,15 @@ class ExpertCache:
                            programs=self.gather_programs, num_warps=self.gather_warps)  # fmt: skip
 
 
-def cache_step(cache: ExpertCache, topk_ids: torch.Tensor) -> None:
-    """Launch the cache-decision kernel for one layer (no gather). Graph-capturable."""
+def cache_step(cache: ExpertCache, topk_ids: torch.Tensor, *, lane: bool = False) -> None:
+    """Launch the cache-decision kernel for one layer (no gather). Graph-capturable. lane: also
+    choose the CPU lane's experts (fast mode; lane_ids, lmark, zero-record rows)."""
     p = topk_ids.numel()
     if p > cache.max_picks:
         raise ValueError(f"{p} picks exceed the cache's max_picks={cache.max_picks}")
+    if not 0 <= cache.lane_max <= cache.lane_cap:
+        raise ValueError(f"lane_max={cache.lane_max} outside 0..lane_cap={cache.lane_cap}")
+    lane = lane and cache.lane_max > 0
     ids = topk_ids.reshape(-1).to(torch.int32)
     bp = max(16, triton.next_power_of_2(p))
     bs = max(16, triton.next_power_of_2(max(cache.num_slots, 1)))
@@ -376,8 +380,8 @@ def cache_step(cache: ExpertCache, topk_ids: torch.Tensor) -> None:
         cache.ref, cache.clock, cache.emark, cache.victims, cache.copy_src, cache.copy_dst, cache.n_copy,
         cache.stats, cache.freq, cache.step_table, cache.smark, cache.saddr, cache.scratch_base, cache.scratch_slots,
         cache.record_bytes, cache.num_slots, cache.num_experts, cache.ptr_table.numel(), cache.admit_max,
-        cache.lane_ids, cache.lmark, cache.lane_max, cache.zero_addr,
-        FILTER=cache.admission_filter, SHIFT=cache.decay_shift, BLOCK_P=bp, BLOCK_S=bs, LANE=cache.lane_max > 0,
+        cache.lane_ids, cache.lmark, cache.lane_max, cache.lane_cap, cache.zero_addr,
+        FILTER=cache.admission_filter, SHIFT=cache.decay_shift, BLOCK_P=bp, BLOCK_S=bs, LANE=lane,
         BLOCK_L=max(16, triton.next_power_of_2(cache.lane_cap)),
         BLOCK_E=max(16, triton.next_power_of_2(cache.num_experts)),
         BLOCK_T=max(16, triton.next_power_of_2(cache.ptr_table.numel())), num_warps=4 if bp * bp <= 8192 else 8,

@@ -271,11 +271,19 @@ class MailboxServer:
             self._thread.start()
         return self
 
-    def stop(self, timeout: float = 5.0) -> None:
+    @property
+    def alive(self) -> bool:
+        """The serving thread is running (started and not ended)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        """Stop polling and join the thread (None: however long its current answer takes); a
+        thread still busy after `timeout` is kept, so `alive` stays true."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
-            self._thread = None
+            if not self._thread.is_alive():
+                self._thread = None
 
     def __enter__(self) -> "MailboxServer":
         return self.start()
