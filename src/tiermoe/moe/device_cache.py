@@ -35,8 +35,9 @@ TritonExperts and across budgets (tests/moe/test_device_cache.py, exact mode).
 
 Fast mode (`lane_forward`, no host sync either, so it is captured in decode graphs too):
 
-    per MoE layer, decode step:  cache_step(topk_ids) also picks the lane's experts (the
-                                 coldest misses; never admitted or staged: no PCIe bytes)
+    per MoE layer, decode step:  cache_step(topk_ids, lane=True) also picks the lane's experts
+                                 (the coldest misses it does not admit; not staged: no PCIe
+                                 bytes; admissions as in exact mode)
                                  -> mailbox.post(x, lane ids + routing)   the host lane starts
                                  -> gather(admitted + staged) -> fused_moe(lane rows at an
                                     all-zero record, their weights 0)      the GPU meanwhile

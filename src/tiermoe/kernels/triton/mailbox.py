@@ -34,7 +34,9 @@ the same code uses an atomic exchange and volatile loads.
 
 Protocol rules: one request in flight per slot (wait_add before the next post to that slot),
 and wait_add's `out` has as many rows as the posted x. After a timeout the slot's reply may
-still arrive later; call `reset()` before reusing a mailbox that reported an error.
+still arrive later (it answers that sequence number, so the next post waits for its own);
+clearing the ERR marks is enough to go on. `reset()` zeroes every counter: only with no
+request in flight and no MailboxServer running (the server keeps its own count of answers).
 """
 
 from __future__ import annotations
