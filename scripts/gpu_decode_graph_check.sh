@@ -16,7 +16,7 @@
 #   5. the same profile with misses read in place instead of staged (TIERMOE_DEVICE_CACHE_STAGE=0)
 # Environment: STORE ($HOME/sbs-graph-model), MAX_TOKENS (256),
 # VARIANTS ("default: sdpa:--decode-attention,sdpa": space-separated NAME:FLAGS, flags joined by
-#   commas, e.g. "borrow:--prefill-borrow-slots ahead:--prefill-staging-gb,1.75"),
+#   commas, e.g. "noborrow:--no-prefill-borrow-slots ahead:--prefill-staging-gb,1.75 fast:--mode,fast"),
 # SPY (1: after the measured sweep, a C1 sweep recorded by py-spy, summarised per thread by
 #   scripts/pyspy_summary.py; carry .peer/tools, which holds the py-spy wheel),
 # PYTHON (python3), THREAD_CHECK (1: run engine_thread_check after each sweep), USE_TUNED (1: a

@@ -66,12 +66,17 @@ def rows_of(sweep: dict | None) -> dict:
     return out
 
 
-def floor_args(meta: dict, env: dict, layers: int, gpu_share: float) -> list[str]:
-    """`tiermoe bench floor` arguments: `gpu_share` of the expert reads from HBM, the rest from
-    host RAM, split at best between PCIe and the CPU (both share host bandwidth), plus the dense
-    weights (attention, norms, embeddings) read from HBM once per token."""
+def floor_args(meta: dict, env: dict, layers: int, gpu_share: float, rest: str) -> list[str]:
+    """`tiermoe bench floor` arguments: `gpu_share` of the expert reads from HBM, the rest by
+    `rest`: "ram" (read over PCIe: tiermoe exact), "cpu" (computed by the CPU where they sit:
+    llama.cpp's CPU layers) or "host" (split at best between the two, both sharing host
+    bandwidth: tiermoe fast, whose CPU lane may take some); plus the dense weights (attention,
+    norms, embeddings) read from HBM once per token."""
+    tier = "cpu" if rest == "cpu" else "ram"
     args = ["--bytes-per-expert", str(meta["sizes"]["store_bytes_per_expert"]), "--top-k", str(meta["spec"]["top_k"]),
-            "--moe-layers", str(layers), "--fractions", f"gpu={gpu_share:.6f},ram={1 - gpu_share:.6f}", "--balance-host"]
+            "--moe-layers", str(layers), "--fractions", f"gpu={gpu_share:.6f},{tier}={1 - gpu_share:.6f}"]
+    if rest == "host":
+        args.append("--balance-host")
     for flag, key in (("--hbm-gbs", "hbm_gbs"), ("--pcie-gbs", "pcie_gbs"), ("--cpu-gbs", "host_read_gbs"),
                       ("--host-gbs", "host_read_gbs")):
         if env.get(key):
@@ -92,18 +97,22 @@ def slot_hit_share(after: dict | None, before: dict | None) -> float | None:
 
 def floors(res: Path, meta: dict, env: dict, labels: list[str], layers: int, n_cpu_moe: int) -> dict:
     """{engine label: `tiermoe bench floor` result} for the work each engine did: llama.cpp's
-    fixed split ((L - N) / L of the experts in HBM), tiermoe's slot hit share measured over its
-    sweep (the static split when its counters are missing). Written to results/floor-LABEL.json."""
+    fixed split ((L - N) / L of the experts in HBM, the rest computed by the CPU), tiermoe's slot
+    hit share measured over its sweep's decode steps (C1 and C4 together; the static split,
+    marked "static", when its counters are missing), the rest over PCIe (exact) or split with
+    the CPU lane (fast). Written to results/floor-LABEL.json."""
     out = {}
     for label in labels:
-        share = (layers - n_cpu_moe) / layers
+        share, how, rest = (layers - n_cpu_moe) / layers, "static", "cpu"
         if label.startswith("tiermoe"):
+            rest = "host" if label.split("@")[0].endswith("fast") else "ram"
             measured = slot_hit_share(_load(res / f"stats-{label}.json"), _load(res / f"stats-before-{label}.json"))
-            share = measured if measured is not None else share
+            share, how = (measured, "measured") if measured is not None else (share, "static")
         path = res / f"floor-{label}.json"
-        cmd = [sys.executable, "-m", "tiermoe.cli", "bench", "floor", *floor_args(meta, env, layers, share), "--out", str(path)]
+        cmd = [sys.executable, "-m", "tiermoe.cli", "bench", "floor", *floor_args(meta, env, layers, share, rest),
+               "--out", str(path)]  # fmt: skip
         if subprocess.run(cmd, capture_output=True, text=True).returncode == 0 and _load(path):
-            out[label] = {**_load(path), "gpu_share": share}
+            out[label] = {**_load(path), "gpu_share": share, "share_source": how}
     return out
 
 
@@ -130,8 +139,9 @@ def comparison(sweeps: dict, floor_of: dict) -> list[str]:
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
     if floor_of and "C1 per-stream" in keys:  # each engine against the floor of its own expert placement
         pad = " | |" if len(head) > len(labels) + 1 else " |"
-        share = [_f(100 * floor_of[lab]["gpu_share"], 1) + " %" if lab in floor_of else "-" for lab in labels]
-        lines.append("| expert reads from HBM (C1 floor's split) | " + " | ".join(share) + pad)
+        share = [_f(100 * floor_of[lab]["gpu_share"], 1) + " %" + (" (static)" if floor_of[lab].get("share_source")
+                 == "static" and lab.startswith("tiermoe") else "") if lab in floor_of else "-" for lab in labels]
+        lines.append("| expert reads from HBM (the floor's split) | " + " | ".join(share) + pad)
         cells = []
         for lab in labels:
             v, fl = rows[lab].get("C1 per-stream"), floor_of.get(lab)

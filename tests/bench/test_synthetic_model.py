@@ -174,7 +174,7 @@ def test_report_comparison_rows():
     assert "| prefill 4096 | 900.0 | 1,000.0 | 0.90x |" in table
     assert "| C1 per-stream | 30.0 | 20.0 | 1.50x |" in table
     # each engine against the floor of its own expert placement
-    assert "| expert reads from HBM (C1 floor's split) | 95.0 % | 33.3 % | |" in table
+    assert "| expert reads from HBM (the floor's split) | 95.0 % | 33.3 % | |" in table
     assert "| C1 per-stream / floor (tok/s) | 25 % of 120.0 | 50 % of 40.0 | |" in table
     share = rep.slot_hit_share({"engine": {"experts": {"slots": {"hits": 130, "misses": 10}}}},
                                {"engine": {"experts": {"slots": {"hits": 30, "misses": 5}}}})

@@ -105,3 +105,17 @@ def test_glm5_next_bf16_cut_prompts_keep_tokens(tiny_dir):
                               options={"max_num_batched_tokens": 100})
     assert tight.scheduler.chunk_multiple == 64
     assert generate_ids(tight, prompts, params) == alone
+
+
+def test_device_wait_hook_runs_once_a_step_after_the_forward(tiny_dir):
+    """LLMEngine calls device_wait_hook once per step that ran a forward, after the forward was
+    queued (its KV rows are written) and before the step's tokens are appended; AsyncEngine
+    hands the previous step's outputs to the event loop there."""
+    engine = _engine(tiny_dir("glm4_moe"))
+    seen = []
+    engine.device_wait_hook = lambda: seen.append((engine.counters["steps"], engine.counters["generation_tokens"]))
+    out = generate_ids(engine, _prompts(engine.vocab_size)[:2], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert [len(t) for t in out] == [5, 5]
+    steps = engine.counters["steps"]
+    assert [s for s, _ in seen] == list(range(1, steps + 1))  # once a step, inside it
+    assert [g for _, g in seen] == [2 * min(i, 5) for i in range(steps)]  # before that step's tokens

@@ -153,6 +153,8 @@ def test_selection_rules(stores, monkeypatch):
     assert triton_unsupported(store_layout, torch.bfloat16, DEVICE) is None
     gemv["down"]["BN"] = 48  # divides neither projection's rows
     assert "gemv down" in triton_unsupported(store_layout, torch.bfloat16, DEVICE)
+    del gemv["down"]  # a hand-edited entry without a stage: a reason, not a crash at start-up
+    assert "malformed launch configuration" in triton_unsupported(store_layout, torch.bfloat16, DEVICE)
     monkeypatch.undo()
 
     class Layout:  # an fp16 store's layout: the kernel has no fp16 records

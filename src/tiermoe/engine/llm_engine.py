@@ -62,8 +62,9 @@ class LLMEngine:
         self._live: dict[str, Request] = {}
         self.counters = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                          "decode_steps": 0, "errors": 0, "aborted": 0, "step_seconds": 0.0}
-        # called once a step's device work is queued, before its tokens are read back (a wait):
-        # AsyncEngine hands the previous step's outputs to the event loop there
+        # called once a step's forward is queued on the device, before anything waits for it
+        # (ModelRunner.execute's on_queued): AsyncEngine hands the previous step's outputs to
+        # the event loop there
         self.device_wait_hook: Callable[[], None] | None = None
 
     # -- EngineCore API -------------------------------------------------------------------
@@ -130,9 +131,9 @@ class LLMEngine:
         if all(req.num_tokens - req.num_computed == 1 for req, _ in batch.items):
             self.counters["decode_steps"] += 1
         try:
-            done, result, verified = self.runner.execute(batch.items, tuple(self.eos_token_ids))
-            if self.device_wait_hook is not None:  # the step's device work is queued; reading its tokens waits
-                self.device_wait_hook()
+            # device_wait_hook runs once the forward is queued, before execute waits for it
+            done, result, verified = self.runner.execute(batch.items, tuple(self.eos_token_ids),
+                                                         on_queued=self.device_wait_hook)
             self.runner.check_step()
         except Exception as exc:  # fail this step's requests, keep serving the others
             log.exception("forward pass failed")

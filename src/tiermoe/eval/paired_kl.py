@@ -41,9 +41,10 @@ def _paired_kl(args) -> int:
 
     if args.tokens < 1:
         raise UserError("--tokens must be at least 1")
-    keys = ("gpu_expert_gb", "host_expert_gb", "expert_policy", "expert_stats", "no_direct_io",
-            "cpu_lane_experts", "cpu_lane_threads", "cpu_lane_cache_gb")
-    options = {k: getattr(args, k) for k in keys}
+    keys = ("gpu_expert_gb", "host_expert_gb", "expert_policy", "expert_stats", "no_direct_io", "expert_kernel",
+            "device_cache", "prefill_staging_gb", "prefill_borrow_slots", "cpu_lane_experts", "cpu_lane_threads",
+            "cpu_lane_cache_gb")  # every store flag add_store_args gives this command
+    options = {k: getattr(args, k, None) for k in keys}
     result = run_paired_kl(args.model, device=resolve_device(args.device), dtype=args.dtype, tokens=args.tokens,
                            texts=args.prompts, options=options)
     lane = result["cpu_lane"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Callable
 
 import torch
 
@@ -225,14 +226,19 @@ class ModelRunner:
         batch, hidden = self._run(items, all_logits)
         return self.model.logits(hidden[batch.logits_index])
 
-    def execute(self, items: list[tuple[Request, int]], eos_ids: tuple[int, ...]
+    def execute(self, items: list[tuple[Request, int]], eos_ids: tuple[int, ...],
+                on_queued: Callable[[], None] | None = None,
                 ) -> tuple[list[Request], SampleResult | None, dict[str, list[int]]]:
         """Forward + sample for the requests whose every known token is computed after this step.
 
         Returns (those requests, their sampled tokens, {request id: tokens} of the requests
-        that verified drafts this step: those are not in the first two)."""
+        that verified drafts this step: those are not in the first two). on_queued: called
+        once the forward is queued on the device, before anything below waits for it (index
+        and mask uploads, prompt logprobs, draft verification, reading the tokens)."""
         drafts = self.spec.prepare(items) if self.spec is not None else {}
         batch, hidden = self._run(items, drafts=drafts)
+        if on_queued is not None:
+            on_queued()
         if self.prompt_logprobs:
             self._collect_prompt_logprobs(items, batch, hidden)
         emitted = self.spec.verify(items, batch.seqs, hidden, drafts) if self.spec is not None else {}

@@ -345,7 +345,15 @@ def _min_block_k(layout: ExpertLayout) -> int:
 
 
 def _check_config(layout: ExpertLayout, cfg: dict, tokens: int) -> None:
-    """Raise ValueError for a launch configuration the kernels cannot run (block and gemv stages)."""
+    """Raise ValueError for a launch configuration the kernels cannot run (block and gemv stages),
+    a malformed one (a hand-edited configs.json: missing stage or field) included."""
+    try:
+        _check_config_fields(layout, cfg)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"malformed launch configuration (missing or bad {exc}): {cfg}") from None
+
+
+def _check_config_fields(layout: ExpertLayout, cfg: dict) -> None:
     for stage, (n, kd) in (("gate_up", (layout.inter, layout.hidden)), ("down", (layout.hidden, layout.inter))):
         c = cfg[stage]
         if n % c["BN"] or kd % c["BK"]:
