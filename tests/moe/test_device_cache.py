@@ -273,6 +273,7 @@ def test_lane_forward_adds_the_lanes_part_through_the_mailbox(stores):
         ref_lane = CpuLane(st.layout, max_experts=2, max_tokens=3, threads=1, act_dtype=torch.bfloat16)
         dev_lane = DeviceLane(dc, lane, max_tokens=3)
         try:
+            dev_lane.begin()  # the server polls (a step that may post has started)
             dc.set_lane(1)
             sent, n_sent = set(), 0
             for step in range(8):
@@ -297,6 +298,10 @@ def test_lane_forward_adds_the_lanes_part_through_the_mailbox(stores):
                 assert torch.equal(dc.forward(1, x3, ids3, w3), ref.forward(1, x3, ids3, w3))
             assert sent and dc.lane_calls == 8 and lane.c.experts == n_sent  # every lane expert, served once
             dev_lane.check()  # nothing failed, nothing timed out
+            assert not dev_lane.active.is_set() and dev_lane.server.alive  # parked between lane steps
+            x, ids, w = moe_batch(1, seed=7)
+            out = dev_lane.forward(1, x, ids, w)  # a post while parked is still answered (within 50 ms)
+            assert out.shape == x.shape and dev_lane.server.served == dc.lane_calls == 9  # one post a lane step
             dc.set_lane(0)  # exact mode again: the plain path, no lane picks
             x, ids, w = moe_batch(2, seed=99)
             assert torch.equal(dev_lane.forward(1, x, ids, w), ref.forward(1, x, ids, w))

@@ -26,6 +26,8 @@ not used here (one serving thread computes each layer's experts with the lane's 
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from tiermoe.kernels.reference import MAILBOX_ERR
@@ -49,7 +51,12 @@ class DeviceLane:
         words = self.lane_cap + 2 * int(max_tokens) * self.top_k  # lane ids | topk ids | weights (fp32 bits)
         self.mailbox = Mailbox(max(1, len(self.layers)), self.hidden, int(max_tokens), device_cache.scratch.device,
                                meta_words=words)  # fmt: skip
-        self.server = MailboxServer(self.mailbox, self._compute, threads=lane.threads).start()
+        self.active = threading.Event()  # set from a lane step's start to its check: the server polls only then
+        self.server = MailboxServer(self.mailbox, self._compute, threads=lane.threads, active=self.active).start()
+
+    def begin(self) -> None:
+        """A step that may hand work to the lane starts: the server polls until `check`."""
+        self.active.set()
 
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]: one fast-mode decode layer (DeviceCacheExperts.lane_forward)."""
@@ -74,6 +81,7 @@ class DeviceLane:
         the next step is served normally."""
         if self.mailbox.device.type == "cuda":
             torch.cuda.current_stream(self.mailbox.device).synchronize()
+        self.active.clear()  # every post of the step is answered: the server may sleep
         if not self.server.alive:
             raise RuntimeError("CPU lane stopped: its mailbox server thread is not running")
         failure, err = self.server.failure, self.mailbox.errors()
@@ -90,4 +98,5 @@ class DeviceLane:
         and the store it reads from are closed)."""
         if self.mailbox.device.type == "cuda":
             torch.cuda.synchronize(self.mailbox.device)
+        self.active.clear()
         self.server.stop(timeout=None)

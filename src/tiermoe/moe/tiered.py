@@ -200,6 +200,8 @@ class TieredExperts:
             self._fast_decode_tokens += tokens
         if self._lane_step:
             self.lane.prune(self.store)
+            if self.device_lane is not None:
+                self.device_lane.begin()
         if self.device_cache is not None:  # what this step counts, so a graph replay can count it again
             self._step_start = (tokens, self._lane_step, self.device_cache.steps, self.device_cache.lane_calls)
 

@@ -250,16 +250,22 @@ class MailboxServer:
 
     compute_fn(slot, x) gets x bf16 [T, H] (a view of the pinned request rows, valid until it
     returns) and returns fp32 [T, H]; with a mailbox of meta_words > 0 it is called as
-    compute_fn(slot, x, meta), meta the slot's int32 [meta_words] side data (a view, same life). threads: torch intra-op threads for this thread's work
-    (0 = leave as is). spin_s: busy polling after the last request before backing off to short
-    sleeps (latency when requests come back to back; sleeps of up to max_sleep_s when idle).
+    compute_fn(slot, x, meta), meta the slot's int32 [meta_words] side data (a view, same
+    life). threads: torch intra-op threads for this thread's work (0 = leave as is). spin_s:
+    busy polling after the last request before backing off to short sleeps (latency when
+    requests come back to back; sleeps of up to max_sleep_s when idle). active: an Event the
+    owner sets while posts may come (e.g. during a step that hands work over) and clears when
+    none can; while it is clear the thread sleeps on it instead of polling, so it neither wakes
+    thousands of times a second nor takes the GIL from other threads between such steps.
     If compute_fn raises, the slot's result is zeroed, ERR = -seq, done is still published (the
     device must not stall) and the exception is kept in `failure`.
     """
 
     def __init__(self, mailbox: Mailbox, compute_fn: Callable[[int, torch.Tensor], torch.Tensor], threads: int = 0,
-                 *, spin_s: float = 2e-3, max_sleep_s: float = 5e-4) -> None:  # fmt: skip
+                 *, spin_s: float = 2e-3, max_sleep_s: float = 5e-4,
+                 active: threading.Event | None = None) -> None:  # fmt: skip
         self.mb, self.compute_fn, self.threads = mailbox, compute_fn, int(threads)
+        self.active = active
         self.spin_s, self.max_sleep_s = float(spin_s), float(max_sleep_s)
         self.served = 0
         self.failure: BaseException | None = None
@@ -326,6 +332,9 @@ class MailboxServer:
             now = time.perf_counter()
             if len(todo):
                 last, sleep = now, 1e-5
+            elif self.active is not None and not self.active.is_set():
+                self.active.wait(0.05)  # parked until posts may come (`stop` is seen within 50 ms)
+                last, sleep = time.perf_counter(), 1e-5
             elif now - last <= self.spin_s:
                 polls += 1
                 if polls % 256 == 0:  # hand the GIL over now and then (a syscall: 50 us in a sandboxed kernel)
