@@ -255,7 +255,13 @@ class ModelRunner:
                                                        [reqs[i].output_ids for i in constrained], logits.device)
             for j, i in enumerate(constrained):
                 rows[i].allowed = masks[j]
-        idx = torch.tensor(done, dtype=torch.long, device=logits.device)
+        if len(done) == logits.shape[0]:  # every row (a decode step): no index to upload
+            return reqs, sample(logits, rows, self.default_generator), emitted
+        # a pageable host->device copy would wait for the whole forward here, before the sampler
+        # is even queued (py-spy on the H200: 40 % of the engine thread's time, docs/results.md
+        # section 17); a pinned one is queued like the rest
+        cuda = logits.device.type == "cuda"
+        idx = torch.tensor(done, dtype=torch.long, pin_memory=cuda).to(logits.device, non_blocking=cuda)
         return reqs, sample(logits.index_select(0, idx), rows, self.default_generator), emitted
 
     def _collect_prompt_logprobs(self, items, batch, hidden: torch.Tensor) -> None:
