@@ -225,3 +225,20 @@ def test_outputs_reach_the_loop_while_the_next_step_waits_on_the_device(tokenize
     assert asyncio.run(main()) == 8
     assert len(waits) >= 6 and all(waits), waits  # delivered at the hook
     assert not any(before), before  # not before it
+
+
+def test_cpu_cores_deliver_each_step_at_once(tokenizer):
+    """A core whose forward is not asynchronous (LLMEngine on a CPU: queues_device_work False)
+    gets no hook: holding its outputs would only delay every token by a step."""
+
+    async def main():
+        core = _core(tokenizer)
+        core.queues_device_work = False
+        engine = AsyncEngine(core)
+        engine.start()
+        outs = await _collect(engine, "a", _ids(tokenizer, "hello"))
+        await engine.shutdown()
+        return core, engine, outs
+
+    core, engine, outs = asyncio.run(main())
+    assert core.device_wait_hook is None and not engine._hold and outs[-1].finished

@@ -7,9 +7,10 @@ ONE `loop.call_soon_threadsafe` call, which fans them out to per-request asyncio
 consumer that falls behind gets several step outputs merged into one, so a slow client costs
 the loop nothing extra.
 
-When: a step's outputs are held until the next step has queued its device work and is about
-to wait for it (the core calls `device_wait_hook`, LLMEngine.step), or until the thread has
-nothing else to do. The loop's per-token work (detokenizing, JSON, socket writes) then runs
+When (cores whose forward runs asynchronously, `queues_device_work`: LLMEngine on CUDA): a
+step's outputs are held until the next step has queued its device work and is about to wait
+for it (the core calls `device_wait_hook`, LLMEngine.step), or until the thread has nothing
+else to do; other cores' outputs go out as soon as their step returns. The loop's per-token work (detokenizing, JSON, socket writes) then runs
 while the GPU computes, instead of taking the GIL from the engine thread in the middle of
 building and launching the next step (every torch call releases the GIL, and the loop keeps it
 until its callbacks are done): the next step's launch is not delayed by the server
@@ -194,7 +195,9 @@ class AsyncEngine:
         self._stopped = threading.Event()
         self._last_stats: dict = {}
         self._held: list[RequestOutput] = []  # the last step's outputs, not yet handed to the loop
-        if hasattr(core, "device_wait_hook"):
+        # hold outputs for the hook only where the core's forward runs asynchronously (CUDA)
+        self._hold = hasattr(core, "device_wait_hook") and bool(getattr(core, "queues_device_work", False))
+        if self._hold:
             core.device_wait_hook = self._release_held
         self.steps = 0
         self.step_errors = 0
@@ -448,4 +451,7 @@ class AsyncEngine:
             if out.finished:
                 live.discard(out.request_id)
             kept.append(out)
-        self._held = kept
+        if self._hold:
+            self._held = kept
+        else:
+            self._post(self._deliver, kept)

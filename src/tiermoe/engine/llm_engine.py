@@ -64,8 +64,10 @@ class LLMEngine:
                          "decode_steps": 0, "errors": 0, "aborted": 0, "step_seconds": 0.0}
         # called once a step's forward is queued on the device, before anything waits for it
         # (ModelRunner.execute's on_queued): AsyncEngine hands the previous step's outputs to
-        # the event loop there
+        # the event loop there. Only where the forward runs asynchronously (CUDA): on a CPU
+        # "queued" means computed, and holding the outputs would delay every token by a step.
         self.device_wait_hook: Callable[[], None] | None = None
+        self.queues_device_work = str(self.runner.device).startswith("cuda")
 
     # -- EngineCore API -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -169,6 +169,7 @@ class ScriptedEngineCore:
         self.tool_format = tool_format
         self.model_info = {"arch": "scripted", "name": name, "tool_format": tool_format}
         self.device_wait_hook = None  # as LLMEngine: called where a real step would wait for the GPU
+        self.queues_device_work = True
         vocab = tokenizer.get_vocab()
         self.eos_token_ids = [vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab]
         self._vocab_size = len(tokenizer)
