@@ -8,12 +8,12 @@ consumer that falls behind gets several step outputs merged into one, so a slow 
 the loop nothing extra.
 
 When (cores whose forward runs asynchronously, `queues_device_work`: LLMEngine on CUDA): a
-step's outputs are held until the next step has queued its device work and is about to wait
-for it (the core calls `device_wait_hook`, LLMEngine.step), or until the thread has nothing
-else to do; other cores' outputs go out as soon as their step returns. The loop's per-token work (detokenizing, JSON, socket writes) then runs
-while the GPU computes, instead of taking the GIL from the engine thread in the middle of
-building and launching the next step (every torch call releases the GIL, and the loop keeps it
-until its callbacks are done): the next step's launch is not delayed by the server
+step's outputs are held until the next step has queued its forward and is about to wait for it
+(the core calls `device_wait_hook`: ModelRunner.execute's on_queued), or until the thread has
+nothing else to do; other cores' outputs go out as soon as their step returns. The loop's
+per-token work (detokenizing, JSON, socket writes) then runs while the GPU computes, instead of
+taking the GIL from the engine thread in the middle of building and launching the next step
+(every torch call releases the GIL, and the loop keeps it until its callbacks are done)
 (scripts/server_overhead_check.py emulates both).
 
 Failure containment: an exception from `add_request` fails that request only; an exception
@@ -453,5 +453,5 @@ class AsyncEngine:
             kept.append(out)
         if self._hold:
             self._held = kept
-        else:
+        elif kept:
             self._post(self._deliver, kept)
