@@ -206,8 +206,8 @@ class DeviceCacheExperts:
         self.lane_calls += 1
         ids = topk_ids.reshape(-1).to(torch.int32)  # [T k]
         w = topk_weights.reshape(-1).to(torch.float32)  # [T k]
-        pad = cache.lane_ids.new_full((cache.lane_cap - cache.lane_max,), -1)  # the lane field is lane_cap wide
-        meta = torch.cat([cache.lane_ids[: cache.lane_max], pad, ids, w.view(torch.int32)])  # [cap + 2 T k] int32
+        # lane_ids [lane_cap]: this step's lane experts, -1 after them (the kernel clears it all)
+        meta = torch.cat([cache.lane_ids, ids, w.view(torch.int32)])  # [cap + 2 T k] int32
         mailbox.post(slot, x.contiguous(), meta)
         cache.gather()
         on_lane = cache.lmark[topk_ids.long()] == cache.clock[1]  # [T, k] (stamp of this step)
