@@ -19,7 +19,7 @@
 #   commas, e.g. "noborrow:--no-prefill-borrow-slots ahead:--prefill-staging-gb,1.75 fast:--mode,fast"),
 # SPY (1: after the measured sweep, a C1 sweep recorded by py-spy, summarised per thread by
 #   scripts/pyspy_summary.py; carry .peer/tools, which holds the py-spy wheel),
-# PYTHON (python3), THREAD_CHECK (1: run engine_thread_check after each sweep), USE_TUNED (1: a
+# PACK (1: OUT_DIR.tgz instead of OUT_DIR), PYTHON (python3), THREAD_CHECK (1: run engine_thread_check after each sweep), USE_TUNED (1: a
 # configs.json tuned by an earlier call on this machine replaces the working copy's), STEPS
 # ("tests tune store serve profile": any subset, in that order; the whole script runs longer
 # than one 10-minute call, so split it, e.g. STEPS="tests tune store" then STEPS="serve" while
@@ -104,7 +104,10 @@ want serve && for variant in ${VARIANTS:-default: sdpa:--decode-attention,sdpa};
   grep -s "ms/token" "$out/thread-check-$attn.txt"
 done
 
-want profile || { log "done"; exit 0; }
+# Only a few files come back from the GPU machine (more are dropped): PACK=1 (default) leaves
+# one OUT_DIR.tgz instead of the directory; unpack it with tar xzf.
+pack() { [ "${PACK:-1}" = 1 ] && tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")" && rm -rf "$out"; log "done"; }
+want profile || { pack; exit 0; }
 log "profile"
 timeout 240 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile" "${flags[@]}" --compare-eager --prefill-tokens 4000 > "$out/profile.log" 2>&1
 grep -E "wall per|busy|engine built|prefill" "$out/profile.log"
@@ -120,4 +123,4 @@ log "profile, misses read in place (TIERMOE_DEVICE_CACHE_STAGE=0)"
 TIERMOE_DEVICE_CACHE_STAGE=0 timeout 200 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile-nostage" \
   "${flags[@]}" > "$out/profile-nostage.log" 2>&1
 grep -E "wall per|busy" "$out/profile-nostage.log"
-log "done"
+pack
