@@ -194,3 +194,23 @@ def test_block_tiles_keep_the_dot_at_16(device):
     cfg["down"] = {**cfg["down"], "BK": 16}
     with pytest.raises(ValueError, match="down: BK=16 is below 32"):
         F._check_config(lay, cfg, 1)
+
+
+def test_int4_values_without_int_to_float_conversion(device):
+    """The kernels turn nibbles into float32 (n - 8) with float bit tricks (no int -> float
+    conversion instruction): the same 16 values as the plain conversion, exactly."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def values(q_ptr, lo_ptr, hi_ptr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        q = tl.load(q_ptr + offs)
+        tl.store(lo_ptr + offs, F._int4_value(q & 15))
+        tl.store(hi_ptr + offs, F._int4_value(q >> 4))
+
+    q = torch.arange(256, dtype=torch.uint8, device=device)  # every byte: both nibbles 0..15
+    lo, hi = (torch.empty(256, dtype=torch.float32, device=device) for _ in range(2))
+    values[(1,)](q, lo, hi, BLOCK=256)
+    want = torch.arange(256, dtype=torch.int32, device=device)
+    assert torch.equal(lo, ((want & 15) - 8).float()) and torch.equal(hi, ((want >> 4) - 8).float())

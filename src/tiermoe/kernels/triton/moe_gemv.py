@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from tiermoe.kernels.layout import ExpertLayout
-from tiermoe.kernels.triton.fused_moe import _KIND_ID, record_pointers
+from tiermoe.kernels.triton.fused_moe import _KIND_ID, _int4_value, record_pointers
 
 
 @triton.jit
@@ -64,8 +64,8 @@ def _dot_rows(wp, sp, a_ptr, offs_n, k0, KD: tl.constexpr, G: tl.constexpr, KIND
         q = tl.load(wp + n64[:, None] * (KD // 2) + (k0 // 2 + offs_kh)[None, :])  # [BN, BK/2] u8
         x_even, x_odd = tl.split(tl.reshape(x, (BK // 2, 2)))  # [BK/2] each
         s_row = sp + n64 * (KD // G)
-        w_lo = _dequant_nk(((q & 15).to(tl.int32) - 8).to(tl.float32), s_row, k0, BN, BK // 2, G, BK)
-        w_hi = _dequant_nk(((q >> 4).to(tl.int32) - 8).to(tl.float32), s_row, k0, BN, BK // 2, G, BK)
+        w_lo = _dequant_nk(_int4_value(q & 15), s_row, k0, BN, BK // 2, G, BK)
+        w_hi = _dequant_nk(_int4_value(q >> 4), s_row, k0, BN, BK // 2, G, BK)
         prod = w_lo * x_even[None, :] + w_hi * x_odd[None, :]
     else:
         w_offs = n64[:, None] * KD + (k0 + tl.arange(0, BK))[None, :]  # [BN, BK] elements
