@@ -203,14 +203,17 @@ def test_int4_values_without_int_to_float_conversion(device):
     import triton.language as tl
 
     @triton.jit
-    def values(q_ptr, lo_ptr, hi_ptr, BLOCK: tl.constexpr):
+    def values(q_ptr, s_ptr, lo_ptr, hi_ptr, i8_ptr, BLOCK: tl.constexpr):
         offs = tl.arange(0, BLOCK)
         q = tl.load(q_ptr + offs)
         tl.store(lo_ptr + offs, F._int4_value(q & 15))
         tl.store(hi_ptr + offs, F._int4_value(q >> 4))
+        tl.store(i8_ptr + offs, F._int8_value(tl.load(s_ptr + offs)))
 
     q = torch.arange(256, dtype=torch.uint8, device=device)  # every byte: both nibbles 0..15
-    lo, hi = (torch.empty(256, dtype=torch.float32, device=device) for _ in range(2))
-    values[(1,)](q, lo, hi, BLOCK=256)
+    s = torch.arange(-128, 128, dtype=torch.int8, device=device)  # every int8 weight
+    lo, hi, i8 = (torch.empty(256, dtype=torch.float32, device=device) for _ in range(3))
+    values[(1,)](q, s, lo, hi, i8, BLOCK=256)
     want = torch.arange(256, dtype=torch.int32, device=device)
     assert torch.equal(lo, ((want & 15) - 8).float()) and torch.equal(hi, ((want >> 4) - 8).float())
+    assert torch.equal(i8, s.float())

@@ -88,6 +88,12 @@ def _int4_value(nib):
 
 
 @triton.jit
+def _int8_value(q):
+    """float32 of int8 weights q, exactly, by the same trick as _int4_value (q + 128 in 0..255)."""
+    return ((q.to(tl.int32) + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
 def record_pointers(base, Q_OFF: tl.constexpr, S_OFF: tl.constexpr, KIND: tl.constexpr):
     """Typed pointers to one matrix of the record at address `base` and to its bf16 scales."""
     if KIND == 0:
@@ -181,7 +187,7 @@ def _moe_gemm_kernel(
                 w = tl.load(w_ptrs)  # [BK, BN] bf16
             else:
                 s = _scales(s_ptrs, k0, offs_k, G, BK)
-                w = (tl.load(w_ptrs).to(tl.float32) * s).to(tl.bfloat16)  # [BK, BN]
+                w = (_int8_value(tl.load(w_ptrs)) * s).to(tl.bfloat16)  # [BK, BN]
             if DOT_F32:
                 acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
             else:
@@ -191,7 +197,7 @@ def _moe_gemm_kernel(
                     w = tl.load(w_ptrs + w_up)
                 else:
                     s = _scales(s_ptrs + s_up, k0, offs_k, G, BK)
-                    w = (tl.load(w_ptrs + w_up).to(tl.float32) * s).to(tl.bfloat16)
+                    w = (_int8_value(tl.load(w_ptrs + w_up)) * s).to(tl.bfloat16)
                 if DOT_F32:
                     acc_u += tl.dot(a.to(tl.float32), w.to(tl.float32))
                 else:

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from tiermoe.kernels.layout import ExpertLayout
-from tiermoe.kernels.triton.fused_moe import _KIND_ID, _int4_value, record_pointers
+from tiermoe.kernels.triton.fused_moe import _KIND_ID, _int4_value, _int8_value, record_pointers
 
 
 @triton.jit
@@ -72,7 +72,7 @@ def _dot_rows(wp, sp, a_ptr, offs_n, k0, KD: tl.constexpr, G: tl.constexpr, KIND
         if KIND == 0:
             w = tl.load(wp + w_offs).to(tl.float32)
         else:
-            w = _dequant_nk(tl.load(wp + w_offs).to(tl.float32), sp + n64 * (KD // G), k0, BN, BK, G, BK)
+            w = _dequant_nk(_int8_value(tl.load(wp + w_offs)), sp + n64 * (KD // G), k0, BN, BK, G, BK)
         prod = w * x[None, :]
     return prod
 
