@@ -199,9 +199,10 @@ class TieredExperts:
         if self.mode == "fast" and decode:
             self._fast_decode_tokens += tokens
         if self._lane_step:
-            self.lane.prune(self.store)
-            if self.device_lane is not None:
+            if self.device_lane is not None:  # the host tier holds every expert for good: nothing to prune
                 self.device_lane.begin()
+            else:
+                self.lane.prune(self.store)
         if self.device_cache is not None:  # what this step counts, so a graph replay can count it again
             self._step_start = (tokens, self._lane_step, self.device_cache.steps, self.device_cache.lane_calls)
 
