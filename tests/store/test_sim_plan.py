@@ -90,3 +90,47 @@ def test_plan_for_store_and_checkpoint(packed_bf16, tmp_path, capsys):
     bad.write_text(json.dumps({"layers.0.mlp": [1, 2]}))
     assert main(["plan", str(store), "--stats", str(bad)]) == 2
     assert "lists 2 experts" in capsys.readouterr().err
+
+
+def test_sim_device_cache_policy_between_the_bounds():
+    """The device cache's own policy (its plain-torch twin) on the real statistics: full slots hit every
+    pick, no slots none, and the 11 % budget lands near static placement and under Belady's bound."""
+    full = simulate(str(STATS_FILE), slots=42 * 288, policies=["device"], tokens=12, warmup=2)[0]
+    assert full.slot_hits == pytest.approx(336) and full.slot_misses == 0
+    none = simulate(str(STATS_FILE), slots=0, policies=["device"], tokens=12, warmup=2)[0]
+    assert none.slot_hits == 0 and none.slot_misses == pytest.approx(336)
+    res = {r.policy: r for r in simulate(str(STATS_FILE), slots=1376, policies=["static", "device", "belady"],
+                                         tokens=60, seed=0)}
+    dev = res["device"]
+    assert dev.slot_hits + dev.slot_misses == pytest.approx(336)
+    assert dev.slot_hits <= res["belady"].slot_hits
+    assert 0.25 < dev.slot_hits / 336 < 0.46
+
+
+def test_sim_replays_a_recorded_trace_in_order(tmp_path, capsys):
+    """A trace keeps its temporal locality: tokens that repeat the previous token's picks hit in LRU and
+    in the device cache once warmed, where independent draws from the same counts would not."""
+    from tiermoe.moe.routing_trace import make_header, write_trace
+
+    rng = np.random.default_rng(0)
+    layers, experts, k, tokens = 3, 64, 4, 200
+    base = np.stack([np.stack([rng.choice(experts, k, replace=False) for _ in range(layers)])
+                     for _ in range(tokens // 10)])  # [20, L, k]
+    picks = np.repeat(base, 10, axis=0)  # [200, L, k]: each routing held for 10 tokens
+    decode = np.ones(tokens, dtype=bool)
+    decode[:5] = False  # a prefill, skipped by the simulator
+    path = tmp_path / "trace.npz"
+    write_trace(path, make_header("m", [1, 2, 3], experts, k), picks, decode)
+    res = {r.policy: r for r in simulate(None, trace_file=str(path), slots=layers * k, tokens=10_000,
+                                         policies=["lru", "device", "belady"], warmup=5)}
+    for r in res.values():
+        assert r.tokens == 190 and r.slot_hits + r.slot_misses == pytest.approx(layers * k)
+    # every 10th token changes the picks: LRU (room for one token's picks) hits the other 9 of 10
+    assert res["lru"].slot_hits / (layers * k) == pytest.approx(0.9, abs=0.02)
+    assert res["belady"].slot_hits >= res["lru"].slot_hits
+    assert main(["sim", "--trace", str(path), "--slots", "12", "--policy", "lru,device"]) == 0
+    assert "12 picks/token" in capsys.readouterr().out
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(path.read_bytes()[:100])
+    assert main(["sim", "--trace", str(bad), "--slots", "12"]) == 2
+    assert main(["sim", "--slots", "12"]) == 2

@@ -84,11 +84,8 @@ def _sim(args: argparse.Namespace) -> int:
     policies = list(SIM_POLICIES) if args.policy == "all" else [p.strip() for p in args.policy.split(",")]
     results = simulate(args.stats, slots=args.slots, policies=policies, tokens=args.tokens, seed=args.seed,
                        host_experts=args.host_experts, top_k=args.top_k, warmup=args.warmup,
-                       warm_start=not args.no_warm_start, static_hot=args.static_hot)
-    from tiermoe.store.planner import load_stats
-
-    picks = args.top_k * len(load_stats(args.stats))
-    print(format_results(results, slots=args.slots, host_experts=args.host_experts, picks=picks))
+                       warm_start=not args.no_warm_start, static_hot=args.static_hot, trace_file=args.trace)
+    print(format_results(results, slots=args.slots, host_experts=args.host_experts, picks=results[0].picks))
     return 0
 
 
@@ -148,10 +145,15 @@ def register(subparsers) -> None:
     p.add_argument("--group-size", type=int, default=128)
     p.set_defaults(handler=_plan)
 
-    p = subparsers.add_parser("sim", help="simulate expert-cache policies on routing sampled from statistics")
-    p.add_argument("--stats", required=True, help="routing statistics JSON (layers.<L> -> per-expert counts)")
+    p = subparsers.add_parser("sim", help="simulate expert-cache policies on routing statistics or a recorded trace")
+    p.add_argument("--stats", default=None, help="routing statistics JSON (layers.<L> -> per-expert counts)")
+    p.add_argument("--trace", default=None,
+                   help="routing trace recorded by --record-routing (replayed in order; --stats then only "
+                        "warm-starts the caches)")
     p.add_argument("--slots", type=int, required=True, help="slot-tier capacity in experts, shared by all layers")
-    p.add_argument("--policy", default="all", help="lru, lfu, clock, static, belady, a comma list, or all (default)")
+    p.add_argument("--policy", default="all",
+                   help="lru, lfu, clock, static, device (the GPU device cache's own policy), belady, a comma list, "
+                        "or all (default)")
     p.add_argument("--tokens", type=int, default=2000, help="decode tokens to simulate (default 2000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--host-experts", type=int, default=0, help="host-tier capacity in experts (default 0)")

@@ -7,7 +7,9 @@ beyond popularity: recency-based policies look worse here than on real traces, f
 policies converge to the static optimum. All layers share one slot pool of N slots (keys are
 (layer, expert)); an optional host tier of M experts sits below it with the same policy and
 the exact tier rules the store uses (residency.py). "belady" is the offline optimum for the
-slot tier on the same trace (with bypass), a lower bound on slot misses.
+slot tier on the same trace (with bypass), a lower bound on slot misses. "device" is the GPU
+device cache's own policy (sim_device.py): slots split evenly over the layers, as served.
+A recorded routing trace (`--trace`) replaces the sampled one, keeping its temporal locality.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from tiermoe.errors import UserError
 from tiermoe.store.planner import load_stats, pick_rates
 from tiermoe.store.policy import POLICIES
 from tiermoe.store.residency import Residency
+from tiermoe.store.sim_device import run_device_policy
 
-SIM_POLICIES = POLICIES + ("belady",)
+SIM_POLICIES = POLICIES + ("device", "belady")
 
 
 @dataclass
@@ -33,6 +36,11 @@ class SimResult:
     slot_misses: float  # per token
     host_hits: float | None  # per token (None: not modelled)
     disk_reads: float | None
+
+    @property
+    def picks(self) -> int:
+        """Expert picks per token (every layer's top-k)."""
+        return round(self.slot_hits + self.slot_misses)
 
 
 def sample_trace(stats: dict[int, list[float]], tokens: int, top_k: int, seed: int, smoothing: float = 0.5) -> np.ndarray:
@@ -117,33 +125,68 @@ def _run_belady(trace: np.ndarray, slots: int, warmup: int) -> SimResult:
     return SimResult("belady", ntok, hits / ntok, per_token - hits / ntok, None, None)
 
 
-def simulate(stats_file: str, *, slots: int, policies: list[str], tokens: int = 2000, seed: int = 0,
+def simulate(stats_file: str | None, *, slots: int, policies: list[str], tokens: int = 2000, seed: int = 0,
              host_experts: int = 0, top_k: int = 8, warmup: int | None = None, warm_start: bool = True,
-             static_hot: int = 0, smoothing: float = 0.5) -> list[SimResult]:
-    """Run each policy on one sampled trace; per-token figures over the tokens after warm-up."""
+             static_hot: int = 0, smoothing: float = 0.5, trace_file: str | None = None) -> list[SimResult]:
+    """Run each policy on one trace; per-token figures over the tokens after warm-up.
+
+    The trace is sampled from the counts of `stats_file`, or read from `trace_file` (a routing
+    trace recorded by `--record-routing`: its decode tokens, in order, so temporal locality is
+    kept). Warm start uses the counts file when given, else the trace's own pick counts.
+    """
     for p in policies:
         if p not in SIM_POLICIES:
             raise UserError(f"--policy {p!r}: choose from {', '.join(SIM_POLICIES)} or all")
     if tokens < 1 or slots < 0 or host_experts < 0:
         raise UserError("--tokens must be >= 1 and --slots/--host-experts >= 0")
-    stats = load_stats(stats_file)
-    trace = sample_trace(stats, tokens, top_k, seed, smoothing)
+    if stats_file is None and trace_file is None:
+        raise UserError("give --stats (per-layer pick counts) or --trace (a recorded routing trace)")
+    stats = load_stats(stats_file) if stats_file is not None else None
+    if trace_file is not None:
+        picks = load_trace_picks(trace_file, tokens)  # [T, L, k] expert ids
+        top_k = picks.shape[2]
+        if stats is None:
+            stats = {i: np.bincount(picks[:, i].reshape(-1), minlength=int(picks.max()) + 1).astype(float).tolist()
+                     for i in range(picks.shape[1])}
+        n_e = len(next(iter(stats.values())))
+        if len(stats) != picks.shape[1] or picks.max() >= n_e:
+            raise UserError(f"--stats has {len(stats)} layers of {n_e} experts; the trace has {picks.shape[1]} "
+                            f"layers and expert ids up to {int(picks.max())}")
+        trace = picks.astype(np.int64) + (np.arange(picks.shape[1]) * n_e)[None, :, None]
+    else:
+        trace = sample_trace(stats, tokens, top_k, seed, smoothing)
+    tokens = trace.shape[0]
     warmup = tokens // 10 if warmup is None else warmup
     if not 0 <= warmup < tokens:
         raise UserError(f"--warmup must be in 0..{tokens - 1}")
     layers = sorted(stats)
     n_e = len(stats[layers[0]])
-    rates = None
-    if warm_start:
-        pr = pick_rates({i: stats[L] for i, L in enumerate(layers)}, top_k)
-        rates = {i * n_e + e: r for i, row in pr.items() for e, r in enumerate(row)}
+    pr = pick_rates({i: stats[L] for i, L in enumerate(layers)}, top_k)
+    rates = {i * n_e + e: r for i, row in pr.items() for e, r in enumerate(row)} if warm_start else None
     out = []
     for p in policies:
         if p == "belady":
             out.append(_run_belady(trace, slots, warmup))
+        elif p == "device":
+            local = trace - (np.arange(len(layers)) * n_e)[None, :, None]  # [T, L, k] per-layer ids
+            layer_rates = np.array([pr[i] for i in range(len(layers))]) if warm_start else None
+            hits, misses = run_device_policy(local, slots, warmup, layer_rates)
+            out.append(SimResult("device", tokens - warmup, hits, misses, None, None))
         else:
             out.append(_run_policy(trace, p, slots, host_experts, warmup, rates, static_hot))
     return out
+
+
+def load_trace_picks(path: str, tokens: int) -> np.ndarray:
+    """The first `tokens` decode tokens of a recorded trace (all tokens if it has no decode ones)."""
+    from tiermoe.moe.routing_trace import read_trace
+
+    _, picks, decode = read_trace(path)
+    if decode.any():
+        picks = picks[decode]
+    if picks.shape[0] < 2:
+        raise UserError(f"{path}: the trace holds {picks.shape[0]} tokens; the simulator needs at least 2")
+    return np.asarray(picks[:tokens], dtype=np.int64)
 
 
 def format_results(results: list[SimResult], *, slots: int, host_experts: int, picks: int) -> str:
@@ -156,4 +199,6 @@ def format_results(results: list[SimResult], *, slots: int, host_experts: int, p
         disk = f"{r.disk_reads:>12.1f}" if r.disk_reads is not None else f"{'-':>12}"
         lines.append(f"{r.policy:<8}{r.slot_hits:>11.1f}{miss:>13.1f}{host}{disk}{r.slot_hits / picks:>12.1%}")
     lines.append(f"per token; {picks} picks/token, {slots} slots shared by all layers, {host_experts} host experts")
+    if any(r.policy == "device" for r in results):
+        lines.append("device: the GPU device cache's policy, slots split evenly over the layers, no host tier")
     return "\n".join(lines)
