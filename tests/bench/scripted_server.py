@@ -79,6 +79,7 @@ class Behaviour:
     reject_stream_options: bool = False  # 400 on stream_options (some servers do)
     has_token_ids: bool = False  # honour return_tokens_as_token_ids and list-of-int prompts
     llama_server: bool = False  # llama-server's /tokenize and logprobs dialects (module docstring)
+    tier_rates: tuple[int, int] | None = None  # /stats: (slot hits, misses) per generated chat token
 
 
 def _h(*parts: str) -> int:
@@ -160,7 +161,7 @@ def _script_chat(messages: list[dict], tools: list | None, b: Behaviour) -> dict
 def build_app(b: Behaviour, vocab: Vocab | None = None) -> FastAPI:
     """The scripted server; pass one `vocab` to several apps to give them the same token ids."""
     app = FastAPI()
-    state = {"requests": 0}
+    state = {"requests": 0, "decode_tokens": 0}
     vocab = vocab or Vocab()
     for t in VOCAB:
         vocab.id(t)
@@ -176,6 +177,14 @@ def build_app(b: Behaviour, vocab: Vocab | None = None) -> FastAPI:
         if b.report_window:
             card["max_model_len"] = b.max_model_len
         return {"object": "list", "data": [card]}
+
+    @app.get("/stats")
+    async def stats():
+        if b.tier_rates is None:
+            return err(404, "Not Found")
+        n, (hit, miss) = state["decode_tokens"], b.tier_rates
+        experts = {"decode_tokens": n, "slots": {"hits": hit * n, "misses": miss * n}, "cpu_lane": {"experts": 0}}
+        return {"engine": {"experts": experts}}
 
     @app.post("/tokenize")
     async def tok(req: Request):
@@ -276,6 +285,7 @@ def build_app(b: Behaviour, vocab: Vocab | None = None) -> FastAPI:
             gen = generate(ptoks, b, limit)
             scripted = {"content": "".join(t for t, _ in gen), "pieces": [t for t, _ in gen]}
             scripted["finish"] = "stop" if len(gen) < limit else "length"
+        state["decode_tokens"] += len(scripted.get("pieces") or tokenize(scripted.get("content") or ""))
         if body.get("stream"):
             return StreamingResponse(_stream_chat(scripted, len(ptoks), body, b), media_type="text/event-stream")
         await asyncio.sleep(len(ptoks) * b.prefill_s_per_token)

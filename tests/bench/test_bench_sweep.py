@@ -105,3 +105,25 @@ def test_per_stream_rate_uses_first_and_last_token():
     res.usage = {"completion_tokens": 11}
     assert res.ttft == pytest.approx(1.0)
     assert res.per_stream_rate() == pytest.approx(10 / 1.0)
+
+
+def test_sweep_records_tier_counters_per_decode_token(tmp_path, capsys):
+    """Each decode row carries the slot hits and misses per decode token read from /stats around it."""
+    out = tmp_path / "s.json"
+    with serve(Behaviour(tier_rates=(30, 6))) as url:
+        rc, text = run_bench(["sweep", "--url", url, "--prefill-sizes", "32", "--reps", "1", "--concurrency", "1,2",
+                              "--max-tokens", "8", "--long-prompt", "0", "--out", str(out)], capsys)
+    assert rc == 0, text
+    for row in load(out)["decode"]:
+        tiers = row["tiers_per_token"]
+        assert tiers["decode_tokens"] == 8 * row["concurrency"]
+        assert tiers["slot_hits"] == pytest.approx(30) and tiers["slot_misses"] == pytest.approx(6)
+    assert "30.0 slot hits, 6.0 misses" in text
+
+
+def test_sweep_without_stats_has_no_tier_counters(right_url, tmp_path, capsys):
+    out = tmp_path / "s.json"
+    rc, text = run_bench(["sweep", "--url", right_url, "--prefill-sizes", "32", "--reps", "1", "--concurrency", "1",
+                          "--max-tokens", "4", "--long-prompt", "0", "--out", str(out)], capsys)
+    assert rc == 0, text
+    assert load(out)["decode"][0]["tiers_per_token"] is None and "slot hits" not in text

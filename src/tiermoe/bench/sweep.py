@@ -9,6 +9,10 @@ Protocol (the one the reference systems publish, so numbers compare):
   = (n - 1) / (last token time - first token time), averaged over the streams.
 - C1 after a long prompt: one stream whose prompt is random text of the largest prefill size
   followed by the story request (decode speed with a long KV behind it).
+- tiers: around each decode round, /stats is read; each decode row records the slot hits and
+  misses per decode token of its rounds (and the CPU lane's experts), so a tok/s figure always
+  travels with how the tiers served it (a synthetic model's own routing can hit 95 % where the
+  real model's routing hits under 40 %: the rate alone says nothing).
 """
 
 from __future__ import annotations
@@ -141,6 +145,39 @@ async def run_decode_round(
     }
 
 
+async def expert_counters(c: httpx.AsyncClient) -> dict | None:
+    """The server's cumulative expert-tier counters (None: no /stats, or a model without a store).
+
+    Read on a connection of its own: a stream sent on a keep-alive connection right after a plain
+    GET on it arrived all at once at its end (uvicorn, seen with the scripted test server), which
+    would make the next round's per-stream rate meaningless.
+    """
+    try:
+        async with httpx.AsyncClient(base_url=c.base_url, timeout=10.0, headers=c.headers) as own:
+            stats = await http.get_json(own, "/stats")
+    except http.BenchHTTPError:
+        return None
+    ex = (stats.get("engine") or {}).get("experts") if isinstance(stats, dict) else None
+    if not isinstance(ex, dict) or "slots" not in ex:
+        return None
+    return {"decode_tokens": ex.get("decode_tokens", 0), "slot_hits": ex["slots"].get("hits", 0),
+            "slot_misses": ex["slots"].get("misses", 0), "lane_experts": (ex.get("cpu_lane") or {}).get("experts", 0),
+            "routing_replay": ex.get("routing_replay")}
+
+
+def tiers_per_token(before: dict | None, after: dict | None) -> dict | None:
+    """Slot hits / misses (and CPU-lane experts) per decode token between two counter readings."""
+    if before is None or after is None:
+        return None
+    tokens = after["decode_tokens"] - before["decode_tokens"]
+    if tokens <= 0:
+        return None
+    per = {k: (after[k] - before[k]) / tokens for k in ("slot_hits", "slot_misses", "lane_experts")}
+    per["decode_tokens"] = tokens
+    per["routing_replay"] = after.get("routing_replay")
+    return per
+
+
 async def run_long_prompt_c1(
     c: httpx.AsyncClient, model: str, n_tokens: int, max_tokens: int | None, rng: random.Random
 ) -> dict:
@@ -167,6 +204,7 @@ async def run_sweep(cfg: SweepConfig) -> dict:
         prefill = await run_prefill(c, model, cfg.prefill_sizes, cfg.reps, endpoint, rng)
         decode = []
         for conc in cfg.concurrency:
+            before = await expert_counters(c)
             rounds = [
                 await run_decode_round(c, model, conc, cfg.max_tokens, first_topic=r * conc)
                 for r in range(cfg.decode_reps)
@@ -176,6 +214,7 @@ async def run_sweep(cfg: SweepConfig) -> dict:
                     "concurrency": conc,
                     "aggregate_tok_s": median([r["aggregate_tok_s"] for r in rounds]),
                     "per_stream_tok_s": median([r["per_stream_tok_s"] for r in rounds]),
+                    "tiers_per_token": tiers_per_token(before, await expert_counters(c)),
                     "rounds": rounds,
                 }
             )
@@ -215,9 +254,12 @@ def summary_lines(result: dict) -> list[str]:
             f"{f(row['median_tok_s'])} tok/s, TTFT {f(row['median_ttft_s'], 3)} s"
         )
     for row in result["decode"]:
+        tiers = row.get("tiers_per_token")
+        where = (f"; per token: {tiers['slot_hits']:.1f} slot hits, {tiers['slot_misses']:.1f} misses"
+                 + (f", {tiers['lane_experts']:.1f} on the CPU lane" if tiers["lane_experts"] else "")) if tiers else ""
         lines.append(
             f"decode C{row['concurrency']}: aggregate {f(row['aggregate_tok_s'])} tok/s, "
-            f"per-stream {f(row['per_stream_tok_s'])} tok/s"
+            f"per-stream {f(row['per_stream_tok_s'])} tok/s{where}"
         )
     lc = result.get("long_prompt_c1")
     if lc:
