@@ -195,3 +195,19 @@ def test_greedy_agreement_reads_both_logprobs_shapes():
     c = greedy.compare(one, two)
     assert c["identical_completions"] == 0 and c["tokens"] == 2 and c["tokens_before_divergence"] == 1
     assert c["topn_overlap_on_prefix"] == 1.0 and abs(c["max_abs_logprob_diff"] - 0.05) < 1e-9
+
+
+def test_real_routing_statistics_beside_the_model(model):
+    """The generator writes the real GLM-5.3-Flash counts fitted to the model (its layers, its expert
+    count), in the --expert-stats / --routing-replay format, keeping the real skew."""
+    from tiermoe.bench.real_routing import REAL_STATS
+    from tiermoe.store.planner import load_stats
+
+    stats = load_stats(model / "expert-stats.json")
+    assert sorted(stats) == [0, 1] and all(len(v) == 16 for v in stats.values())
+    real = load_stats(REAL_STATS)
+    for mine, theirs in ((stats[0], real[min(real)]), (stats[1], real[max(real)])):  # first and last real layers
+        assert sum(mine) > 0 and min(theirs) <= min(mine) and max(mine) <= max(theirs)
+    cv = [np.std(stats[i]) / np.mean(stats[i]) for i in (0, 1)]
+    assert cv[1] > cv[0]  # the last real layer is heavy-tailed, the first nearly flat
+    assert json.loads((model / "synthetic-store.json").read_text())["routing_stats"].endswith("expert-stats.json")

@@ -256,6 +256,7 @@ def make_synthetic(out: str | Path, spec: SyntheticSpec, formats=FORMATS, device
     import torch
     from tqdm import tqdm
 
+    from tiermoe.bench.real_routing import STATS_NAME, write_real_stats
     from tiermoe.bench.synthetic_gguf import GGUFSink
     from tiermoe.bench.synthetic_store import StoreSink
     from tiermoe.models.tiny_tokenizer import build_tokenizer
@@ -328,6 +329,7 @@ def make_synthetic(out: str | Path, spec: SyntheticSpec, formats=FORMATS, device
         "seconds": round(time.monotonic() - t0, 1),
         "served_name": name,
     }
+    summary["routing_stats"] = str(write_real_stats(out / STATS_NAME, list(range(spec.layers)), spec.experts))
     for f in formats:
         summary_f = dict(summary, format=f, path=str(targets[f]))
         (out / f"synthetic-{f}.json").write_text(json.dumps(summary_f, indent=1) + "\n")

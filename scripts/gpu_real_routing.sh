@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# Tiered speed under the real model's routing, on the GPU machine (docs/results.md, "real routing").
+#
+#   scripts/gpu_real_routing.sh start      # every step below in the background (survives the call)
+#   scripts/gpu_real_routing.sh wait SECS  # follow the log for up to SECS; results into $OUT when done
+#   scripts/gpu_real_routing.sh run        # the same in the foreground
+#
+# Steps (RUN_STEPS, any subset in this order; default "pcie glm serve-glm"):
+#   pcie       pinned host -> GPU copy GB/s (the PCIe lane of the floor)
+#   tests      scripts/gpu_test_suite.sh (the GPU test suite, one summary line)
+#   glm        scripts/synth_glm_store.py: GLM-5.3-Flash MoE shape, as many MoE layers as disk and RAM
+#              hold (at least 12; GLM_LAYERS overrides), written with the real statistics beside it
+#   serve-glm  per budget in BUDGETS (share of expert bytes on the GPU) and mode in MODES: tiermoe serve
+#              with --routing-replay (picks drawn from the real per-layer statistics), a short warm-up
+#              sweep, then `tiermoe bench sweep` (prefill 4k, decode C1 and C4) with /stats before/after
+#   qwen       the Qwen3-235B-shaped side-by-side store of results section 13 (24 layers), after the GLM
+#              store is removed (the disk holds one at a time); serve-qwen as serve-glm
+# Everything lands in $WORK (default $HOME/real-routing); `wait` packs it into $OUT/real-routing.tgz.
+# Carry .whl (the wheels of scripts/sbs/wheels.txt: the GPU image lacks the server's packages).
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+PY=${PY:-python3}
+WORK=${WORK:-${HOME:-/root}/real-routing}
+BUDGETS=${BUDGETS:-0.11 0.33}
+MODES=${MODES:-exact fast}
+RUN_STEPS=${RUN_STEPS:-pcie glm serve-glm}
+MAX_TOKENS=${MAX_TOKENS:-128}
+FAST_MAX_TOKENS=${FAST_MAX_TOKENS:-48}
+site=/tmp/tiermoe-site
+export PYTHONPATH=$ROOT/src:$site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+log() { echo "[rr $(date -u +%H:%M:%S)] $*"; }
+get() { "$PY" -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())" "$1"; }
+want() { [[ " $RUN_STEPS " == *" $1 "* ]]; }
+
+step_pcie() {
+  "$PY" - > "$WORK/pcie.json" <<'PY'
+import json, torch
+n = 2 << 30
+src = torch.empty(n, dtype=torch.uint8).pin_memory()
+dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+for _ in range(2):
+    dst.copy_(src, non_blocking=True)
+torch.cuda.synchronize()
+a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+times = []
+for _ in range(5):
+    a.record(); dst.copy_(src, non_blocking=True); b.record(); torch.cuda.synchronize()
+    times.append(a.elapsed_time(b) / 1e3)
+times.sort()
+print(json.dumps({"pinned_to_gpu_gbs": n / times[2] / 1e9, "bytes": n, "gpu": torch.cuda.get_device_name()}))
+PY
+  log "pcie: $(cat "$WORK/pcie.json")"
+}
+
+glm_layers() {  # the most MoE layers of 288 x 12.98 MB that the disk (90 %) and pinned RAM (60 %) hold
+  "$PY" - "$WORK" <<'PY'
+import os, shutil, sys
+layer = 288 * 12_976_128
+disk = shutil.disk_usage(sys.argv[1]).free * 0.9
+ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.6
+print(max(12, int(min(disk, ram) // layer)))
+PY
+}
+
+step_glm() {
+  local n=${GLM_LAYERS:-$(glm_layers)}
+  log "GLM-5.3-Flash-shaped store, $n MoE layers"
+  [ -f "$WORK/glm/manifest.json" ] || "$PY" scripts/synth_glm_store.py "$WORK/glm" --moe-layers "$n" --device cuda \
+    > "$WORK/glm-build.log" 2>&1 || { log "store build failed: $(tail -3 "$WORK/glm-build.log")"; return 1; }
+  tail -2 "$WORK/glm-build.log"
+  cp "$WORK/glm/expert-stats.json" "$WORK/glm-expert-stats.json"
+}
+
+serve_matrix() {  # NAME STORE STATS EXTRA_FLAGS...
+  local name=$1 store=$2 stats=$3
+  shift 3
+  local expert_gb
+  expert_gb=$(stat -c %s "$store/experts.bin" | awk '{print $1 / 2^30}')  # every routed expert's record
+  for budget in $BUDGETS; do
+    for mode in $MODES; do
+      local tag=$name-$budget-$mode gb
+      gb=$("$PY" -c "print(round($expert_gb * $budget, 3))")
+      local tokens=$MAX_TOKENS
+      [ "$mode" = fast ] && tokens=$FAST_MAX_TOKENS
+      log "$tag: serve (--gpu-expert-gb $gb of $expert_gb GiB of experts, --mode $mode, replay $stats)"
+      "$PY" -m tiermoe.cli serve "$store" --host 127.0.0.1 --port 8121 --served-model-name "$name" \
+        --max-model-len 8192 --max-num-seqs 4 --max-num-batched-tokens 4096 --dtype bfloat16 \
+        --gpu-expert-gb "$gb" --mode "$mode" --routing-replay "$stats" "$@" > "$WORK/server-$tag.log" 2>&1 &
+      local pid=$! ok=0
+      for _ in $(seq 1 200); do
+        get http://127.0.0.1:8121/health > /dev/null 2>&1 && { ok=1; break; }
+        kill -0 $pid 2>/dev/null || break
+        sleep 2
+      done
+      if [ $ok = 0 ]; then log "$tag: server did not start: $(tail -3 "$WORK/server-$tag.log")"; kill $pid; continue; fi
+      local sweep=("$PY" -m tiermoe.cli bench sweep --url http://127.0.0.1:8121 --model "$name" --prefill-sizes 4k \
+        --reps 1 --concurrency 1,4 --long-prompt 0)
+      timeout 200 "${sweep[@]}" --max-tokens 16 --seed 7 > "$WORK/warmup-$tag.log" 2>&1
+      get http://127.0.0.1:8121/stats > "$WORK/stats-before-$tag.json"
+      timeout 400 "${sweep[@]}" --max-tokens "$tokens" --seed 1 --out "$WORK/sweep-$tag.json" > "$WORK/sweep-$tag.log" 2>&1
+      get http://127.0.0.1:8121/stats > "$WORK/stats-$tag.json"
+      grep -E "prefill|decode" "$WORK/sweep-$tag.log" | sed "s/^/  $tag: /"
+      kill $pid; wait $pid 2>/dev/null
+    done
+  done
+}
+
+step_qwen() {
+  rm -rf "$WORK/glm"  # the disk holds one store at a time
+  [ -f "$WORK/qwen/store/manifest.json" ] || "$PY" -m tiermoe.cli bench make-qwen3moe "$WORK/qwen" --layers 24 \
+    --formats store --force > "$WORK/qwen-build.log" 2>&1 || { log "qwen store failed: $(tail -3 "$WORK/qwen-build.log")"; return 1; }
+  log "qwen store: $(tail -1 "$WORK/qwen-build.log")"
+  cp "$WORK/qwen/expert-stats.json" "$WORK/qwen-expert-stats.json"
+}
+
+run_all() {
+  mkdir -p "$WORK"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl > /dev/null 2>&1
+  log "commit $(git rev-parse --short HEAD 2>/dev/null), $("$PY" -c 'import torch, triton; print(torch.__version__, triton.__version__)')"
+  want pcie && step_pcie
+  want tests && { bash scripts/gpu_test_suite.sh > "$WORK/gpu-tests.log" 2>&1; log "tests: $(tail -1 "$WORK/gpu-tests.log")"; }
+  want glm && step_glm
+  want serve-glm && serve_matrix glm-synthetic "$WORK/glm" "$WORK/glm/expert-stats.json"
+  want qwen && step_qwen
+  want serve-qwen && serve_matrix qwen3moe-synthetic "$WORK/qwen/store" "$WORK/qwen/expert-stats.json"
+  log "done"
+}
+
+case "${1:-run}" in
+  run) run_all ;;
+  start)
+    mkdir -p "$WORK"
+    setsid nohup bash "$0" run > "$WORK/run.log" 2>&1 < /dev/null &
+    log "started: $WORK/run.log" ;;
+  wait)
+    end=$(( $(date +%s) + ${2:-500} ))
+    while [ "$(date +%s)" -lt "$end" ] && ! grep -q "\] done$" "$WORK/run.log" 2>/dev/null; do sleep 5; done
+    cat "$WORK/run.log"
+    if [ -n "${OUT:-}" ]; then
+      tar czf "$OUT/real-routing.tgz" -C "$(dirname "$WORK")" --exclude=glm --exclude=qwen "$(basename "$WORK")"
+    fi ;;
+  *) echo "usage: $0 start|wait SECS|run" >&2; exit 2 ;;
+esac
