@@ -49,6 +49,7 @@ for step in $steps; do
       gb=$(gpu_gb "${BUDGET:-0.11}")
       echo "gpu expert budget: $gb GiB (${BUDGET:-0.11} of the experts)"
       common=(--model "$store" --device "$dev" --gpu-expert-gb "$gb" --expert-stats "$store/expert-stats.json" --prompt-len 32)
+      [ "${REPLAY:-1}" = 1 ] && common+=(--routing-replay "$store/expert-stats.json")  # the real model's picks
       timeout 280 $tm bench decode "${common[@]}" --expert-kernel triton --batch-sizes "${BATCHES:-1,1,2,4}" \
         --tokens "${TOKENS:-64}" --out "$out/decode_triton.json" 2>>"$out/stderr.log" | tail -4
       timeout 200 $tm bench decode "${common[@]}" --expert-kernel torch --batch-sizes 1,4 \
@@ -62,7 +63,7 @@ for step in $steps; do
       gb=$(gpu_gb "${BUDGET:-0.11}")
       port=8131
       $tm serve "$store" --device "$dev" --port $port --served-model-name synth --max-num-seqs 4 --gpu-expert-gb "$gb" \
-        --expert-stats "$store/expert-stats.json" >"$out/server.log" 2>&1 &
+        --expert-stats "$store/expert-stats.json" --routing-replay "$store/expert-stats.json" >"$out/server.log" 2>&1 &
       pid=$!
       timeout 240 $py - "$port" "$out" <<'PY'
 import json, sys, time, urllib.request

@@ -35,6 +35,10 @@ MAX_TOKENS=${MAX_TOKENS:-256}
 WARMUP_SIZE=${WARMUP_SIZE:-4k}
 TIERMOE_MODES=${TIERMOE_MODES:-exact fast}    # MODE or MODE@storepath|eager; the first runs before llama.cpp
 TIERMOE_EXTRA_ARGS=${TIERMOE_EXTRA_ARGS:-}
+# tiermoe's routers pick from the real GLM-5.3-Flash statistics written beside the model (the
+# random model's own routing hits 95 % of its slots; the real model's, under 40 %). llama.cpp
+# computes every pick of its CPU layers on the CPU, so its speed does not depend on the picks.
+REPLAY=${REPLAY:-1}
 LLAMA_EXTRA_ARGS=${LLAMA_EXTRA_ARGS:-}
 # llama.cpp's own advice when experts are overridden to the CPU: "tensor overrides to CPU are used
 # with mmap enabled - consider using --load-mode none for better performance" (its log, 2026-12-01)
@@ -323,6 +327,7 @@ run_tiermoe() {  # run_tiermoe MODE[@VARIANT]  (storepath: --device-cache off; e
   local cmd=("$PY" -m tiermoe.cli serve "$STORE_DIR/store" --host 127.0.0.1 --port $port --served-model-name "$NAME"
     --max-model-len "$CTX" --max-num-seqs "$NP" --max-num-batched-tokens "$UBATCH" --gpu-expert-gb "$gpu_gb"
     --host-expert-gb "$host_gb" --mode "$mode" --cpu-lane-threads "$THREADS" $dio $vargs $TIERMOE_EXTRA_ARGS)
+  [ "$REPLAY" = 1 ] && cmd+=(--routing-replay "$STORE_DIR/expert-stats.json")
   echo "tiermoe ${cmd[*]:3}" > "$RES/cmd-$label.txt"
   log "$label: --gpu-expert-gb $gpu_gb --host-expert-gb $host_gb"
   local vpid t0=$SECONDS
