@@ -17,7 +17,7 @@ process has the interpreter on.
    shared memory, so a hand-written signature would understate the shared memory a launch needs.
 
 Usage: TRITON_INTERPRET=0 python _aot_compile.py OUT.json   (writes this report as JSON)
-  {"targets": [...], "launches": recorded, "variants": distinct, "errors": [wrapper calls that raised],
+  {"targets": [...], "triton": the version that compiled, "launches": recorded, "variants": distinct, "errors": [wrapper calls that raised],
    "results": [{"kernel", "variant", "scenario", "target", "shared" (bytes), "seconds", "error"}]}
 """
 
@@ -34,6 +34,7 @@ import traceback
 from dataclasses import dataclass, field
 
 import torch
+import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
@@ -194,17 +195,36 @@ def expert_cache(rec: Recorder) -> None:
             gather_records(cache.copy_src, cache.copy_dst, cache.n_copy, record, chunk_bytes=chunk)
 
 
+class LowAddressMailbox(Mailbox):
+    """A mailbox whose raw addresses lie below 2**31, as CPU tensors do in a Python built without
+    PIE (its heap follows the executable): Triton types such integer arguments int32."""
+
+    def _req_addr(self, slot: int) -> int:
+        return 0x1000_0000 + slot * 0x10_0000
+
+    def _res_addr(self, slot: int) -> int:
+        return 0x2000_0000 + slot * 0x10_0000
+
+    def _ctrl_addr(self, slot: int) -> int:
+        return 0x3000_0000 + slot * 128
+
+    def _meta_addr(self, slot: int) -> int:
+        return 0x3100_0000 + slot * 0x1000
+
+
 def mailbox(rec: Recorder) -> None:
     """post (with and without side data) and wait_add with bf16 and fp32 rows, through the
-    inline-PTX path a CUDA mailbox takes."""
-    mb = Mailbox(2, HIDDEN, 16, "cpu", meta_words=4 + 2 * 16 * TOP_K)
-    mb._asm = True  # a mailbox on a CUDA device publishes and polls with inline PTX (CPU: atomics)
-    with rec.tagged("mailbox post + wait_add"):
-        for dtype in (torch.bfloat16, torch.float32):
-            x = torch.zeros(4, HIDDEN, dtype=dtype)
-            mb.post(0, x)
-            mb.post(1, x, torch.zeros(4 + 2 * 4 * TOP_K, dtype=torch.int32))
-            mb.wait_add(0, x)
+    inline-PTX path a CUDA mailbox takes; with 64-bit addresses and with addresses below 2**31
+    (the recorded addresses are this Python's own: either kind, whichever it has)."""
+    for mb_class, where in ((Mailbox, "this process's addresses"), (LowAddressMailbox, "addresses below 2**31")):
+        mb = mb_class(2, HIDDEN, 16, "cpu", meta_words=4 + 2 * 16 * TOP_K)
+        mb._asm = True  # a mailbox on a CUDA device publishes and polls with inline PTX (CPU: atomics)
+        with rec.tagged(f"mailbox post + wait_add, {where}"):
+            for dtype in (torch.bfloat16, torch.float32):
+                x = torch.zeros(4, HIDDEN, dtype=dtype)
+                mb.post(0, x)
+                mb.post(1, x, torch.zeros(4 + 2 * 4 * TOP_K, dtype=torch.int32))
+                mb.wait_add(0, x)
 
 
 SCENARIOS = (fused_moe_defaults, fused_moe_k_tiles_spanning_groups, fused_moe_gemv, fused_moe_tuned,
@@ -350,8 +370,8 @@ def main(out_path: str) -> None:
     launches, errors = record()
     variants = distinct(launches)
     results = compile_all(variants, processes=min(2, os.cpu_count() or 1))
-    report = {"targets": list(TARGETS), "launches": len(launches), "variants": len(variants), "errors": errors,
-              "results": results}  # fmt: skip
+    report = {"targets": list(TARGETS), "triton": triton.__version__, "launches": len(launches),
+              "variants": len(variants), "errors": errors, "results": results}
     with open(out_path, "w") as f:
         json.dump(report, f, indent=1)
 

@@ -6,7 +6,9 @@ while it spins (the GIL is handed over every few milliseconds).
 """
 
 import threading
+import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -205,3 +207,28 @@ def test_bf16_rounding_edge_cases_match_torch(device):
     nan = twin.x_host.isnan()
     assert torch.equal(mb.x_host.isnan(), nan) and int(nan.sum()) == 2
     assert torch.equal(mb.x_host.view(torch.int16)[~nan], twin.x_host.view(torch.int16)[~nan])
+
+
+class _HeldAfterDone(np.ndarray):
+    """The server's view of ctrl, holding its thread for a while right after it publishes done."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        if isinstance(key, tuple) and key[1:] == (R.MAILBOX_DONE,):
+            time.sleep(0.3)
+
+
+def test_an_answer_the_device_saw_is_already_counted(device):
+    """Once the device got past its wait (a stream sync), `served` includes that answer. The server
+    counted only after publishing done, so a count read right after a step could lag by one
+    (8 served for 9 lane steps on a GPU): here its thread is held right after publishing."""
+    mb = Mailbox(1, H, TMAX, device)
+    mb._ctrl_np = mb.ctrl.numpy().view(_HeldAfterDone)
+    with MailboxServer(mb, lambda slot, x: x.float(), spin_s=0.0) as server:
+        for n in range(1, 3):
+            out = torch.zeros(1, H, dtype=torch.float32, device=device)
+            mb.post(0, torch.ones(1, H, dtype=torch.bfloat16, device=device))
+            mb.wait_add(0, out, max_spins=1 << 30)
+            _sync(device)
+            assert server.served == n and mb.done().tolist() == [n]
+            assert torch.equal(out, torch.ones_like(out))

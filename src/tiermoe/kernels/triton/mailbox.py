@@ -18,7 +18,11 @@ with a stream sync breaks graph capture and costs a host round trip per layer. I
 
 The mailbox lives in pinned host memory (torch's pinned allocator: cudaHostAlloc, mapped under
 unified addressing, so a host address is also a device address); the kernels get raw addresses
-as integer arguments, as the gather kernel does with pinned expert records. The sequence
+as integer arguments, as the gather kernel does with pinned expert records. Triton types an
+integer argument by its value (int32 below 2**31), and a pointer is made only from 64 bits, so
+each address is widened to int64 before the cast: a low address (CPU tensors of a Python built
+without PIE, e.g. Debian's system Python, when the kernels are compiled ahead of time) would
+otherwise not compile ("error encountered during parsing"). The sequence
 counter is a device tensor bumped by the post kernel, so every graph replay posts a new number
 without the host. Memory layout per slot (`ctrl` int64 [S, 16], 128 bytes a slot):
   ctrl[s, POSTED] written by the device (release), ctrl[s, NTOK] token count of the request,
@@ -100,8 +104,8 @@ def _post_kernel(x_ptr, n_elem, ntok, seq_ptr, slot, req_addr, ctrl_addr, meta_p
                  ASM: tl.constexpr):  # fmt: skip
     """One program: x (n_elem values) and meta (n_meta int32 words) -> the slot's request and
     meta areas, seq[slot] += 1, then posted = seq."""
-    req = req_addr.to(tl.pointer_type(tl.bfloat16))
-    ctrl = ctrl_addr.to(tl.pointer_type(tl.int64))
+    req = req_addr.to(tl.int64).to(tl.pointer_type(tl.bfloat16))
+    ctrl = ctrl_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
     for off in range(0, n_elem, BLOCK):
         offs = off + tl.arange(0, BLOCK)
         m = offs < n_elem
@@ -109,7 +113,7 @@ def _post_kernel(x_ptr, n_elem, ntok, seq_ptr, slot, req_addr, ctrl_addr, meta_p
         if not X_BF16:
             v = _bf16_rne(v.to(tl.float32))
         tl.store(req + offs, v, mask=m)
-    meta_out = meta_addr.to(tl.pointer_type(tl.int32))
+    meta_out = meta_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
     for off in range(0, n_meta, BLOCK):
         offs = off + tl.arange(0, BLOCK)
         m = offs < n_meta
@@ -128,7 +132,7 @@ def _wait_kernel(seq_ptr, slot, ok_ptr, ctrl_addr, max_spins, DONE: tl.constexpr
 
     One poller on purpose: every warp that reads the same host word costs a serialized trip
     over PCIe (measured on an H200: about 1 us per polling warp per poll)."""
-    ctrl = ctrl_addr.to(tl.pointer_type(tl.int64))
+    ctrl = ctrl_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
     target = tl.load(seq_ptr + slot)
     d = _acquire_load(ctrl + DONE, ASM)
     i = 0
@@ -143,7 +147,7 @@ def _wait_kernel(seq_ptr, slot, ok_ptr, ctrl_addr, max_spins, DONE: tl.constexpr
 def _add_kernel(out_ptr, n_elem, ok_ptr, slot, res_addr, NPROG, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
     """out += result rows when ok[slot] (set by _wait_kernel just before, in stream order)."""
     pid = tl.program_id(0)
-    res = res_addr.to(tl.pointer_type(tl.float32))
+    res = res_addr.to(tl.int64).to(tl.pointer_type(tl.float32))
     n_ok = tl.where(tl.load(ok_ptr + slot) != 0, n_elem, 0)  # nothing to add after a timeout
     for off in range(pid * BLOCK, n_elem, NPROG * BLOCK):
         offs = off + tl.arange(0, BLOCK)
@@ -188,6 +192,9 @@ class Mailbox:
     def _ctrl_addr(self, slot: int) -> int:
         return self.ctrl[slot].data_ptr()
 
+    def _meta_addr(self, slot: int) -> int:
+        return self.meta[slot].data_ptr()
+
     def _check(self, slot: int, t: torch.Tensor) -> None:
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot {slot} outside 0..{self.slots - 1}")
@@ -211,7 +218,7 @@ class Mailbox:
                 raise ValueError(f"meta of {meta.numel()} words exceeds meta_words={self.meta_words}")
             n_meta = meta.numel()
         _post_kernel[(1,)](x, x.numel(), x.shape[0], self.seq, slot, self._req_addr(slot), self._ctrl_addr(slot),
-                           meta, n_meta, self.meta[slot].data_ptr(), POSTED=MAILBOX_POSTED, NTOK=MAILBOX_NTOK,
+                           meta, n_meta, self._meta_addr(slot), POSTED=MAILBOX_POSTED, NTOK=MAILBOX_NTOK,
                            X_BF16=x.dtype == torch.bfloat16, BLOCK=1024, ASM=self._asm, num_warps=4)  # fmt: skip
 
     def wait_add(self, slot: int, out: torch.Tensor, max_spins: int = DEFAULT_MAX_SPINS) -> None:
@@ -258,7 +265,8 @@ class MailboxServer:
     none can; while it is clear the thread sleeps on it instead of polling, so it neither wakes
     thousands of times a second nor takes the GIL from other threads between such steps.
     If compute_fn raises, the slot's result is zeroed, ERR = -seq, done is still published (the
-    device must not stall) and the exception is kept in `failure`.
+    device must not stall) and the exception is kept in `failure`. `served` counts answers
+    (failed ones included); once the device has seen an answer, it is counted.
     """
 
     def __init__(self, mailbox: Mailbox, compute_fn: Callable[[int, torch.Tensor], torch.Tensor], threads: int = 0,
@@ -268,6 +276,7 @@ class MailboxServer:
         self.active = active
         self.spin_s, self.max_sleep_s = float(spin_s), float(max_sleep_s)
         self.served = 0
+        self.failed = 0  # answers whose compute_fn raised (counted in served too)
         self.failure: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -311,10 +320,14 @@ class MailboxServer:
             res.copy_(y)
         except Exception as exc:  # the device must still be released; the caller sees ERR < 0
             self.failure = exc
+            self.failed += 1
             res.zero_()
             ctrl[slot, MAILBOX_ERR] = -seq
-        ctrl[slot, MAILBOX_DONE] = seq  # after the result bytes (x86 stores are not reordered)
+        # Counted before done is published: a caller that saw the device get past its wait (a
+        # stream sync) then reads a count that includes this answer. Counted after, the device
+        # could read done and finish while the count still lagged by one.
         self.served += 1
+        ctrl[slot, MAILBOX_DONE] = seq  # after the result bytes (x86 stores are not reordered)
 
     def _run(self) -> None:
         if self.threads > 0:
