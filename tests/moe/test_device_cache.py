@@ -301,7 +301,11 @@ def test_lane_forward_adds_the_lanes_part_through_the_mailbox(stores):
             assert not dev_lane.active.is_set() and dev_lane.server.alive  # parked between lane steps
             x, ids, w = moe_batch(1, seed=7)
             out = dev_lane.forward(1, x, ids, w)  # a post while parked is still answered (within 50 ms)
+            if ON_GPU:  # forward only queued the step: its answer is counted once the device got past it
+                torch.cuda.synchronize()
             assert out.shape == x.shape and dev_lane.server.served == dc.lane_calls == 9  # one post a lane step
+            assert dev_lane.counters() == {"posts": 9, "served": 9, "unanswered": 0, "timeouts": 0, "failed": 0}
+            assert dc.counters()["mailbox"]["posts"] == 9  # what /stats reports
             dc.set_lane(0)  # exact mode again: the plain path, no lane picks
             x, ids, w = moe_batch(2, seed=99)
             assert torch.equal(dev_lane.forward(1, x, ids, w), ref.forward(1, x, ids, w))
@@ -335,9 +339,43 @@ def test_device_lane_reports_a_failed_answer(stores):
             with pytest.raises(RuntimeError, match="CPU lane failed: no room for the repack"):
                 dev_lane.check()
             dev_lane.check()  # reported once: the marks are cleared for the next step
+            assert dev_lane.counters()["failed"] == 1 and dev_lane.counters()["unanswered"] == 0
         finally:
             dev_lane.close()
             lane.close()
+
+
+def test_saved_decisions_come_back_with_their_slot_records(stores):
+    """save_decisions / restore_decisions (around the start-up warm-up): after other steps admitted
+    and evicted experts, the cache holds exactly the saved state again (tables, CLOCK, pick
+    counts, lane marks) and every slot holds its expert's record bytes, re-copied for the slots
+    that changed. Fast mode's lane choice, and so its output, depends on all of it."""
+    path, rec = stores["int4"]
+    with _host_store(path, rec) as st:
+        dc = DeviceCacheExperts(st, 10, rates={}, top_k=2, max_tokens=3, lane_cap=2)
+        dc.set_lane(2)
+
+        def steps(experts: list[int], n: int, seed: int) -> None:
+            for i in range(n):
+                x, _, w = moe_batch(1, seed=seed + i)
+                ids = torch.tensor([experts[i % len(experts)], experts[(i + 1) % len(experts)]], device=DEVICE)
+                for layer in LAYERS:
+                    dc.forward(layer, x, ids[None], w)
+
+        steps([0, 1, 2], 6, seed=0)  # a history: 0, 1, 2 resident
+        saved = dc.save_decisions()
+        want = {layer: {n: t.clone() for n, t in state.items()} for layer, state in saved.items()}
+        steps([5, 6, 7], 12, seed=100)  # other steps: 5, 6, 7 admitted over them
+        assert any(not torch.equal(c.slot_expert, want[layer]["slot_expert"]) for layer, c in dc.caches.items())
+        dc.restore_decisions(saved)
+        for layer, cache in dc.caches.items():
+            for name, t in want[layer].items():
+                assert torch.equal(getattr(cache, name), t), (layer, name)
+            entries = st.host_entries(layer)
+            rows = ((cache.slot_addr - dc.arena.data_ptr()) // st.record_bytes).tolist()  # arena row of each slot
+            for slot, e in enumerate(cache.slot_expert.tolist()):
+                if e >= 0:
+                    assert torch.equal(dc.arena[rows[slot]].cpu(), entries[e].cpu()), (layer, slot, e)
 
 
 def test_eligibility_rules(stores, monkeypatch):

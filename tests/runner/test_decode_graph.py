@@ -113,41 +113,82 @@ def test_auto_decode_attention_is_paged_where_the_model_allows(tiny_dir):
         assert eng.stats()["decode_attention"] == want, arch
 
 
-@pytest.mark.skipif(not ON_GPU, reason="needs CUDA (TIERMOE_KERNEL_TESTS_ON_GPU=1)")
-@pytest.mark.parametrize("attention,mode", [("sdpa", "exact"), ("paged", "exact"), ("paged", "fast")])
-def test_graph_decode_is_bit_identical_to_eager(tiny_dir, tmp_path, attention, mode):
-    """Fast mode too: the CPU lane answers through the mailbox inside the replayed graph."""
-    from tiermoe.engine.build import build_engine_core
-    from tiermoe.engine.protocol import SamplingParams
+def _int4_store(tiny_dir, tmp_path):
+    """tiny glm4_moe (2 MoE layers of 8 experts, top-2) packed as int4 records of 4096 bytes."""
     from tiermoe.store.pack import pack
 
     store = tmp_path / "store"
     pack(str(tiny_dir("glm4_moe", "bfloat16")), str(store), quant="int4", group_size=32, progress=False,
-         log=lambda _: None)  # fmt: skip
-    rec = 4096
-    opts = {"expert_kernel": "triton", "gpu_expert_gb": 4 * rec / GIB, "host_expert_gb": 16 * rec / GIB,
-            "mode": mode, "cpu_lane_experts": 2, "cpu_lane_threads": 2}
+         log=lambda _: None)
+    return store
+
+
+REC = 4096
+FAST_OPTS = {"expert_kernel": "triton", "gpu_expert_gb": 4 * REC / GIB, "host_expert_gb": 16 * REC / GIB,
+             "cpu_lane_experts": 2, "cpu_lane_threads": 2}
+
+
+def _generate(store, device: str, options: dict, batch: int, warm: bool = False,
+              max_tokens: int = 12) -> tuple[list, dict]:
+    """Tokens and logprobs of `batch` requests decoded together (sorted by request), and the
+    counters afterwards: the expert backend's, the graphs' (with each program's pieces)."""
+    from tiermoe.engine.build import build_engine_core
+    from tiermoe.engine.protocol import SamplingParams
+
+    eng = build_engine_core(str(store), device=device, dtype="bfloat16", max_num_seqs=2, options=options)
+    if warm:  # as `tiermoe serve` does: every shape compiled (and on CUDA recorded) before the requests
+        assert eng.warm_up() > 4
+        if eng.runner.graphs is not None:
+            assert eng.runner.graphs.counters()["captured_batch_sizes"] == [1, 2]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+    for i in range(batch):
+        eng.add_request(f"r{i}", [5 + i, 17, 33, 64, 101, 250][: 6 - i], params)
+    outs: dict[str, list] = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(
+                (t, lp.logprob, tuple(lp.top)) for t, lp in zip(o.new_token_ids, o.logprobs or []))
+    counters = eng.stats()["experts"]  # what /stats reports under engine.experts
+    graphs = eng.runner.graphs.counters() if eng.runner.graphs is not None else None
+    if graphs is not None:  # graph and eager pieces of each recorded program
+        graphs["programs"] = {b: [k for k, *_ in e.program] for (b, _), e in eng.runner.graphs._entries.items()}
+    eng.model.expert_backend.close()
+    return [outs[k] for k in sorted(outs)], {"experts": counters, "graphs": graphs, "layers": eng.model.spec.num_layers}
+
+
+def _assert_every_post_answered_once(experts: dict) -> None:
+    dc = experts["device_cache"]
+    assert dc["mailbox"] == {"posts": dc["lane_calls"], "served": dc["lane_calls"], "unanswered": 0,
+                             "timeouts": 0, "failed": 0}, dc
+
+
+@pytest.mark.slow
+def test_fast_mode_warm_up_changes_no_token(tiny_dir, tmp_path):
+    """Fast mode's tokens depend on the device cache's decisions (the CPU lane takes the coldest
+    misses, and its fp32 partial is rounded apart from the device's), so the warm-up's dummy
+    steps must leave those decisions as they found them (ModelRunner.warm_up). On CPU: eager
+    steps through the interpreter, the lane answering through the mailbox; the GPU test below
+    adds graphs."""
+    store = _int4_store(tiny_dir, tmp_path)
+    opts = {**FAST_OPTS, "mode": "fast"}
+    ref, c = _generate(store, "cpu", opts, batch=2, max_tokens=6)
+    assert c["experts"]["device_cache"]["lane_calls"] > 0 and c["experts"]["cpu_lane"]["experts"] > 0
+    _assert_every_post_answered_once(c["experts"])
+    got, c = _generate(store, "cpu", opts, batch=2, warm=True, max_tokens=6)
+    assert got == ref
+    _assert_every_post_answered_once(c["experts"])  # the warm-up's lane steps included
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA (TIERMOE_KERNEL_TESTS_ON_GPU=1)")
+@pytest.mark.parametrize("attention,mode", [("sdpa", "exact"), ("paged", "exact"), ("paged", "fast")])
+def test_graph_decode_is_bit_identical_to_eager(tiny_dir, tmp_path, attention, mode):
+    """Fast mode too: the CPU lane answers through the mailbox inside the replayed graph; with
+    the start-up warm-up as without it."""
+    store = _int4_store(tiny_dir, tmp_path)
+    opts = {**FAST_OPTS, "mode": mode, "decode_attention": attention}
 
     def generate(eager: bool, batch: int, warm: bool = False) -> tuple[list, dict]:
-        eng = build_engine_core(str(store), device="cuda", dtype="bfloat16", max_num_seqs=2,
-                                options={**opts, "enforce_eager": eager, "decode_attention": attention})  # fmt: skip
-        if warm:  # as `tiermoe serve` does: every shape compiled and recorded before the requests
-            assert eng.warm_up() > 4 and eng.runner.graphs.counters()["captured_batch_sizes"] == [1, 2]
-        params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=5)
-        for i in range(batch):
-            eng.add_request(f"r{i}", [5 + i, 17, 33, 64, 101, 250][: 6 - i], params)
-        outs: dict[str, list] = {}
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                outs.setdefault(o.request_id, []).extend(
-                    (t, lp.logprob, tuple(lp.top)) for t, lp in zip(o.new_token_ids, o.logprobs or []))
-        counters = eng.model.expert_backend.counters()
-        graphs = eng.runner.graphs.counters() if eng.runner.graphs is not None else None
-        if graphs is not None:  # graph and eager pieces of each recorded program
-            graphs["programs"] = {b: [k for k, *_ in e.program] for (b, _), e in eng.runner.graphs._entries.items()}
-        eng.model.expert_backend.close()
-        return [outs[k] for k in sorted(outs)], {"experts": counters, "graphs": graphs,
-                                                 "layers": eng.model.spec.num_layers}
+        return _generate(store, "cuda", {**opts, "enforce_eager": eager}, batch, warm)
 
     for batch in (1, 2):
         ref, c = generate(True, batch)
@@ -161,7 +202,12 @@ def test_graph_decode_is_bit_identical_to_eager(tiny_dir, tmp_path, attention, m
         assert dc["cache_steps"] == 11 * dc["layers"], dc
         if mode == "fast":  # the lane served every decode layer (lane_calls) and computed experts
             assert dc["lane_calls"] == dc["cache_steps"] and c["experts"]["cpu_lane"]["experts"] > 0, c
-        assert generate(False, batch, warm=True)[0] == ref, batch  # warm-up changes no token
+            _assert_every_post_answered_once(c["experts"])  # replayed posts too
+        warm, cw = generate(False, batch, warm=True)
+        assert warm == ref, batch  # warm-up changes no token
+        if mode == "fast":
+            _assert_every_post_answered_once(cw["experts"])
+        assert generate(True, batch, warm=True)[0] == ref, batch  # nor in eager steps
         if attention == "paged":  # the whole decode step in one graph
             assert c["graphs"]["programs"] == {batch: ["graph"]}, c["graphs"]
         else:  # one eager attention core per layer between graph pieces

@@ -149,6 +149,7 @@ class DeviceCacheExperts:
         self.steps = 0  # layer calls that ran a cache step
         self.table_calls = 0  # layer calls served from the canonical table (prefill, large steps)
         self.lane_calls = 0
+        self.device_lane = None  # the DeviceLane answering lane steps (fast mode): its counters join ours
 
     def begin_step(self, tokens: int, decode: bool) -> None:
         """Before each forward: a large prefill chunk plans its staging once (PrefillStaging)."""
@@ -224,6 +225,41 @@ class DeviceCacheExperts:
         out = fused_moe(xb.contiguous(), topk_ids, topk_weights, table, self.layout, config=self.config, **clamp)
         return out if out.dtype == x.dtype else out.to(x.dtype)  # [T, H]
 
+    # What a cache step reads and writes besides the counters: slot contents and tables, CLOCK
+    # state, pick frequencies, the step stamp and the marks compared against it.
+    DECISION_STATE = ("ptr_table", "slot_expert", "expert_slot", "ref", "clock", "emark", "victims", "copy_src",
+                      "copy_dst", "n_copy", "freq", "step_table", "smark", "saddr", "lane_ids", "lmark")
+
+    def save_decisions(self) -> dict[int, dict[str, torch.Tensor]]:
+        """A copy of every layer's decision state (for `restore_decisions`; queued, no sync).
+
+        Why: fast mode's output depends on that state (the lane takes the coldest misses, and
+        its fp32 partial is rounded apart from the device's), so steps that are not part of
+        serving (the start-up warm-up) must leave it as they found it. Exact mode does not
+        depend on it, but keeps the warm start's placement instead of the dummy steps'."""
+        self.prefill.return_loan()
+        return {layer: {n: getattr(c, n).clone() for n in self.DECISION_STATE} for layer, c in self.caches.items()}
+
+    def restore_decisions(self, saved: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Put back a `save_decisions` copy, tables in place (recorded graphs keep their
+        addresses) and the records of the slots whose expert changed (one gather per layer; the
+        others copy onto themselves). Counters keep counting."""
+        from tiermoe.kernels.triton.cache_manager import gather_records
+
+        self.prefill.return_loan()
+        for layer, cache in self.caches.items():
+            before = cache.slot_expert.clone()  # [S] what the slots hold now
+            for name, t in saved[layer].items():
+                getattr(cache, name).copy_(t)
+            if not cache.num_slots:
+                continue
+            held = cache.slot_expert
+            src = torch.where((held != before) & (held >= 0), cache.host_addr[held.clamp(min=0).long()],
+                              cache.slot_addr)
+            count = torch.full((1,), cache.num_slots, dtype=torch.int32, device=held.device)
+            gather_records(src, cache.slot_addr.clone(), count, cache.record_bytes, chunk_bytes=cache.gather_chunk,
+                           programs=cache.gather_programs, num_warps=cache.gather_warps)
+
     def _zero_record(self, device: torch.device) -> torch.Tensor:
         if self._zero is None or self._zero.device != device:
             self._zero = torch.zeros(self.layout.length, dtype=torch.uint8, device=device)
@@ -248,7 +284,8 @@ class DeviceCacheExperts:
                 "prefill_borrowed_rows": self.prefill.lender.rows if self.prefill.lender else 0,
                 "prefill_loans": self.prefill.lender.loans if self.prefill.lender else 0,
                 "prefill_rows": self.prefill_rows, "prefill_buffers": self.prefill.num_buffers,
-                "prefill_planned_chunks": self.prefill.planned_chunks, "kind": self.layout.kind}
+                "prefill_planned_chunks": self.prefill.planned_chunks, "kind": self.layout.kind,
+                **({"mailbox": self.device_lane.counters()} if self.device_lane is not None else {})}
 
     def merge_store_counters(self, c: dict, stats: dict[str, int] | None = None) -> dict:
         """The store's counters dict with the device cache's slot traffic folded in: the store

@@ -53,6 +53,8 @@ class DeviceLane:
                                meta_words=words)  # fmt: skip
         self.active = threading.Event()  # set from a lane step's start to its check: the server polls only then
         self.server = MailboxServer(self.mailbox, self._compute, threads=lane.threads, active=self.active).start()
+        self.timeouts = 0  # device waits that ran out of polls (seen by check)
+        device_cache.device_lane = self  # its counters report the mailbox's
 
     def begin(self) -> None:
         """A step that may hand work to the lane starts: the server polls until `check`."""
@@ -88,10 +90,22 @@ class DeviceLane:
         if failure is None and not err.any():
             return
         self.server.failure = None
+        self.timeouts += int((err > 0).sum())
         self.mailbox.ctrl[:, MAILBOX_ERR] = 0
         if failure is not None:
             raise RuntimeError(f"CPU lane failed: {failure}")
         raise RuntimeError("CPU lane answer timed out on the device")
+
+    def counters(self) -> dict[str, int]:
+        """The hand-off's own counts (no device sync): posts the device published, answers the
+        server made, posts not answered yet. Between steps (each lane step ends with `check`,
+        which waits for the device), every post answered exactly once reads posts == served and
+        unanswered == 0; a lost answer shows as unanswered (or a timeout), a doubled one as
+        served > posts."""
+        posted, done = self.mailbox.posted(), self.mailbox.done()
+        return {"posts": int(posted.sum()), "served": self.server.served,
+                "unanswered": int((posted - done).clip(min=0).sum()), "timeouts": self.timeouts,
+                "failed": self.server.failed}
 
     def close(self) -> None:
         """Let queued device waits be answered, then stop the serving thread (before the lane

@@ -109,8 +109,12 @@ class ModelRunner:
         4, ... max_chunk tokens, then decode steps of 1..max_batch sequences run twice each. The
         KV rows go to pages at the end of the pool, which no request holds yet (call before
         serving); results do not change (tests/runner/test_warm_up.py). Expert-cache counters
-        include these steps.
+        include these steps, but the device cache's decisions are put back as they were: fast
+        mode's tokens depend on them (which misses the CPU lane takes). Each step is checked as
+        a served one is (a failed lane answer fails the start-up, not the first request).
         """
+        device_cache = getattr(getattr(self.model, "expert_backend", None), "device_cache", None)
+        saved = device_cache.save_decisions() if device_cache is not None else None
         pool = next(iter(self.kv_caches[0].values())).shape[0]  # KV pages
         steps = 0
         n = 1
@@ -119,11 +123,15 @@ class ModelRunner:
             if need > pool:
                 break
             self._forward_chunks([([0] * n, 0, list(range(pool - need, pool)), 0)], decode=False)
+            self.check_step()
             steps, n = steps + 1, n * 2
         for b in range(1, min(max_batch, pool) + 1):
             for _ in range(2):  # the first compiles (and is seen), the second records its graph
                 self._forward_chunks([([0], 0, [pool - 1 - i], i) for i in range(b)], decode=True)
+                self.check_step()
                 steps += 1
+        if saved is not None:
+            device_cache.restore_decisions(saved)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return steps
