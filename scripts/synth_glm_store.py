@@ -37,6 +37,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from tiermoe.kernels.layout import expert_layout  # noqa: E402
 from tiermoe.kernels.triton.tiered import random_records  # noqa: E402
+from tiermoe.store.planner import counts_for_model, load_stats  # noqa: E402
 from tiermoe.store.records import EXPERTS_NAME, FORMAT_VERSION, RecordLayout, write_manifest  # noqa: E402
 
 STATS = ROOT / "src" / "tiermoe" / "kernels" / "data" / "glm53-flash-decode-expert-counts.json"
@@ -54,12 +55,9 @@ def glm_config(base: dict, a) -> dict:
 
 
 def real_counts(n_layers: int, experts: int) -> list[np.ndarray]:
-    """Pick counts of n_layers real layers, spread over the 42 measured ones."""
-    rows = [np.asarray(v, dtype=np.float64) for v in json.loads(STATS.read_text()).values()]
-    picks = [rows[round(i * (len(rows) - 1) / max(1, n_layers - 1))] for i in range(n_layers)]
-    if experts != len(rows[0]):  # other expert counts: resample the popularity curve
-        picks = [np.interp(np.linspace(0, len(r) - 1, experts), np.arange(len(r)), r) for r in picks]
-    return picks
+    """Pick counts of n_layers real layers, spread over the 42 measured ones (the mapping
+    `--routing-replay` uses too)."""
+    return counts_for_model(load_stats(STATS), n_layers, experts)
 
 
 def calibrated_bias(counts: np.ndarray, top_k: int, share: float, rng: np.random.Generator) -> np.ndarray:

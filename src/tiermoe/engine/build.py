@@ -27,6 +27,23 @@ def add_engine_args(p, model_positional: bool = False) -> None:
     p.add_argument("--dtype", default="auto", help="auto (checkpoint dtype), bfloat16, float16, float32")
     add_sizing_args(p)
     add_store_args(p)
+    add_routing_args(p)
+
+
+def add_routing_args(p, record: bool = True) -> None:
+    """Routing replay and recording (benchmarking; moe/replay.py): one definition for every command."""
+    g = p.add_argument_group("routing (benchmarking)")
+    g.add_argument("--routing-replay", default=None, metavar="FILE",
+                   help="replace every MoE layer's top-k with picks from FILE (per-layer pick counts JSON, as "
+                        "--expert-stats, drawn per token; or a --record-routing trace, replayed in order), keeping "
+                        "the router's cost and its weights for those ids (default: the model's own routing)")
+    g.add_argument("--routing-replay-seed", type=int, default=0, help="seed of the draws from a counts FILE (default 0)")
+    if record:
+        g.add_argument("--record-routing", default=None, metavar="FILE",
+                       help="write every forward token's picks per MoE layer to FILE (.npz routing trace, for "
+                            "`tiermoe sim --trace` and --routing-replay)")
+        g.add_argument("--record-routing-max-tokens", type=int, default=200_000,
+                       help="tokens recorded at most (default 200000; later ones are not recorded)")
 
 
 def add_sizing_args(p, max_num_seqs: int = 8) -> None:
@@ -124,6 +141,12 @@ def build_engine_core(model: str | None, *, device: str | None = None, dtype: st
     dev = resolve_device(device)
     torch_dtype = parse_dtype(dtype, default=checkpoint_dtype(spec.hf_config))
     options.setdefault("max_num_seqs", max(1, int(max_num_seqs or 8)))  # the device cache sizes its staging rows
+    budget = options.get("max_num_batched_tokens") or (512 if dev == "cpu" else 2048)
+    routing = None
+    if options.get("routing_replay") or options.get("record_routing"):  # benchmarking; files checked before loading
+        from tiermoe.moe.replay import plan_routing
+
+        routing = plan_routing(spec, options, model_name=path.name, max_step_tokens=budget)
     backend = _expert_backend(path, dev, torch_dtype, options)
     lm = load_model(path, device=dev, dtype=torch_dtype, expert_backend=backend)
     try:
@@ -148,12 +171,13 @@ def build_engine_core(model: str | None, *, device: str | None = None, dtype: st
     if num_pages < pages_one_seq:
         raise UserError(f"--kv-cache-gb: too small for one {ctx}-token sequence "
                         f"({pages_one_seq * PAGE_SIZE * per_token / 2**30:.2f} GB needed)")
-    budget = options.get("max_num_batched_tokens") or (512 if dev == "cpu" else 2048)
     log.info("model %s (%s) on %s %s: context %d, %d KV pages of %d tokens, %d seqs", path, spec.arch, dev,
              str(torch_dtype).replace("torch.", ""), ctx, num_pages, PAGE_SIZE, max_num_seqs)
     engine = LLMEngine(lm, tokenizer, max_model_len=ctx, max_num_seqs=max_num_seqs, max_batched_tokens=budget,
                        num_pages=num_pages, page_size=PAGE_SIZE, model_info={"arch": spec.arch, "name": path.name},
                        seed=options.get("seed"), num_speculative_tokens=options.get("num_speculative_tokens") or 0)
+    if routing is not None:
+        engine.runner.routing = routing.attach(lm)
     attention = options.get("decode_attention") or "auto"
     if attention not in ("auto", "sdpa", "paged"):
         raise UserError(f"--decode-attention {attention!r}: choose auto, sdpa or paged")

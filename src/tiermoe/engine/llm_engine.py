@@ -150,6 +150,8 @@ class LLMEngine:
             outputs.extend(self._append_tokens(done, result))
         if verified:
             outputs.extend(self._append_verified(batch.items, verified))
+        if self.runner.routing is not None:  # a routing record copies out and writes periodically
+            self.runner.routing.step_done()
         self.counters["step_seconds"] += time.perf_counter() - t0
         return outputs
 
@@ -167,6 +169,8 @@ class LLMEngine:
             **self.counters,
         }
         out["decode_attention"] = "paged" if self.runner.table_blocks else "sdpa"
+        # whose routing the experts served: the model's own, or --routing-replay's (benchmarks)
+        out["routing"] = self.runner.routing.counters() if self.runner.routing is not None else {"source": "model"}
         if self.runner.graphs is not None:
             out["decode_graphs"] = self.runner.graphs.counters()
         if self.warm_up_done is not None:
@@ -174,6 +178,8 @@ class LLMEngine:
         backend = getattr(self.model, "expert_backend", None)
         if backend is not None and hasattr(backend, "counters"):
             out["experts"] = backend.counters()
+            # beside the slot counters it qualifies (bench sweep reads it there): the replayed file or None
+            out["experts"]["routing_replay"] = (out["routing"].get("replay") or {}).get("file")
         if self.runner.spec is not None:
             out["speculative"] = self.runner.spec.stats()
         return out

@@ -47,6 +47,9 @@ def _register_tiers(sub) -> None:
     t.add_argument("--gpu-fractions", default="1.0,0.1,0.0", help="shares of all experts in device slots")
     t.add_argument("--host-fractions", default="all,0.1,0.0",
                    help="shares of all experts in host RAM ('all' = default sizing)")
+    from tiermoe.engine.build import add_routing_args
+
+    add_routing_args(t, record=False)  # the same replayed picks in every configuration
     t.set_defaults(handler=_tiers)
 
 
@@ -62,7 +65,8 @@ def _tiers(args) -> int:
         host = [None if x == "all" else float(x) for x in args.host_fractions.split(",")]
     except ValueError:
         raise UserError("--gpu-fractions/--host-fractions: comma-separated numbers (or 'all')") from None
-    result = run_tiers(args.model, resolve_device(args.device), gpu, host)
+    routing = {"routing_replay": args.routing_replay, "routing_replay_seed": args.routing_replay_seed}
+    result = run_tiers(args.model, resolve_device(args.device), gpu, host, routing)
     for r in result["configs"]:
         print(f"gpu {r['gpu_fraction']:.2f} host {r['host_fraction'] if r['host_fraction'] is not None else 'all'}: "
               f"{'bit-identical' if r['bit_identical'] else 'DIFFERENT'} ({r['positions']} positions)")

@@ -17,7 +17,11 @@ def expert_bytes(store_dir: str) -> int:
     return sum(int(r["length"]) for r in manifest["records"])
 
 
-def run_tiers(store: str, device: str, budgets: list[float], host_budgets: list[float | None]) -> dict:
+def run_tiers(store: str, device: str, budgets: list[float], host_budgets: list[float | None],
+              routing: dict | None = None) -> dict:
+    """routing: engine options of a routing replay (`--routing-replay`), the same for every
+    configuration: each engine starts at the same table row, so the picks match and exact
+    mode must still give the same bits."""
     from tiermoe.engine.build import build_engine_core, is_packed_store
     from tiermoe.errors import UserError
     from tiermoe.eval.parity import engine_logits, parity_prompts
@@ -29,13 +33,14 @@ def run_tiers(store: str, device: str, budgets: list[float], host_budgets: list[
     rows, baseline = [], None
     for gpu_frac in budgets:
         for host_frac in host_budgets:
-            options = {"gpu_expert_gb": gpu_frac * total / 2**30}
+            options = {**(routing or {}), "gpu_expert_gb": gpu_frac * total / 2**30}
             if host_frac is not None:
                 options["host_expert_gb"] = host_frac * total / 2**30
             engine = build_engine_core(store, device=device, dtype="auto", max_num_seqs=1, options=options)
             prompts = parity_prompts(engine.tokenizer, engine.vocab_size, min_positions=256)
             logits = torch.cat([engine_logits(engine, p) for p in prompts])
             counters = engine.model.expert_backend.counters()
+            counters["routing"] = engine.stats()["routing"]
             engine.model.expert_backend.close()
             if baseline is None:
                 baseline = logits

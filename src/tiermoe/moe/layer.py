@@ -22,10 +22,12 @@ class MoELayer(nn.Module):
             if moe.shared_expert_gated:
                 self.shared_expert_gate = Linear(hidden, 1)
         self.backend: ExpertBackend | None = None  # set by the loader
+        self.routing = None  # moe/replay.LayerRouting: routing replay and/or recording (benchmarks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        topk_ids, topk_weights = self.gate(x)
+        routing = self.routing
+        topk_ids, topk_weights = self.gate(x) if routing is None else routing.route(self.gate, x)
         out = self.backend.forward(self.layer, x, topk_ids, topk_weights)
         if self.moe.shared_intermediate_size:
             shared = getattr(self, self.moe.shared_expert_name)(x)
@@ -33,3 +35,8 @@ class MoELayer(nn.Module):
                 shared = F.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out
+
+    def predict_ids(self, x: torch.Tensor) -> torch.Tensor:
+        """The ids [T, k] this layer will pick for x [T, H], with no side effect (layer-ahead
+        prefetch calls it on the previous layer's input: under replay, the rows it will take)."""
+        return self.gate(x)[0] if self.routing is None else self.routing.peek(x.shape[0])

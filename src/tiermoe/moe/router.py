@@ -24,21 +24,28 @@ class Router(nn.Module):
             # Its dtype (and the weight's) follows the reference: see models/fp32_params.py.
             self.e_score_correction_bias = empty_param(moe.num_experts)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_ids [T, k] long, topk_weights [T, k])."""
-        if self.moe.scoring == "softmax":
-            return self._softmax(x)
-        return self._sigmoid_noaux(x)
+    def forward(self, x: torch.Tensor, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_ids [T, k] long, topk_weights [T, k]).
 
-    def _softmax(self, x):
+        ids [T, k] long (routing replay, moe/replay.py): the router still runs in full (its
+        cost stays in the step) but returns these ids, with the weights it gives them (the
+        same gather, renormalisation, scaling and dtype as for its own picks).
+        """
+        if self.moe.scoring == "softmax":
+            return self._softmax(x, ids)
+        return self._sigmoid_noaux(x, ids)
+
+    def _softmax(self, x, replay_ids=None):
         logits = F.linear(x, self.weight)  # [T, E] in the model dtype
         probs = F.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.moe.top_k, dim=-1)
+        if replay_ids is not None:
+            ids, weights = replay_ids, probs.gather(1, replay_ids)  # [T, k]
         if self.moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, (weights if self.moe.fp32_combine_weights else weights.to(logits.dtype))
 
-    def _sigmoid_noaux(self, x):
+    def _sigmoid_noaux(self, x, replay_ids=None):
         m = self.moe
         logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
         scores = logits.sigmoid()
@@ -51,6 +58,8 @@ class Router(nn.Module):
             score_mask = group_mask.unsqueeze(-1).expand(t, m.n_group, m.num_experts // m.n_group).reshape(t, -1)
             choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
         ids = torch.topk(choice, k=m.top_k, dim=-1, sorted=False)[1]
+        if replay_ids is not None:
+            ids = replay_ids
         weights = scores.gather(1, ids)
         if m.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

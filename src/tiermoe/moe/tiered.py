@@ -79,7 +79,7 @@ class TieredExperts:
             self.kernel = TritonExperts(store)
         self.swiglu_limit = swiglu_limit
         self.prefetch = prefetch
-        self.next_router: dict[int, tuple[int, object]] = {}  # layer -> (next MoE layer, its router)
+        self.next_router: dict[int, tuple[int, object]] = {}  # layer -> (next MoE layer, that layer's module)
         self.lane = None
         self.device_lane = None  # DeviceLane: fast mode on the device cache (created on the first switch)
         self._lane_args = lane or {}
@@ -180,7 +180,7 @@ class TieredExperts:
     def attach(self, moe_layers: list) -> None:
         """Called by the loader with the model's MoE layers in order (for layer-ahead prefetch)."""
         for cur, nxt in zip(moe_layers, moe_layers[1:]):
-            self.next_router[cur.layer] = (nxt.layer, nxt.gate)
+            self.next_router[cur.layer] = (nxt.layer, nxt)
         if moe_layers and moe_layers[0].moe.swiglu_limit is not None:
             self.swiglu_limit = moe_layers[0].moe.swiglu_limit
             if self.lane is not None:
@@ -217,8 +217,8 @@ class TieredExperts:
             return self._forward_device_cache(layer, x, topk_ids, topk_weights)
         ahead = self.next_router.get(layer)
         if self.prefetch and ahead is not None:
-            next_layer, router = ahead
-            next_ids, _ = router(x)  # [T, k] predicted picks of the next MoE layer
+            next_layer, module = ahead
+            next_ids = module.predict_ids(x)  # [T, k] the next MoE layer's picks (under replay: its rows)
             self.store.prefetch(next_layer, torch.unique(next_ids).tolist())
         fetch = lambda ids: self.store.fetch(layer, ids)  # noqa: E731
         if not self._lane_step:

@@ -68,6 +68,7 @@ class ModelRunner:
         self.spec = make_drafter(model, num_pages, page_size, num_speculative_tokens)
         self.graphs = None  # DecodeGraphs once enable_decode_graphs() found the model capturable
         self.table_blocks = 0  # > 0: pure decode steps attend through block tables this wide
+        self.routing = None  # moe/replay.RoutingHooks: routing replay/recording (benchmark flags), else None
 
     def enable_decode_graphs(self, max_batch: int) -> str | None:
         """Replay pure decode steps of up to max_batch sequences from CUDA graphs (see
@@ -134,6 +135,8 @@ class ModelRunner:
             device_cache.restore_decisions(saved)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self.routing is not None:  # a replayed trace starts at its first row with the first request
+            self.routing.reset_replay()
         return steps
 
     def kv_cache_bytes(self) -> int:
@@ -199,11 +202,15 @@ class ModelRunner:
             chunks.append((req.all_ids[req.num_computed : req.num_computed + n - len(d)] + d, req.num_computed,
                            req.pages, req.slot))
         decode = all(n - len(drafts.get(i, ())) == 1 for i, (_, n) in enumerate(items))  # one known token each
+        flags = None
+        if self.routing is not None:  # per token, for a routing record: decode (a generated token's successor)?
+            flags = [f for i, (req, n) in enumerate(items)
+                     for f in [n - len(drafts.get(i, ())) == 1 and bool(req.output_ids)] * n]
         if drafts:  # verified sequences keep per-token recurrent state for the rollback
             batch = build_forward_batch(chunks, self.page_size, self.device, all_logits=all_logits)
-            self._begin_step(batch, decode)
+            self._begin_step(batch, decode, flags)
             return batch, self.model(batch, self.kv_caches, keep_states=[i in drafts for i in range(len(items))])
-        return self._forward_chunks(chunks, decode, all_logits)
+        return self._forward_chunks(chunks, decode, all_logits, flags)
 
     def check_step(self) -> None:
         """After execute() queued a step's device work: let the expert backend raise for work of
@@ -212,17 +219,21 @@ class ModelRunner:
         if hasattr(backend, "end_step"):
             backend.end_step()
 
-    def _begin_step(self, batch: ForwardBatch, decode: bool) -> None:
+    def _begin_step(self, batch: ForwardBatch, decode: bool, flags: list[bool] | None = None) -> None:
+        """flags: per token, decode or not, for a routing record (None: the forward is not recorded)."""
         backend = getattr(self.model, "expert_backend", None)
         if hasattr(backend, "begin_step"):
             backend.begin_step(batch.num_tokens, decode=decode)
+        if self.routing is not None:
+            self.routing.begin_forward(batch.num_tokens, flags)
 
-    def _forward_chunks(self, chunks: list, decode: bool, all_logits: bool = False) -> tuple[ForwardBatch, torch.Tensor]:
+    def _forward_chunks(self, chunks: list, decode: bool, all_logits: bool = False,
+                        flags: list[bool] | None = None) -> tuple[ForwardBatch, torch.Tensor]:
         """One forward without drafts: a pure decode step through its block tables and graphs
         when those are on, anything else eagerly. Returns (batch, hidden [T, H])."""
         batch = build_forward_batch(chunks, self.page_size, self.device, all_logits=all_logits,
                                     table_blocks=self.table_blocks if decode else 0)
-        self._begin_step(batch, decode)
+        self._begin_step(batch, decode, flags)
         if decode and self.graphs is not None:
             hidden = self.graphs.run(batch)
             if hidden is not None:

@@ -11,7 +11,7 @@ import socket
 import sys
 from pathlib import Path
 
-from tiermoe.engine.build import add_sizing_args, add_store_args
+from tiermoe.engine.build import add_routing_args, add_sizing_args, add_store_args
 from tiermoe.errors import UserError
 
 log = logging.getLogger("tiermoe.server")
@@ -31,6 +31,7 @@ def register(subparsers) -> None:
     p.add_argument("--max-queue", type=int, default=256, help="requests allowed to wait beyond --max-num-seqs (then 429)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     add_store_args(p)
+    add_routing_args(p)
     p.add_argument("--dtype", default="auto", help="activation dtype: auto, bfloat16, float16, float32")
     p.add_argument("--tool-call-parser", choices=("auto", "hermes", "glm"), default="auto",
                    help="tool-call format of the model's output (auto: from the model / chat template)")

@@ -204,6 +204,26 @@ def load_stats(path: str | os.PathLike) -> dict[int, list[float]]:
     return out
 
 
+def spread_layers(n: int, m: int) -> list[int]:
+    """Which of m file layers each of a model's n MoE layers takes: evenly spread, first to
+    first and last to last, so a model with fewer (or more) layers than the statistics still
+    sees the whole range of their layers' skew."""
+    return [round(i * (m - 1) / max(1, n - 1)) for i in range(n)]
+
+
+def counts_for_model(stats: Mapping[int, list[float]], n_layers: int, experts: int) -> list:
+    """Per-expert pick counts (float64 [experts] each) for a model of n_layers MoE layers of
+    `experts` experts, from statistics of other shapes: file layers (in layer order) spread
+    over the model's (`spread_layers`); another expert count resamples each layer's popularity
+    curve (linear interpolation over the expert ids), so the skew is kept."""
+    import numpy as np
+
+    rows = [np.asarray(stats[L], dtype=np.float64) for L in sorted(stats)]
+    picks = [rows[j] for j in spread_layers(n_layers, len(rows))]
+    return [r if len(r) == experts else np.interp(np.linspace(0, len(r) - 1, experts), np.arange(len(r)), r)
+            for r in picks]
+
+
 def pick_rates(stats: Mapping[int, list[float]], top_k: int, smoothing: float = 0.0) -> dict[int, list[float]]:
     """Per-layer expected picks per token of each expert (each layer sums to top_k)."""
     rates = {}

@@ -42,8 +42,8 @@ def moe_spec(cfg: Glm5NextConfig) -> MoESpec:
 class MoE(nn.Module):
     """Router -> routed experts (through `self.backend`) + shared expert.
 
-    Exposes `layer`, `moe` and `gate` like the engine's MoELayer, so expert backends can
-    attach to it (layer-ahead prefetch runs `gate` of the next MoE layer)."""
+    Exposes `layer`, `moe`, `gate`, `routing` and `predict_ids` like the engine's MoELayer, so
+    expert backends and routing replay (moe/replay.py) attach to it the same way."""
 
     def __init__(self, cfg: Glm5NextConfig, layer: int):
         super().__init__()
@@ -53,8 +53,14 @@ class MoE(nn.Module):
         self.gate.e_score_correction_bias = nn.Parameter(torch.empty(cfg.n_routed_experts, dtype=torch.float32))
         self.shared_experts = MLP(cfg.hidden_size, self.moe.shared_intermediate_size, cfg.swiglu_limit)
         self.backend = None  # an ExpertBackend; set by Glm5NextModel.set_expert_backend
+        self.routing = None  # moe/replay.LayerRouting: routing replay and/or recording (benchmarks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        topk_ids, topk_weights = self.gate(x)
+        routing = self.routing
+        topk_ids, topk_weights = self.gate(x) if routing is None else routing.route(self.gate, x)
         return self.backend.forward(self.layer, x, topk_ids, topk_weights) + self.shared_experts(x)
+
+    def predict_ids(self, x: torch.Tensor) -> torch.Tensor:
+        """The ids [T, k] this layer will pick for x [T, H], with no side effect (layer-ahead prefetch)."""
+        return self.gate(x)[0] if self.routing is None else self.routing.peek(x.shape[0])
