@@ -11,6 +11,7 @@ tiers under replay.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -365,3 +366,93 @@ def test_exact_mode_bit_identical_across_tiers_under_replay(tiny_dir, tmp_path_f
     result = run_tiers(str(store), "cpu", [1.0, 0.0], [None, 0.0], routing)
     assert result["all_bit_identical"], result
     assert {r["counters"]["routing"]["source"] for r in result["configs"]} == {"replay"}
+
+
+def test_glm5_next_trunk_layers_replay_and_record(tmp_path):
+    """glm5_next's own MoE module takes the same hooks: each trunk MoE layer uses the trace's
+    rows in order, as the record of the same run shows."""
+    from tiermoe.models.tiny import write_tiny
+
+    model = write_tiny("glm5_next", tmp_path / "g")
+    picks = _distinct_rows(5, 5, seed=2)  # [5, 5 MoE layers, k]
+    trace = _trace(tmp_path / "t.npz", picks, layers=[3, 4, 5, 6, 7])
+    eng = _engine(model, routing_replay=str(trace), record_routing=str(tmp_path / "r.npz"))
+    _generate(eng, [[5, 17, 33], [9, 11]], tokens=3)
+    eng.runner.routing.close()
+    _, got, decode = read_trace(tmp_path / "r.npz")
+    assert got.shape[0] == 5 + 2 * 2 and decode.sum() == 4
+    assert np.array_equal(got, picks[[i % 5 for i in range(got.shape[0])]])
+
+
+def test_serve_sigterm_leaves_a_valid_trace(tiny_dir, tmp_path):
+    """A server stopped with SIGTERM writes what it recorded (the writer's final flush at exit)."""
+    import signal
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "serve.npz"
+    proc = subprocess.Popen([sys.executable, "-m", "tiermoe.cli", "serve", str(tiny_dir("qwen3_moe")),
+                             "--device", "cpu", "--port", str(port), "--log-level", "warning",
+                             "--record-routing", str(out), "--served-model-name", "m"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": [5, 6, 7, 8], "max_tokens": 4,
+                                                      "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0, proc.stderr.read()
+    _, picks, decode = read_trace(out)
+    assert picks.shape == (4 + 3, 3, K) and decode.tolist() == [False] * 4 + [True] * 3
+
+
+@pytest.mark.skipif(os.environ.get("TIERMOE_KERNEL_TESTS_ON_GPU") != "1",
+                    reason="needs CUDA (TIERMOE_KERNEL_TESTS_ON_GPU=1)")
+@pytest.mark.parametrize("attention", ["sdpa", "paged"])
+def test_graph_decode_replays_and_records_like_eager(tiny_dir, tmp_path, attention):
+    """On a GPU: decode steps replayed from CUDA graphs take the same replayed picks, give the
+    same tokens and record the same trace as the eager engine."""
+    from tiermoe.store.pack import pack
+
+    store = tmp_path / "store"
+    pack(str(tiny_dir("glm4_moe", "bfloat16")), str(store), quant="int4", group_size=32, progress=False,
+         log=lambda _: None)
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({f"layers.{i}": [9, 1, 8, 2, 7, 3, 6, 4] for i in range(2)}))
+    runs = []
+    for eager in (True, False):
+        from tiermoe.engine.build import build_engine_core
+
+        rec = tmp_path / f"rec-{eager}.npz"
+        eng = build_engine_core(str(store), device="cuda", dtype="bfloat16", max_num_seqs=2, options={
+            "expert_kernel": "triton", "gpu_expert_gb": 4 * 4096 / 2**30, "host_expert_gb": 16 * 4096 / 2**30,
+            "enforce_eager": eager, "decode_attention": attention, "routing_replay": str(f),
+            "record_routing": str(rec)})
+        if not eager:
+            eng.warm_up()
+        out = _generate(eng, [[5, 17, 33, 64], [9, 11]], tokens=12)
+        graphs = eng.runner.graphs.counters() if eng.runner.graphs is not None else None
+        eng.runner.routing.close()
+        eng.model.expert_backend.close()
+        runs.append((out, read_trace(rec)[1:], graphs))
+    (ref, (p0, d0), g0), (got, (p1, d1), g1) = runs
+    assert g0 is None and g1["replays"] >= 10, g1
+    assert got == ref and np.array_equal(p0, p1) and np.array_equal(d0, d1)
+    assert p0.shape[0] == 6 + 2 * 11

@@ -37,7 +37,8 @@ def add_routing_args(p, record: bool = True) -> None:
                    help="replace every MoE layer's top-k with picks from FILE (per-layer pick counts JSON, as "
                         "--expert-stats, drawn per token; or a --record-routing trace, replayed in order), keeping "
                         "the router's cost and its weights for those ids (default: the model's own routing)")
-    g.add_argument("--routing-replay-seed", type=int, default=0, help="seed of the draws from a counts FILE (default 0)")
+    g.add_argument("--routing-replay-seed", type=int, default=0,
+                   help="seed of the draws from a counts FILE (default 0)")
     if record:
         g.add_argument("--record-routing", default=None, metavar="FILE",
                        help="write every forward token's picks per MoE layer to FILE (.npz routing trace, for "

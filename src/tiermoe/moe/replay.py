@@ -200,8 +200,8 @@ class RoutingPlan:
         self.tables, self.replay = None, None
         if replay:
             self.tables, info = replay_tables(replay, num_layers=n, num_experts=e, top_k=k, seed=int(seed or 0))
-            self.replay = {"file": str(replay), **info, "seed": int(seed or 0), "table_tokens": int(self.tables.shape[1]),
-                           "layers": n, "file_layer_of": _spread(n, info["file_layers"])}
+            self.replay = {"file": str(replay), **info, "seed": int(seed or 0), "layers": n,
+                           "table_tokens": int(self.tables.shape[1]), "file_layer_of": _spread(n, info["file_layers"])}
         self.record, self.record_max_tokens, self.max_step_tokens = record, int(record_max_tokens), max_step_tokens
         self.header = None
         if record:

@@ -109,20 +109,22 @@ class RoutingRecorder:
             return
         start = self._pending[0][0]
         n = self._forwarded - start  # <= capacity (begin_forward drains before it would not be)
-        s, c = start % self.capacity, self.capacity
-        first = min(n, c - s)
-        host = torch.empty((self.rings.shape[0], n, self.rings.shape[2]), dtype=self.rings.dtype,
-                           pin_memory=self._cuda)  # [L, n, k]
-        host[:, :first].copy_(self.rings[:, s : s + first], non_blocking=True)
-        if first < n:  # the span wraps around the ring's end
-            host[:, first:].copy_(self.rings[:, : n - first], non_blocking=True)
+        s = start % self.capacity
+        first = min(n, self.capacity - s)
+        spans = [(s, first)] + ([(0, n - first)] if first < n else [])  # a span wrapping the ring's end: two
+        parts = []
+        for a, m in spans:  # contiguous pinned targets: a strided one would make the copy wait
+            host = torch.empty((self.rings.shape[0], m, self.rings.shape[2]), dtype=self.rings.dtype,
+                               pin_memory=self._cuda)  # [L, m, k]
+            host.copy_(self.rings[:, a : a + m], non_blocking=True)
+            parts.append(host)
         event = None
         if self._cuda:
             event = torch.cuda.Event()
             event.record()
         entries = [(first_tok - start, len(flags), flags) for first_tok, _, flags in self._pending]
         self._pending = []
-        self._queue.put((host, event, entries))
+        self._queue.put((parts, event, entries))
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self._warned:
@@ -148,10 +150,10 @@ class RoutingRecorder:
                 last = time.monotonic()
                 self._write_every = max(WRITE_EVERY_S, 20 * (last - t0))  # rewriting a big file: less often
 
-    def _take(self, host: torch.Tensor, event, entries: list[tuple[int, int, list[bool]]]) -> None:
+    def _take(self, parts: list[torch.Tensor], event, entries: list[tuple[int, int, list[bool]]]) -> None:
         if event is not None:
             event.synchronize()
-        arr = host.numpy()  # [L, n, k]
+        arr = np.concatenate([p.numpy() for p in parts], axis=1)  # [L, n, k]
         for off, n, flags in entries:
             self._picks.append(arr[:, off : off + n].transpose(1, 0, 2).astype(np.uint16))  # [n, L, k]
             self._decode.append(np.asarray(flags, dtype=bool))
