@@ -369,7 +369,7 @@ def main(out_path: str) -> None:
         sys.exit("run with TRITON_INTERPRET=0: the kernels must be compiled, not interpreted")
     launches, errors = record()
     variants = distinct(launches)
-    results = compile_all(variants, processes=min(2, os.cpu_count() or 1))
+    results = compile_all(variants, processes=min(8, os.cpu_count() or 1))
     report = {"targets": list(TARGETS), "triton": triton.__version__, "launches": len(launches),
               "variants": len(variants), "errors": errors, "results": results}
     with open(out_path, "w") as f:

@@ -14,6 +14,15 @@ launch configurations, see _aot_compile.py) is compiled ahead of time, down to a
          configurations (no tuned entry), within 99 KiB per block.
 This needs Triton's CUDA backend and its ptxas, no GPU. Every compilation (kernel, target,
 shared memory, seconds, launch) is printed as a table: `pytest -rP` shows it.
+
+Each Triton users get runs the same checks: the installed one (the newest, with the newest
+torch) and those the older supported torch versions pin (PINNED_TRITONS), since a kernel can
+compile on one and not another. A pinned Triton is installed once, alone (no dependencies,
+about 190 MB from the package index), under ~/.cache/tiermoe/triton-VERSION (or
+$TIERMOE_TRITON_CACHE/triton-VERSION, where a prepared copy may be put) and imported ahead of
+the installed one by the compiling subprocess; torch is only used there for CPU tensors. Where
+the index cannot be reached the check is skipped with the reason
+(TIERMOE_REQUIRE_PINNED_TRITON=1 makes that a failure).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +40,8 @@ import pytest
 import tiermoe
 
 HELPER = Path(__file__).with_name("_aot_compile.py")
+# Tritons that supported torch versions install besides the newest: torch 2.11 -> Triton 3.6
+PINNED_TRITONS = ("3.6.0",)
 SHARED_LIMIT = {"sm_90": 232448, "sm_89": 101376, "sm_86": 101376}  # bytes per block (opt-in maximum)
 PACKAGE = Path(tiermoe.__file__).parent
 _JIT_DEF = re.compile(r"^@triton\.jit\b.*\n(?:@.*\n)*def (\w+)\(", re.MULTILINE)
@@ -62,21 +74,66 @@ def _table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory) -> dict:
+def pinned_triton_site(version: str) -> Path:
+    """A directory holding Triton `version` alone (installed with pip on first use, then reused);
+    skips the test where it cannot be had (no package index), fails instead if asked to."""
+    base = Path(os.environ.get("TIERMOE_TRITON_CACHE") or Path.home() / ".cache" / "tiermoe")
+    site = base / f"triton-{version}"
+    if (site / "triton" / "__init__.py").is_file():
+        return site
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = base / f".triton-{version}-{os.getpid()}"
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", str(tmp),
+           f"triton=={version}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        why = f"cannot install triton=={version}: {(proc.stderr.strip().splitlines() or ['pip failed'])[-1]}"
+        if os.environ.get("TIERMOE_REQUIRE_PINNED_TRITON") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    try:
+        tmp.rename(site)  # whole or not at all (another run may have won the race: keep its copy)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not (site / "triton" / "__init__.py").is_file():
+        pytest.fail(f"{site} exists but holds no Triton: remove it")
+    return site
+
+
+def _installed_triton() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+TRITONS = ["installed", *(pytest.param(v, marks=pytest.mark.slow, id=f"triton-{v}") for v in PINNED_TRITONS)]
+
+
+@pytest.fixture(scope="module", params=TRITONS)
+def report(request, tmp_path_factory) -> dict:
     """Record and compile every launch (one subprocess: it must import Triton with the
-    interpreter off), in a Triton cache of its own."""
+    interpreter off), in a Triton cache of its own, with the installed Triton or a pinned one."""
     reason = _cannot_compile_for_cuda()
     if reason:
         pytest.skip(f"cannot compile CUDA kernels offline: {reason}")
+    version = request.param
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    if version != "installed":
+        if _installed_triton() == version:
+            pytest.skip(f"Triton {version} is the installed one (compiled by the 'installed' run)")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pinned_triton_site(version)), env.get("PYTHONPATH")]))
     tmp = tmp_path_factory.mktemp("compile_targets")
     out = tmp / "report.json"
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp / "triton-cache")}
+    env["TRITON_CACHE_DIR"] = str(tmp / "triton-cache")
     cmd = [sys.executable, str(HELPER), str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, f"{HELPER.name} failed:\n{proc.stderr[-6000:]}"
     rep = json.loads(out.read_text())
-    print(_table(rep["results"]))
+    assert version in ("installed", rep["triton"]), f"compiled with Triton {rep['triton']}, not the pinned {version}"
+    print(f"Triton {rep['triton']}\n" + _table(rep["results"]))
     return rep
 
 
