@@ -16,7 +16,7 @@
 # Environment: OUT (a folder for the full logs: pytest.txt, junit.xml, soak.json, summary.txt),
 # PYTHON (python3), COMMIT (the commit, where the tree has no .git), SOAK_STEPS (10000; 0 skips
 # the soak), SOAK_ARGS (more soak flags, e.g. "--device cpu --tokens 30" for a dry run on a CPU), TESTS
-# (the pytest arguments), TEST_TIMEOUT (420 s), SOAK_TIMEOUT (240 s).
+# (the pytest arguments), TEST_TIMEOUT (360 s), SOAK_TIMEOUT (180 s; together under 10 minutes).
 # Exit status 0 only when both parts pass.
 set -uo pipefail
 py=${PYTHON:-python3}
@@ -47,7 +47,7 @@ PY
 
 t0=$SECONDS
 # shellcheck disable=SC2086
-timeout "${TEST_TIMEOUT:-420}" "$py" -m pytest -q -p no:cacheprovider -rfEs --junitxml "$out/junit.xml" $tests \
+timeout "${TEST_TIMEOUT:-360}" "$py" -m pytest -q -p no:cacheprovider -rfEs --junitxml "$out/junit.xml" $tests \
   > "$out/pytest.txt" 2>&1
 test_rc=$?
 test_s=$((SECONDS - t0))
@@ -75,8 +75,8 @@ soak_part="mailbox soak skipped"
 soak_ok=1
 if [ "${SOAK_STEPS:-10000}" != 0 ]; then
   t0=$SECONDS
-  timeout "${SOAK_TIMEOUT:-240}" "$py" scripts/fast_mode_mailbox_soak.py --steps "${SOAK_STEPS:-10000}" \
-    --deadline-s $(( ${SOAK_TIMEOUT:-240} - 60 )) --out "$out/soak.json" ${SOAK_ARGS:-} > "$out/soak.txt" 2>&1
+  timeout "${SOAK_TIMEOUT:-180}" "$py" scripts/fast_mode_mailbox_soak.py --steps "${SOAK_STEPS:-10000}" \
+    --deadline-s $(( ${SOAK_TIMEOUT:-180} - 50 )) --out "$out/soak.json" ${SOAK_ARGS:-} > "$out/soak.txt" 2>&1
   soak_rc=$?
   soak_part=$("$py" - "$out/soak.json" "$soak_rc" $((SECONDS - t0)) <<'PY'
 import json
