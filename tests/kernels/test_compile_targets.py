@@ -15,10 +15,10 @@ launch configurations, see _aot_compile.py) is compiled ahead of time, down to a
 This needs Triton's CUDA backend and its ptxas, no GPU. Every compilation (kernel, target,
 shared memory, seconds, launch) is printed as a table: `pytest -rP` shows it.
 
-Each Triton users get runs the same checks: the installed one (the newest, with the newest
-torch) and those the older supported torch versions pin (PINNED_TRITONS), since a kernel can
-compile on one and not another. A pinned Triton is installed once, alone (no dependencies,
-about 190 MB from the package index), under ~/.cache/tiermoe/triton-VERSION (or
+Each Triton that users get runs the same checks: the installed one (the newest, with the
+newest torch) and those the older supported torch versions pin (PINNED_TRITONS), since a kernel
+can compile on one and not another. A pinned Triton is installed once, alone (no dependencies:
+one wheel from the package index), under ~/.cache/tiermoe/triton-VERSION (or
 $TIERMOE_TRITON_CACHE/triton-VERSION, where a prepared copy may be put) and imported ahead of
 the installed one by the compiling subprocess; torch is only used there for CPU tensors. Where
 the index cannot be reached the check is skipped with the reason
