@@ -8,7 +8,7 @@
 #    the kernels compiled on CUDA (tests/kernels, including the ahead-of-time compile check for
 #    sm_90/89/86 with the installed Triton), the device cache and the Triton expert backend,
 #    decode graphs against eager steps (exact and fast mode, with and without the warm-up),
-#    the CUDA expert store, the CPU lane, the warm-up.
+#    routing replay, the CUDA expert store; the CPU lane and the warm-up beside them.
 # 2. scripts/fast_mode_mailbox_soak.py: SOAK_STEPS fast-mode decode steps through graphs, then
 #    the mailbox counters /stats reports: every post answered exactly once.
 # Usage: scripts/gpu_test_suite.sh   (from the repository root; python3 with torch + CUDA, Triton,
@@ -29,8 +29,10 @@ if ls .whl/*.whl > /dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export TIERMOE_KERNEL_TESTS_ON_GPU=1
-tests=${TESTS:-tests/kernels tests/moe/test_device_cache.py tests/moe/test_triton_backend.py \
-  tests/moe/test_cpu_lane.py tests/runner/test_decode_graph.py tests/runner/test_warm_up.py tests/store/test_cuda.py}
+# every test file that runs differently on a GPU (it reads the switch or asks torch for CUDA), found
+# afresh so new ones join; the CPU lane and warm-up tests beside them
+gpu_files=$(grep -rlE "TIERMOE_KERNEL_TESTS_ON_GPU|ON_GPU|cuda\.is_available" tests --include='test_*.py' | sort)
+tests=${TESTS:-tests/kernels $gpu_files tests/moe/test_cpu_lane.py tests/runner/test_warm_up.py}
 
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo "${COMMIT:-unknown}")
 if [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then commit="$commit+uncommitted"; fi
