@@ -7,7 +7,7 @@
 #
 # Steps (RUN_STEPS, any subset in this order; default "pcie glm serve-glm"):
 #   pcie       pinned host -> GPU copy GB/s (the PCIe lane of the floor)
-#   tests      scripts/gpu_test_suite.sh (the GPU test suite, one summary line)
+#   tests      scripts/gpu_test_suite.sh (the GPU test suite, one summary line), beside the store build
 #   glm        scripts/synth_glm_store.py: GLM-5.3-Flash MoE shape, as many MoE layers as disk and RAM
 #              hold (at least 12; GLM_LAYERS overrides), written with the real statistics beside it
 #   serve-glm  per budget in BUDGETS (share of expert bytes on the GPU) and mode in MODES: tiermoe serve
@@ -117,10 +117,15 @@ step_qwen() {
 run_all() {
   mkdir -p "$WORK"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl > /dev/null 2>&1
-  log "commit $(git rev-parse --short HEAD 2>/dev/null), $("$PY" -c 'import torch, triton; print(torch.__version__, triton.__version__)')"
+  log "commit $(git rev-parse --short HEAD 2>/dev/null || echo "${COMMIT:-unknown}"), $("$PY" -c 'import torch, triton; print(torch.__version__, triton.__version__)')"
   want pcie && step_pcie
-  want tests && { bash scripts/gpu_test_suite.sh > "$WORK/gpu-tests.log" 2>&1; log "tests: $(tail -1 "$WORK/gpu-tests.log")"; }
+  local tests_pid=""
+  if want tests; then  # beside the store build (its timings are not figures; the build is disk-bound)
+    OUT=$WORK/gpu-tests bash scripts/gpu_test_suite.sh > "$WORK/gpu-tests.log" 2>&1 &
+    tests_pid=$!
+  fi
   want glm && step_glm
+  [ -n "$tests_pid" ] && { wait "$tests_pid"; log "tests: $(tail -1 "$WORK/gpu-tests.log")"; }
   want serve-glm && serve_matrix glm-synthetic "$WORK/glm" "$WORK/glm/expert-stats.json"
   want qwen && step_qwen
   want serve-qwen && serve_matrix qwen3moe-synthetic "$WORK/qwen/store" "$WORK/qwen/expert-stats.json"
