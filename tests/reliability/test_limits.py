@@ -138,7 +138,9 @@ def test_queue_full_is_429_with_retry_after_and_probes_stay_open():
 
 
 def test_connection_limit_is_429_with_retry_after():
-    with scripted_server(max_model_len=1024, max_num_seqs=8, step_delay_s=0.01, max_connections=3) as s:
+    # one client address may hold every slot here (the per-client share is tested in test_hostile_connections)
+    with scripted_server(max_model_len=1024, max_num_seqs=8, step_delay_s=0.01, max_connections=3,
+                         max_connections_per_client=3) as s:
         stop, barrier = threading.Event(), threading.Barrier(4)
         threads = _hold_streams(s.url, 3, stop, barrier)
         barrier.wait(20)
@@ -147,7 +149,10 @@ def test_connection_limit_is_429_with_retry_after():
         assert assert_error_body("/tokenize", r)["code"] == "too_many_connections"
         r = httpx.post(s.url + "/v1/messages/count_tokens", json={"model": "scripted", "messages": MSG})
         assert r.status_code == 429 and assert_error_body("/v1/messages/count_tokens", r)["type"] == "rate_limit_error"
-        assert httpx.get(s.url + "/health").status_code == 200  # probes are never counted or refused
+        # probes are never counted or refused; health says the server is refusing everyone
+        health = httpx.get(s.url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "saturated"
+        assert httpx.get(s.url + "/metrics").status_code == 200
         stop.set()
         for t in threads:
             t.join(30)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tiermoe.server.chat import check_functions, plan_tools
+from tiermoe.server.chat import plan_tools
 from tiermoe.server.context import ServerContext
 from tiermoe.server.errors import bad_request
 from tiermoe.server.generation import ChoiceRun
@@ -69,10 +69,14 @@ def to_chat(req) -> tuple[list[dict], list[dict], object]:
             param = f"messages[{i}].content[{j}]"
             extra = block.model_extra or {}
             if block.type == "tool_result" and m.role == "user":
-                out.append({"role": "tool", "tool_call_id": extra.get("tool_use_id"), "content": _tool_result_text(block, param)})
+                tool_use_id = extra.get("tool_use_id")
+                if tool_use_id is not None and not isinstance(tool_use_id, str):
+                    raise bad_request("tool_result tool_use_id must be a string", param=f"{param}.tool_use_id")
+                out.append({"role": "tool", "tool_call_id": tool_use_id, "content": _tool_result_text(block, param)})
             elif block.type == "tool_use" and m.role == "assistant":
-                if not isinstance(extra.get("name"), str) or not isinstance(extra.get("input", {}), dict):
-                    raise bad_request("tool_use needs a name and an input object", param=param)
+                if not isinstance(extra.get("name"), str) or not isinstance(extra.get("input", {}), dict) \
+                        or not isinstance(extra.get("id", ""), (str, type(None))):
+                    raise bad_request("tool_use needs a name, an input object and a string id", param=param)
                 calls.append({"id": extra.get("id") or f"toolu_{i}_{j}", "type": "function",
                               "function": {"name": extra["name"], "arguments": extra.get("input", {})}})
             elif block.type in ("thinking", "redacted_thinking") and m.role == "assistant":
@@ -85,7 +89,6 @@ def to_chat(req) -> tuple[list[dict], list[dict], object]:
                 msg["tool_calls"] = calls
             out.append(msg)
     functions = [{"name": t.name, "description": t.description or "", "parameters": t.input_schema} for t in req.tools or []]
-    check_functions(functions)
     choice = None
     if req.tool_choice is not None:
         tc = req.tool_choice
@@ -109,6 +112,7 @@ def _template_kwargs(req) -> tuple[dict, int | None]:
 async def _prompt(ctx: ServerContext, req) -> tuple[str, list[int], object]:
     messages, functions, choice = to_chat(req)
     plan = plan_tools(functions, choice, can_parse=True)
+    await ctx.check_schemas(plan.schemas)
     if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use:
         plan.max_calls = 1
     kwargs, _ = _template_kwargs(req)

@@ -4,10 +4,10 @@
 engine thread on startup and drains it on shutdown (uvicorn first stops accepting and lets
 open responses finish, then the lifespan drains what is left).
 
-Request flow: `Guard` (pure ASGI: API key, body size, per-endpoint request counts) ->
-route -> `parse_body` (strict pydantic on the raw bytes) -> endpoint module (chat.py helpers,
-generation.ChoiceRun) -> JSON or `streaming.EventStream`. Any exception becomes a JSON error
-body through errors.py; bad input is always 4xx.
+Request flow: `Guard` (pure ASGI: API key, body size, connection slots, body read deadline,
+per-endpoint request counts) -> route -> `parse_body` (strict pydantic on the raw bytes) ->
+endpoint module (chat.py helpers, generation.ChoiceRun) -> JSON or `streaming.EventStream`. Any
+exception becomes a JSON error body through errors.py; bad input is always 4xx (handling.py).
 
 This module imports no torch (tests assert it).
 """
@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from tiermoe.engine.async_engine import AsyncEngine
 from tiermoe.server import anthropic_routes, openai_routes, openapi, responses_routes
 from tiermoe.server.chat import openai_messages, plan_tools
+from tiermoe.server.connections import client_key, with_body_deadline
 from tiermoe.server.context import ServerConfig, ServerContext
 from tiermoe.server.errors import APIError, bad_request, error_body, install_handlers, is_anthropic_path
 from tiermoe.server.handling import parse_body, run_endpoint, too_large
@@ -46,16 +47,15 @@ class Guard:
 
     Checks the API key (constant-time; `Authorization: Bearer` or Anthropic's `x-api-key`),
     refuses bodies over the limit by Content-Length (413; chunked bodies are capped while
-    read), bounds concurrent API requests (429 + Retry-After beyond `max_connections`; probes
-    are never refused, so a saturated server still answers /health), and counts responses per
-    endpoint and status.
+    read), bounds concurrent API requests in all and per client address (429 + Retry-After;
+    probes are never refused, so a saturated server still answers /health), gives every body a
+    read deadline (408, connections.py), and counts responses per endpoint and status.
     """
 
     def __init__(self, app, ctx: ServerContext):
         self.app = app
         self.ctx = ctx
         self.key = ctx.config.api_key.encode() if ctx.config.api_key else None
-        self.active = 0  # API requests being handled now (single event loop: no lock needed)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -84,19 +84,19 @@ class Guard:
                 return await _send_error(counted_send, path, bad_request("invalid Content-Length header"))
             if too_big:
                 return await _send_error(counted_send, path, too_large(self.ctx.config.max_body_bytes))
-        limit = self.ctx.config.max_connections
-        if limit is None or path in OPEN_PATHS:
+        receive = with_body_deadline(receive, self.ctx.config.body_timeout_s)
+        if path in OPEN_PATHS:
             return await self.app(scope, receive, counted_send)
-        if self.active >= limit:
+        slots, client = self.ctx.connections, client_key(scope)
+        refusal = slots.refusal(client)
+        if refusal is not None:
             metrics.rejected.inc()
-            err = APIError(429, f"too many concurrent requests ({self.active}, limit {limit}); retry shortly",
-                           code="too_many_connections", headers={"Retry-After": str(self.ctx.config.retry_after_s)})
-            return await _send_error(counted_send, path, err)
-        self.active += 1
+            return await _send_error(counted_send, path, refusal)
+        slots.take(client)
         try:
             await self.app(scope, receive, counted_send)
         finally:
-            self.active -= 1
+            slots.give(client)
 
 
 async def _send_error(send, path: str, err: APIError) -> None:
@@ -126,6 +126,10 @@ def create_app(
     aliases: list[str] | None = None,
     request_timeout_s: float | None = None,
     max_connections: int | None = None,
+    max_connections_per_client: int | None = None,
+    body_timeout_s: float | None = 30.0,
+    header_timeout_s: float = 10.0,
+    keep_alive_timeout_s: float = 5.0,
 ) -> FastAPI:
     """An ASGI app serving `engine` under `served_model_name`.
 
@@ -135,15 +139,21 @@ def create_app(
     request_timeout_s: a generation still running after this long is aborted (504, or an
     in-stream error). max_connections: concurrent API requests before 429 (None: the engine's
     capacity + max_queue + 32, so requests still reading or tokenizing their bodies are bounded
-    too; probes are not counted).
+    too; probes are not counted); max_connections_per_client: of those, from one address (None:
+    half). body_timeout_s: a request body must arrive within this (408; None: no deadline).
+    header_timeout_s, keep_alive_timeout_s: for the uvicorn protocol (connections.uvicorn_config).
     """
     if max_connections is None:
         max_connections = engine.capacity + max_queue + 32
+    if max_connections_per_client is None:
+        max_connections_per_client = max(1, max_connections // 2)
     config = ServerConfig(
         served_model_name=served_model_name, api_key=api_key, max_model_len=max_model_len, max_queue=max_queue,
         max_body_bytes=max_body_bytes, tool_format=tool_format, reasoning=reasoning, thinking_budget=thinking_budget,
         cors_origins=list(cors_origins or []), aliases=list(aliases or []),
         request_timeout_s=request_timeout_s, max_connections=max_connections,
+        max_connections_per_client=max_connections_per_client, body_timeout_s=body_timeout_s,
+        header_timeout_s=header_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s,
     )
     ctx = ServerContext(engine, config)
 
@@ -172,6 +182,10 @@ def create_app(
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         if engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        slots = ctx.connections
+        if slots.saturated:  # every API request is being refused (429) right now
+            return JSONResponse({"status": "saturated", "active_requests": slots.active,
+                                 "max_connections": slots.limit}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/ping")
@@ -226,6 +240,7 @@ async def _tokenize(request: Request, ctx: ServerContext) -> Response:
         raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
     if req.messages is not None:
         plan = plan_tools([t.function.model_dump(exclude_none=True) for t in req.tools or []], None, can_parse=True)
+        await ctx.check_schemas(plan.schemas)
         text = await ctx.render_chat(openai_messages(req.messages), plan.template_tools, req.chat_template_kwargs, req.add_generation_prompt)
         ids = await ctx.encode(text, add_special_tokens=False)
     else:

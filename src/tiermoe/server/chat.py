@@ -2,18 +2,20 @@
 
 Endpoints normalise their own message formats (OpenAI chat, Responses items, Anthropic
 blocks) into OpenAI-style message dicts and function definitions, then share the checks here:
-non-empty messages, text-only content, valid tool definitions (name pattern, JSON-Schema
-parameters, no duplicates) and a tool_choice that names a real tool.
+non-empty messages, text-only content, valid tool definitions (name pattern, parameters that
+describe an object, no duplicates) and a tool_choice that names a real tool. The parameter
+schemas are collected in `ToolPlan.schemas` for `ServerContext.check_schemas` (limits first,
+then the JSON Schema check, off the event loop).
 """
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiermoe.server.errors import APIError, bad_request
-from tiermoe.server.structured import check_schema
+from tiermoe.server.limits import loads
+from tiermoe.server.structured import SchemaToCheck
 
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_.:-]{1,64}$")
 
@@ -28,6 +30,7 @@ class ToolPlan:
     force: bool = False  # tool_choice required / named: the prompt opens the call
     forced_name: str | None = None
     max_calls: int | None = None  # 1 when parallel_tool_calls is false
+    schemas: list[SchemaToCheck] = field(default_factory=list)  # the tools' parameters, to check
 
 
 def text_content(content, param: str) -> str:
@@ -52,7 +55,7 @@ def _arguments_for_template(arguments, param: str):
     if isinstance(arguments, dict):
         return arguments
     try:
-        value = json.loads(arguments) if arguments else {}
+        value = loads(arguments) if arguments else {}
     except ValueError:
         raise bad_request("tool call arguments must be a JSON object", param=param) from None
     if not isinstance(value, dict):
@@ -93,9 +96,11 @@ def openai_messages(messages) -> list[dict]:
     return out
 
 
-def check_functions(functions: list[dict], param: str = "tools") -> None:
-    """Tool definitions: a valid name, unique, parameters a JSON Schema of an object."""
+def check_functions(functions: list[dict], param: str = "tools") -> list[SchemaToCheck]:
+    """Tool definitions: a valid name, unique, parameters an object schema of type object.
+    Returns the parameter schemas, for ServerContext.check_schemas."""
     seen = set()
+    schemas = []
     for i, fn in enumerate(functions):
         name = fn.get("name")
         if not isinstance(name, str) or not _TOOL_NAME.match(name):
@@ -112,7 +117,8 @@ def check_functions(functions: list[dict], param: str = "tools") -> None:
             raise bad_request("tool parameters must be a JSON Schema object", param=f"{param}[{i}].parameters")
         if schema.get("type", "object") != "object":
             raise bad_request("tool parameters must describe an object (type: object)", param=f"{param}[{i}].parameters.type")
-        check_schema(schema, f"{param}[{i}].parameters")
+        schemas.append(SchemaToCheck(schema, f"{param}[{i}].parameters"))
+    return schemas
 
 
 def plan_tools(functions: list[dict] | None, choice, *, can_parse: bool, param: str = "tool_choice") -> ToolPlan:
@@ -121,24 +127,24 @@ def plan_tools(functions: list[dict] | None, choice, *, can_parse: bool, param: 
     choice: None | "auto" | "none" | "required" | {"name": str}
     """
     functions = functions or []
-    check_functions(functions)
+    schemas = check_functions(functions)
     if not functions:
         if choice == "required" or isinstance(choice, dict):
             raise bad_request("tool_choice requires tools", param=param)
         return ToolPlan(None, [], parse=False)
     template_tools = [{"type": "function", "function": fn} for fn in functions]
     if choice == "none":
-        return ToolPlan(None, functions, parse=False)
+        return ToolPlan(None, functions, parse=False, schemas=schemas)
     if not can_parse:
         raise APIError(400, "this model has no tool-call parser", param="tools")
     if choice in (None, "auto"):
-        return ToolPlan(template_tools, functions, parse=True)
+        return ToolPlan(template_tools, functions, parse=True, schemas=schemas)
     if choice == "required":
-        return ToolPlan(template_tools, functions, parse=True, force=True)
+        return ToolPlan(template_tools, functions, parse=True, force=True, schemas=schemas)
     if isinstance(choice, dict):
         name = choice.get("name")
-        if name not in {fn["name"] for fn in functions}:
+        if not isinstance(name, str) or name not in {fn["name"] for fn in functions}:
             raise bad_request(f"tool_choice names {name!r}, which is not among the tools", param=param)
         chosen = [t for t in template_tools if t["function"]["name"] == name]
-        return ToolPlan(chosen, functions, parse=True, force=True, forced_name=name)
+        return ToolPlan(chosen, functions, parse=True, force=True, forced_name=name, schemas=schemas)
     raise bad_request(f"invalid tool_choice {choice!r}", param=param)

@@ -17,10 +17,32 @@ from tiermoe.errors import UserError
 log = logging.getLogger("tiermoe.server")
 
 
+def _limits_epilog() -> str:
+    from tiermoe.server.limits import MAX_PATTERN_CHARS, MAX_SCHEMA_DEPTH, MAX_SCHEMA_VALUES
+
+    return f"""limits on requests (fixed unless a flag above changes them):
+  body           --max-body-mb (413 beyond); request headers at most 16 KiB (400 beyond)
+  JSON nesting   about 200 levels in a body (400 invalid_json beyond)
+  JSON schemas   (tool parameters, response_format, text.format, input_schema): at most
+                 {MAX_SCHEMA_DEPTH} levels of objects/arrays in one schema and {MAX_SCHEMA_VALUES} JSON values over all
+                 schemas of a request (400 schema_too_deep / schema_too_large)
+  patterns       `pattern` / `patternProperties` at most {MAX_PATTERN_CHARS} characters; in a response
+                 format they must be regular (no look-around, no backreferences: 400
+                 unsupported_schema), as the grammar engine matches them in linear time
+  token budgets  max_tokens, max_completion_tokens, max_output_tokens (Anthropic max_tokens
+                 is required): 0 or negative is a 400; absent means the rest of the context
+                 (/v1/completions: 16)
+  timeouts       --header-timeout, --body-timeout (408 and the connection closed),
+                 --keep-alive-timeout (idle connections closed), --request-timeout (504)
+  connections    --max-connections, --max-connections-per-client (429 beyond);
+                 /health answers 503 "saturated" while every slot is taken"""
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                               description="Serve MODEL (a checkpoint directory or packed store; omitted: the embedded "
-                                          "default) over an OpenAI- and Anthropic-compatible HTTP API.")
+                                          "default)\nover an OpenAI- and Anthropic-compatible HTTP API.",
+                              epilog=_limits_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=None, metavar="MODEL", help="checkpoint directory or packed store")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, local only)")
     p.add_argument("--port", type=int, default=8000)
@@ -43,6 +65,17 @@ def register(subparsers) -> None:
                    help="abort a generation running longer than this many seconds (504, or an in-stream error)")
     p.add_argument("--max-connections", type=int, default=None,
                    help="concurrent API requests before 429 (default: --max-num-seqs + --max-queue + 32)")
+    p.add_argument("--max-connections-per-client", type=int, default=None,
+                   help="of those, how many one client address (IPv6: one /64) may hold (default: half of "
+                        "--max-connections; behind a reverse proxy, where every request comes from the proxy, set it "
+                        "to --max-connections)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send a request's headers (default 10; then 408 and closed)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request's whole body may take to arrive after its headers (default 30; then 408 "
+                        "and closed)")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle connection is kept open between requests (default 5)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--scripted", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--scripted-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -81,6 +114,11 @@ def _check_args(args) -> None:
         raise UserError("--request-timeout must be > 0")
     if args.max_connections is not None and args.max_connections < 1:
         raise UserError("--max-connections must be at least 1")
+    if args.max_connections_per_client is not None and args.max_connections_per_client < 1:
+        raise UserError("--max-connections-per-client must be at least 1")
+    for flag in ("header_timeout", "body_timeout", "keep_alive_timeout"):
+        if not getattr(args, flag) > 0:
+            raise UserError(f"--{flag.replace('_', '-')} must be > 0")
     if not args.max_body_mb > 0:
         raise UserError("--max-body-mb must be > 0")
     if args.model and not args.scripted and not Path(args.model).exists():
@@ -164,10 +202,9 @@ def serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_args(args)
     _check_port(args.host, args.port)
-    import uvicorn
-
     from tiermoe.engine.async_engine import AsyncEngine
     from tiermoe.server.app import create_app
+    from tiermoe.server.connections import uvicorn_config
 
     # built on the thread that will step it (engine/async_engine.py: a core stepped from another
     # thread than the one that built it ran 3.3x slower per token on a CPU)
@@ -191,10 +228,14 @@ def serve(args) -> int:
         drain_timeout_s=args.drain_timeout,
         request_timeout_s=args.request_timeout,
         max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout,
         aliases=["default"] if not args.model and not args.served_model_name else None,
     )
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                            timeout_graceful_shutdown=max(1, int(args.drain_timeout)), lifespan="on")
+    config = uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            graceful_timeout_s=max(1, int(args.drain_timeout)))
     server = _Server(config)
     host = f"[{args.host}]" if ":" in args.host else args.host
     try:

@@ -2,7 +2,8 @@
 
 Tokenizing and rendering chat templates run on one dedicated worker thread, so a 32k-token
 prompt never stalls the event loop that is streaming other clients' tokens (and the tokenizer
-is never entered by two threads at once from this process).
+is never entered by two threads at once from this process). JSON Schema checks and the output
+re-checks of structured requests run on a second one, for the same reason.
 """
 
 from __future__ import annotations
@@ -11,18 +12,25 @@ import asyncio
 import math
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from tiermoe.engine.async_engine import AsyncEngine, EngineDead, EngineShutdown
 from tiermoe.engine.detokenize import TokenTexts, hidden_token_ids
 from tiermoe.engine.protocol import InvalidRequest, SamplingParams
 from tiermoe.server.chat import ToolPlan
+from tiermoe.server.connections import ConnectionSlots
 from tiermoe.server.errors import APIError, bad_request
 from tiermoe.server.generation import ChoiceRun
 from tiermoe.server.metrics import Metrics
+from tiermoe.server.output_check import OutputChecker
 from tiermoe.server.reasoning import ReasoningParser
-from tiermoe.server.structured import lark_marker
+from tiermoe.server.structured import SchemaChecker, SchemaToCheck, lark_marker
 from tiermoe.server.tool_parsers import ToolParser, detect_tool_format, get_tool_parser
+
+# Whether the request being handled (one per asyncio task) has been handed to the engine; before
+# that, any failure comes from its content (handling.run_endpoint answers 400).
+reached_engine: ContextVar[bool] = ContextVar("tiermoe_reached_engine", default=False)
 
 
 @dataclass
@@ -40,6 +48,10 @@ class ServerConfig:
     aliases: list[str] = field(default_factory=list)  # other names accepted as `model`
     request_timeout_s: float | None = None  # a generation running longer is aborted (504 / in-stream error)
     max_connections: int | None = None  # concurrent API requests (probes excluded) before 429
+    max_connections_per_client: int | None = None  # of those, from one client address (connections.py)
+    body_timeout_s: float | None = 30.0  # the whole body must arrive within this (408 and close)
+    header_timeout_s: float = 10.0  # request headers must arrive within this (408 and close; uvicorn level)
+    keep_alive_timeout_s: float = 5.0  # an idle connection between requests is closed after this
 
 
 class ServerContext:
@@ -60,9 +72,15 @@ class ServerContext:
         vocab = self.tokenizer.get_vocab()
         self.reasoning_enabled = config.reasoning if config.reasoning is not None else ("</think>" in vocab)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiermoe-tokenize")
+        self._check_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiermoe-check")
+        self.schemas = SchemaChecker(self._off_loop_checks)
+        self.outputs = OutputChecker(self._check_pool, self.metrics.structured_invalid)
+        self.connections = ConnectionSlots(config.max_connections, config.max_connections_per_client,
+                                           config.retry_after_s)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._check_pool.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
     def new_id(prefix: str) -> str:
@@ -152,9 +170,18 @@ class ServerContext:
             out[tid] = float(value)
         return out
 
+    async def check_schemas(self, items: list[SchemaToCheck]) -> None:
+        """Every JSON Schema of a request (tools, response format): limits, validity, and for
+        response formats whether the grammar engine can enforce them; a 400 for the first that fails."""
+        if items:
+            await self.schemas.check(items)
+
     # ---- tokenizer work, off the event loop ------------------------------------------------------
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _off_loop_checks(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._check_pool, fn, *args)
 
     async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. A text far beyond the context is refused (400) after tokenizing
@@ -254,7 +281,8 @@ class ServerContext:
         )
 
     async def start_runs(self, runs: list[ChoiceRun]) -> None:
-        """Submit every run; on any refusal abort those already started and raise a 4xx/503."""
+        """Submit every run; on any refusal abort those already started and raise a 4xx/503.
+        Once all are accepted, later failures are no longer the request's content's doing."""
         started = []
         try:
             for run in runs:
@@ -268,3 +296,4 @@ class ServerContext:
             if isinstance(exc, (EngineShutdown, EngineDead)):
                 raise APIError(503, str(exc), code="engine_unavailable") from None
             raise
+        reached_engine.set(True)

@@ -28,6 +28,7 @@ _OPENAI_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
@@ -41,6 +42,7 @@ _ANTHROPIC_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "request_too_large",
     415: "invalid_request_error",
     429: "rate_limit_error",
@@ -138,8 +140,41 @@ def to_api_error(exc: BaseException) -> APIError:
         return bad_request(str(exc), param=exc.param)
     if isinstance(exc, UserError):
         return bad_request(str(exc))
-    log.error("unhandled server error", exc_info=exc)
+    if isinstance(exc, RecursionError):  # its traceback is a thousand frames of the same few lines
+        log.error("unhandled server error: RecursionError at %s", where(exc))
+    else:
+        log.error("unhandled server error", exc_info=exc)
     return APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error")
+
+
+# What Python raises when data has the wrong shape, type or size: from code reading a request,
+# these mean the request's content was not what the code expected.
+CONTENT_ERRORS = (RecursionError, TypeError, ValueError, LookupError, AttributeError, OverflowError)
+
+
+def content_error(exc: BaseException) -> APIError:
+    """An exception raised while reading a request, before it reached the engine: if it is one
+    of CONTENT_ERRORS it is the request's doing (only its content and the server's settings were
+    involved), so a 400 that names no internals, logged as one line instead of a traceback (a
+    deep request makes a deep one). Anything else (an OSError, a failing tokenizer) stays a 500."""
+    if isinstance(exc, (APIError, ValidationError, InvalidRequest, UserError)) or not isinstance(exc, CONTENT_ERRORS):
+        return to_api_error(exc)
+    log.warning("request refused: %s while reading it, at %s", type(exc).__name__, where(exc))
+    if isinstance(exc, RecursionError):
+        return bad_request("the request is nested too deeply to process", code="too_deep")
+    return bad_request(f"the request could not be processed ({type(exc).__name__}); check its fields "
+                       f"against the API reference", code="invalid_request")
+
+
+def where(exc: BaseException) -> str:
+    """file:line in function of the innermost frame of `exc`'s traceback."""
+    tb = exc.__traceback__
+    if tb is None:
+        return "(no traceback)"
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    return f"{code.co_filename}:{tb.tb_lineno} in {code.co_name}"
 
 
 def install_handlers(app) -> None:

@@ -1,4 +1,12 @@
-"""Reading request bodies and running route bodies with uniform error handling."""
+"""Reading request bodies and running route bodies with uniform error handling.
+
+The rule every route follows: nothing in a request's content can become a 5xx. Bad values are
+refused by explicit checks (4xx naming the field); should one slip past them and raise a
+TypeError, ValueError, RecursionError or the like (errors.CONTENT_ERRORS) before the request
+reached the engine, only its content and the server's settings were involved, so
+`run_endpoint` answers 400 for it. Other exceptions, and any past that point (`reached_engine`,
+set by ServerContext.start_runs), are the server's or the engine's: 500.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +16,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from tiermoe.server.context import ServerContext
-from tiermoe.server.errors import APIError, error_response, from_validation_error, to_api_error
+from tiermoe.server.context import ServerContext, reached_engine
+from tiermoe.server.errors import APIError, content_error, error_response, from_validation_error, to_api_error
 from tiermoe.server.streaming import ClientGone
-
 
 def too_large(limit: int) -> APIError:
     return APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
@@ -42,9 +49,13 @@ Handler = Callable[[Request, ServerContext], Awaitable[Response]]
 async def run_endpoint(request: Request, handler: Handler) -> Response:
     """Run a route body; exceptions become error bodies (the right shape for the path)."""
     ctx: ServerContext = request.app.state.ctx
+    token = reached_engine.set(False)
     try:
         return await handler(request, ctx)
     except ClientGone:
         return Response(status_code=499)
     except Exception as exc:  # APIError, validation, engine refusals, bugs
-        return error_response(request.url.path, to_api_error(exc))
+        err = to_api_error(exc) if reached_engine.get() else content_error(exc)
+        return error_response(request.url.path, err)
+    finally:
+        reached_engine.reset(token)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 
 from starlette.requests import Request
@@ -16,9 +15,7 @@ from tiermoe.server.generation import ChoiceRun, Delta
 from tiermoe.server.handling import parse_body, run_endpoint
 from tiermoe.server.protocol import ChatCompletionRequest, CompletionRequest
 from tiermoe.server.streaming import EventStream, drain, merged, sse, until_disconnect
-from tiermoe.server.structured import output_satisfies, structured_spec
-
-log = logging.getLogger("tiermoe.server")
+from tiermoe.server.structured import format_schemas, structured_spec
 
 
 def register(app) -> None:
@@ -97,20 +94,28 @@ async def chat(request: Request, ctx: ServerContext) -> Response:
         raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
     if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
         raise bad_request("max_tokens and max_completion_tokens disagree", param="max_completion_tokens")
+    # OpenAI: max_completion_tokens replaces max_tokens; absent (null) means the remaining context,
+    # and 0 or less is refused for both (check_context), never read as "no limit"
+    max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     rf = req.response_format
-    spec = structured_spec(rf.type, rf.json_schema.schema_ if rf and rf.json_schema else None) if rf else None
+    schema_param = "response_format.json_schema.schema"
+    spec = structured_spec(rf.type, rf.json_schema.schema_ if rf.json_schema else None, schema_param) if rf else None
+    await ctx.check_schemas(plan.schemas + format_schemas(spec, schema_param))
+    template_kwargs = dict(req.chat_template_kwargs or {})
+    budget = req.thinking_budget
+    if budget is None and "thinking_budget" in template_kwargs:
+        budget = template_kwargs["thinking_budget"]
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise bad_request("chat_template_kwargs.thinking_budget must be an integer >= 0",
+                              param="chat_template_kwargs.thinking_budget")
     ctx.admit(req.n)
 
-    template_kwargs = dict(req.chat_template_kwargs or {})
     prompt_text = await ctx.render_chat(messages, plan.template_tools, template_kwargs)
     prompt_text += ctx.forced_text(plan)
     prompt_ids = await ctx.encode(prompt_text)
-    max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = ctx.check_context(len(prompt_ids), req.max_completion_tokens or req.max_tokens, "messages", max_param)
+    max_tokens = ctx.check_context(len(prompt_ids), requested, "messages", max_param)
     top_n = req.top_logprobs or 0
-    budget = req.thinking_budget
-    if budget is None and isinstance(template_kwargs.get("thinking_budget"), int):
-        budget = template_kwargs["thinking_budget"]
     as_ids = req.return_tokens_as_token_ids
     rid = ctx.new_id("chatcmpl-")
     runs = []
@@ -157,9 +162,9 @@ def _finish(run: ChoiceRun) -> str:
 
 
 def _check_structured(ctx: ServerContext, spec: dict | None, run: ChoiceRun) -> None:
-    if spec is not None and run.finish_reason != "length" and not output_satisfies(spec, run.content):
-        ctx.metrics.structured_invalid.inc()
-        log.warning("request %s: output does not satisfy its response_format", run.request_id)
+    """Queue the output's format check (a metric; off the event loop, see output_check.py)."""
+    if spec is not None and run.finish_reason != "length":
+        ctx.outputs.submit(spec, run.content, run.request_id)
 
 
 async def _chat_stream(ctx: ServerContext, rid: str, created: int, runs: list[ChoiceRun], top_n: int, include_usage: bool,
@@ -285,7 +290,9 @@ async def complete(request: Request, ctx: ServerContext) -> Response:
     score_only = req.echo and req.max_tokens == 0
     as_ids = req.return_tokens_as_token_ids
     rf = req.response_format
-    spec = structured_spec(rf.type, rf.json_schema.schema_ if rf and rf.json_schema else None) if rf else None
+    schema_param = "response_format.json_schema.schema"
+    spec = structured_spec(rf.type, rf.json_schema.schema_ if rf.json_schema else None, schema_param) if rf else None
+    await ctx.check_schemas(format_schemas(spec, schema_param))
     prompts = await _prompts(ctx, req.prompt)
     ctx.admit(req.n * len(prompts))
     rid = ctx.new_id("cmpl-")

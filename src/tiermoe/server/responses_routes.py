@@ -20,7 +20,8 @@ from tiermoe.server.generation import ChoiceRun
 from tiermoe.server.handling import parse_body, run_endpoint
 from tiermoe.server.protocol import ResponsesRequest
 from tiermoe.server.streaming import EventStream, drain, merged, sse, until_disconnect
-from tiermoe.server.structured import structured_spec
+from tiermoe.server.limits import loads
+from tiermoe.server.structured import format_schemas, structured_spec
 
 
 def register(app) -> None:
@@ -56,7 +57,8 @@ def to_chat(req: ResponsesRequest) -> list[dict]:
             name, args = item.get("name"), item.get("arguments", "{}")
             if not isinstance(name, str) or not isinstance(args, str):
                 raise bad_request("function_call needs a name and arguments string", param=param)
-            call = {"id": item.get("call_id") or f"call_{i}", "type": "function", "function": {"name": name, "arguments": _args(args, param)}}
+            call_id = _optional_str(item, "call_id", param) or f"call_{i}"
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": _args(args, param)}}
             if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
                 messages[-1]["tool_calls"].append(call)
             elif messages and messages[-1]["role"] == "assistant":
@@ -69,7 +71,7 @@ def to_chat(req: ResponsesRequest) -> list[dict]:
                 output = text_content(output, f"{param}.output") if isinstance(output, list) else None
             if output is None:
                 raise bad_request("function_call_output needs an output string", param=f"{param}.output")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+            messages.append({"role": "tool", "tool_call_id": _optional_str(item, "call_id", param), "content": output})
         elif kind == "reasoning":
             continue
         else:
@@ -77,11 +79,16 @@ def to_chat(req: ResponsesRequest) -> list[dict]:
     return messages
 
 
-def _args(text: str, param: str) -> dict:
-    import json
+def _optional_str(item: dict, key: str, param: str) -> str | None:
+    value = item.get(key)
+    if value is not None and not isinstance(value, str):
+        raise bad_request(f"{key} must be a string", param=f"{param}.{key}")
+    return value
 
+
+def _args(text: str, param: str) -> dict:
     try:
-        value = json.loads(text or "{}")
+        value = loads(text or "{}")
     except ValueError:
         raise bad_request("function_call arguments must be a JSON object", param=f"{param}.arguments") from None
     if not isinstance(value, dict):
@@ -154,7 +161,8 @@ async def create_response(request: Request, ctx: ServerContext) -> Response:
     if req.parallel_tool_calls is False:
         plan.max_calls = 1
     fmt = req.text.format if req.text and req.text.format else None
-    spec = structured_spec(fmt.type, fmt.schema_, "text.format") if fmt else None
+    spec = structured_spec(fmt.type, fmt.schema_, "text.format.schema") if fmt else None
+    await ctx.check_schemas(plan.schemas + format_schemas(spec, "text.format.schema"))
     kwargs = {}
     if req.reasoning and req.reasoning.effort in ("none", "minimal"):
         kwargs["enable_thinking"] = False

@@ -1,34 +1,62 @@
-"""response_format -> a structured-output spec for the sampler, plus checks on both ends.
+"""response_format -> a structured-output spec for the sampler, and the checks on every schema.
 
 The spec travels to the engine as `SamplingParams.structured` (the shape of protocol.py's
 `StructuredSpec`: {"type": "json_object"} or {"type": "json_schema", "schema": {...}}); the
 sampler's grammar backend (llguidance) enforces it. `ServerContext.make_run` adds
 "reasoning" when the answer may follow a think block, and gives forced tool calls
-(tool_choice required / named) a Lark grammar for the call's rest built by the tool parser. The server's part is to refuse a schema that is not a
-valid JSON Schema (400 before any work is done) and to check the finished output, counting
-outputs that do not satisfy their format (a sampler without grammar support, or a
-generation cut short by max_tokens).
+(tool_choice required / named) a Lark grammar for the call's rest built by the tool parser.
+
+The server's part is to refuse, with a 400 before any work is done, a schema it cannot
+serve: one past the limits of limits.py (measured first, iteratively), one that is not a valid
+JSON Schema, and for response formats one the grammar engine cannot enforce (its regex
+dialect is linear-time, so look-around and backreferences are refused here rather than ever
+reaching a backtracking matcher). The metaschema check is slow for large schemas, so the checks
+run on a worker thread and a schema that passed is remembered (clients resend the same tools
+every turn). The finished output is re-checked by output_check.py.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections import OrderedDict
+from dataclasses import dataclass
 
+from tiermoe.engine.protocol import JSON_WHITESPACE
 from tiermoe.server.errors import bad_request
+from tiermoe.server.limits import SchemaBudget, check_schema_limits
+
+# The grammar options the engine compiles response formats with (runner/structured.py); a
+# schema's own "x-guidance" options win over them there, and so here.
+GRAMMAR_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
+_REMEMBERED = 512  # distinct schemas known to be valid
 
 
-def structured_spec(kind: str | None, schema: dict | None, param: str = "response_format") -> dict | None:
-    """Validate a response_format and return the sampler spec (None for plain text)."""
+@dataclass(frozen=True)
+class SchemaToCheck:
+    schema: dict
+    param: str  # where it sits in the request, for the 400
+    enforced: bool = False  # compiled into a grammar the output must follow (response formats)
+
+
+def structured_spec(kind: str | None, schema, param: str) -> dict | None:
+    """The sampler spec for a response format (None for plain text); `param` names the schema
+    field. The schema itself is checked by `SchemaChecker` (see `format_schemas`)."""
     if kind in (None, "text"):
         return None
     if kind == "json_object":
         return {"type": "json_object"}
     if kind == "json_schema":
         if not isinstance(schema, dict):
-            raise bad_request("response_format json_schema needs a 'schema' object", param=f"{param}.json_schema.schema")
-        check_schema(schema, f"{param}.json_schema.schema")
+            raise bad_request("response_format json_schema needs a 'schema' object", param=param)
         return {"type": "json_schema", "schema": schema}
-    raise bad_request(f"unsupported response_format type {kind!r}", param=f"{param}.type")
+    raise bad_request(f"unsupported response_format type {kind!r}", param=param)
+
+
+def format_schemas(spec: dict | None, param: str) -> list[SchemaToCheck]:
+    if spec is None or spec["type"] != "json_schema":
+        return []
+    return [SchemaToCheck(spec["schema"], param, enforced=True)]
 
 
 def lark_marker(tokenizer, text: str) -> str:
@@ -38,8 +66,22 @@ def lark_marker(tokenizer, text: str) -> str:
     return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(text)
 
 
+def grammar_options(schema: dict) -> dict:
+    """The schema's "x-guidance" grammar options (an object, checked by `check_light`)."""
+    options = schema.get("x-guidance")
+    return options if isinstance(options, dict) else {}
+
+
+def check_light(schema: dict, param: str, budget: SchemaBudget) -> None:
+    """The cheap checks, on the event loop: limits first, then the values the server itself reads."""
+    check_schema_limits(schema, param, budget)
+    if "x-guidance" in schema and not isinstance(schema["x-guidance"], dict):
+        raise bad_request("x-guidance must be an object of grammar options", param=f"{param}.x-guidance")
+
+
 def check_schema(schema: dict, param: str) -> None:
-    """400 unless `schema` is a valid JSON Schema (under the draft it declares, else 2020-12)."""
+    """400 unless `schema` is a valid JSON Schema (under the draft it declares, else 2020-12).
+    Only for schemas within the limits: the validator recurses once per level."""
     import jsonschema
     from jsonschema.exceptions import SchemaError
 
@@ -51,19 +93,58 @@ def check_schema(schema: dict, param: str) -> None:
         raise bad_request(f"invalid JSON schema at {where}: {exc.message}", param=param) from None
 
 
-def output_satisfies(spec: dict | None, text: str) -> bool:
-    """Whether finished output `text` meets the spec (True when there is no spec)."""
-    if spec is None:
-        return True
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return False
-    if spec["type"] == "json_object":
-        return isinstance(value, dict)
-    if spec["type"] == "json_schema":
-        import jsonschema
+def check_enforceable(schema: dict, param: str) -> None:
+    """400 unless the grammar engine can compile `schema` as the engine will (same options)."""
+    import llguidance
 
-        cls = jsonschema.validators.validator_for(spec["schema"], default=jsonschema.Draft202012Validator)
-        return cls(spec["schema"]).is_valid(value)
-    return True
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+        {**schema, "x-guidance": {**GRAMMAR_OPTIONS, **grammar_options(schema)}})
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise bad_request(f"the JSON schema cannot be enforced: {_one_line(error)}", param=param,
+                          code="unsupported_schema")
+
+
+def _one_line(message: str) -> str:
+    """llguidance's multi-line messages (a regex error draws a caret under the pattern) as one line."""
+    lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip() and set(ln.strip()) != {"^"}]
+    return "; ".join(lines)[:500]
+
+
+class SchemaChecker:
+    """Runs every schema check of a request; the slow ones off the event loop, once per schema."""
+
+    def __init__(self, off_loop):
+        self._off_loop = off_loop  # async fn(callable, *args) on a worker thread
+        self._valid: OrderedDict[bytes, None] = OrderedDict()
+
+    async def check(self, items: list[SchemaToCheck]) -> None:
+        budget = SchemaBudget()
+        for item in items:
+            check_light(item.schema, item.param, budget)
+        todo, keys = [], []
+        for item in items:
+            key = _key(item)
+            if key in self._valid:
+                self._valid.move_to_end(key)
+            elif key not in keys:
+                todo.append(item)
+                keys.append(key)
+        if todo:
+            await self._off_loop(_check_heavy, todo)
+        for key in keys:
+            self._valid[key] = None
+            if len(self._valid) > _REMEMBERED:
+                self._valid.popitem(last=False)
+
+
+def _check_heavy(items: list[SchemaToCheck]) -> None:
+    for item in items:
+        check_schema(item.schema, item.param)
+        if item.enforced:
+            check_enforceable(item.schema, item.param)
+
+
+def _key(item: SchemaToCheck) -> bytes:
+    text = json.dumps(item.schema, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(f"{int(item.enforced)}{text}".encode("utf-8", "surrogatepass")).digest()

@@ -7,15 +7,22 @@ a marker), emitting content outside calls, and turning each call's growing state
 style deltas: the first delta of a call carries its id and name, later ones append to
 `arguments`. A parser only ever reports an arguments *prefix* that later text cannot change,
 so the streamed pieces concatenate to exactly the final arguments string.
+
+Two rules for every format, as tool schemas come from clients and call bodies from the model:
+schema values are read through `schema_object` (a JSON Schema may be `true` where an object is
+expected; anything not an object reads as {}), and model text is parsed with `limits.loads`
+(a deeply nested call is malformed output, not an exception). `parse_partial` runs once per
+text delta of a call, so it gets a per-call `scratch` dict to resume from instead of rescanning
+the whole body each time (that is quadratic in the call's length, on the event loop).
 """
 
 from __future__ import annotations
 
-import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiermoe.engine.protocol import JSON_WHITESPACE
+from tiermoe.server.limits import loads
 
 
 @dataclass
@@ -34,7 +41,7 @@ class ToolCall:
 
     def arguments_dict(self) -> dict:
         try:
-            value = json.loads(self.arguments)
+            value = loads(self.arguments)
         except ValueError:
             return {}
         return value if isinstance(value, dict) else {}
@@ -47,6 +54,7 @@ class _Open:
     body: str = ""
     name_sent: bool = False
     args_sent: str = ""
+    scratch: dict = field(default_factory=dict)  # the format's parse state, kept between deltas
 
 
 @dataclass
@@ -61,6 +69,12 @@ class PartialCall:
 class ParsedBody:
     name: str
     arguments: str
+
+
+def schema_object(value) -> dict:
+    """A (sub)schema read as a mapping: JSON Schema allows `true`/`false` for a schema, and a
+    client may send anything; whatever is not an object reads as {} (no constraints)."""
+    return value if isinstance(value, dict) else {}
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -95,8 +109,9 @@ class ToolParser:
         """A complete call body -> name and arguments JSON text, or None if malformed."""
         raise NotImplementedError
 
-    def parse_partial(self, body: str) -> PartialCall:
-        """An incomplete body -> what is already certain."""
+    def parse_partial(self, body: str, scratch: dict | None = None) -> PartialCall:
+        """An incomplete body -> what is already certain. `scratch`: a dict kept for this call
+        across calls (the body only grows), for resuming a scan; None: start afresh."""
         raise NotImplementedError
 
     def forced_prefix(self, name: str | None) -> str:
@@ -110,9 +125,9 @@ class ToolParser:
         return None
 
     def _parameters(self, name: str) -> dict:
-        params = (self.tools.get(name) or {}).get("parameters")
-        schema = params if isinstance(params, dict) and params else {"type": "object"}
-        return {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE, **(schema.get("x-guidance") or {})}}
+        schema = schema_object(schema_object(self.tools.get(name)).get("parameters")) or {"type": "object"}
+        options = schema_object(schema.get("x-guidance"))
+        return {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE, **options}}
 
     # ---- streaming -----------------------------------------------------------------------
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
@@ -186,7 +201,7 @@ class ToolParser:
     def _progress(self, call: _Open) -> list[ToolCallDelta]:
         if self._dropped(call):
             return []
-        part = self.parse_partial(call.body)
+        part = self.parse_partial(call.body, call.scratch)
         deltas = []
         if part.name and not call.name_sent:
             call.name_sent = True

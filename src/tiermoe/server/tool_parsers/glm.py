@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import re
 
-from tiermoe.server.tool_parsers.base import ParsedBody, PartialCall, ToolParser
+from tiermoe.server.limits import loads
+from tiermoe.server.tool_parsers.base import ParsedBody, PartialCall, ToolParser, schema_object
 
 _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
@@ -32,27 +33,40 @@ class GlmToolParser(ToolParser):
         return name or None
 
     def _value(self, fn: str, key: str, raw: str):
-        schema = (self.tools.get(fn) or {}).get("parameters") or {}
-        kind = ((schema.get("properties") or {}).get(key) or {}).get("type")
+        schema = schema_object(schema_object(self.tools.get(fn)).get("parameters"))
+        kind = schema_object(schema_object(schema.get("properties")).get(key)).get("type")
         if kind in (None, "string") or (isinstance(kind, list) and "string" in kind):
             return raw
         try:
-            return json.loads(raw)
-        except ValueError:
+            value = loads(raw)
+            json.dumps(value)  # a value nested past what json can write back stays text
+            return value
+        except (ValueError, RecursionError):
             return raw
 
-    def _args_prefix(self, fn: str, body: str) -> tuple[str, int]:
-        pairs = _PAIR.findall(body)
-        if not pairs:
-            return "", 0
-        items = [f"{json.dumps(k.strip(), ensure_ascii=False)}: {json.dumps(self._value(fn, k.strip(), v), ensure_ascii=False)}" for k, v in pairs]
-        return "{" + ", ".join(items), len(pairs)
+    def _args_prefix(self, fn: str, body: str, scratch: dict | None = None) -> tuple[str, int]:
+        """The arguments object's text up to its last complete key/value pair, and the pair
+        count. With `scratch` (same call, growing body) pairs already read are not read again."""
+        state = scratch if scratch is not None else {}
+        if state.get("fn") != fn:
+            state.clear()
+            state.update(fn=fn, pos=0, items=[], seen=0)
+        # a new pair can only have completed if a closing tag arrived since the last look
+        if body.find("</arg_value>", max(state["seen"] - len("</arg_value>"), state["pos"])) != -1:
+            for m in _PAIR.finditer(body, state["pos"]):
+                key = m.group(1).strip()
+                value = json.dumps(self._value(fn, key, m.group(2)), ensure_ascii=False)
+                state["items"].append(f"{json.dumps(key, ensure_ascii=False)}: {value}")
+                state["pos"] = m.end()
+        state["seen"] = len(body)
+        items = state["items"]
+        return ("{" + ", ".join(items) if items else ""), len(items)
 
-    def parse_partial(self, body: str) -> PartialCall:
+    def parse_partial(self, body: str, scratch: dict | None = None) -> PartialCall:
         name = self._name(body, complete=False)
         if name is None:
             return PartialCall()
-        prefix, _ = self._args_prefix(name, body)
+        prefix, _ = self._args_prefix(name, body, scratch)
         return PartialCall(name=name, arguments_prefix=prefix)
 
     def parse_body(self, body: str) -> ParsedBody | None:

@@ -12,17 +12,27 @@ import json
 import re
 
 from tiermoe.engine.protocol import JSON_WHITESPACE
+from tiermoe.server.limits import loads
 from tiermoe.server.tool_parsers.base import ParsedBody, PartialCall, ToolParser
 
 _HEAD = re.compile(r'^\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*', re.S)
 _NAME = re.compile(r'^\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"', re.S)
 
 
-def _object_extent(text: str) -> tuple[int, bool]:
-    """How far the JSON object at text[0] reaches: (chars consumed, closed?)."""
-    depth = 0
-    in_str = esc = False
-    for i, ch in enumerate(text):
+def _object_extent(text: str, start: int = 0, state: dict | None = None) -> tuple[int, bool]:
+    """How far the JSON object at text[start] reaches: (chars consumed, closed?).
+
+    `state` (a dict kept between calls on a growing text with the same start) resumes the scan
+    where the last call stopped, so streaming a long call costs linear time, not quadratic."""
+    if state is None or state.get("start") != start:
+        state = {} if state is None else state
+        state.clear()
+        state.update(start=start, pos=start, depth=0, in_str=False, esc=False, end=None)
+    if state["end"] is not None:
+        return state["end"] - start, True
+    depth, in_str, esc = state["depth"], state["in_str"], state["esc"]
+    for i in range(state["pos"], len(text)):
+        ch = text[i]
         if in_str:
             if esc:
                 esc = False
@@ -37,30 +47,44 @@ def _object_extent(text: str) -> tuple[int, bool]:
         elif ch in "}]":
             depth -= 1
             if depth == 0:
-                return i + 1, True
-    return len(text), False
+                state["end"] = i + 1
+                return i + 1 - start, True
+    state.update(pos=len(text), depth=depth, in_str=in_str, esc=esc)
+    return len(text) - start, False
+
+
+def _unquote(text: str) -> str | None:
+    """A JSON string's body (between its quotes) as text; None if the model escaped it badly."""
+    try:
+        return loads(f'"{text}"')
+    except ValueError:
+        return None
 
 
 class HermesToolParser(ToolParser):
     name = "hermes"
 
-    def parse_partial(self, body: str) -> PartialCall:
+    def parse_partial(self, body: str, scratch: dict | None = None) -> PartialCall:
         m = _HEAD.match(body)
         if m is None:
             n = _NAME.match(body)
             # the name alone is certain once its closing quote has arrived
-            return PartialCall(name=json.loads(f'"{n.group(1)}"') if n else None)
-        name = json.loads(f'"{m.group(1)}"')
-        rest = body[m.end() :]
-        if not rest.startswith("{"):
+            return PartialCall(name=_unquote(n.group(1)) if n else None)
+        name = _unquote(m.group(1))
+        if name is None or not body.startswith("{", m.end()):
             return PartialCall(name=name)  # not an object yet (or a string): wait for the end
-        end, _ = _object_extent(rest)
-        return PartialCall(name=name, arguments_prefix=rest[:end])
+        end, _ = _object_extent(body, m.end(), scratch)
+        return PartialCall(name=name, arguments_prefix=body[m.end() : m.end() + end])
 
     def parse_body(self, body: str) -> ParsedBody | None:
-        text = body.strip()
         try:
-            obj = json.loads(text)
+            return self._parse_body(body.strip())
+        except RecursionError:  # arguments nested past what == and json.dumps can walk
+            return None
+
+    def _parse_body(self, text: str) -> ParsedBody | None:
+        try:
+            obj = loads(text)
         except ValueError:
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -68,7 +92,7 @@ class HermesToolParser(ToolParser):
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):  # some models double-encode the arguments
             try:
-                args = json.loads(args)
+                args = loads(args)
             except ValueError:
                 return None
         if not isinstance(args, dict):
@@ -78,7 +102,7 @@ class HermesToolParser(ToolParser):
             end, closed = _object_extent(text[m.end() :])
             raw = text[m.end() : m.end() + end]
             try:
-                if closed and json.loads(raw) == args:
+                if closed and loads(raw) == args:
                     return ParsedBody(obj["name"], raw)
             except ValueError:
                 pass
