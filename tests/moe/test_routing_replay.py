@@ -403,13 +403,14 @@ def test_serve_sigterm_leaves_a_valid_trace(tiny_dir, tmp_path):
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
+        assert proc.poll() is None, proc.stderr.read()
         r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": [5, 6, 7, 8], "max_tokens": 4,
                                                       "ignore_eos": True}, timeout=60)
         assert r.status_code == 200, r.text
