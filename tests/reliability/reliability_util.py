@@ -36,6 +36,18 @@ def scripted_server(*, max_model_len: int = 1024, max_num_seqs: int = 8, step_de
     return server
 
 
+def served_like_the_cli(server: ServerThread) -> ServerThread:
+    """The same server run with the uvicorn configuration of `tiermoe serve` (connections.py: its
+    h11 protocol with the header deadline, the keep-alive timeout) instead of the test default."""
+    import uvicorn
+
+    from tiermoe.server.connections import uvicorn_config
+
+    server.server = uvicorn.Server(uvicorn_config(server.app, host="127.0.0.1", port=server.port, log_level="error",
+                                                  graceful_timeout_s=5))
+    return server
+
+
 def is_anthropic(path: str) -> bool:
     return path.startswith("/v1/messages")
 

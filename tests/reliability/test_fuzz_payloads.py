@@ -18,45 +18,13 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from hostile_values import BAD_SCHEMAS, EDGE_TEXT, UNENFORCEABLE_SCHEMAS, nested
 from reliability_util import assert_error_body, healthy, scripted_server
 
 BODY_LIMIT = 512 * 1024
 # CI budget; a longer hunt: TIERMOE_FUZZ_EXAMPLES=600 TIERMOE_FUZZ_RANDOM=1
 EXAMPLES = int(os.environ.get("TIERMOE_FUZZ_EXAMPLES", "50"))
 RANDOM = bool(os.environ.get("TIERMOE_FUZZ_RANDOM"))
-
-EDGE_TEXT = [
-    "", " ", "\x00", "a\x00b", "\ud800", "\udfff", "x\ud83dy", "\u202eevil\u202c", "\u200f\u05e9\u05dc\u05d5\u05dd\u200e",
-    "🚀" * 50, "👩‍👩‍👧‍👦", "e\u0301" * 30, "\ufeff", "\u2028\u2029", "\uffff", "\U0010ffff", "<|im_start|>system\n",
-    "<|im_end|>", "<think>", "</think>", "<tool_call>{\"name\": \"x\"", "{{ raise_exception('x') }}", "{% for %}",
-    "\\u0000", "\r\n" * 20, "\t" * 100, "Tell me a story", "TRIGGER nothing", "null", "[]",
-]
-
-
-class _DeepList(list):
-    depth = 0
-
-    def __repr__(self) -> str:  # short, so a failing example can be printed at all
-        return f"<{self.depth}-deep JSON>"
-
-    def _repr_pretty_(self, p, cycle) -> None:
-        p.text(repr(self))
-
-
-class _DeepDict(dict):
-    __repr__ = _DeepList.__repr__
-    _repr_pretty_ = _DeepList._repr_pretty_
-
-
-def nested(depth: int, leaf=1):
-    """`depth` alternating levels of {"k": ...} and [...] around `leaf`."""
-    value = leaf
-    for i in range(depth):
-        value = [value] if i % 2 else {"k": value}
-    out = _DeepList(value) if isinstance(value, list) else _DeepDict(value)
-    out.depth = depth
-    return out
-
 
 texts = st.one_of(
     st.sampled_from(EDGE_TEXT),
@@ -92,6 +60,13 @@ tools = st.one_of(
     st.lists(st.builds(tool, st.one_of(st.from_regex(r"[a-z_]{1,12}", fullmatch=True), texts)), max_size=4),
     st.integers(100, 3000).map(lambda n: [tool(f"t{i}") for i in range(n)]),  # giant tool list
     st.integers(1, 400).map(lambda d: [{"type": "function", "function": {"name": "deep", "parameters": nested(d, {})}}]),
+    st.sampled_from(sorted(BAD_SCHEMAS)).map(
+        lambda k: [{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMAS[k][0]}}]),
+)
+hostile_schemas = st.one_of(
+    st.integers(1, 200).map(lambda d: nested(d, {})),
+    st.sampled_from(sorted(BAD_SCHEMAS)).map(lambda k: BAD_SCHEMAS[k][0]),
+    st.sampled_from(sorted(UNENFORCEABLE_SCHEMAS)).map(UNENFORCEABLE_SCHEMAS.get),
 )
 GOOD = {  # values a client may well send: the request should then get through to the engine
     "max_tokens": st.integers(1, 64), "max_completion_tokens": st.integers(1, 64),
@@ -110,8 +85,10 @@ HOSTILE = {
     "top_k": numbers, "min_p": numbers, "n": st.one_of(st.integers(-3, 40), junk), "seed": numbers,
     "presence_penalty": numbers, "frequency_penalty": numbers, "repetition_penalty": numbers,
     "stop": st.one_of(st.lists(texts, min_size=17, max_size=30), junk), "stop_token_ids": st.one_of(st.lists(numbers, max_size=3), junk),
-    "logprobs": junk, "top_logprobs": numbers, "tools": junk, "tool_choice": junk,
-    "response_format": st.one_of(junk, st.integers(1, 200).map(lambda d: {"type": "json_schema", "json_schema": {"schema": nested(d, {})}})),
+    "logprobs": junk, "top_logprobs": numbers, "tools": st.one_of(junk, tools),
+    "tool_choice": st.one_of(junk, st.just("required")),
+    "response_format": st.one_of(
+        junk, hostile_schemas.map(lambda s: {"type": "json_schema", "json_schema": {"schema": s}})),
     "chat_template_kwargs": st.one_of(junk, st.integers(1, 450).map(lambda d: {"x": nested(d)})),
     "thinking_budget": numbers, "ignore_eos": junk, "min_tokens": numbers, "logit_bias": junk, "model": st.one_of(texts, junk),
     "stream": junk, "stream_options": junk, "user": junk, "metadata": junk,

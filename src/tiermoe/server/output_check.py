@@ -30,9 +30,9 @@ CHECK_SECONDS = 1.0  # per output
 MAX_PENDING = 8  # checks queued before new ones are skipped
 MAX_CHECKED_SCHEMA_VALUES = 2_000  # compile cost grows faster than the schema; larger ones: JSON only
 _CHUNK = 2048  # bytes fed between deadline checks
-# the output is judged on its content, not the engine's layout choices
-_LENIENT = {"whitespace_flexible": True, "whitespace_pattern": None, "item_separator": None, "key_separator": None,
-            "json_allow_general_unicode_escapes": True}
+# the output is judged on its content, not on layout: the schema's own layout options are dropped
+_LENIENT = {"whitespace_flexible": True, "whitespace_pattern": None, "json_allow_general_unicode_escapes": True}
+_LAYOUT = {"whitespace_flexible", "whitespace_pattern", "item_separator", "key_separator"}
 
 _byte_tokenizer = None
 
@@ -86,7 +86,7 @@ def output_satisfies(spec: dict | None, text: str, deadline_s: float = CHECK_SEC
     import llguidance
 
     deadline = time.monotonic() + deadline_s
-    options = {k: v for k, v in grammar_options(schema).items() if k not in _LENIENT}
+    options = {k: v for k, v in grammar_options(schema).items() if k not in _LAYOUT}
     grammar = llguidance.LLMatcher.grammar_from_json_schema({**schema, "x-guidance": options}, overrides=_LENIENT)
     matcher = llguidance.LLMatcher(_bytes_vocabulary(), grammar, log_level=0)
     if matcher.is_error():
