@@ -60,9 +60,13 @@ def header(response, name: str) -> str:
     return ""
 
 
+SAFETY_NET = ("the request could not be processed", "the request is nested too deeply")
+
+
 def assert_error_body(path: str, response) -> dict:
     """The body of an error response has the API's own shape (OpenAI, or Anthropic on
-    /v1/messages*), a non-empty message, JSON content type, and no traceback."""
+    /v1/messages*), a non-empty message, JSON content type, no traceback, and comes from an
+    explicit check rather than the last-resort net for exceptions."""
     assert header(response, "content-type").startswith("application/json"), (path, response.headers)
     text = response.text
     assert "Traceback" not in text and 'File "' not in text, text[:500]
@@ -78,6 +82,8 @@ def assert_error_body(path: str, response) -> dict:
         assert err["code"] is None or isinstance(err["code"], str)
     assert isinstance(err["message"], str) and err["message"], body
     assert isinstance(err["type"], str) and err["type"], body
+    # refused by an explicit check: the last-resort 400 of handling.run_endpoint means a value went unchecked
+    assert not err["message"].startswith(SAFETY_NET), body
     return err
 
 

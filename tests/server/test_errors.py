@@ -185,3 +185,30 @@ def test_unexpected_exception_becomes_clean_500(tokenizer):
         assert r.status_code == 500
         err = _body_ok(r.json(), 500)
         assert err["type"] == "server_error" and "Traceback" not in r.text
+
+
+def test_content_exception_before_the_engine_is_a_400_logged_in_one_line(tokenizer, caplog):
+    """The last-resort net: a TypeError or RecursionError escaping the checks while a request is
+    read (before the engine has it) is the content's doing, so 400, one log line, no traceback;
+    past the engine such exceptions stay 500 (test above)."""
+    with start_server(tokenizer) as s:
+        ctx = s.app.state.ctx
+
+        def deep(depth=0):
+            return deep(depth + 1)
+
+        for exc, code in ((TypeError("unhashable"), "invalid_request"), (None, "too_deep")):
+            async def broken(*a, exc=exc, **k):
+                if exc is None:
+                    deep()
+                raise exc
+
+            ctx.encode = broken
+            caplog.clear()
+            r = httpx.post(s.url + "/v1/chat/completions", json={"model": "scripted", "messages": MSG})
+            assert r.status_code == 400 and "Traceback" not in r.text
+            err = _body_ok(r.json(), 400)
+            assert err["code"] == code and err["type"] == "invalid_request_error" and "unhashable" not in err["message"]
+            records = [rec for rec in caplog.records if rec.name == "tiermoe.server"]
+            assert len(records) == 1 and records[0].exc_info is None and "\n" not in records[0].getMessage()
+            assert "request refused" in records[0].getMessage()

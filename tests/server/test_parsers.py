@@ -126,3 +126,35 @@ def test_single_call_limit_drops_later_calls():
     parser = HermesToolParser(TOOLS, max_calls=1)
     content, calls = _run(parser, text, 2)
     assert list(calls) == [0] and len(parser.calls) == 1 and content == ""
+
+
+def test_hostile_schemas_and_output_do_not_break_the_parsers():
+    """Tool schemas come from clients and call bodies from the model: a `true` property schema, a
+    string where the grammar options belong, a badly escaped name, arguments nested past what
+    json can read: each is read as no constraint / malformed output, never an exception."""
+    tools = [{"name": "f", "parameters": {"type": "object", "properties": {"a": True, "b": {"type": "integer"}},
+                                          "x-guidance": "x"}}]
+    glm = GlmToolParser(tools)
+    _run(glm, "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n"
+              "<arg_key>b</arg_key>\n<arg_value>" + "[" * 5000 + "</arg_value>\n</tool_call>", 7)
+    assert glm.calls[0].arguments_dict() == {"a": "1", "b": "[" * 5000}
+    hermes = HermesToolParser(tools)
+    assert hermes.forced_grammar("f", json.dumps)  # the string options are dropped, not unpacked
+    content, calls = _run(hermes, '<tool_call>\n{"name": "f\\x", "arguments": {}}\n</tool_call>', 3)
+    assert calls == {} and "f\\x" in content
+    deep = '<tool_call>\n{"name": "f", "arguments": {"a": ' + "[" * 50_000 + "]" * 50_000 + "}}\n</tool_call>"
+    content, calls = _run(hermes, deep, 4096)
+    assert calls == {} or all(c["name"] == "f" for c in calls.values())
+
+
+@pytest.mark.parametrize("cls,fmt", [(HermesToolParser, "hermes"), (GlmToolParser, "glm")])
+def test_a_long_call_streams_in_linear_time(cls, fmt):
+    """Each delta resumes the call's scan where the last stopped: 30 000 one-character deltas of
+    one argument cost about what parsing it once does (a rescan per delta took minutes)."""
+    import time
+
+    text = render_reply(ScriptedReply(tool_calls=[("get_weather", {"city": "x" * 30_000, "days": 2})]), fmt)
+    t0 = time.monotonic()
+    _, calls = _run(cls(TOOLS), text, 1)
+    assert time.monotonic() - t0 < 3
+    assert json.loads(calls[0]["arguments"]) == {"city": "x" * 30_000, "days": 2}

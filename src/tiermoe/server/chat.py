@@ -41,8 +41,12 @@ def text_content(content, param: str) -> str:
         return content
     pieces = []
     for i, part in enumerate(content):
-        kind = part.type if hasattr(part, "type") else part.get("type")
-        text = part.text if hasattr(part, "text") else part.get("text")
+        if isinstance(part, dict):  # Responses items arrive as plain JSON
+            kind, text = part.get("type"), part.get("text")
+        elif hasattr(part, "type"):  # pydantic content parts (chat)
+            kind, text = part.type, getattr(part, "text", None)
+        else:
+            raise bad_request("content parts must be objects", param=f"{param}[{i}]")
         if kind in ("text", "input_text", "output_text") and isinstance(text, str):
             pieces.append(text)
         else:
