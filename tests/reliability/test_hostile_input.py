@@ -167,7 +167,8 @@ def _freeze_case(server) -> None:
                    if line.startswith("tiermoe_structured_output_invalid_total"))
 
     before = invalid_count()
-    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": BACKTRACKING_PATTERN}}}
+    schema = {"type": "string", "pattern": BACKTRACKING_PATTERN}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
     results: list[httpx.Response] = []
 
     def hostile():
