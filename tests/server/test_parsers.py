@@ -150,7 +150,7 @@ def test_hostile_schemas_and_output_do_not_break_the_parsers():
 @pytest.mark.parametrize("cls,fmt", [(HermesToolParser, "hermes"), (GlmToolParser, "glm")])
 def test_a_long_call_streams_in_linear_time(cls, fmt):
     """Each delta resumes the call's scan where the last stopped: 30 000 one-character deltas of
-    one argument cost about what parsing it once does (a rescan per delta took minutes)."""
+    one argument cost about what parsing it once does (a rescan per delta is quadratic)."""
     import time
 
     text = render_reply(ScriptedReply(tool_calls=[("get_weather", {"city": "x" * 30_000, "days": 2})]), fmt)

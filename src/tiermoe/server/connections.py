@@ -1,8 +1,8 @@
 """Connection hygiene: slots per client address, header and body read timeouts, keep-alive.
 
-Without these, ~300 sockets that sent request headers and never the body held every one of
-`--max-connections` slots for as long as they stayed open, and every other client got 429
-while /health said 200. Four rules close that, as production HTTP servers do:
+Without these, as many sockets as `--max-connections` that sent request headers and never the
+body held every slot for as long as they stayed open, and every other client got 429 while
+/health said 200. Four rules close that, as production HTTP servers do:
 
   - body timeout (`--body-timeout`, the Guard's `receive` wrapper): a request's body must
     arrive in full within this many seconds of its headers, else 408 and the connection is
@@ -130,6 +130,7 @@ def header_timeout_protocol(timeout_s: float):
 
     class HeaderDeadlineProtocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _upgraded = False  # handed to a websocket protocol: no longer ours to time
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -147,11 +148,16 @@ def header_timeout_protocol(timeout_s: float):
             self._stop_header_timer()
             super().connection_lost(exc)
 
+        def handle_websocket_upgrade(self, event) -> None:
+            self._upgraded = True
+            self._stop_header_timer()
+            super().handle_websocket_upgrade(event)
+
         def _awaiting_headers(self) -> bool:
             return self.cycle is None or self.cycle.response_complete
 
         def _watch_headers(self) -> None:
-            if self.transport.is_closing() or not self._awaiting_headers():
+            if self._upgraded or self.transport.is_closing() or not self._awaiting_headers():
                 self._stop_header_timer()
             elif self._header_timer is None:
                 self._header_timer = self.loop.call_later(timeout_s, self._headers_late)

@@ -4,8 +4,8 @@ pydantic's parser already refuses bodies nested past its own recursion limit, bu
 Schemas clients send (tool parameters, response formats) are then handed to libraries that
 recurse once per level and do work per value: jsonschema's metaschema check, the grammar
 compiler, chat templates. A schema well inside the parser's limit could still exhaust Python's
-recursion limit there (a RecursionError, logged as a two-thousand-line traceback per request)
-or hold a worker for seconds. So every schema is measured here first, iteratively, and a
+recursion limit there (a RecursionError, and a traceback as deep as the schema in the log) or
+hold a worker for as long as its size allows. So every schema is measured here first, iteratively, and a
 schema past a limit is a 400 that names the limit. The same walk bounds the pattern strings a
 schema may carry.
 

@@ -4,7 +4,7 @@ Under the engine's grammar the answer is yes by construction, unless the output 
 strings, stop token ids) or the sampler has no grammar support; the count of misses is
 `tiermoe_structured_output_invalid_total`. The check must never cost what the request did not:
 the old one ran jsonschema (Python's backtracking `re` for `pattern`) on the event loop, so a
-backtracking pattern froze the whole server for seconds per character of output.
+backtracking pattern held the whole server for a time exponential in the output's length.
 
 So the output is read by the same grammar engine the sampler uses (llguidance: a linear-time
 lexer, bounded work per byte), fed one byte per token through a byte-level vocabulary, with
