@@ -67,8 +67,8 @@ def register(subparsers) -> None:
                    help="concurrent API requests before 429 (default: --max-num-seqs + --max-queue + 32)")
     p.add_argument("--max-connections-per-client", type=int, default=None,
                    help="of those, how many one client address (IPv6: one /64) may hold (default: half of "
-                        "--max-connections; behind a reverse proxy, where every request comes from the proxy, set it "
-                        "to --max-connections)")
+                        "--max-connections). A trusted proxy's X-Forwarded-For address counts as the client "
+                        "(127.0.0.1, or $FORWARDED_ALLOW_IPS); behind another proxy set it to --max-connections")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a connection has to send a request's headers (default 10; then 408 and closed)")
     p.add_argument("--body-timeout", type=float, default=30.0,

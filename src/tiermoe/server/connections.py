@@ -14,9 +14,11 @@ body held every slot for as long as they stayed open, and every other client got
   - idle keep-alive (`--keep-alive-timeout`): an idle connection between requests is closed;
   - a per-client share (`--max-connections-per-client`, default half of `--max-connections`):
     no one address (IPv6: one /64 network) may hold more API request slots than that, so one
-    client cannot take every slot. Loopback is an address like any other: behind a reverse
-    proxy every request comes from the proxy, so raise the share to `--max-connections` there
-    and let the proxy limit its own clients.
+    client cannot take every slot. Loopback is an address like any other. The address is the
+    connection's peer, or the X-Forwarded-For address when the peer is a trusted proxy
+    (uvicorn's forwarded-allow-ips: 127.0.0.1 unless $FORWARDED_ALLOW_IPS names others); behind
+    a proxy that is not trusted so, every request counts against the proxy's own address:
+    raise the share to `--max-connections` there and let the proxy limit its clients.
 
 /health answers 503 "saturated" while every slot is taken (the server is refusing everyone).
 """

@@ -2,8 +2,9 @@
 
 Tokenizing and rendering chat templates run on one dedicated worker thread, so a 32k-token
 prompt never stalls the event loop that is streaming other clients' tokens (and the tokenizer
-is never entered by two threads at once from this process). JSON Schema checks and the output
-re-checks of structured requests run on a second one, for the same reason.
+is never entered by two threads at once from this process). JSON Schema checks run on a second
+one and the output re-checks of structured requests on a third, for the same reason (and so a
+queue of output checks never delays a request's schema check).
 """
 
 from __future__ import annotations
@@ -73,14 +74,16 @@ class ServerContext:
         self.reasoning_enabled = config.reasoning if config.reasoning is not None else ("</think>" in vocab)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiermoe-tokenize")
         self._check_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiermoe-check")
+        self._output_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiermoe-output-check")
         self.schemas = SchemaChecker(self._off_loop_checks)
-        self.outputs = OutputChecker(self._check_pool, self.metrics.structured_invalid)
+        self.outputs = OutputChecker(self._output_pool, self.metrics.structured_invalid)
         self.connections = ConnectionSlots(config.max_connections, config.max_connections_per_client,
                                            config.retry_after_s)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._check_pool.shutdown(wait=False, cancel_futures=True)
+        self._output_pool.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
     def new_id(prefix: str) -> str:

@@ -104,7 +104,7 @@ class OutputChecker:
     """Queues output checks on a worker thread and counts the outputs that fail them."""
 
     def __init__(self, pool, counter):
-        self._pool = pool  # a single-thread executor shared with the schema checks
+        self._pool = pool  # a single-thread executor of its own
         self._counter = counter
         self._slots = threading.BoundedSemaphore(MAX_PENDING)  # released on the worker thread
 
