@@ -55,11 +55,13 @@ _ANTHROPIC_ERROR = {
 }
 # statuses any route may answer besides 200 (auth, size, queue, shutdown, engine faults)
 _ERROR_STATUSES = {
-    "400": "bad request (malformed JSON, wrong types, values out of range, context exceeded)",
+    "400": "bad request (malformed JSON, wrong types, values out of range, context exceeded, a JSON schema past "
+           "the server's limits)",
     "401": "missing or invalid API key",
     "404": "unknown model",
+    "408": "the request body did not arrive within the server's body timeout (the connection is closed)",
     "413": "request body too large",
-    "429": "queue or connection limit reached; see Retry-After",
+    "429": "queue, connection or per-client connection limit reached; see Retry-After",
     "500": "the engine failed this request",
     "503": "shutting down or engine unavailable",
     "504": "the request ran past the server's request timeout",
