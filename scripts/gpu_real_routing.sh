@@ -27,6 +27,10 @@ MODES=${MODES:-exact fast}
 RUN_STEPS=${RUN_STEPS:-pcie glm serve-glm}
 MAX_TOKENS=${MAX_TOKENS:-128}
 FAST_MAX_TOKENS=${FAST_MAX_TOKENS:-48}
+PREFILL=${PREFILL:-4k}
+MAX_MODEL_LEN=${MAX_MODEL_LEN:-8192}
+SERVE_ARGS=${SERVE_ARGS:-}           # more serve flags, e.g. "--device cpu --no-direct-io" for a CPU dry run
+GLM_ARGS=${GLM_ARGS:---device cuda}  # synth_glm_store.py flags, e.g. "--tiny --device cpu" for a CPU dry run
 site=/tmp/tiermoe-site
 export PYTHONPATH=$ROOT/src:$site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 log() { echo "[rr $(date -u +%H:%M:%S)] $*"; }
@@ -65,8 +69,9 @@ PY
 
 step_glm() {
   local n=${GLM_LAYERS:-$(glm_layers)}
+  [ -f "$WORK/glm/manifest.json" ] && n=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['model_config']['num_hidden_layers'] - 1)" "$WORK/glm/manifest.json")
   log "GLM-5.3-Flash-shaped store, $n MoE layers"
-  [ -f "$WORK/glm/manifest.json" ] || "$PY" scripts/synth_glm_store.py "$WORK/glm" --moe-layers "$n" --device cuda \
+  [ -f "$WORK/glm/manifest.json" ] || "$PY" scripts/synth_glm_store.py "$WORK/glm" --moe-layers "$n" $GLM_ARGS \
     > "$WORK/glm-build.log" 2>&1 || { log "store build failed: $(tail -3 "$WORK/glm-build.log")"; return 1; }
   tail -2 "$WORK/glm-build.log"
   cp "$WORK/glm/expert-stats.json" "$WORK/glm-expert-stats.json"
@@ -85,8 +90,8 @@ serve_matrix() {  # NAME STORE STATS EXTRA_FLAGS...
       [ "$mode" = fast ] && tokens=$FAST_MAX_TOKENS
       log "$tag: serve (--gpu-expert-gb $gb of $expert_gb GiB of experts, --mode $mode, replay $stats)"
       "$PY" -m tiermoe.cli serve "$store" --host 127.0.0.1 --port 8121 --served-model-name "$name" \
-        --max-model-len 8192 --max-num-seqs 4 --max-num-batched-tokens 4096 --dtype bfloat16 \
-        --gpu-expert-gb "$gb" --mode "$mode" --routing-replay "$stats" "$@" > "$WORK/server-$tag.log" 2>&1 &
+        --max-model-len "$MAX_MODEL_LEN" --max-num-seqs 4 --max-num-batched-tokens 4096 --dtype bfloat16 \
+        --gpu-expert-gb "$gb" --mode "$mode" --routing-replay "$stats" $SERVE_ARGS "$@" > "$WORK/server-$tag.log" 2>&1 &
       local pid=$! ok=0
       for _ in $(seq 1 200); do
         get http://127.0.0.1:8121/health > /dev/null 2>&1 && { ok=1; break; }
@@ -94,7 +99,7 @@ serve_matrix() {  # NAME STORE STATS EXTRA_FLAGS...
         sleep 2
       done
       if [ $ok = 0 ]; then log "$tag: server did not start: $(tail -3 "$WORK/server-$tag.log")"; kill $pid; continue; fi
-      local sweep=("$PY" -m tiermoe.cli bench sweep --url http://127.0.0.1:8121 --model "$name" --prefill-sizes 4k \
+      local sweep=("$PY" -m tiermoe.cli bench sweep --url http://127.0.0.1:8121 --model "$name" --prefill-sizes "$PREFILL" \
         --reps 1 --concurrency 1,4 --long-prompt 0)
       timeout 200 "${sweep[@]}" --max-tokens 16 --seed 7 > "$WORK/warmup-$tag.log" 2>&1
       get http://127.0.0.1:8121/stats > "$WORK/stats-before-$tag.json"
@@ -116,7 +121,8 @@ step_qwen() {
 
 run_all() {
   mkdir -p "$WORK"
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl > /dev/null 2>&1
+  "$PY" -c "import fastapi, uvicorn, gguf" 2> /dev/null || \
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl > /dev/null 2>&1
   log "commit $(git rev-parse --short HEAD 2>/dev/null || echo "${COMMIT:-unknown}"), $("$PY" -c 'import torch, triton; print(torch.__version__, triton.__version__)')"
   want pcie && step_pcie
   local tests_pid=""

@@ -50,6 +50,7 @@ def glm_config(base: dict, a) -> dict:
                num_experts_per_tok=a.top_k, n_shared_experts=1, n_group=1, topk_group=1,
                first_k_dense_replace=1, num_hidden_layers=1 + a.moe_layers, intermediate_size=a.dense_inter,
                num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=a.hidden // a.heads,
+               max_position_embeddings=a.max_position,
                dtype="bfloat16")
     return cfg
 
@@ -165,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--max-position", type=int, default=20480,
+                   help="context length of the model (the benchmarks' 4k and 16k prompts must fit)")
     p.add_argument("--group", type=int, default=128)
     p.add_argument("--kind", choices=("int4", "int8", "bf16"), default="int4")
     p.add_argument("--hot-share", type=float, default=0.11, help="expert share whose pick share the bias matches")

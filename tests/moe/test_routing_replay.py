@@ -373,7 +373,12 @@ def test_glm5_next_trunk_layers_replay_and_record(tmp_path):
     rows in order, as the record of the same run shows."""
     from tiermoe.models.tiny import write_tiny
 
-    model = write_tiny("glm5_next", tmp_path / "g")
+    try:
+        model = write_tiny("glm5_next", tmp_path / "g")
+    except Exception as exc:  # transformers 5.17's config check predates glm5_next's layer types
+        if "layer_types" not in str(exc):
+            raise
+        pytest.skip(f"this transformers cannot build glm5_next's config: {str(exc).splitlines()[0][:120]}")
     picks = _distinct_rows(5, 5, seed=2)  # [5, 5 MoE layers, k]
     trace = _trace(tmp_path / "t.npz", picks, layers=[3, 4, 5, 6, 7])
     eng = _engine(model, routing_replay=str(trace), record_routing=str(tmp_path / "r.npz"))
