@@ -17,6 +17,9 @@
 #              store is removed (the disk holds one at a time); serve-qwen as serve-glm
 # Everything lands in $WORK (default $HOME/real-routing); `wait` packs it into $OUT/real-routing.tgz.
 # Carry .whl (the wheels of scripts/sbs/wheels.txt: the GPU image lacks the server's packages).
+# Dry run on a CPU machine first (a minute; catches flag and sizing mistakes at no device cost):
+#   WORK=/tmp/rrdry GLM_LAYERS=4 GLM_ARGS="--tiny --device cpu" SERVE_ARGS="--device cpu --no-direct-io" \
+#   RUN_STEPS="glm serve-glm" MAX_TOKENS=8 FAST_MAX_TOKENS=8 PY=.venv/bin/python scripts/gpu_real_routing.sh run
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"

@@ -127,3 +127,20 @@ def test_sweep_without_stats_has_no_tier_counters(right_url, tmp_path, capsys):
                           "--max-tokens", "4", "--long-prompt", "0", "--out", str(out)], capsys)
     assert rc == 0, text
     assert load(out)["decode"][0]["tiers_per_token"] is None and "slot hits" not in text
+
+
+def test_prompt_sizing_survives_a_server_that_refuses_long_texts():
+    """A server that refuses to count a text longer than its window (tiermoe's /tokenize does) must
+    still get a prompt sized by its own count, not by the character estimate (which came out 2.6x too
+    long for a tokenizer with many tokens per word)."""
+    import asyncio
+    import random
+
+    from tiermoe.bench.prompts import sized_random_text
+
+    async def count(text: str) -> int | None:  # 3 tokens a word; refuses more than 5000
+        n = 3 * len(text.split())
+        return None if n > 5000 else n
+
+    text, n, source = asyncio.run(sized_random_text(random.Random(1), 4096, count))
+    assert source == "tokenize" and abs(n - 4096) <= 82 and n == 3 * len(text.split())
