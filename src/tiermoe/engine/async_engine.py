@@ -75,6 +75,11 @@ class _Stats:
 
 
 @dataclass
+class _Heat:
+    future: asyncio.Future
+
+
+@dataclass
 class _Stop:
     pass
 
@@ -315,6 +320,18 @@ class AsyncEngine:
             return snap
         return dict(self._last_stats)
 
+    async def expert_heat(self, timeout: float = 5.0) -> dict | None:
+        """The core's expert_heat() (per-layer expert counts for the dashboard's heat map), taken
+        between steps; None when the core has none, is busy past `timeout`, or fails."""
+        if not self.alive:
+            return None
+        future = self._loop.create_future()
+        self._commands.put(_Heat(future))
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except (asyncio.TimeoutError, Exception):
+            return None
+
     # ---- event-loop side of the thread -------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -415,6 +432,14 @@ class AsyncEngine:
             snap.setdefault("engine_steps", self.steps)
             snap.setdefault("engine_step_errors", self.step_errors)
             self._post(self._resolve, cmd.future, snap)
+        elif isinstance(cmd, _Heat):
+            try:
+                heat = self.core.expert_heat()
+            except Exception as exc:
+                log.exception("expert_heat() failed")
+                self._post(self._resolve, cmd.future, None, exc)
+                return
+            self._post(self._resolve, cmd.future, heat)
 
     def _release_held(self) -> None:
         """Hand the held outputs to the event loop (engine thread; also the core's hook)."""

@@ -184,6 +184,13 @@ class LLMEngine:
             out["speculative"] = self.runner.spec.stats()
         return out
 
+    def expert_heat(self) -> dict | None:
+        """Per-layer expert counts for the web dashboard's heat map (engine/expert_heat.py);
+        None with resident experts. Between steps only: it waits for the queued device work."""
+        from tiermoe.engine.expert_heat import expert_heat_map
+
+        return expert_heat_map(getattr(self.model, "expert_backend", None))
+
     # -- internals -----------------------------------------------------------------------
     def _drain_queues(self) -> list[RequestOutput]:
         outputs = []

@@ -147,4 +147,5 @@ class EngineCore:
       step() -> list[RequestOutput]          one scheduler step; only new tokens.
       has_unfinished_requests() -> bool
       stats() -> dict                        JSON-able counters (KV usage, tiers, queue).
+      expert_heat() -> dict | None           per-layer expert counts (engine/expert_heat.py), or None.
     """

@@ -249,6 +249,10 @@ class ScriptedEngineCore:
             **self.counters,
         }
 
+    def expert_heat(self) -> None:
+        """No routed experts here: the dashboard's heat map says so."""
+        return None
+
     # ---- internals -----------------------------------------------------------------------
     def _continuation(self, prompt: str, reply: ScriptedReply) -> str:
         """The rendered reply minus what the prompt's open assistant turn already holds.

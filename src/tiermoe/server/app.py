@@ -25,12 +25,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tiermoe.engine.async_engine import AsyncEngine
-from tiermoe.server import anthropic_routes, openai_routes, openapi, responses_routes
+from tiermoe.server import anthropic_routes, openai_routes, openapi, responses_routes, web_routes
 from tiermoe.server.chat import openai_messages, plan_tools
 from tiermoe.server.connections import client_key, with_body_deadline
 from tiermoe.server.context import ServerConfig, ServerContext
 from tiermoe.server.errors import APIError, bad_request, error_body, install_handlers, is_anthropic_path
 from tiermoe.server.handling import parse_body, run_endpoint, too_large
+from tiermoe.server.live_stats import LiveStats
 from tiermoe.server.protocol import DetokenizeRequest, TokenizeRequest
 
 log = logging.getLogger("tiermoe.server")
@@ -39,6 +40,7 @@ OPEN_PATHS = {"/health", "/metrics", "/ping"}
 KNOWN_PATHS = {
     "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
     "/tokenize", "/detokenize", "/v1/models", "/health", "/metrics", "/stats", "/ping", "/openapi.json",
+    "/", web_routes.STREAM_PATH,
 }
 
 
@@ -70,7 +72,9 @@ class Guard:
             await send(message)
 
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
-        if self.key is not None and path not in OPEN_PATHS and scope.get("method") != "OPTIONS":
+        # the web page's shell holds no data and asks for the key itself (web_routes.py)
+        needs_key = path not in OPEN_PATHS and not web_routes.is_shell_path(path)
+        if self.key is not None and needs_key and scope.get("method") != "OPTIONS":
             auth = headers.get("authorization", b"")
             token = auth[7:].strip() if auth[:7].lower() == b"bearer " else headers.get("x-api-key", b"")
             if not hmac.compare_digest(token, self.key):
@@ -130,6 +134,7 @@ def create_app(
     body_timeout_s: float | None = 30.0,
     header_timeout_s: float = 10.0,
     keep_alive_timeout_s: float = 5.0,
+    web: bool = True,
 ) -> FastAPI:
     """An ASGI app serving `engine` under `served_model_name`.
 
@@ -142,6 +147,7 @@ def create_app(
     too; probes are not counted); max_connections_per_client: of those, from one address (None:
     half). body_timeout_s: a request body must arrive within this (408; None: no deadline).
     header_timeout_s, keep_alive_timeout_s: for the uvicorn protocol (connections.uvicorn_config).
+    web: serve the built-in page at / (web_routes.py; the live stats stream is served either way).
     """
     if max_connections is None:
         max_connections = engine.capacity + max_queue + 32
@@ -156,6 +162,7 @@ def create_app(
         header_timeout_s=header_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s,
     )
     ctx = ServerContext(engine, config)
+    live = LiveStats(ctx)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -164,11 +171,13 @@ def create_app(
         try:
             yield
         finally:
+            live.stop()
             await engine.shutdown(drain_timeout=drain_timeout_s)
             ctx.close()
 
     app = FastAPI(title="tiermoe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.ctx = ctx
+    app.state.live_stats = live  # the CLI's server ends the open stats streams on exit (cli.py)
     install_handlers(app)
     app.add_middleware(Guard, ctx=ctx)
     if config.cors_origins:
@@ -229,6 +238,7 @@ def create_app(
     openai_routes.register(app)
     responses_routes.register(app)
     anthropic_routes.register(app)
+    web_routes.register(app, live, web=web)
     openapi.install(app)
     return app
 

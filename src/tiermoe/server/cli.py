@@ -76,6 +76,9 @@ def register(subparsers) -> None:
                         "and closed)")
     p.add_argument("--keep-alive-timeout", type=float, default=5.0,
                    help="seconds an idle connection is kept open between requests (default 5)")
+    p.add_argument("--no-web", action="store_true",
+                   help="do not serve the built-in web page (chat and live dashboard) at / (default: served; "
+                        "with --api-key it asks for the key)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--scripted", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--scripted-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -233,6 +236,7 @@ def serve(args) -> int:
         body_timeout_s=args.body_timeout,
         keep_alive_timeout_s=args.keep_alive_timeout,
         aliases=["default"] if not args.model and not args.served_model_name else None,
+        web=not args.no_web,
     )
     config = uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
                             graceful_timeout_s=max(1, int(args.drain_timeout)))
@@ -258,6 +262,7 @@ def _server_class():
 
         def handle_exit(self, sig, frame) -> None:
             super().handle_exit(sig, frame)
+            self.config.app.state.live_stats.stop()  # open dashboards' streams end now, not at the drain timeout
             if sig == signal.SIGTERM:
                 self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 

@@ -312,7 +312,7 @@ class ExpertStore:
                     self.c.disk_bytes += self.record_bytes
                     self.c.moved(self.record_bytes)
                 acc = self.residency.access(k, protect)
-                self.c.use(acc.served)
+                self.c.use(acc.served, k)
                 out[e] = self._execute(acc, staged, in_place)
         except BaseException:
             for k in keys:  # leave no orphaned demand reads behind
@@ -365,7 +365,7 @@ class ExpertStore:
                 self.c.moved(self.record_bytes)
             self.residency.slots.touch(k)
             self.residency.host.touch(k)
-            self.c.use(tier)
+            self.c.use(tier, k)
             self._held[k] = (buf if fut is not None else None, fut)
             out[e] = (buf, fut)
         return out

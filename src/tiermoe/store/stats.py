@@ -41,9 +41,13 @@ class StoreCounters:
     decode_disk_reads: int = 0
     decode_bytes_moved: int = 0
     in_decode: bool = True
+    # uses per record key since start (the web dashboard's per-layer heat map; engine/expert_heat.py)
+    key_uses: dict[int, int] = field(default_factory=dict)
 
-    def use(self, served: str) -> None:
-        """Count one expert use served from tier `served`."""
+    def use(self, served: str, key: int | None = None) -> None:
+        """Count one expert use served from tier `served` (of record `key`, when given)."""
+        if key is not None:
+            self.key_uses[key] = self.key_uses.get(key, 0) + 1
         if served == "slots":
             self.slots.hits += 1
             if self.in_decode:

@@ -1,0 +1,194 @@
+"""The live stats stream behind the web dashboard: compact snapshots once a second over SSE.
+
+`GET /v1/stats/stream` (web_routes.py) sends `event: stats` once a second and `event: heat`
+(the per-layer expert heat map) every few seconds when it changed. One sampler task per app
+serves every open stream: it runs only while at least one client listens, takes one engine
+stats() snapshot per tick (between engine steps, as /stats does) and turns the cumulative
+counters into rates from the difference between two snapshots, so a dashboard never polls the
+whole /stats document and ten open dashboards cost the engine no more than one.
+
+Snapshot fields (null where the engine has nothing to say: no expert tiers, no decode tokens
+in the interval, no CPU lane):
+  t, dt                   time (Unix s) and seconds since the previous snapshot
+  tok_s, prompt_tok_s     generated / prompt tokens per second over the interval
+  ttft_p50_s, ttft_p90_s, itl_p50_s   over the most recent requests (metrics.py windows)
+  running, waiting, kv_usage, requests, errors
+  decode_tokens           decode tokens in the interval
+  hits_per_token          {slots, host, disk}: expert uses per decode token by tier
+  bytes_per_token         {moved, disk, cpu_lane}: bytes per decode token that crossed to the
+                          compute device (PCIe on a GPU), were read from disk, were read from
+                          RAM by the CPU lane
+  cpu_lane_busy           share of the interval the CPU lane's workers were computing
+  floor_fraction          decode rate x the engine's floor (s per token), where the engine
+                          reports one as `decode_floor_s_per_token`; none does today, so null
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import AsyncIterator
+
+from tiermoe.server.metrics import expert_tiers
+from tiermoe.server.streaming import sse
+
+STATS_INTERVAL_S = 1.0
+HEAT_INTERVAL_S = 5.0
+
+
+def _num(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _dict(value) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def cumulative(engine: dict, server: dict, now: float) -> dict:
+    """The monotonic counters of one engine + server snapshot that rates are computed from."""
+    experts = _dict(engine.get("experts"))
+    decode = _num(experts.get("decode_tokens")) or 0.0
+    per = _dict(experts.get("per_decode_token"))
+    tok = max(1.0, decode)  # the store divides by max(1, decode_tokens)
+    record = _num(experts.get("record_bytes")) or 0.0
+    lane = _dict(experts.get("cpu_lane"))
+    generated = _num(engine.get("generation_tokens"))  # LLMEngine
+    if generated is None:
+        generated = _num(engine.get("generated_tokens"))  # the scripted core's name
+    return {
+        "t": now, "generated": generated, "prompt": _num(engine.get("prompt_tokens")), "decode": decode,
+        "tiers": bool(expert_tiers(engine)), "record_bytes": record,
+        "slots": (_num(per.get("slots_hits")) or 0.0) * tok, "host": (_num(per.get("host_hits")) or 0.0) * tok,
+        "disk": (_num(per.get("disk_reads")) or 0.0) * tok, "moved": (_num(per.get("bytes_moved")) or 0.0) * tok,
+        "lane_experts": _num(lane.get("decode_experts")), "lane_busy_s": _num(lane.get("busy_s")),
+        "lane_workers": _num(lane.get("workers")) or 1.0,
+        "floor_s": _num(engine.get("decode_floor_s_per_token")),
+    }
+
+
+def _short(value):
+    """Floats to 4 significant digits, recursively: the stream is read by eyes and charts."""
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, dict):
+        return {k: _short(v) for k, v in value.items()}
+    return value
+
+
+def _rate(prev: dict | None, cur: dict, key: str, per: float | None) -> float | None:
+    if prev is None or not per or cur[key] is None or prev[key] is None:
+        return None
+    return max(0.0, cur[key] - prev[key]) / per
+
+
+def compact(prev: dict | None, cur: dict, engine: dict, server: dict) -> dict:
+    """One `stats` event from two `cumulative` snapshots (prev None: no rates yet)."""
+    dt = cur["t"] - prev["t"] if prev is not None else None
+    dt = dt if dt and dt > 0 else None
+    decode = cur["decode"] - prev["decode"] if prev is not None else 0.0
+    per_tok = decode if decode > 0 else None
+    hits = bytes_ = None
+    if cur["tiers"] and per_tok:
+        hits = {tier: _rate(prev, cur, tier, per_tok) for tier in ("slots", "host", "disk")}
+        lane_bytes = _rate(prev, cur, "lane_experts", per_tok)
+        bytes_ = {"moved": _rate(prev, cur, "moved", per_tok),
+                  "disk": hits["disk"] * cur["record_bytes"] if hits["disk"] is not None else None,
+                  "cpu_lane": lane_bytes * cur["record_bytes"] if lane_bytes is not None else None}
+    busy = _rate(prev, cur, "lane_busy_s", dt)
+    tok_s = _rate(prev, cur, "generated", dt)
+    decode_rate = decode / dt if dt and decode > 0 else None
+    ttft, itl = _dict(server.get("ttft_s")), _dict(server.get("inter_token_latency_s"))
+    return {"t": round(cur["t"], 3), **_short({
+        "dt": round(dt, 3) if dt else None,
+        "tok_s": tok_s, "prompt_tok_s": _rate(prev, cur, "prompt", dt),
+        "ttft_p50_s": ttft.get("p50"), "ttft_p90_s": ttft.get("p90"), "itl_p50_s": itl.get("p50"),
+        "running": server.get("requests_running"), "waiting": server.get("requests_waiting"),
+        "kv_usage": _num(engine.get("kv_usage")), "requests": server.get("requests"), "errors": server.get("errors"),
+        "decode_tokens": decode if prev is not None else None,
+        "hits_per_token": hits, "bytes_per_token": bytes_,
+        "cpu_lane_busy": busy / cur["lane_workers"] if busy is not None else None,
+        "floor_fraction": cur["floor_s"] * decode_rate if cur["floor_s"] and decode_rate else None,
+    })}
+
+
+class LiveStats:
+    """The app's one sampler and the state every open stream reads (one event loop: no locks)."""
+
+    def __init__(self, ctx, interval_s: float = STATS_INTERVAL_S, heat_interval_s: float = HEAT_INTERVAL_S):
+        self.ctx = ctx
+        self.interval_s, self.heat_interval_s = interval_s, heat_interval_s
+        self.listeners = 0
+        self.stopping = False  # set when the server starts to exit: every stream ends within a tick
+        self.stats: dict | None = None
+        self.heat: dict | None = None
+        self.stats_seq = self.heat_seq = 0
+        self._task: asyncio.Task | None = None
+        self._tick: asyncio.Event | None = None
+
+    def stop(self) -> None:
+        """End every open stream (the server is exiting; uvicorn would wait for them)."""
+        self.stopping = True
+        if self._tick is not None:
+            self._tick.set()
+
+    def _ended(self) -> bool:
+        engine = self.ctx.engine
+        return self.stopping or engine.draining or not engine.alive
+
+    async def events(self) -> AsyncIterator[str]:
+        """One client's stream: the latest snapshot at once, then each new one as it is taken."""
+        self.listeners += 1
+        if self._task is None or self._task.done():
+            self._tick = asyncio.Event()
+            self._task = asyncio.ensure_future(self._sample_loop())
+        seen_stats = seen_heat = -1
+        try:
+            while not self._ended():
+                tick = self._tick
+                if self.stats is not None and seen_stats != self.stats_seq:
+                    seen_stats = self.stats_seq
+                    yield sse(self.stats, event="stats")
+                if self.heat is not None and seen_heat != self.heat_seq:
+                    seen_heat = self.heat_seq
+                    yield sse(self.heat, event="heat")
+                try:
+                    await asyncio.wait_for(tick.wait(), timeout=self.interval_s * 3)
+                except asyncio.TimeoutError:
+                    yield ": waiting for the engine\n\n"  # a comment line keeps proxies from timing out
+        finally:
+            self.listeners -= 1
+
+    async def _sample_loop(self) -> None:
+        prev, next_heat, heat_text = None, 0.0, None
+        while self.listeners > 0 and not self._ended():
+            engine_snap = await self.ctx.engine.stats()
+            engine = self.ctx.engine
+            running = engine.num_unfinished - engine.num_waiting
+            server = self.ctx.metrics.summary(engine_snap, running, engine.num_waiting)
+            cur = cumulative(engine_snap, server, time.time())
+            self.stats = compact(prev, cur, engine_snap, server)
+            self.stats_seq += 1
+            prev = cur
+            if time.monotonic() >= next_heat:
+                next_heat = time.monotonic() + self.heat_interval_s
+                heat = await self._heat()
+                text = json.dumps(heat, sort_keys=True)
+                if text != heat_text:
+                    heat_text, self.heat = text, heat
+                    self.heat_seq += 1
+            self._publish()
+            await asyncio.sleep(self.interval_s)
+        self._publish()
+
+    async def _heat(self) -> dict:
+        heat = await self.ctx.engine.expert_heat()
+        if not isinstance(heat, dict):
+            return {"available": False, "reason": "this engine keeps no per-expert counts (resident experts, "
+                                                  "or no expert store)"}
+        return {"available": True, **heat}
+
+    def _publish(self) -> None:
+        tick, self._tick = self._tick, asyncio.Event()
+        if tick is not None:
+            tick.set()
