@@ -258,3 +258,65 @@ def test_serve_has_a_no_web_flag():
     register(parser.add_subparsers())
     assert parser.parse_args(["serve"]).no_web is False
     assert parser.parse_args(["serve", "--no-web"]).no_web is True
+
+
+def test_device_cache_heat_reads_pick_frequencies_and_slots():
+    """The device cache's own counters (ExpertCache.freq, 1024 per pick, and expert_slot) become
+    the heat map in one host copy; built without a GPU around two layers' state tensors."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tiermoe.engine.expert_heat import FREQ_PER_PICK, expert_heat_map
+    from tiermoe.moe.device_cache import DeviceCacheExperts
+
+    backend = DeviceCacheExperts.__new__(DeviceCacheExperts)
+    backend.caches = {
+        5: SimpleNamespace(num_experts=3, freq=torch.tensor([0, 2 * FREQ_PER_PICK, 512], dtype=torch.int32),
+                           expert_slot=torch.tensor([-1, 0, -1], dtype=torch.int32)),
+        1: SimpleNamespace(num_experts=3, freq=torch.tensor([FREQ_PER_PICK, 0, 0], dtype=torch.int32),
+                           expert_slot=torch.tensor([1, -1, 0], dtype=torch.int32)),
+    }
+    heat = expert_heat_map(backend)
+    assert heat == {"measure": "recent_picks", "layers": [1, 5], "experts": 3,
+                    "counts": [[1.0, 0.0, 0.0], [0.0, 2.0, 0.5]], "tiers": [[0, 1, 0], [1, 0, 1]]}
+    assert expert_heat_map(None) is None  # resident experts: no heat map
+
+
+def test_serve_ends_open_stats_streams_on_sigterm():
+    """An open dashboard must not hold `tiermoe serve`'s graceful shutdown for the drain timeout."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from testkit.servers import free_port
+
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "tiermoe.cli", "serve", "--scripted", "--port", str(port),
+                             "--drain-timeout", "30", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        with httpx.stream("GET", url + "/v1/stats/stream", timeout=60) as r:
+            stream = sse_events(r)
+            assert take(stream, 1)[0][0] in ("stats", "heat")
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            for _ in stream:  # the server ends the stream
+                pass
+        assert proc.wait(20) == 0
+        assert time.monotonic() - t0 < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,6 +1,6 @@
 """Async bridge between the HTTP server's event loop and a synchronous EngineCore.
 
-One dedicated thread owns the core: it applies queued commands (add, abort, stats, stop)
+One dedicated thread owns the core: it applies queued commands (add, abort, stats, expert heat, stop)
 between steps and calls `core.step()` while work remains. The core is therefore never touched
 by two threads at once and needs no locks. Each step's outputs go back to the event loop in
 ONE `loop.call_soon_threadsafe` call, which fans them out to per-request asyncio queues; a

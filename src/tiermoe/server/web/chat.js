@@ -74,7 +74,7 @@ async function send(text) {
   history.push({ role: 'user', content: text });
   addUserMessage(text);
   const bubble = assistantBubble();
-  const state = { content: '', reasoning: '', usage: null, finish: null, firstAt: null, pending: false };
+  const state = { content: '', reasoning: '', usage: null, finish: null, firstAt: null, pending: false, error: null };
   const started = performance.now();
   controller = new AbortController();
   setBusy(true);
@@ -116,16 +116,20 @@ async function send(text) {
     });
   } catch (err) {
     if (err.name === 'AbortError') state.finish = 'stopped';
-    else {
-      bubble.msg.classList.add('error');
-      state.content += `\n\n${err.message}`;
-    }
+    else state.error = err.message;
   } finally {
     controller = null;
     setBusy(false);
   }
   redraw(true);
-  history.push({ role: 'assistant', content: state.content });
+  if (state.error) { // the failed turn leaves the history, so the next message starts clean
+    history.pop();
+    bubble.msg.classList.add('error');
+    bubble.content.append(document.createElement('p'));
+    bubble.content.lastChild.textContent = state.error;
+  } else {
+    history.push({ role: 'assistant', content: state.content });
+  }
   bubble.meta.textContent = metaLine(state, started);
   $('prompt').focus();
 }
