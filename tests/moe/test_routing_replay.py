@@ -1,4 +1,4 @@
-"""Routing replay and recording (moe/replay.py, moe/routing_record.py, moe/routing_trace.py).
+"""Routing replay and recording (moe/replay.py, moe/routing_record.py, store/routing_trace.py).
 
 Replay gives exactly the configured picks (a trace's rows in order, wrapping; counts drawn with
 the right frequencies, distinct per token), with the router's weights for them, deterministic
@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tiermoe.errors import UserError
 from tiermoe.moe.replay import attach_routing, replay_tables
-from tiermoe.moe.routing_trace import make_header, read_trace, write_trace
+from tiermoe.store.routing_trace import make_header, read_trace, write_trace
 from tiermoe.store.planner import spread_layers
 
 E, K = 8, 2  # the tiny checkpoints' experts and top-k

@@ -110,7 +110,7 @@ def test_sim_device_cache_policy_between_the_bounds():
 def test_sim_replays_a_recorded_trace_in_order(tmp_path, capsys):
     """A trace keeps its temporal locality: tokens that repeat the previous token's picks hit in LRU and
     in the device cache once warmed, where independent draws from the same counts would not."""
-    from tiermoe.moe.routing_trace import make_header, write_trace
+    from tiermoe.store.routing_trace import make_header, write_trace
 
     rng = np.random.default_rng(0)
     layers, experts, k, tokens = 3, 64, 4, 200

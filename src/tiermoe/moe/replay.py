@@ -14,7 +14,7 @@ FILE is either
   SMOOTHING (store/sim.sample_trace's Gumbel-top-k draw). A layer must list at least top-k
   experts with a nonzero count: with fewer the file cannot describe this model's top-k
   routing, and the smoothing alone would make up the remaining picks, so it is refused.
-- a routing trace (moe/routing_trace.py, written by `--record-routing`): every token in the
+- a routing trace (store/routing_trace.py, written by `--record-routing`): every token in the
   recorded order (prefill and decode), so its temporal locality is kept, wrapping around at the
   end. Its expert count and top-k must be the model's. The seed plays no part.
 
@@ -76,7 +76,7 @@ def replay_tables(path: str, *, num_layers: int, num_experts: int, top_k: int, s
     if not 0 < top_k <= num_experts:
         raise UserError(f"--routing-replay: the model's top-k {top_k} exceeds its {num_experts} experts")
     if _is_trace(p):
-        from tiermoe.moe.routing_trace import read_trace
+        from tiermoe.store.routing_trace import read_trace
 
         header, picks, _ = read_trace(p)  # picks [N, L', k]
         if header["num_experts"] != num_experts or header["top_k"] != top_k:
@@ -205,7 +205,7 @@ class RoutingPlan:
         self.record, self.record_max_tokens, self.max_step_tokens = record, int(record_max_tokens), max_step_tokens
         self.header = None
         if record:
-            from tiermoe.moe.routing_trace import make_header, write_trace
+            from tiermoe.store.routing_trace import make_header, write_trace
 
             if self.record_max_tokens < 1:
                 raise UserError(f"--record-routing-max-tokens must be at least 1, got {self.record_max_tokens}")

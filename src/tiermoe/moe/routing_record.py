@@ -14,7 +14,7 @@ for the host. The host side never reads the device in the step:
   queued on the forward's stream (so it runs after the forwards that wrote them and before any
   later one overwrites them) and handed to a writer thread with a CUDA event.
 - The writer thread waits for the event, keeps the recorded rows and rewrites FILE atomically
-  (moe/routing_trace.write_trace) at most every WRITE_EVERY_S (longer when writes get slow),
+  (store/routing_trace.write_trace) at most every WRITE_EVERY_S (longer when writes get slow),
   and at close: at exit (atexit, which runs after the server's SIGTERM drain) or when called.
 
 At most `max_tokens` tokens are kept (`--record-routing-max-tokens`); later ones are dropped
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from tiermoe.errors import UserError
-from tiermoe.moe.routing_trace import write_trace
+from tiermoe.store.routing_trace import write_trace
 
 log = logging.getLogger("tiermoe.moe")
 

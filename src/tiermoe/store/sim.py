@@ -179,7 +179,7 @@ def simulate(stats_file: str | None, *, slots: int, policies: list[str], tokens:
 
 def load_trace_picks(path: str, tokens: int) -> np.ndarray:
     """The first `tokens` decode tokens of a recorded trace (all tokens if it has no decode ones)."""
-    from tiermoe.moe.routing_trace import read_trace
+    from tiermoe.store.routing_trace import read_trace
 
     _, picks, decode = read_trace(path)
     if decode.any():
