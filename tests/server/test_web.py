@@ -23,7 +23,7 @@ from tiermoe.server.live_stats import compact, cumulative
 
 MSG = [{"role": "user", "content": "Tell me a story"}]
 STATS_FIELDS = {"t", "dt", "tok_s", "prompt_tok_s", "ttft_p50_s", "ttft_p90_s", "itl_p50_s", "running", "waiting",
-                "kv_usage", "requests", "errors", "decode_tokens", "hits_per_token", "bytes_per_token",
+                "kv_usage", "requests", "errors", "decode_tokens", "hits_per_token", "bytes_per_token", "hits_per_token_total",
                 "cpu_lane_busy", "floor_fraction"}
 # where a page or library could load something: src/href attributes, imports, CSS url(), fetch()
 LOADS = re.compile(r"""(?:\b(?:src|href)\s*=\s*["']?|\bimport\s*(?:[\w{}\s,*]+from\s*)?\(?\s*["']|url\(\s*["']?"""
@@ -43,10 +43,13 @@ def sse_events(response):
             event = "message"
 
 
-def take(stream, count: int, wanted=lambda event, data: True) -> list[tuple[str, dict]]:
-    """The next `count` events of `stream` (from sse_events) that `wanted` accepts."""
+def take(stream, count: int, wanted=lambda event, data: True, limit: int = 300) -> list[tuple[str, dict]]:
+    """The next `count` events of `stream` (from sse_events) that `wanted` accepts, within
+    `limit` events (stats arrive every 0.1 s here: 30 s)."""
     out = []
-    for event, data in stream:
+    for seen, (event, data) in enumerate(stream):
+        if seen >= limit:
+            raise AssertionError(f"{len(out)} of {count} wanted events in {limit}")
         if wanted(event, data):
             out.append((event, data))
             if len(out) >= count:
@@ -166,6 +169,7 @@ def test_rates_come_from_counter_deltas():
     snap = compact(prev, cur, b, server)
     assert snap["tok_s"] == 10 and snap["decode_tokens"] == 20
     assert snap["hits_per_token"] == {"slots": 5, "host": 1, "disk": 1}
+    assert snap["hits_per_token_total"] == pytest.approx({"slots": 5, "host": 4 / 3, "disk": 1}, rel=1e-3)
     assert snap["bytes_per_token"] == {"moved": 3000, "disk": 1000, "cpu_lane": 500}
     assert snap["cpu_lane_busy"] == 0.25 and snap["floor_fraction"] == 0.1
     assert compact(None, cur, b, server)["tok_s"] is None  # no previous snapshot: no rate
@@ -193,15 +197,17 @@ def test_heat_map_counts_are_the_stores_counters_after_a_real_request(tiny_dir, 
             reply = httpx.post(server.url + "/v1/chat/completions", timeout=60,
                                json={"messages": MSG, "max_tokens": 6, "ignore_eos": True})
             assert reply.status_code == 200
-            after = take(stream, 1, lambda e, d: e == "heat" and sum(map(sum, d["counts"])) > 0)[0][1]
+            experts = httpx.get(server.url + "/stats").json()["engine"]["experts"]  # idle now: final counts
+            uses = experts["slots"]["hits"] + experts["slots"]["misses"]
+            assert uses > 0
+            # heat events taken while the request ran come first; the one after its last step follows
+            after = take(stream, 1, lambda e, d: e == "heat" and sum(map(sum, d["counts"])) == uses)[0][1]
             stats = take(stream, 1, lambda e, d: e == "stats")[0][1]
-        experts = httpx.get(server.url + "/stats").json()["engine"]["experts"]
     layers, width = after["layers"], after["experts"]
     assert layers and len(after["counts"]) == len(after["tiers"]) == len(layers)
     assert all(len(row) == width for row in after["counts"] + after["tiers"])
     assert {t for row in after["tiers"] for t in row} <= {0, 1, 2}
-    # every use the store counted by tier is one use of one (layer, expert) cell
-    assert sum(map(sum, after["counts"])) == experts["slots"]["hits"] + experts["slots"]["misses"]
+    # every use the store counted by tier is one use of one (layer, expert) cell (the sum matched above)
     assert all(sum(row) > 0 for row in after["counts"])  # each MoE layer served the request
     assert set(stats) == STATS_FIELDS
 

@@ -15,6 +15,7 @@ in the interval, no CPU lane):
   running, waiting, kv_usage, requests, errors
   decode_tokens           decode tokens in the interval
   hits_per_token          {slots, host, disk}: expert uses per decode token by tier
+  hits_per_token_total    the same since start-up (the engine's own averages)
   bytes_per_token         {moved, disk, cpu_lane}: bytes per decode token that crossed to the
                           compute device (PCIe on a GPU), were read from disk, were read from
                           RAM by the CPU lane
@@ -106,10 +107,17 @@ def compact(prev: dict | None, cur: dict, engine: dict, server: dict) -> dict:
         "running": server.get("requests_running"), "waiting": server.get("requests_waiting"),
         "kv_usage": _num(engine.get("kv_usage")), "requests": server.get("requests"), "errors": server.get("errors"),
         "decode_tokens": decode if prev is not None else None,
-        "hits_per_token": hits, "bytes_per_token": bytes_,
+        "hits_per_token": hits, "bytes_per_token": bytes_, "hits_per_token_total": _since_start(cur),
         "cpu_lane_busy": busy / cur["lane_workers"] if busy is not None else None,
         "floor_fraction": cur["floor_s"] * decode_rate if cur["floor_s"] and decode_rate else None,
     })}
+
+
+def _since_start(cur: dict) -> dict | None:
+    """Expert uses per decode token by tier since start-up (what the tiles show while idle)."""
+    if not cur["tiers"] or cur["decode"] <= 0:
+        return None
+    return {tier: cur[tier] / cur["decode"] for tier in ("slots", "host", "disk")}
 
 
 class LiveStats:

@@ -28,12 +28,15 @@ const TILES = [
   ['time to first token', (s) => fmt.ms(s.ttft_p50_s), (s) => `p50 · p90 ${fmt.ms(s.ttft_p90_s)}`],
   ['queue', (s) => `${s.running ?? '–'} / ${s.waiting ?? '–'}`, () => 'running / waiting'],
   ['KV cache', (s) => fmt.pct(s.kv_usage), () => 'pages in use'],
-  ['expert hits / token', (s) => fmt.num(sum(s.hits_per_token), 1),
-    (s) => (s.hits_per_token ? ['slots', 'host', 'disk'].map((t) => `${t} ${fmt.num(s.hits_per_token[t], 1)}`)
-      .join(' · ') : 'no decode tokens, or no expert tiers')],
+  ['expert hits / token', (s) => fmt.num(sum(s.hits_per_token || s.hits_per_token_total), 1), (s) => {
+    const hits = s.hits_per_token || s.hits_per_token_total;
+    if (!hits) return 'no decode tokens yet, or no expert tiers';
+    const split = ['slots', 'host', 'disk'].map((t) => `${t} ${fmt.num(hits[t], 1)}`).join(' · ');
+    return s.hits_per_token ? split : `since start: ${split}`;
+  }],
   ['bytes moved / token', (s) => fmt.bytes(s.bytes_per_token && s.bytes_per_token.moved),
     (s) => (s.bytes_per_token ? `disk ${fmt.bytes(s.bytes_per_token.disk)} · CPU lane `
-      + `${fmt.bytes(s.bytes_per_token.cpu_lane)}` : 'no decode tokens, or no expert tiers')],
+      + `${fmt.bytes(s.bytes_per_token.cpu_lane)}` : 'no decode tokens this second')],
   ['CPU lane busy', (s) => fmt.pct(s.cpu_lane_busy), (s) => (s.cpu_lane_busy === null ? 'no CPU lane (exact mode)'
     : 'share of the interval')],
   ['fraction of floor', (s) => fmt.pct(s.floor_fraction), (s) => (s.floor_fraction === null
