@@ -5,6 +5,7 @@ import torch
 
 from tiermoe.kernels import reference as R
 from tiermoe.kernels.layout import expert_layout
+from tiermoe.kernels.triton import common as C
 from tiermoe.kernels.triton import fused_moe as F
 
 H, I, G, E, K = 64, 32, 32, 6, 3
@@ -206,9 +207,9 @@ def test_int4_values_without_int_to_float_conversion(device):
     def values(q_ptr, s_ptr, lo_ptr, hi_ptr, i8_ptr, BLOCK: tl.constexpr):
         offs = tl.arange(0, BLOCK)
         q = tl.load(q_ptr + offs)
-        tl.store(lo_ptr + offs, F._int4_value(q & 15))
-        tl.store(hi_ptr + offs, F._int4_value(q >> 4))
-        tl.store(i8_ptr + offs, F._int8_value(tl.load(s_ptr + offs)))
+        tl.store(lo_ptr + offs, C.int4_value(q & 15))
+        tl.store(hi_ptr + offs, C.int4_value(q >> 4))
+        tl.store(i8_ptr + offs, C.int8_value(tl.load(s_ptr + offs)))
 
     q = torch.arange(256, dtype=torch.uint8, device=device)  # every byte: both nibbles 0..15
     s = torch.arange(-128, 128, dtype=torch.int8, device=device)  # every int8 weight

@@ -25,7 +25,7 @@ int4 nibbles are consumed as an even and an odd half-tile (low nibble = even col
 interleave is needed: the activations are split instead.
 
 Launch configurations (BLOCK_M/N/K, warps, stages) come from configs.json, keyed by device
-name, record shape and a token bucket; `tiermoe bench moe-gpu --tune` regenerates them. A
+name, record shape and a token bucket; `tiermoe bench tune-moe` (or `moe-gpu --tune`) regenerates them. A
 decode configuration may carry "gemv" (launch shape and max_tokens): steps of that many tokens
 or fewer run the two projections as matrix-vector products instead (moe_gemv.py).
 """
@@ -42,9 +42,9 @@ import triton
 import triton.language as tl
 
 from tiermoe.kernels.layout import ExpertLayout
+from tiermoe.kernels.triton.common import KIND_ID, int4_value, int8_value, record_pointers
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_KIND_ID = {"bf16": 0, "int4": 1, "int8": 2}
 CONFIG_PATH = Path(__file__).with_name("configs.json")
 DECODE_MAX_TOKENS = 16  # decode path (one block per expert) up to this many tokens
 
@@ -77,33 +77,6 @@ def _scales_per_row(s_ptrs, k0, k_rows, G: tl.constexpr):
 def _scales_per_tile(s_ptrs, k0, G: tl.constexpr):
     """[1, BN] fp32: one scale per output row (a tile within one group)."""
     return tl.load(s_ptrs + k0 // G).to(tl.float32)[None, :]
-
-
-@triton.jit
-def _int4_value(nib):
-    """float32 (nib - 8) of int4 nibbles nib in 0..15, exactly, without an int -> float conversion
-    (a slow instruction on NVIDIA GPUs, one per weight here): 2^23 + nib as float bits, minus
-    2^23 + 8. Same values as `(nib - 8).to(float32)`, so the kernels' results do not change."""
-    return (nib.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-
-
-@triton.jit
-def _int8_value(q):
-    """float32 of int8 weights q, exactly, by the same trick as _int4_value (q + 128 in 0..255)."""
-    return ((q.to(tl.int32) + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
-
-
-@triton.jit
-def record_pointers(base, Q_OFF: tl.constexpr, S_OFF: tl.constexpr, KIND: tl.constexpr):
-    """Typed pointers to one matrix of the record at address `base` and to its bf16 scales."""
-    if KIND == 0:
-        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.bfloat16)), 16)
-    elif KIND == 1:
-        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.uint8)), 16)
-    else:
-        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.int8)), 16)
-    sp = tl.multiple_of((base + S_OFF).to(tl.pointer_type(tl.bfloat16)), 16)
-    return wp, sp
 
 
 @triton.jit
@@ -163,8 +136,8 @@ def _moe_gemm_kernel(
             a_even, a_odd = tl.split(tl.reshape(a, (BM, BK // 2, 2)))  # [BM, BK/2] each
             q = tl.load(w_ptrs)  # [BK/2, BN] u8
             s = _scales(s_ptrs, k0, 2 * offs_kh, G, BK)  # [1 or BK/2, BN]
-            w_lo = (_int4_value(q & 15) * s).to(tl.bfloat16)
-            w_hi = (_int4_value(q >> 4) * s).to(tl.bfloat16)
+            w_lo = (int4_value(q & 15) * s).to(tl.bfloat16)
+            w_hi = (int4_value(q >> 4) * s).to(tl.bfloat16)
             if DOT_F32:
                 acc += tl.dot(a_even.to(tl.float32), w_lo.to(tl.float32))
                 acc += tl.dot(a_odd.to(tl.float32), w_hi.to(tl.float32))
@@ -174,8 +147,8 @@ def _moe_gemm_kernel(
             if GATED:
                 q = tl.load(w_ptrs + w_up)
                 s = _scales(s_ptrs + s_up, k0, 2 * offs_kh, G, BK)
-                w_lo = (_int4_value(q & 15) * s).to(tl.bfloat16)
-                w_hi = (_int4_value(q >> 4) * s).to(tl.bfloat16)
+                w_lo = (int4_value(q & 15) * s).to(tl.bfloat16)
+                w_hi = (int4_value(q >> 4) * s).to(tl.bfloat16)
                 if DOT_F32:
                     acc_u += tl.dot(a_even.to(tl.float32), w_lo.to(tl.float32))
                     acc_u += tl.dot(a_odd.to(tl.float32), w_hi.to(tl.float32))
@@ -187,7 +160,7 @@ def _moe_gemm_kernel(
                 w = tl.load(w_ptrs)  # [BK, BN] bf16
             else:
                 s = _scales(s_ptrs, k0, offs_k, G, BK)
-                w = (_int8_value(tl.load(w_ptrs)) * s).to(tl.bfloat16)  # [BK, BN]
+                w = (int8_value(tl.load(w_ptrs)) * s).to(tl.bfloat16)  # [BK, BN]
             if DOT_F32:
                 acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
             else:
@@ -197,7 +170,7 @@ def _moe_gemm_kernel(
                     w = tl.load(w_ptrs + w_up)
                 else:
                     s = _scales(s_ptrs + s_up, k0, offs_k, G, BK)
-                    w = (_int8_value(tl.load(w_ptrs + w_up)) * s).to(tl.bfloat16)
+                    w = (int8_value(tl.load(w_ptrs + w_up)) * s).to(tl.bfloat16)
                 if DOT_F32:
                     acc_u += tl.dot(a.to(tl.float32), w.to(tl.float32))
                 else:
@@ -425,7 +398,7 @@ def fused_moe(
     nb = block_expert.numel()
     act = torch.empty(p, i, dtype=torch.bfloat16, device=x.device)  # [P, I]
     y = torch.empty(p, h, dtype=torch.float32, device=x.device)  # [P, H]
-    kind = _KIND_ID[layout.kind]
+    kind = KIND_ID[layout.kind]
     g = layout.group_size or 1
     s_gu = max(layout.gate_up_s, 0)
     s_dn = max(layout.down_s, 0)

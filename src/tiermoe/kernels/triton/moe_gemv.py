@@ -1,10 +1,9 @@
 """Decode-shape MoE projections as one matrix-vector product per (pick, row slice) (Triton).
 
 At decode a batch of T <= 4 tokens gives each expert one or a few picks, and the block GEMM of
-fused_moe.py pads every expert's block to BLOCK_M >= 16 rows for its tensor-core dots: on the
-H200 the tuned int4 decode layer (Qwen3-235B shape; T = 1 plus T = 4 under uniform routing,
-about 39 records of 10.6 MB in 383 us, docs/results.md section 16) moved about 1.1 TB/s, a
-quarter of the HBM copy rate, while a decode step is a pure weight stream.
+fused_moe.py pads every expert's block to BLOCK_M >= 16 rows for its tensor-core dots, so a
+tuned int4 decode layer streams its weights far below the HBM copy rate (docs/results.md has
+the measurement), while a decode step is a pure weight stream.
 Here each program takes one pick p (expert e = ptr_table row ids[p]) and BLOCK_N output rows,
 streams those rows' weights once along K (k contiguous in the record, so every load is a run
 of contiguous bytes), multiplies them with the pick's activation row in fp32 registers and
@@ -32,7 +31,7 @@ import triton
 import triton.language as tl
 
 from tiermoe.kernels.layout import ExpertLayout
-from tiermoe.kernels.triton.fused_moe import _KIND_ID, _int4_value, _int8_value, record_pointers
+from tiermoe.kernels.triton.common import KIND_ID, int4_value, int8_value, record_pointers
 
 
 @triton.jit
@@ -64,15 +63,15 @@ def _dot_rows(wp, sp, a_ptr, offs_n, k0, KD: tl.constexpr, G: tl.constexpr, KIND
         q = tl.load(wp + n64[:, None] * (KD // 2) + (k0 // 2 + offs_kh)[None, :])  # [BN, BK/2] u8
         x_even, x_odd = tl.split(tl.reshape(x, (BK // 2, 2)))  # [BK/2] each
         s_row = sp + n64 * (KD // G)
-        w_lo = _dequant_nk(_int4_value(q & 15), s_row, k0, BN, BK // 2, G, BK)
-        w_hi = _dequant_nk(_int4_value(q >> 4), s_row, k0, BN, BK // 2, G, BK)
+        w_lo = _dequant_nk(int4_value(q & 15), s_row, k0, BN, BK // 2, G, BK)
+        w_hi = _dequant_nk(int4_value(q >> 4), s_row, k0, BN, BK // 2, G, BK)
         prod = w_lo * x_even[None, :] + w_hi * x_odd[None, :]
     else:
         w_offs = n64[:, None] * KD + (k0 + tl.arange(0, BK))[None, :]  # [BN, BK] elements
         if KIND == 0:
             w = tl.load(wp + w_offs).to(tl.float32)
         else:
-            w = _dequant_nk(_int8_value(tl.load(wp + w_offs)), sp + n64 * (KD // G), k0, BN, BK, G, BK)
+            w = _dequant_nk(int8_value(tl.load(wp + w_offs)), sp + n64 * (KD // G), k0, BN, BK, G, BK)
         prod = w * x[None, :]
     return prod
 
@@ -163,7 +162,7 @@ def moe_projections_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
     check_gemv_config(layout, cfg)
     p = ids.numel()
     h, i = layout.hidden, layout.inter
-    kind = _KIND_ID[layout.kind]
+    kind = KIND_ID[layout.kind]
     g = layout.group_size or 1
     act = torch.empty(p, i, dtype=torch.bfloat16, device=x.device)  # [P, I]
     y = torch.empty(p, h, dtype=torch.float32, device=x.device)  # [P, H]

@@ -1,0 +1,41 @@
+"""Triton helpers both MoE kernels use: typed pointers into an expert record, exact int4/int8
+weight values.
+
+They live here, not in fused_moe.py, so that imports run one way: fused_moe.py (the block
+kernel, and the entry point that picks a kernel) imports moe_gemv.py (the few-token kernel), and
+both import this module; neither kernel module imports the other's internals.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+KIND_ID = {"bf16": 0, "int4": 1, "int8": 2}  # the KIND constexpr of the kernels
+
+
+@triton.jit
+def int4_value(nib):
+    """float32 (nib - 8) of int4 nibbles nib in 0..15, exactly, without an int -> float conversion
+    (a slow instruction on NVIDIA GPUs, one per weight here): 2^23 + nib as float bits, minus
+    2^23 + 8. Same values as `(nib - 8).to(float32)`, so the kernels' results do not change."""
+    return (nib.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+
+
+@triton.jit
+def int8_value(q):
+    """float32 of int8 weights q, exactly, by the same trick as int4_value (q + 128 in 0..255)."""
+    return ((q.to(tl.int32) + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def record_pointers(base, Q_OFF: tl.constexpr, S_OFF: tl.constexpr, KIND: tl.constexpr):
+    """Typed pointers to one matrix of the record at address `base` and to its bf16 scales."""
+    if KIND == 0:
+        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.bfloat16)), 16)
+    elif KIND == 1:
+        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.uint8)), 16)
+    else:
+        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.int8)), 16)
+    sp = tl.multiple_of((base + S_OFF).to(tl.pointer_type(tl.bfloat16)), 16)
+    return wp, sp
