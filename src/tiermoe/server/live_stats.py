@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import AsyncIterator
 
 from tiermoe.server.metrics import expert_tiers
 from tiermoe.server.streaming import sse
+
+log = logging.getLogger("tiermoe.server")
 
 STATS_INTERVAL_S = 1.0
 HEAT_INTERVAL_S = 5.0
@@ -170,24 +173,34 @@ class LiveStats:
     async def _sample_loop(self) -> None:
         prev, next_heat, heat_text = None, 0.0, None
         while self.listeners > 0 and not self._ended():
-            engine_snap = await self.ctx.engine.stats()
-            engine = self.ctx.engine
-            running = engine.num_unfinished - engine.num_waiting
-            server = self.ctx.metrics.summary(engine_snap, running, engine.num_waiting)
-            cur = cumulative(engine_snap, server, time.time())
-            self.stats = compact(prev, cur, engine_snap, server)
-            self.stats_seq += 1
-            prev = cur
-            if time.monotonic() >= next_heat:
-                next_heat = time.monotonic() + self.heat_interval_s
-                heat = await self._heat()
-                text = json.dumps(heat, sort_keys=True)
-                if text != heat_text:
-                    heat_text, self.heat = text, heat
-                    self.heat_seq += 1
+            try:
+                cur = await self._sample(prev)
+                if time.monotonic() >= next_heat:
+                    next_heat = time.monotonic() + self.heat_interval_s
+                    heat = await self._heat()
+                    text = json.dumps(heat, sort_keys=True)
+                    # a map once available stays up while the engine is too busy to answer in time
+                    lost = not heat["available"] and self.heat is not None and self.heat["available"]
+                    if text != heat_text and not lost:
+                        heat_text, self.heat = text, heat
+                        self.heat_seq += 1
+                prev = cur
+            except Exception:  # an odd engine snapshot must not end the dashboards' stream for good
+                log.exception("live stats sample failed")
             self._publish()
             await asyncio.sleep(self.interval_s)
         self._publish()
+
+    async def _sample(self, prev: dict | None) -> dict:
+        """Take one engine + server snapshot, publish its `stats` event; its counters for the next."""
+        engine = self.ctx.engine
+        engine_snap = await engine.stats()
+        running = engine.num_unfinished - engine.num_waiting
+        server = self.ctx.metrics.summary(engine_snap, running, engine.num_waiting)
+        cur = cumulative(engine_snap, server, time.time())
+        self.stats = compact(prev, cur, engine_snap, server)
+        self.stats_seq += 1
+        return cur
 
     async def _heat(self) -> dict:
         heat = await self.ctx.engine.expert_heat()
