@@ -9,7 +9,7 @@ directly in the store format (manifest.json + experts.bin + dense safetensors sh
 multi-GB bf16 checkpoint has to be written and quantized first.
 
 Routing realism: each MoE layer's router gets an expert score-correction bias proportional to
-the standardized log pick count of a real GLM-5.3-Flash layer (kernels/data), with the factor
+the standardized log pick count of a real GLM-5.3-Flash layer (store/data), with the factor
 bisected so that, for unit-variance router logits, the share of picks landing on the 11 % most
 popular experts matches that real layer. The same counts are written to OUT/expert-stats.json
 (`--expert-stats`, cache warm start). The tokenizer is the tiny models' one (vocabulary 512).
@@ -40,7 +40,7 @@ from tiermoe.kernels.triton.tiered import random_records  # noqa: E402
 from tiermoe.store.planner import counts_for_model, load_stats  # noqa: E402
 from tiermoe.store.records import EXPERTS_NAME, FORMAT_VERSION, RecordLayout, write_manifest  # noqa: E402
 
-STATS = ROOT / "src" / "tiermoe" / "kernels" / "data" / "glm53-flash-decode-expert-counts.json"
+STATS = ROOT / "src" / "tiermoe" / "store" / "data" / "glm53-flash-decode-expert-counts.json"
 SHARD_BYTES = 2 << 30
 
 

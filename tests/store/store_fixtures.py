@@ -9,7 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-STATS_FILE = Path(__file__).resolve().parents[2] / "tests" / "store" / "data" / "glm53-flash-decode-expert-counts.json"
+STATS_FILE = (
+    Path(__file__).resolve().parents[2] / "src" / "tiermoe" / "store" / "data"
+    / "glm53-flash-decode-expert-counts.json"
+)
 
 
 def make_checkpoint(

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-STATS_FILE = Path(__file__).resolve().parent.parent / "kernels" / "data" / "glm53-flash-decode-expert-counts.json"
+STATS_FILE = Path(__file__).resolve().parent.parent / "store" / "data" / "glm53-flash-decode-expert-counts.json"
 GLM = dict(hidden=4096, inter=2048, experts=288, top_k=8, group=128)
 TINY = dict(hidden=64, inter=32, experts=16, top_k=4, group=32)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-REAL_STATS = Path(__file__).resolve().parents[1] / "kernels" / "data" / "glm53-flash-decode-expert-counts.json"
+REAL_STATS = Path(__file__).resolve().parents[1] / "store" / "data" / "glm53-flash-decode-expert-counts.json"
 STATS_NAME = "expert-stats.json"
 
 
