@@ -13,9 +13,9 @@ from torch import nn
 from tiermoe.models.batch import ForwardBatch
 from tiermoe.models.blocks.attention import GQAttention, MLAttention
 from tiermoe.models.blocks.common import Linear, RMSNorm, SwiGLU, empty_param
+from tiermoe.models.blocks.moe import MoELayer
 from tiermoe.models.blocks.rope import Rotary
 from tiermoe.models.spec import ModelSpec
-from tiermoe.moe.layer import MoELayer
 
 
 class DecoderLayer(nn.Module):

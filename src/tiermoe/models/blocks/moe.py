@@ -1,4 +1,9 @@
-"""MoE feed-forward layer: router -> experts (through the backend seam) -> combine (+ shared)."""
+"""MoE feed-forward layer: router -> experts (through the backend seam) -> combine (+ shared).
+
+A model block like attention: it owns the router and the shared expert (checkpoint weights of
+the model) and reaches the routed experts only through `ExpertBackend` (moe/), which knows
+nothing of models.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiermoe.models.blocks.common import Linear, SwiGLU
+from tiermoe.models.blocks.router import Router
 from tiermoe.models.spec import MoESpec
 from tiermoe.moe.experts import ExpertBackend
-from tiermoe.moe.router import Router
 
 
 class MoELayer(nn.Module):
@@ -22,7 +27,7 @@ class MoELayer(nn.Module):
             if moe.shared_expert_gated:
                 self.shared_expert_gate = Linear(hidden, 1)
         self.backend: ExpertBackend | None = None  # set by the loader
-        self.routing = None  # moe/replay.LayerRouting: routing replay and/or recording (benchmarks)
+        self.routing = None  # moe/replay.py LayerRouting: routing replay and/or recording (benchmarks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""

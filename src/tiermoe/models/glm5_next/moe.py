@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tiermoe.models.blocks.router import Router
 from tiermoe.models.spec import MoESpec
-from tiermoe.moe.router import Router
 
 from .config import Glm5NextConfig
 from .layers import MLP
