@@ -18,13 +18,15 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+from pathlib import Path
 
 import torch
 
 
 def main() -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ from the checkout
+    from benchmarks.expert_stack import pin_host
     from tiermoe.kernels.triton.cache_manager import gather_records
-    from tiermoe.kernels.triton.tiered import pin_host
     from tiermoe.store.tiers import Arena
 
     p = argparse.ArgumentParser()

@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from safetensors.torch import save_file  # noqa: E402
 
+from tiermoe.bench.records import random_records  # noqa: E402
 from tiermoe.kernels.layout import expert_layout  # noqa: E402
-from tiermoe.kernels.triton.tiered import random_records  # noqa: E402
 from tiermoe.store.planner import counts_for_model, load_stats  # noqa: E402
 from tiermoe.store.records import EXPERTS_NAME, FORMAT_VERSION, RecordLayout, write_manifest  # noqa: E402
 

@@ -39,6 +39,6 @@ def test_extra_modules_register_and_missing_are_skipped(tmp_path, monkeypatch):
 def test_default_extra_modules_include_the_in_process_benchmarks():
     import importlib
 
-    assert {"tiermoe.bench.decode", "tiermoe.bench.moe_gpu"} <= set(bench_cli.BENCH_EXTRA_MODULES)
+    assert {"tiermoe.bench.decode", "benchmarks.moe_gpu"} <= set(bench_cli.BENCH_EXTRA_MODULES)
     for name in bench_cli.BENCH_EXTRA_MODULES:  # every listed module exists and registers
         assert callable(importlib.import_module(name).register)

@@ -15,7 +15,9 @@ import json
 
 from tiermoe.errors import UserError
 
-BENCH_EXTRA_MODULES = ("tiermoe.bench.decode", "tiermoe.bench.moe_gpu", "tiermoe.bench.tune_moe",
+# The in-process and synthetic-model commands, and the developer benchmarks of benchmarks/ (a
+# second package of the distribution; skipped where it is not installed).
+BENCH_EXTRA_MODULES = ("tiermoe.bench.decode", "benchmarks.moe_gpu", "tiermoe.bench.tune_moe",
                        "tiermoe.bench.synthetic_qwen3", "tiermoe.bench.mtp")
 DEFAULT_URL = "http://127.0.0.1:8000"
 

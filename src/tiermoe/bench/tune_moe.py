@@ -1,12 +1,12 @@
 """`tiermoe bench tune-moe`: tune the fused MoE kernel's launch configurations for one record shape.
 
-`tiermoe bench moe-gpu --tune` tunes GLM-5.3-Flash's shape only. Any other packed store falls
-back to a heuristic configuration (kernels/triton/fused_moe.py `default_config`), which on the
-H200 left the MoE kernel at about 38 TFLOP/s in a 4000-token prefill of a Qwen3-235B-shaped
-int4 group-32 store (docs/results.md section 15). This builds random records of the given shape
-in GPU memory (uniform routing) and runs the same search (kernels/triton/tuning.py), then merges
-the winners into a configs JSON under this GPU's name (default: the package's configs.json,
-which the engine reads). Needs CUDA.
+A packed store whose record shape has no tuned entry falls back to a heuristic configuration
+(kernels/triton/fused_moe.py `default_config`), which can leave the MoE kernel far below what
+the GPU sustains (docs/results.md has the measured case). This builds random records of the
+given shape in GPU memory (uniform routing) and runs the launch-config search
+(kernels/triton/tuning.py; `tiermoe bench moe-gpu --tune` runs the same for GLM-5.3-Flash's
+shape), then merges the winners into a configs JSON under this GPU's name (default: the
+package's configs.json, which the engine reads). Needs CUDA.
 
     tiermoe bench tune-moe --hidden 4096 --inter 1536 --experts 128 --top-k 8 --group-size 32
 """
@@ -36,9 +36,9 @@ def register(bench_subparsers) -> None:
 def _handler(args: argparse.Namespace) -> int:
     import torch
 
+    from tiermoe.bench.records import random_records
     from tiermoe.kernels.layout import expert_layout
     from tiermoe.kernels.triton import fused_moe, tuning
-    from tiermoe.kernels.triton.tiered import random_records
 
     if not torch.cuda.is_available():
         raise UserError("tune-moe needs a CUDA device (launch configurations are timed on the GPU)")

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from tiermoe.bench.moe_gpu import add_floors
+from benchmarks.moe_gpu_floors import add_floors
 
 MB = 1_000_000
 

@@ -1,21 +1,23 @@
-"""`tiermoe bench moe-gpu`: the GPU expert path on a synthetic GLM-5.3-Flash-shaped MoE stack.
+"""`tiermoe bench moe-gpu`: the product's GPU expert path on a synthetic GLM-5.3-Flash-shaped stack.
 
 Builds L MoE layers of GLM-5.3-Flash's shape (hidden 4096, 288 routed experts of intermediate
 2048, top-8, one shared expert) with random int4 records, every routed expert in pinned host
-RAM and a GPU slot cache of about 11 % of the experts per layer (the 24 GB-card case), routing
-sampled from the real model's per-layer expert popularity. It then measures, in one run:
+RAM and GPU slots for a fraction of the experts per layer (default: the 24 GB-card case),
+routing sampled from the real model's per-layer expert popularity. The routed experts run on
+the engine's own device cache (moe/device_cache.py through expert_stack.py), so what is
+measured is what serves. In one run:
 
   - bandwidths: HBM copy, pinned host -> GPU copy (copy engine), zero-copy read by a kernel;
   - exactness: final hidden states bit-identical for GPU budgets of 100 %, 10 % and 0 %;
   - decode at batch 1, 2, 4: whole steps (cache kernel + gather + fused MoE per layer)
     captured as one CUDA graph; time per step / token / layer, hit rates, bytes per lane;
-  - prefill of 8k-token chunks with layer-ahead staging;
+  - prefill of large chunks with the device cache's staging of non-resident experts;
   - the hardware floor of the same work from the measured bandwidths and hit rates;
   - the simplest alternative (static top-k residency, each layer's missing experts copied on
     demand with plain torch copies, plain-torch compute, no graph) and the ratio to it.
 
-The MoE block is h <- h + MoE(rmsnorm(h)); routing is an input (sampled ahead of time), so
-the numbers isolate the expert path. Results go to --out as JSON and a summary to stdout.
+Results go to --out as JSON and a summary to stdout. A developer's benchmark of the kernels
+and the cache; users measure a served model with `bench sweep`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-STATS_FILE = Path(__file__).resolve().parent.parent / "store" / "data" / "glm53-flash-decode-expert-counts.json"
+from tiermoe.bench.real_routing import REAL_STATS
+
 GLM = dict(hidden=4096, inter=2048, experts=288, top_k=8, group=128)
 TINY = dict(hidden=64, inter=32, experts=16, top_k=4, group=32)
 
@@ -54,29 +57,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exact-steps", type=int, default=12, help="decode steps of the exactness check")
     p.add_argument("--no-baseline", action="store_true", help="skip the plain-torch baseline")
     p.add_argument("--stage-misses", action=argparse.BooleanOptionalAction, default=True,
-                   help="gather misses that are not admitted into scratch rows (default) instead of reading them "
-                        "in place")  # fmt: skip
+                   help="gather misses that are not admitted into scratch rows (default) instead of reading "
+                        "them in place")
     p.add_argument("--tune", action="store_true", help="tune launch configs first (written next to --out)")
-    p.add_argument("--stats", default=str(STATS_FILE), help="per-layer expert pick counts (JSON)")
+    p.add_argument("--stats", default=str(REAL_STATS), help="per-layer expert pick counts (JSON)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="tiny shapes (runs on CPU through the Triton interpreter)")
     p.add_argument("--out", default=None, help="write the result JSON here")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (python -m tiermoe.bench.moe_gpu ...), same flags as the subcommand."""
+    """Standalone entry (python -m benchmarks.moe_gpu ...), same flags as the subcommand."""
+    from tiermoe.errors import UserError
+
     p = argparse.ArgumentParser(prog="tiermoe bench moe-gpu", description=__doc__.splitlines()[0])
     add_arguments(p)
     args = p.parse_args(argv)
     try:
         return _handler(args)
-    except Exception as exc:  # the CLI turns UserError into one line; do the same here
-        from tiermoe.errors import UserError
-
-        if isinstance(exc, UserError):
-            print(f"tiermoe: error: {exc}", file=sys.stderr)
-            return 2
-        raise
+    except UserError as exc:  # the CLI turns UserError into one line; do the same here
+        print(f"tiermoe: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _handler(args) -> int:
@@ -93,6 +94,8 @@ def _handler(args) -> int:
     if not Path(args.stats).is_file():
         raise UserError(f"--stats: no such file {args.stats}")
     import torch
+
+    from benchmarks.moe_gpu_floors import summary
 
     if not args.tiny and not torch.cuda.is_available():
         raise UserError("moe-gpu needs a CUDA GPU (use --tiny for a CPU smoke run through the Triton interpreter)")
@@ -136,11 +139,12 @@ def wall(fn) -> float:
 def run(args, batches: list[int]) -> dict:
     import torch
 
+    from benchmarks.expert_stack import ExpertStack, pin_host
+    from benchmarks.moe_gpu_floors import add_floors
+    from benchmarks.naive_offload import NaiveExperts
+    from tiermoe.bench.records import random_records
     from tiermoe.kernels.layout import expert_layout
     from tiermoe.kernels.triton import fused_moe as fm
-    from tiermoe.kernels.triton import tiered as tt
-
-    from tiermoe.kernels.naive import NaiveExperts
 
     dims = TINY if args.tiny else GLM
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -150,30 +154,36 @@ def run(args, batches: list[int]) -> dict:
     n_layers = layer_count(args, e_n * r)
     slots = int(round(args.budget * e_n))
     gen = torch.Generator(device=dev).manual_seed(args.seed)
-    res: dict = {"date": now_utc(), "argv": sys.argv[1:], "args": {k_: v for k_, v in vars(args).items() if k_ != "handler"}}
+    res: dict = {"date": now_utc(), "argv": sys.argv[1:],
+                 "args": {k_: v for k_, v in vars(args).items() if k_ != "handler"}}
     res["env"] = _env(torch, dev)
     res["model"] = dict(dims, layers=n_layers, shared_experts=1, kind=args.kind, record_bytes=r, weight_bytes=wb,
-                        slots_per_layer=slots, budget=slots / e_n)  # fmt: skip
+                        slots_per_layer=slots, budget=slots / e_n)
     t0 = time.perf_counter()
-    log = lambda msg: print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)  # noqa: E731
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
+
     log(f"building {n_layers} layers x {e_n} experts in pinned host RAM ({n_layers * e_n * r / 2**30:.1f} GiB)")
     pools, shared = [], []
     for _ in range(n_layers):  # random records made on the device, then parked in pinned host RAM
-        pool = tt.pin_host(e_n * r).view(e_n, r)
-        pool.copy_(tt.random_records(lay, e_n, dev, gen))
+        pool = pin_host(e_n * r).view(e_n, r)  # [E, R]
+        pool.copy_(random_records(lay, e_n, dev, gen))
         pools.append(pool)
-        shared.append(tt.random_records(lay, 1, dev, gen)[0])
+        shared.append(random_records(lay, 1, dev, gen)[0])  # [R] on the device
     res["build_s"] = round(time.perf_counter() - t0, 1)
     pop = load_popularity(args.stats, n_layers, e_n).to(dev)  # [L, E]
     top = torch.argsort(pop, dim=1, descending=True).tolist()  # most popular first
     if gpu:
         log("bandwidths")
-        from tiermoe.kernels.triton.probe import measure_bandwidth
+        from benchmarks.probe import measure_bandwidth
 
         res["bandwidth"] = measure_bandwidth(pools[0], r)
         shown = {k_: v for k_, v in res["bandwidth"].items() if k_ != "gather_sweep_GBps"}
         log(json.dumps({k_: round(v, 1) if isinstance(v, float) else v for k_, v in shown.items()}))
+    # what the package's launch table gives (the stack runs with it unless --tune replaces it)
     cfgs = {"decode": fm.get_config(lay, 1, dev), "prefill": fm.get_config(lay, max(args.prefill_tokens, 17), dev)}
+    tuned = False
     if args.tune and gpu:
         from tiermoe.kernels.triton import tuning
 
@@ -185,30 +195,42 @@ def run(args, batches: list[int]) -> dict:
         cfg_path = Path(args.out).with_name("moe_configs.json") if args.out else Path("moe_configs.json")
         tuning.save_configs(cfg_path, torch.cuda.get_device_name(dev), lay, cfgs)
         res["tuning"]["written"] = str(cfg_path)
+        tuned = True
     res["configs"] = cfgs
-    rates = (pop * k).clamp(max=1.0)  # expected picks per token: warm start of the admission filter
+    rates = pop * k  # [L, E] expected picks per token: warm start of the slots and the admission filter
     gather = res.get("bandwidth", {}).get("gather")
-    stage = bool(args.stage_misses)
-    new_stack = lambda nl, s: _stack(tt, lay, pools[:nl], shared[:nl], s, k, max(batches), dev, top, cfgs, rates, gather, stage)  # noqa: E731
+
+    def new_stack(n_l: int, s: int, stage: bool = bool(args.stage_misses), phase: str = "decode") -> ExpertStack:
+        """A stack of n_l layers with s slots each; a tuned run gives it the phase's tuned launch
+        configuration (the engine takes one per backend; None: the package's table by tokens)."""
+        return ExpertStack(lay, pools[:n_l], shared[:n_l], s, k, max(batches), dev, rates[:n_l], gather=gather,
+                           stage_misses=stage, config=cfgs[phase] if tuned else None)
+
     if args.exact_layers:
         log("exactness: budgets 100 / 10 / 0 %")
-        res["exactness"] = exactness(torch, new_stack, pop, args, e_n, k, gen, gpu, batches)
+        res["exactness"] = exactness(torch, new_stack, pop, args, lay, k, gen, gpu, batches, pools, shared)
     stack = new_stack(n_layers, slots)
+    res["model"]["stage_rows"] = stack.experts.stage_rows
     res["decode"] = {}
     for t in batches:
         log(f"decode T={t}")
-        res["decode"][str(t)] = decode_bench(torch, stack, pop, t, args.warmup, args.steps, k, gen, gpu)
-        log(f"  {res['decode'][str(t)]['step_ms']:.2f} ms/step, hit rate {res['decode'][str(t)]['hit_rate']:.3f}")
+        d = res["decode"][str(t)] = decode_bench(torch, stack, pop, t, args.warmup, args.steps, k, gen, gpu)
+        log(f"  {d['step_ms']:.2f} ms/step, hit rate {d['hit_rate']:.3f}")
     if not args.no_baseline:
         base = NaiveExperts(lay, pools, shared, [t_[:slots] for t_ in top], k, dev)
         for t in batches:
             log(f"baseline decode T={t}")
             d = res["decode"][str(t)]
             d["baseline"] = baseline_decode(torch, base, pop, t, args.baseline_steps, k, gen, gpu, "torch")
-            d["baseline_copy_triton"] = baseline_decode(torch, base, pop, t, args.baseline_steps, k, gen, gpu, "triton")
+            d["baseline_copy_triton"] = baseline_decode(torch, base, pop, t, args.baseline_steps, k, gen, gpu,
+                                                        "triton")
         del base
     if args.prefill_tokens:
         log(f"prefill {args.prefill_tokens} tokens")
+        if tuned:  # the tuned prefill configuration: a stack of its own, warm-started like the first
+            del stack
+            torch.cuda.empty_cache()
+            stack = new_stack(n_layers, slots, phase="prefill")
         res["prefill"] = prefill_bench(torch, stack, pop, args, k, gen, gpu, lay, pools, shared, top, slots)
     add_floors(res, lay)
     res["total_s"] = round(time.perf_counter() - t0, 1)
@@ -220,18 +242,12 @@ def _env(torch, dev) -> dict:
 
     import triton
 
-    env = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(), "host": platform.node()}
+    env = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+           "host": platform.node()}
     if dev.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(dev)
         env["gpu_mem_gib"] = round(torch.cuda.get_device_properties(dev).total_memory / 2**30, 1)
     return env
-
-
-def _stack(tt, lay, pools, shared, slots, k, max_t, dev, top, cfgs, rates, gather, stage):
-    st = tt.TieredExperts(lay, pools, shared, slots, k, max_t, dev, warm=[t[:slots] for t in top],
-                          warm_rates=list(rates[: len(pools)]), gather=gather, stage_misses=stage)  # fmt: skip
-    st.decode_config, st.prefill_config = cfgs["decode"], cfgs["prefill"]
-    return st
 
 
 def load_popularity(path: str, layers: int, experts: int):
@@ -245,20 +261,23 @@ def load_popularity(path: str, layers: int, experts: int):
 
 
 def sample_routing(torch, pop, tokens: int, k: int, gen):
-    """ids_full int32 [L, N, K+1] (last column = shared row E), weights fp32 [L, N, K+1]."""
+    """Routed picks of `tokens` tokens in every layer: ids int32 [L, N, K], weights fp32 [L, N, K]."""
     n_l, e_n = pop.shape
-    ids = torch.stack([torch.multinomial(pop[l].expand(tokens, e_n).contiguous(), k, False, generator=gen) for l in range(n_l)])
+    ids = torch.stack([torch.multinomial(pop[l].expand(tokens, e_n).contiguous(), k, False, generator=gen)
+                       for l in range(n_l)])
     w = torch.softmax(torch.randn(n_l, tokens, k, device=pop.device, generator=gen), -1)
-    ids_full = torch.cat([ids, torch.full((n_l, tokens, 1), e_n, device=pop.device)], -1).to(torch.int32)
-    return ids_full, torch.cat([w, torch.ones(n_l, tokens, 1, device=pop.device)], -1).float()
+    return ids.to(torch.int32), w.float()
 
 
 def decode_routing(torch, pop, steps: int, t: int, k: int, gen):
-    """Per-step routing [steps, L, T, K+1] for decode."""
+    """Per-step routing ids / weights [steps, L, T, K] for decode."""
     ids, w = sample_routing(torch, pop, steps * t, k, gen)
     n_l = pop.shape[0]
-    f = lambda a: a.view(n_l, steps, t, k + 1).permute(1, 0, 2, 3).contiguous()  # noqa: E731
-    return f(ids), f(w)
+
+    def per_step(a):
+        return a.view(n_l, steps, t, k).permute(1, 0, 2, 3).contiguous()
+
+    return per_step(ids), per_step(w)
 
 
 def make_stepper(torch, stack, ids, w, h0, gpu: bool):
@@ -308,7 +327,7 @@ def decode_bench(torch, stack, pop, t, warmup, steps, k, gen, gpu) -> dict:
     n_l = len(stack.caches)
     prof = _profile(stack, ids[warmup], w[warmup], h0) if gpu and t == 1 else None
     out = {"tokens": t, "steps": steps, "step_ms": 1e3 * sec / steps, "per_token_ms": 1e3 * sec / steps / t,
-           "per_layer_ms": 1e3 * sec / steps / n_l, "tok_s": steps * t / sec}  # fmt: skip
+           "per_layer_ms": 1e3 * sec / steps / n_l, "tok_s": steps * t / sec}
     out.update(per_step_counts(d, steps, n_l))
     if prof:
         out["kernels_us_per_step"] = prof
@@ -317,7 +336,7 @@ def decode_bench(torch, stack, pop, t, warmup, steps, k, gen, gpu) -> dict:
 
 def _profile(stack, ids, w, h0) -> dict:
     """GPU microseconds per kernel name for one eager decode step (diagnostic)."""
-    from tiermoe.kernels.triton.probe import kernel_times
+    from benchmarks.probe import kernel_times
 
     return kernel_times(lambda: stack.decode_step(h0, ids, w))
 
@@ -325,19 +344,25 @@ def _profile(stack, ids, w, h0) -> dict:
 def per_step_counts(d, steps, n_l) -> dict:
     lookups, hits, misses, admitted = (x / steps for x in d)
     return {"unique_per_layer": lookups / n_l, "hits_per_step": hits, "misses_per_step": misses,
-            "admitted_per_step": admitted, "hit_rate": hits / lookups if lookups else 0.0}  # fmt: skip
+            "admitted_per_step": admitted, "hit_rate": hits / lookups if lookups else 0.0}
 
 
-def exactness(torch, new_stack, pop, args, e_n, k, gen, gpu, batches) -> dict:
-    """Decode outputs bit-identical for budgets 100 %, 10 %, 0 % (same routing, same input)."""
-    n_l = min(args.exact_layers, pop.shape[0])
+def exactness(torch, new_stack, pop, args, lay, k, gen, gpu, batches, pools, shared) -> dict:
+    """Decode outputs bit-identical for budgets 100 %, 10 %, 0 % (same routing, same input).
+
+    The 0 % run also reads its misses in place (no staging rows: nothing of the experts on the
+    GPU), the others stage them as --stage-misses says; the bytes read are the same either way.
+    """
+    from benchmarks.naive_offload import NaiveExperts
+
+    n_l, e_n = min(args.exact_layers, pop.shape[0]), pop.shape[1]
     out = {"layers": n_l, "steps": args.exact_steps, "budgets": [1.0, 0.10, 0.0], "batches": {}}
     for t in sorted({1, max(batches)}):
         ids, w = decode_routing(torch, pop[:n_l], args.exact_steps, t, k, gen)
-        h0 = torch.randn(t, GLM["hidden"] if not args.tiny else TINY["hidden"], device=pop.device, generator=gen).to(torch.bfloat16)
+        h0 = torch.randn(t, lay.hidden, device=pop.device, generator=gen).to(torch.bfloat16)
         runs, timing = [], {}
         for b in out["budgets"]:
-            stack = new_stack(n_l, int(round(b * e_n)))
+            stack = new_stack(n_l, int(round(b * e_n)), stage=bool(args.stage_misses) and b > 0)
             step = make_stepper(torch, stack, ids, w, h0, gpu)
             runs.append(torch.stack([step(i).clone() for i in range(args.exact_steps)]))
             if gpu and b == 1.0:  # all experts in HBM: the kernels' own speed against the HBM floor
@@ -352,40 +377,36 @@ def exactness(torch, new_stack, pop, args, e_n, k, gen, gpu, batches) -> dict:
                 torch.cuda.empty_cache()
         same = [bool(torch.equal(runs[0], r)) for r in runs[1:]]
         if t == 1:  # the whole path against the plain-torch twins (tolerance: fp32 summation order)
-            from tiermoe.kernels.naive import NaiveExperts
-
-            st0 = new_stack(n_l, 0)
-            naive = NaiveExperts(st0.layout, st0.pools, st0.shared, [[] for _ in range(n_l)], k, pop.device)
+            naive = NaiveExperts(lay, pools[:n_l], shared[:n_l], [[] for _ in range(n_l)], k, pop.device)
             hh, errs = h0.clone(), []
             for i in range(min(2, args.exact_steps)):
                 hh = naive.forward(hh, ids[i], w[i])
                 errs.append(((runs[0][i].float() - hh.float()).norm() / hh.float().norm()).item())
                 hh = runs[0][i].clone()  # continue from the kernel's state: per-step error, not drift
             timing["twin_rel_err"] = max(errs)
-            del st0, naive
+            del naive
         out["batches"][str(t)] = {"bit_identical_10pct": same[0], "bit_identical_0pct": same[1],
-                                  "finite": bool(torch.isfinite(runs[0].float()).all()), **timing}  # fmt: skip
-    out["all_bit_identical"] = all(v["bit_identical_10pct"] and v["bit_identical_0pct"] for v in out["batches"].values())
+                                  "finite": bool(torch.isfinite(runs[0].float()).all()), **timing}
+    out["all_bit_identical"] = all(v["bit_identical_10pct"] and v["bit_identical_0pct"]
+                                   for v in out["batches"].values())
     return out
 
 
 def prefill_bench(torch, stack, pop, args, k, gen, gpu, lay, pools, shared, top, slots) -> dict:
-    from tiermoe.kernels.naive import NaiveExperts
+    from benchmarks.naive_offload import NaiveExperts
 
     n = args.prefill_tokens
     ids, w = sample_routing(torch, pop, n, k, gen)
     h0 = torch.randn(n, lay.hidden, device=pop.device, generator=gen).to(torch.bfloat16)
-    stager = stack.make_stager()
-    stack.prefill(h0, ids, w, stager)  # warm-up: compiles the prefill configs
-    times = [_timed(torch, gpu, lambda: stack.prefill(h0, ids, w, stager)) for _ in range(max(1, args.prefill_reps))]
-    used = torch.zeros(pop.shape[0], pop.shape[1], dtype=torch.bool, device=pop.device)
-    used.scatter_(1, ids[:, :, :k].reshape(pop.shape[0], -1).long(), True)
-    resident = torch.stack([c.expert_slot >= 0 for c in stack.caches])
+    stack.prefill(h0, ids, w)  # warm-up: compiles the prefill configs
+    times = [_timed(torch, gpu, lambda: stack.prefill(h0, ids, w)) for _ in range(max(1, args.prefill_reps))]
+    used = torch.zeros(pop.shape[0], pop.shape[1], dtype=torch.bool, device=pop.device)  # [L, E]
+    used.scatter_(1, ids.reshape(pop.shape[0], -1).long(), True)
+    resident = torch.stack([c.expert_slot >= 0 for c in stack.caches])  # [L, E]
     out = {"tokens": n, "reps": len(times), "chunk_ms": 1e3 * median(times), "tok_s": n / median(times),
            "used_experts_per_layer": used.sum().item() / pop.shape[0],
            "staged_per_layer": (used & ~resident).sum().item() / pop.shape[0],
-           "resident_used_per_layer": (used & resident).sum().item() / pop.shape[0]}  # fmt: skip
-    del stager
+           "resident_used_per_layer": (used & resident).sum().item() / pop.shape[0]}
     if not args.no_baseline:
         base = NaiveExperts(lay, pools, shared, [t_[:slots] for t_ in top], k, pop.device)
         for name, compute in (("baseline", "torch"), ("baseline_copy_triton", "triton")):
@@ -409,89 +430,7 @@ def baseline_decode(torch, base, pop, t, steps, k, gen, gpu, compute) -> dict:
     c0 = base.copied
     sec = _timed(torch, gpu, lambda: [step(i) for i in range(2, 2 + steps)])
     return {"compute": compute, "steps": steps, "step_ms": 1e3 * sec / steps, "per_token_ms": 1e3 * sec / steps / t,
-            "tok_s": steps * t / sec, "copied_per_step": (base.copied - c0) / steps}  # fmt: skip
-
-
-def add_floors(res: dict, lay) -> None:
-    """Hardware floor of the measured work: max(resident bytes / HBM, streamed bytes / PCIe[, flops])."""
-    bw = res.get("bandwidth")
-    if not bw:
-        return
-    hbm = bw["hbm_copy_GBps"] * 1e9
-    pcie = max(bw["h2d_pinned_GBps"], bw["zero_copy_read_GBps"]) * 1e9
-    wb, r, n_l = lay.weight_bytes, lay.length, res["model"]["layers"]
-    res["floor_model"] = {"hbm_GBps": hbm / 1e9, "pcie_GBps": pcie / 1e9, "bytes": "weight bytes (no padding)"}
-    for t, d in res.get("decode", {}).items():
-        t = int(t)
-        hits, misses, adm = d["hits_per_step"], d["misses_per_step"], d["admitted_per_step"]
-        floor = max((hits + n_l) * wb / hbm, misses * wb / pcie)  # + n_l: one shared expert per layer
-        d["floor_step_ms"] = 1e3 * floor
-        d["floor_per_token_ms"] = 1e3 * floor / t
-        d["pct_of_floor"] = 100 * floor / (d["step_ms"] / 1e3)
-        # every miss crosses PCIe once: gathered into a slot / scratch row (then read in HBM), or read in place
-        staged = misses if res["args"].get("stage_misses") else adm
-        pcie_bytes = staged * r + (misses - staged) * wb
-        d["bytes_per_token"] = {"pcie": pcie_bytes / t, "hbm": ((hits + staged + n_l) * wb + staged * r) / t, "cpu": 0}
-        for key in ("baseline", "baseline_copy_triton"):
-            if key in d:
-                d[key]["ratio_ours_faster"] = d[key]["step_ms"] / d["step_ms"]
-    ex = res.get("exactness", {}).get("batches", {})
-    for t, d in ex.items():
-        if "per_layer_ms_all_resident" in d:
-            floor = (d["unique_per_layer"] + 1) * wb / hbm
-            d["floor_per_layer_ms"] = 1e3 * floor
-            d["pct_of_floor"] = 100 * floor / (d["per_layer_ms_all_resident"] / 1e3)
-    p = res.get("prefill")
-    if p:
-        m = res["model"]
-        flops = 2 * p["tokens"] * (m["top_k"] + 1) * 3 * m["hidden"] * m["inter"] * n_l
-        terms = {"pcie_s": p["staged_per_layer"] * n_l * wb / pcie,
-                 "hbm_s": (p["resident_used_per_layer"] + 1) * n_l * wb / hbm,
-                 "compute_s": flops / (bw["bf16_matmul_TFLOPs"] * 1e12)}  # fmt: skip
-        floor = max(terms.values())
-        p["floor"] = {**terms, "chunk_ms": 1e3 * floor, "tok_s": p["tokens"] / floor}
-        p["pct_of_floor"] = 100 * p["tok_s"] / p["floor"]["tok_s"]
-        for key in ("baseline", "baseline_copy_triton"):
-            if key in p:
-                p[key]["ratio_ours_faster"] = p["tok_s"] / p[key]["tok_s"]
-
-
-def summary(res: dict) -> str:
-    m = res["model"]
-    lines = [f"moe-gpu {res['date']} {res['env'].get('gpu', 'cpu')}: {m['layers']} layers x {m['experts']} experts "
-             f"({m['kind']}, {m['record_bytes'] / 2**20:.2f} MiB/record), {m['slots_per_layer']} GPU slots/layer"]  # fmt: skip
-    bw = res.get("bandwidth")
-    if bw:
-        lines.append(f"  bandwidth GB/s: HBM copy {bw['hbm_copy_GBps']:.0f}, pinned H2D {bw['h2d_pinned_GBps']:.1f} "
-                     f"(per record {bw['h2d_pinned_per_record_GBps']:.1f}), zero-copy read {bw['zero_copy_read_GBps']:.1f}; "
-                     f"bf16 mm {bw['bf16_matmul_TFLOPs']:.0f} TFLOP/s")  # fmt: skip
-    ex = res.get("exactness")
-    if ex:
-        lines.append(f"  exactness ({ex['layers']} layers, {ex['steps']} steps, budgets 100/10/0 %): "
-                     f"{'bit-identical' if ex['all_bit_identical'] else 'MISMATCH'}")  # fmt: skip
-        for t, d in ex["batches"].items():
-            if "twin_rel_err" in d:
-                lines.append(f"    T={t} vs plain-torch twin: rel err {d['twin_rel_err']:.1e}")
-            if "pct_of_floor" in d:
-                lines.append(f"    all-resident T={t}: {1e3 * d['per_layer_ms_all_resident']:.1f} us/layer "
-                             f"(HBM floor {1e3 * d['floor_per_layer_ms']:.1f} us, {d['pct_of_floor']:.0f} %)")  # fmt: skip
-    for t, d in res.get("decode", {}).items():
-        s = (f"  decode T={t}: {d['step_ms']:.2f} ms/step, {d['per_token_ms']:.2f} ms/token, {1e3 * d['per_layer_ms']:.0f} us/layer, "
-             f"hit {100 * d['hit_rate']:.1f} %")  # fmt: skip
-        if "pct_of_floor" in d:
-            s += f", floor {d['floor_step_ms']:.2f} ms -> {d['pct_of_floor']:.0f} % of floor"
-        if "baseline" in d:
-            s += f"; naive torch {d['baseline']['step_ms']:.1f} ms ({d['baseline'].get('ratio_ours_faster', 0):.2f}x)"
-        lines.append(s)
-    p = res.get("prefill")
-    if p:
-        s = f"  prefill {p['tokens']}: {p['tok_s']:.0f} tok/s ({p['chunk_ms']:.0f} ms/chunk)"
-        if "floor" in p:
-            s += f", floor {p['floor']['tok_s']:.0f} tok/s -> {p['pct_of_floor']:.0f} %"
-        if "baseline" in p:
-            s += f"; naive torch {p['baseline']['tok_s']:.0f} tok/s"
-        lines.append(s)
-    return "\n".join(lines)
+            "tok_s": steps * t / sec, "copied_per_step": (base.copied - c0) / steps}
 
 
 if __name__ == "__main__":
