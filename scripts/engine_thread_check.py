@@ -25,7 +25,7 @@ import time
 def main() -> int:
     from tiermoe.engine.async_engine import AsyncEngine
     from tiermoe.engine.build import add_engine_args, build_engine_core
-    from tiermoe.engine.protocol import SamplingParams
+    from tiermoe.protocol import SamplingParams
 
     p = argparse.ArgumentParser()
     p.add_argument("store")

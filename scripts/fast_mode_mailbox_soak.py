@@ -45,7 +45,7 @@ def main() -> int:
     import torch
 
     from tiermoe.engine.build import build_engine_core
-    from tiermoe.engine.protocol import SamplingParams
+    from tiermoe.protocol import SamplingParams
     from tiermoe.models.tiny import write_tiny
     from tiermoe.store.pack import pack
 

@@ -23,7 +23,7 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from tiermoe.engine.build import add_engine_args, build_engine_core
-    from tiermoe.engine.protocol import SamplingParams
+    from tiermoe.protocol import SamplingParams
 
     p = argparse.ArgumentParser()
     p.add_argument("store")

@@ -72,7 +72,7 @@ def main() -> int:
     from testkit.servers import ServerThread
 
     from tiermoe.engine.async_engine import AsyncEngine
-    from tiermoe.engine.protocol import SamplingParams
+    from tiermoe.protocol import SamplingParams
     from tiermoe.engine.scripted import ScriptedEngineCore, ScriptedReply
     from tiermoe.models.tiny_tokenizer import build_tokenizer
     from tiermoe.server.app import create_app

@@ -16,7 +16,7 @@ from tiermoe.errors import UserError
 # Modules that add subcommands; each exposes register(subparsers).
 _SUBCOMMAND_MODULES = (
     "tiermoe.models.cli",  # tiny
-    "tiermoe.runner.cli",  # generate
+    "tiermoe.engine.cli",  # generate
     "tiermoe.eval.cli",  # eval parity, eval paired-kl
     "tiermoe.bench.cli",  # bench decode | sweep | stream-rate | gates | panel | floor | report
     "tiermoe.store.cli",  # pack, verify, plan, sim

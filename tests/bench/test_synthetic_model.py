@@ -100,7 +100,7 @@ def test_both_formats_decode_to_identical_weights(model):
 
 def test_store_verifies_loads_and_generates(model, engine):
     from tiermoe.engine.llm_engine import generate_ids
-    from tiermoe.engine.protocol import SamplingParams
+    from tiermoe.protocol import SamplingParams
     from tiermoe.store import verify_store
 
     checked, bad = verify_store(model / "store", direct_io=False)

@@ -9,7 +9,7 @@ import pytest
 
 from tiermoe.engine.build import build_engine_core
 from tiermoe.engine.llm_engine import generate_ids
-from tiermoe.engine.protocol import SamplingParams
+from tiermoe.protocol import SamplingParams
 
 LENGTHS = (5, 23, 40, 71)
 

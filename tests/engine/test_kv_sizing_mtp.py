@@ -12,7 +12,7 @@ from testkit.torch_threads import one_torch_thread  # noqa: F401  (autouse fixtu
 
 from tiermoe.engine.build import PAGE_SIZE, build_engine_core
 from tiermoe.engine.llm_engine import generate_ids
-from tiermoe.engine.protocol import SamplingParams
+from tiermoe.protocol import SamplingParams
 from tiermoe.errors import UserError
 from tiermoe.runner.model_runner import kv_bytes_per_token
 

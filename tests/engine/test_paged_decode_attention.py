@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 
 from tiermoe.engine.build import build_engine_core  # noqa: E402
 from tiermoe.engine.llm_engine import generate_ids  # noqa: E402
-from tiermoe.engine.protocol import SamplingParams  # noqa: E402
+from tiermoe.protocol import SamplingParams  # noqa: E402
 from tiermoe.errors import UserError  # noqa: E402
 
 

@@ -11,7 +11,7 @@ from testkit.torch_threads import one_torch_thread  # noqa: F401  (autouse fixtu
 
 from tiermoe.engine.build import build_engine_core
 from tiermoe.engine.llm_engine import generate_ids
-from tiermoe.engine.protocol import SamplingParams
+from tiermoe.protocol import SamplingParams
 
 LENGTHS = (5, 23, 40, 71)
 

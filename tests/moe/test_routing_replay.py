@@ -241,7 +241,7 @@ def _engine(model, **options):
 
 def _generate(engine, prompts, tokens=6):
     from tiermoe.engine.llm_engine import generate_ids
-    from tiermoe.engine.protocol import SamplingParams
+    from tiermoe.protocol import SamplingParams
 
     return generate_ids(engine, prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
 

@@ -133,7 +133,7 @@ def _generate(store, device: str, options: dict, batch: int, warm: bool = False,
     """Tokens and logprobs of `batch` requests decoded together (sorted by request), and the
     counters afterwards: the expert backend's, the graphs' (with each program's pieces)."""
     from tiermoe.engine.build import build_engine_core
-    from tiermoe.engine.protocol import SamplingParams
+    from tiermoe.protocol import SamplingParams
 
     eng = build_engine_core(str(store), device=device, dtype="bfloat16", max_num_seqs=2, options=options)
     if warm:  # as `tiermoe serve` does: every shape compiled (and on CUDA recorded) before the requests

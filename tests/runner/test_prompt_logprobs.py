@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tiermoe.engine.build import build_engine_core
-from tiermoe.engine.protocol import SamplingParams
+from tiermoe.protocol import SamplingParams
 from tiermoe.eval.parity import reference_logits
 
 K = 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiermoe.engine.protocol import InvalidRequest, SamplingParams
+from tiermoe.protocol import InvalidRequest, SamplingParams
 from tiermoe.runner.sampler import SampleRow, sample
 
 

@@ -12,7 +12,7 @@ from testkit.schemas import closed_object_schema
 
 from tiermoe.engine.build import build_engine_core
 from tiermoe.engine.llm_engine import generate_ids
-from tiermoe.engine.protocol import InvalidRequest, SamplingParams
+from tiermoe.protocol import InvalidRequest, SamplingParams
 from tiermoe.runner.sampler import SampleRow, sample
 from tiermoe.runner.structured import unpack_bitmask
 

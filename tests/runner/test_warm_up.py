@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tiermoe.engine.build import build_engine_core
 from tiermoe.engine.llm_engine import generate_ids
-from tiermoe.engine.protocol import SamplingParams
+from tiermoe.protocol import SamplingParams
 
 
 def test_warm_up_runs_every_shape_and_changes_no_token(tiny_dir):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tiermoe.engine.protocol import SamplingParams
+from tiermoe.protocol import SamplingParams
 from tiermoe.scheduler.kv_pages import KVPages
 from tiermoe.scheduler.request import Request
 from tiermoe.scheduler.scheduler import Scheduler

@@ -5,8 +5,8 @@ import asyncio
 import pytest
 
 from tiermoe.engine.async_engine import AsyncEngine, EngineShutdown
-from tiermoe.engine.protocol import InvalidRequest, SamplingParams
 from tiermoe.engine.scripted import ScriptedEngineCore, ScriptedReply
+from tiermoe.protocol import InvalidRequest, SamplingParams
 
 
 def _core(tokenizer, **kw):

@@ -26,7 +26,8 @@ def _free_port() -> int:
 
 
 def test_server_modules_do_not_import_torch():
-    code = ("import sys; import tiermoe.server.app, tiermoe.server.cli, tiermoe.engine.async_engine, tiermoe.engine.detokenize; "
+    code = ("import sys; import tiermoe.server.app, tiermoe.server.cli, tiermoe.engine.async_engine, "
+            "tiermoe.server.detokenize, tiermoe.protocol; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -1,6 +1,6 @@
 """Incremental detokenization and stop strings, token by token, on the real byte-level BPE."""
 
-from tiermoe.engine.detokenize import IncrementalDetokenizer, StopStringMatcher, TokenTexts, hidden_token_ids
+from tiermoe.server.detokenize import IncrementalDetokenizer, StopStringMatcher, TokenTexts, hidden_token_ids
 
 TEXT = "héllo wörld 世界 🚀 naïve café — done"
 

@@ -1,7 +1,7 @@
 """ScriptedEngineCore: the EngineCore contract, on its own step loop."""
 
-from tiermoe.engine.protocol import SamplingParams
 from tiermoe.engine.scripted import ScriptedEngineCore, ScriptedReply, default_script
+from tiermoe.protocol import SamplingParams
 
 
 def _run(core, rid, ids, params):

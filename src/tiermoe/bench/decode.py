@@ -30,7 +30,7 @@ def register(bench_subparsers) -> None:
 def measure(engine, batch: int, tokens: int, prompt_len: int, seed: int = 0) -> dict:
     import torch
 
-    from tiermoe.engine.protocol import SamplingParams
+    from tiermoe.protocol import SamplingParams
 
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=tokens + 1, ignore_eos=True)

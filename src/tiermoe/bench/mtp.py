@@ -63,7 +63,7 @@ def decode_prompts(engine, prompts: list[list[int]], tokens: int) -> dict:
     """Decode each prompt alone (batch 1); returns tokens, decode seconds and counters."""
     import torch
 
-    from tiermoe.engine.protocol import SamplingParams
+    from tiermoe.protocol import SamplingParams
 
     cuda = engine.model.device.type == "cuda"
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)

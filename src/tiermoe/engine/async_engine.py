@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from tiermoe.engine.protocol import InvalidRequest, RequestOutput, SamplingParams
+from tiermoe.protocol import InvalidRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger("tiermoe.engine")
 

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from typing import Callable
 
-from tiermoe.engine.protocol import InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
+from tiermoe.protocol import InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
 from tiermoe.errors import UserError
 from tiermoe.runner.model_runner import ModelRunner
 from tiermoe.scheduler.kv_pages import KVPages

@@ -27,7 +27,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tiermoe.engine.protocol import InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
+from tiermoe.protocol import InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
 
 _ASSISTANT = "<|im_start|>assistant\n"
 _PAGE = 16  # prefix-cache page size in tokens

@@ -14,7 +14,7 @@ import json
 import time
 
 from tiermoe.engine.prompts import chat_prompt_ids
-from tiermoe.engine.protocol import SamplingParams
+from tiermoe.protocol import SamplingParams
 from tiermoe.errors import UserError
 from tiermoe.eval.prompts import EVAL_TEXTS
 from tiermoe.scheduler.request import Request

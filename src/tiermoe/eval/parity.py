@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from tiermoe.engine.prompts import chat_prompt_ids
-from tiermoe.engine.protocol import SamplingParams
+from tiermoe.protocol import SamplingParams
 from tiermoe.eval.prompts import EVAL_TEXTS
 from tiermoe.models.fp32_params import reference_class
 from tiermoe.scheduler.request import Request

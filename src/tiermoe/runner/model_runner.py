@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from tiermoe.engine.protocol import TokenLogprob
+from tiermoe.protocol import TokenLogprob
 from tiermoe.models.batch import ForwardBatch, build_forward_batch
 from tiermoe.runner.sampler import SampleResult, SampleRow, bias_tensors, sample
 from tiermoe.runner.speculative import draft_cache_shapes, make_drafter
@@ -166,7 +166,7 @@ class ModelRunner:
     def build_grammar(self, spec: dict) -> RequestGrammar:
         """A matcher for a structured spec; InvalidRequest when it cannot be served."""
         if self.grammar_backend is None:
-            from tiermoe.engine.protocol import InvalidRequest
+            from tiermoe.protocol import InvalidRequest
 
             raise InvalidRequest("structured output needs the model's tokenizer", "response_format")
         return self.grammar_backend.build(spec)

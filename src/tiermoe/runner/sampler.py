@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tiermoe.engine.protocol import SamplingParams
+from tiermoe.protocol import SamplingParams
 
 
 @dataclass

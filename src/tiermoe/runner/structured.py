@@ -29,7 +29,7 @@ import threading
 
 import torch
 
-from tiermoe.engine.protocol import JSON_WHITESPACE, InvalidRequest
+from tiermoe.protocol import JSON_WHITESPACE, InvalidRequest
 
 # Bounded JSON whitespace (see protocol.JSON_WHITESPACE); a schema's own "x-guidance" options win.
 JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from tiermoe.engine.protocol import SamplingParams
+from tiermoe.protocol import SamplingParams
 
 
 class Status(enum.Enum):

@@ -17,10 +17,10 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from tiermoe.engine.async_engine import AsyncEngine, EngineDead, EngineShutdown
-from tiermoe.engine.detokenize import TokenTexts, hidden_token_ids
-from tiermoe.engine.protocol import InvalidRequest, SamplingParams
+from tiermoe.protocol import InvalidRequest, SamplingParams
 from tiermoe.server.chat import ToolPlan
 from tiermoe.server.connections import ConnectionSlots
+from tiermoe.server.detokenize import TokenTexts, hidden_token_ids
 from tiermoe.server.errors import APIError, bad_request
 from tiermoe.server.generation import ChoiceRun
 from tiermoe.server.metrics import Metrics

@@ -17,8 +17,8 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from tiermoe.engine.protocol import InvalidRequest
 from tiermoe.errors import UserError
+from tiermoe.protocol import InvalidRequest
 
 log = logging.getLogger("tiermoe.server")
 

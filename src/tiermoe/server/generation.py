@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator
 
-from tiermoe.engine.detokenize import IncrementalDetokenizer, StopStringMatcher
-from tiermoe.engine.protocol import SamplingParams, TokenLogprob
+from tiermoe.protocol import SamplingParams, TokenLogprob
+from tiermoe.server.detokenize import IncrementalDetokenizer, StopStringMatcher
 from tiermoe.server.reasoning import CONTENT, REASONING, ReasoningParser
 from tiermoe.server.tool_parsers import ToolCallDelta, ToolParser
 

@@ -7,7 +7,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tiermoe.engine.protocol import TokenLogprob
+from tiermoe.protocol import TokenLogprob
 from tiermoe.server.chat import openai_messages, plan_tools
 from tiermoe.server.context import ServerContext
 from tiermoe.server.errors import bad_request

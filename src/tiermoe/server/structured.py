@@ -22,7 +22,7 @@ import json
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from tiermoe.engine.protocol import JSON_WHITESPACE
+from tiermoe.protocol import JSON_WHITESPACE
 from tiermoe.server.errors import bad_request
 from tiermoe.server.limits import SchemaBudget, check_schema_limits
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from tiermoe.engine.protocol import JSON_WHITESPACE
+from tiermoe.protocol import JSON_WHITESPACE
 from tiermoe.server.limits import loads
 
 

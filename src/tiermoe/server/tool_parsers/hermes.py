@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 
-from tiermoe.engine.protocol import JSON_WHITESPACE
+from tiermoe.protocol import JSON_WHITESPACE
 from tiermoe.server.limits import loads
 from tiermoe.server.tool_parsers.base import ParsedBody, PartialCall, ToolParser
 

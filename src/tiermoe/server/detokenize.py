@@ -17,7 +17,8 @@ text, but the markers that the reasoning and tool-call parsers read (<think>, <t
 <arg_key>, ...) must survive decoding even where a tokenizer flags them as special. So ids are
 filtered against `hidden_token_ids(...)` and decoded with skip_special_tokens=False.
 
-No torch here: this runs in the server process.
+No torch here: this runs in the server process, whose per-request generation loop is its only
+user (the engine thread hands out token ids, never text).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""Small typed messages that cross the server <-> engine boundary (no torch here).
+"""Typed messages between the server, the engine and the layers under it (no torch here).
 
 The server builds a `SamplingParams` per request and reads `RequestOutput`s; the engine's
-step loop consumes the first and produces the second. Keeping these plain dataclasses lets
-the HTTP layer be tested without a model and keeps torch out of the server process' imports.
+step loop consumes the first and produces the second, and the scheduler and the runner carry
+the params of each request. The module sits below all four, so none of them imports another
+for these types, and it imports only the standard library, so the HTTP layer can be tested
+without a model and keeps torch out of the server process' imports.
 """
 
 from __future__ import annotations

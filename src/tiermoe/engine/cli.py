@@ -1,4 +1,8 @@
-"""`tiermoe generate`: run one prompt and print only the completion text."""
+"""`tiermoe generate`: run one prompt and print only the completion text.
+
+It builds a whole engine core and steps it to the end, so it lives with the engine rather than
+with the runner, which the engine drives.
+"""
 
 from __future__ import annotations
 
@@ -27,8 +31,8 @@ def _run(args) -> int:
     from tiermoe.engine.build import build_engine_core
     from tiermoe.engine.llm_engine import generate_ids
     from tiermoe.engine.prompts import chat_prompt_ids
-    from tiermoe.engine.protocol import InvalidRequest, SamplingParams
     from tiermoe.errors import UserError
+    from tiermoe.protocol import InvalidRequest, SamplingParams
 
     engine = build_engine_core(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                                max_num_seqs=1, options=vars(args))
