@@ -26,10 +26,9 @@ from tiermoe.models.spec import ModelSpec
 # SDPA backends for one-token (decode) queries on CUDA: all but cuDNN. cuDNN attention builds an
 # execution plan per input shape and per calling thread; a decode step attends over a context one
 # token longer than the last, and the server steps on its own thread, so every call paid a plan
-# build: 5.5 ms of host time per call on the H200, 48 ms per token on an 8-layer model stepped
-# from a second thread against 4 ms from the thread whose plans were warm (docs/results.md
-# section 15). Flash and memory-efficient attention need no plan. Prefill chunks keep cuDNN:
-# their masked calls (q < context) have no other fused kernel with grouped-query attention.
+# build in host time, many times the attention itself. Flash and memory-efficient attention need
+# no plan. Prefill chunks keep cuDNN: their masked calls (q < context) have no other fused kernel
+# with grouped-query attention.
 DECODE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

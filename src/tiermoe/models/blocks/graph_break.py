@@ -1,14 +1,13 @@
 """Where a piecewise CUDA graph of a decode step must stop: attention's KV-cache core.
 
-A decode step launches about 75 small kernels per layer; issued one by one from Python that
-host time is several times the GPU's work (docs/results.md section 13). Everything but the
-attention core has static shapes for a given batch size and can be captured in CUDA graphs;
-the core (write this step's K/V rows, then attend over each sequence's whole context) has
-per-step shapes and stays eager. Attention modules call `graph_break(core, tensors, batch,
-cache)` instead of `core(*tensors, batch, cache)`: with no recorder active (every ordinary
-forward) that is exactly the call; while runner/decode_graph.py records a step, the recorder
-ends the current capture there, keeps the core as an eager step of the replay program and
-starts the next capture.
+A decode step launches dozens of small kernels per layer; issued one by one from Python, their
+host time outweighs the GPU's work. Everything but the attention core has static shapes for a
+given batch size and can be captured in CUDA graphs; the core (write this step's K/V rows, then
+attend over each sequence's whole context) has per-step shapes and stays eager. Attention
+modules call `graph_break(core, tensors, batch, cache)` instead of `core(*tensors, batch,
+cache)`: with no recorder active (every ordinary forward) that is exactly the call; while
+runner/decode_graph.py records a step, the recorder ends the current capture there, keeps the
+core as an eager step of the replay program and starts the next capture.
 """
 
 from __future__ import annotations
