@@ -47,7 +47,9 @@ def main() -> int:
             t = time.perf_counter()
             for _ in range(args.reps):
                 build_forward_batch(chunks, ps, "cpu", **kw)
-            print(f"context {ctx:>7}, {args.seqs} seqs, {name:<12}: {(time.perf_counter() - t) / args.reps * 1e3:.2f} ms")
+            print(
+                f"context {ctx:>7}, {args.seqs} seqs, {name:<12}: {(time.perf_counter() - t) / args.reps * 1e3:.2f} ms"
+            )
     return 0
 
 

@@ -19,7 +19,8 @@
 #   commas, e.g. "noborrow:--no-prefill-borrow-slots ahead:--prefill-staging-gb,1.75 fast:--mode,fast"),
 # SPY (1: after the measured sweep, a C1 sweep recorded by py-spy, summarised per thread by
 #   scripts/pyspy_summary.py; carry .peer/tools, which holds the py-spy wheel),
-# PACK (1: OUT_DIR.tgz instead of OUT_DIR), PYTHON (python3), THREAD_CHECK (1: run engine_thread_check after each sweep), USE_TUNED (1: a
+# PACK (1: OUT_DIR.tgz instead of OUT_DIR), PYTHON (python3), THREAD_CHECK (1: run engine_thread_check after each
+# sweep), USE_TUNED (1: a
 # configs.json tuned by an earlier call on this machine replaces the working copy's), STEPS
 # ("tests tune store serve profile": any subset, in that order; the whole script runs longer
 # than one 10-minute call, so split it, e.g. STEPS="tests tune store" then STEPS="serve" while
@@ -34,7 +35,8 @@ site=/tmp/tiermoe-site
 "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl > /dev/null 2>&1
 export PYTHONPATH=$PWD/src:$site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 log() { echo "[graph $(date -u +%H:%M:%S)] $*"; }
-get() { "$py" -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())" "$1"; }
+get() { "$py" -c \
+  "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())" "$1"; }
 flags=(--gpu-expert-gb 10.125 --host-expert-gb 31.38 --max-num-batched-tokens 4096 --dtype bfloat16)
 # REPLAY=1 (default): the routers' picks come from the real GLM-5.3-Flash statistics written beside
 # the model (a random model's own routing hits 95 % of the slots, the real one under 40 %)
@@ -52,7 +54,8 @@ fi
 
 if want tune; then  # the store's record shape has no tuned launch configuration yet (results section 15)
   log "tune the fused MoE kernel for int4/H4096/I1536/G32 (written to the package's configs.json)"
-  if timeout 300 "$py" -m tiermoe.cli bench tune-moe --hidden 4096 --inter 1536 --experts 128 --top-k 8 --group-size 32 \
+  if timeout 300 "$py" -m tiermoe.cli bench tune-moe --hidden 4096 --inter 1536 --experts 128 --top-k 8 \
+    --group-size 32 \
     --time-budget 150 > "$out/tune.json" 2>&1; then
     cp src/tiermoe/kernels/triton/configs.json "$out/configs.json"
     cp src/tiermoe/kernels/triton/configs.json "${HOME:-.}/tuned-configs.json"  # a later call on this machine uses it
@@ -94,7 +97,8 @@ want serve && for variant in ${VARIANTS:-default: sdpa:--decode-attention,sdpa};
       > "$out/pyspy-$attn.log" 2>&1 &
     spy=$!
     timeout 120 "$py" -m tiermoe.cli bench sweep --url http://127.0.0.1:8111 --model qwen3moe-synthetic \
-      --prefill-sizes 1k --reps 1 --concurrency 1 --long-prompt 0 --max-tokens 256 --seed 3 > "$out/spy-sweep-$attn.log" 2>&1
+      --prefill-sizes 1k --reps 1 --concurrency 1 --long-prompt 0 --max-tokens 256 --seed 3 \
+        > "$out/spy-sweep-$attn.log" 2>&1
     kill -INT $spy; wait $spy 2>/dev/null
     "$py" scripts/pyspy_summary.py "$out/pyspy-$attn.txt" --thread tiermoe-engine --top 15 --frames 4 \
       > "$out/pyspy-summary-$attn.txt" 2>&1
@@ -109,17 +113,21 @@ done
 
 # Only a few files come back from the GPU machine (more are dropped): PACK=1 (default) leaves
 # one OUT_DIR.tgz instead of the directory; unpack it with tar xzf.
-pack() { [ "${PACK:-1}" = 1 ] && tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")" && rm -rf "$out"; log "done"; }
+pack() { [ "${PACK:-1}" = 1 ] && tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")" \
+  && rm -rf "$out"; log "done"; }
 want profile || { pack; exit 0; }
 log "profile"
-timeout 240 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile" "${flags[@]}" --compare-eager --prefill-tokens 4000 > "$out/profile.log" 2>&1
+timeout 240 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile" "${flags[@]}" --compare-eager \
+  --prefill-tokens 4000 > "$out/profile.log" 2>&1
 grep -E "wall per|busy|engine built|prefill" "$out/profile.log"
 log "profile, prefill staged one layer ahead (two staging buffers)"
-timeout 200 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile-ahead" "${flags[@]}" --prefill-staging-gb 1.75 \
+timeout 200 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile-ahead" "${flags[@]}" \
+  --prefill-staging-gb 1.75 \
   --prefill-tokens 4000 > "$out/profile-ahead.log" 2>&1
 grep -E "prefill" "$out/profile-ahead.log" | head -3
 log "profile, SDPA decode attention (the default is the paged kernel)"
-timeout 200 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile-sdpa" "${flags[@]}" --decode-attention sdpa \
+timeout 200 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile-sdpa" "${flags[@]}" \
+  --decode-attention sdpa \
   > "$out/profile-sdpa.log" 2>&1
 grep -E "wall per|busy" "$out/profile-sdpa.log"
 log "profile, misses read in place (TIERMOE_DEVICE_CACHE_STAGE=0)"

@@ -25,13 +25,16 @@ tm="$py -m tiermoe.cli"
 {
   date -u +%FT%TZ
   git rev-parse --short HEAD 2>/dev/null
-  $py -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA")'
+  $py -c 'import torch, triton
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA"
+print("torch", torch.__version__, "triton", triton.__version__, gpu)'
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
   free -g | head -2
 } | tee -a "$out/env.txt"
 
 gpu_gb() {  # GiB of expert slots for a share of all expert records
-  $py -c "import json,sys; m=json.load(open('$store/manifest.json')); print(round(sum(r['length'] for r in m['records'])*float(sys.argv[1])/2**30, 6))" "$1"
+  $py -c "import json,sys; m=json.load(open('$store/manifest.json'))
+print(round(sum(r['length'] for r in m['records'])*float(sys.argv[1])/2**30, 6))" "$1"
 }
 
 for step in $steps; do
@@ -41,14 +44,16 @@ for step in $steps; do
       if [ -f "$store/manifest.json" ]; then
         echo "store exists: $store"
       else
-        $py scripts/synth_glm_store.py "$store" --moe-layers "${MOE_LAYERS:-8}" --kind "${KIND:-int4}" 2>>"$out/stderr.log" | tee "$out/make.log"
+        $py scripts/synth_glm_store.py "$store" --moe-layers "${MOE_LAYERS:-8}" --kind "${KIND:-int4}" \
+          2>>"$out/stderr.log" | tee "$out/make.log"
       fi
       du -sh "$store" | tee -a "$out/make.log"
       ;;
     decode)
       gb=$(gpu_gb "${BUDGET:-0.11}")
       echo "gpu expert budget: $gb GiB (${BUDGET:-0.11} of the experts)"
-      common=(--model "$store" --device "$dev" --gpu-expert-gb "$gb" --expert-stats "$store/expert-stats.json" --prompt-len 32)
+      common=(--model "$store" --device "$dev" --gpu-expert-gb "$gb" --expert-stats "$store/expert-stats.json" \
+        --prompt-len 32)
       [ "${REPLAY:-1}" = 1 ] && common+=(--routing-replay "$store/expert-stats.json")  # the real model's picks
       timeout 280 $tm bench decode "${common[@]}" --expert-kernel triton --batch-sizes "${BATCHES:-1,1,2,4}" \
         --tokens "${TOKENS:-64}" --out "$out/decode_triton.json" 2>>"$out/stderr.log" | tail -4
@@ -78,7 +83,8 @@ for _ in range(480):
 body = {"model": "synth", "messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 32,
         "temperature": 0, "ignore_eos": True}
 t0 = time.time()
-req = urllib.request.Request(base + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+headers = {"Content-Type": "application/json"}
+req = urllib.request.Request(base + "/v1/chat/completions", json.dumps(body).encode(), headers)
 try:
     r = json.loads(urllib.request.urlopen(req, timeout=180).read())
     print("chat completion:", r["usage"], f"{time.time() - t0:.2f} s")
@@ -87,7 +93,8 @@ except Exception as exc:
 stats = json.loads(urllib.request.urlopen(base + "/stats", timeout=10).read())
 open(f"{out}/serve_stats.json", "w").write(json.dumps(stats, indent=1))
 experts = stats.get("engine", {}).get("experts", {})
-print("experts:", json.dumps({k: experts.get(k) for k in ("expert_kernel", "triton", "slots", "host", "per_decode_token")}))
+shown = ("expert_kernel", "triton", "slots", "host", "per_decode_token")
+print("experts:", json.dumps({k: experts.get(k) for k in shown}))
 PY
       kill -TERM $pid 2>/dev/null; wait $pid
       ;;

@@ -201,7 +201,7 @@ def main() -> int:
         REPORT["roundtrip_us"][f"T{t}"] = {
             "median": round(statistics.median(us), 2), "p10": round(us[n // 10], 2), "p90": round(us[n * 9 // 10], 2),
             "wall_per_replay": round(wall, 2), "served": srv.served, "errors": errs,
-        }  # fmt: skip
+        }
         log(f"T={t}: {REPORT['roundtrip_us'][f'T{t}']}")
         if errs != [0] or srv.served != n + 21:
             REPORT["error"] = f"timing T={t}: errors {errs}, served {srv.served} of {n + 21}"

@@ -37,7 +37,9 @@ GLM_ARGS=${GLM_ARGS:---device cuda}  # synth_glm_store.py flags, e.g. "--tiny --
 site=/tmp/tiermoe-site
 export PYTHONPATH=$ROOT/src:$site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 log() { echo "[rr $(date -u +%H:%M:%S)] $*"; }
-get() { "$PY" -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())" "$1"; }
+get() { "$PY" -c \
+  "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())" \
+  "$1"; }
 want() { [[ " $RUN_STEPS " == *" $1 "* ]]; }
 
 step_pcie() {
@@ -72,7 +74,8 @@ PY
 
 step_glm() {
   local n=${GLM_LAYERS:-$(glm_layers)}
-  [ -f "$WORK/glm/manifest.json" ] && n=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['model_config']['num_hidden_layers'] - 1)" "$WORK/glm/manifest.json")
+  [ -f "$WORK/glm/manifest.json" ] && n=$("$PY" -c "import json,sys
+print(json.load(open(sys.argv[1]))['model_config']['num_hidden_layers'] - 1)" "$WORK/glm/manifest.json")
   log "GLM-5.3-Flash-shaped store, $n MoE layers"
   [ -f "$WORK/glm/manifest.json" ] || "$PY" scripts/synth_glm_store.py "$WORK/glm" --moe-layers "$n" $GLM_ARGS \
     > "$WORK/glm-build.log" 2>&1 || { log "store build failed: $(tail -3 "$WORK/glm-build.log")"; return 1; }
@@ -102,11 +105,13 @@ serve_matrix() {  # NAME STORE STATS EXTRA_FLAGS...
         sleep 2
       done
       if [ $ok = 0 ]; then log "$tag: server did not start: $(tail -3 "$WORK/server-$tag.log")"; kill $pid; continue; fi
-      local sweep=("$PY" -m tiermoe.cli bench sweep --url http://127.0.0.1:8121 --model "$name" --prefill-sizes "$PREFILL" \
+      local sweep=("$PY" -m tiermoe.cli bench sweep --url http://127.0.0.1:8121 --model "$name" \
+        --prefill-sizes "$PREFILL" \
         --reps 1 --concurrency 1,4 --long-prompt 0)
       timeout 200 "${sweep[@]}" --max-tokens 16 --seed 7 > "$WORK/warmup-$tag.log" 2>&1
       get http://127.0.0.1:8121/stats > "$WORK/stats-before-$tag.json"
-      timeout 400 "${sweep[@]}" --max-tokens "$tokens" --seed 1 --out "$WORK/sweep-$tag.json" > "$WORK/sweep-$tag.log" 2>&1
+      timeout 400 "${sweep[@]}" --max-tokens "$tokens" --seed 1 --out "$WORK/sweep-$tag.json" > "$WORK/sweep-$tag.log" \
+        2>&1
       get http://127.0.0.1:8121/stats > "$WORK/stats-$tag.json"
       grep -E "prefill|decode" "$WORK/sweep-$tag.log" | sed "s/^/  $tag: /"
       kill $pid; wait $pid 2>/dev/null
@@ -117,7 +122,8 @@ serve_matrix() {  # NAME STORE STATS EXTRA_FLAGS...
 step_qwen() {
   rm -rf "$WORK/glm"  # the disk holds one store at a time
   [ -f "$WORK/qwen/store/manifest.json" ] || "$PY" -m tiermoe.cli bench make-qwen3moe "$WORK/qwen" --layers 24 \
-    --formats store --force > "$WORK/qwen-build.log" 2>&1 || { log "qwen store failed: $(tail -3 "$WORK/qwen-build.log")"; return 1; }
+    --formats store --force > "$WORK/qwen-build.log" 2>&1 \
+      || { log "qwen store failed: $(tail -3 "$WORK/qwen-build.log")"; return 1; }
   log "qwen store: $(tail -1 "$WORK/qwen-build.log")"
   cp "$WORK/qwen/expert-stats.json" "$WORK/qwen-expert-stats.json"
 }
@@ -125,8 +131,11 @@ step_qwen() {
 run_all() {
   mkdir -p "$WORK"
   "$PY" -c "import fastapi, uvicorn, gguf" 2> /dev/null || \
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl > /dev/null 2>&1
-  log "commit $(git rev-parse --short HEAD 2>/dev/null || echo "${COMMIT:-unknown}"), $("$PY" -c 'import torch, triton; print(torch.__version__, triton.__version__)')"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl > /dev/null \
+      2>&1
+  local versions
+  versions=$("$PY" -c 'import torch, triton; print(torch.__version__, triton.__version__)')
+  log "commit $(git rev-parse --short HEAD 2>/dev/null || echo "${COMMIT:-unknown}"), $versions"
   want pcie && step_pcie
   local tests_pid=""
   if want tests; then  # beside the store build (its timings are not figures; the build is disk-bound)

@@ -29,9 +29,12 @@ for _ in range(240):
         time.sleep(0.5)
 PY
 url=http://127.0.0.1:$port
-$py -m tiermoe.cli bench sweep --url $url --prefill-sizes ${SIZES:-1k,3k} --max-tokens ${MAX_TOKENS:-128} --out "$out/sweep.json" 2>>"$out/stderr.log" | tail -15
-$py -m tiermoe.cli bench stream-rate --url $url --min-tokens ${STREAM_TOKENS:-3000} --max-tokens ${STREAM_TOKENS:-3000} --out "$out/stream_rate.json" 2>>"$out/stderr.log" | tail -3
-$py -c "import urllib.request,sys; sys.stdout.write(urllib.request.urlopen(\"$url/stats\").read().decode())" > "$out/stats.json"
+$py -m tiermoe.cli bench sweep --url $url --prefill-sizes ${SIZES:-1k,3k} --max-tokens ${MAX_TOKENS:-128} \
+  --out "$out/sweep.json" 2>>"$out/stderr.log" | tail -15
+$py -m tiermoe.cli bench stream-rate --url $url --min-tokens ${STREAM_TOKENS:-3000} \
+  --max-tokens ${STREAM_TOKENS:-3000} --out "$out/stream_rate.json" 2>>"$out/stderr.log" | tail -3
+$py -c "import urllib.request,sys; sys.stdout.write(urllib.request.urlopen(\"$url/stats\").read().decode())" \
+  > "$out/stats.json"
 kill -TERM $pid; wait $pid
 $py -m tiermoe.cli bench report "$out/sweep.json" "$out/stream_rate.json" --out "$out/sweep.md" 2>>"$out/stderr.log"
 cat "$out/sweep.md"

@@ -60,7 +60,8 @@ export PYTHONPATH=$ROOT/src:$SBS_DIR/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUF
 log() { echo "[sbs $(date -u +%H:%M:%S)] $*"; }
 die() { log "ERROR: $*"; exit 1; }
 tm() { $PY -m tiermoe.cli "$@"; }
-json_get() { $PY -c "import json,sys; d=json.load(open(sys.argv[1])); print(eval(sys.argv[2], {}, {'d': d}))" "$1" "$2"; }
+json_get() { $PY -c "import json,sys; d=json.load(open(sys.argv[1])); print(eval(sys.argv[2], {}, {'d': d}))" "$1" \
+  "$2"; }
 
 phase_prepare() {  # needs PyPI: the llama.cpp sources (trimmed) and the wheels the GPU image lacks
   mkdir -p "$CARRY" "$ROOT/.whl"
@@ -68,8 +69,10 @@ phase_prepare() {  # needs PyPI: the llama.cpp sources (trimmed) and the wheels 
   grep -qx '/.whl/' "$ROOT/.git/info/exclude" 2>/dev/null || echo '/.whl/' >> "$ROOT/.git/info/exclude"
   local v=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
   [ -f "$ROOT/.peer/llama_cpp_python-$v.tar.gz" ] || \
-    $PY -m pip download --no-deps --no-binary :all: "llama-cpp-python==$v" -d "$ROOT/.peer" || die "sdist download failed"
-  bash "$ROOT/scripts/sbs/trim_llamacpp_sdist.sh" "$ROOT/.peer/llama_cpp_python-$v.tar.gz" "$SRC_TGZ" || die "trim failed"
+    $PY -m pip download --no-deps --no-binary :all: "llama-cpp-python==$v" -d "$ROOT/.peer" \
+      || die "sdist download failed"
+  bash "$ROOT/scripts/sbs/trim_llamacpp_sdist.sh" "$ROOT/.peer/llama_cpp_python-$v.tar.gz" "$SRC_TGZ" \
+    || die "trim failed"
   echo "$v" > "$CARRY/llama-cpp-python.version"
   git -C "$ROOT" rev-parse HEAD > "$CARRY/tiermoe-commit.txt" 2>/dev/null
   local spec name
@@ -135,7 +138,8 @@ phase_setup() {
       "$ROOT"/.whl/*.whl && touch "$SBS_DIR/site/.installed" || die "wheel install failed"
   fi
   $PY -c "import gguf, fastapi, uvicorn, httpx, torch" || die "missing Python packages (run prepare, carry .whl)"
-  [ -f "$RES/env.json" ] || $PY "$ROOT/scripts/sbs/probe.py" "$RES/env.json" --threads "$THREADS" --host-gib "${PROBE_HOST_GIB:-8}" > "$LOGS/probe.log" 2>&1 \
+  [ -f "$RES/env.json" ] || $PY "$ROOT/scripts/sbs/probe.py" "$RES/env.json" --threads "$THREADS" \
+    --host-gib "${PROBE_HOST_GIB:-8}" > "$LOGS/probe.log" 2>&1 \
     || log "probe failed (see logs/probe.log)"
   git -C "$ROOT" rev-parse HEAD > "$RES/tiermoe-commit.txt" 2>/dev/null \
     || cp "$CARRY/tiermoe-commit.txt" "$RES/" 2>/dev/null || echo unknown > "$RES/tiermoe-commit.txt"
@@ -155,7 +159,9 @@ llama_env() {  # cuBLAS outside the toolkit (source build) or every library dir 
 phase_prebuild() {  # here (nvcc, no GPU): compile and pack what phase_build then only unpacks
   [ -f "$SRC_TGZ" ] || die "$SRC_TGZ missing: run 'prepare' first"
   export CUDA_ARCH SOURCE_NOTE
-  SOURCE_NOTE="llama-cpp-python $(cat "$CARRY/llama-cpp-python.version" 2>/dev/null || echo '?') sdist (vendor/llama.cpp)"
+  local pinned
+  pinned=$(cat "$CARRY/llama-cpp-python.version" 2>/dev/null || echo '?')
+  SOURCE_NOTE="llama-cpp-python $pinned sdist (vendor/llama.cpp)"
   bash "$ROOT/scripts/sbs/prebuild_cuda.sh" build "$SRC_TGZ" "$PREBUILD_DIR" || die "prebuild failed"
   bash "$ROOT/scripts/sbs/prebuild_cuda.sh" pack "$PREBUILD_DIR" "$PREBUILT_TAR" || die "pack failed"
   log "carry .peer/carry-bin too ($(du -sh "$(dirname "$PREBUILT_TAR")" | cut -f1))"
@@ -169,22 +175,26 @@ use_prebuilt() {  # unpack the carried server; keep it only if it resolves its l
   if ! $PY "$ROOT/scripts/sbs/prebuilt.py" unpack "$PREBUILT_TAR" "$LLAMA_BUILD" > "$LOGS/prebuilt.log" 2>&1; then
     log "prebuilt: unpack failed (logs/prebuilt.log); building from source"; rm -rf "$LLAMA_BUILD"; return 1
   fi
-  if ! $PY "$ROOT/scripts/sbs/prebuilt.py" libdirs "$LLAMA_BUILD/bin" > "$LLAMA_BUILD/libdirs.txt" 2>> "$LOGS/prebuilt.log"; then
-    log "prebuilt: $(grep unresolved "$LOGS/prebuilt.log" | tr '\n' ' '); building from source"; rm -rf "$LLAMA_BUILD"; return 1
+  if ! $PY "$ROOT/scripts/sbs/prebuilt.py" libdirs "$LLAMA_BUILD/bin" > "$LLAMA_BUILD/libdirs.txt" \
+    2>> "$LOGS/prebuilt.log"; then
+    log "prebuilt: $(grep unresolved "$LOGS/prebuilt.log" | tr '\n' ' '); building from source"
+    rm -rf "$LLAMA_BUILD"; return 1
   fi
   # The CUDA backend is a module loaded at run time and skipped silently when it cannot load.
   ( llama_env; timeout 120 "$bin" --list-devices ) >> "$LOGS/prebuilt.log" 2>&1
   if ! grep -q "CUDA0" "$LOGS/prebuilt.log"; then
     log "prebuilt: no CUDA device listed (logs/prebuilt.log); building from source"; rm -rf "$LLAMA_BUILD"; return 1
   fi
-  record_llama_version "prebuilt for sm_$CUDA_ARCH elsewhere ($(grep -E '^(nvcc|cuda_arch)=' "$LLAMA_BUILD/MANIFEST.txt" | tr '\n' ' '))"
+  record_llama_version \
+    "prebuilt for sm_$CUDA_ARCH elsewhere ($(grep -E '^(nvcc|cuda_arch)=' "$LLAMA_BUILD/MANIFEST.txt" | tr '\n' ' '))"
   log "prebuilt: $(grep -m1 CUDA0 "$LOGS/prebuilt.log" | sed 's/^ *//'); $(tr '\n' ' ' < "$RES/llamacpp-version.txt")"
 }
 
 record_llama_version() {  # record_llama_version NOTE
   llama_env
   { echo "sdist llama-cpp-python $(cat "$CARRY/llama-cpp-python.version" 2>/dev/null || echo '?'); $1"
-    "$LLAMA_BUILD/bin/llama-server" --version 2>&1 | grep -E "version|built with" | head -3; } > "$RES/llamacpp-version.txt"
+    "$LLAMA_BUILD/bin/llama-server" --version 2>&1 | grep -E "version|built with" | head -3; } \
+      > "$RES/llamacpp-version.txt"
 }
 
 phase_build() {
@@ -210,7 +220,8 @@ phase_build() {
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF "${hints[@]}" > "$LOGS/llama-configure.log" 2>&1 \
     || die "cmake failed (logs/llama-configure.log)"
-  ninja -C "$LLAMA_BUILD" -j "$(nproc)" llama-server > "$LOGS/llama-build.log" 2>&1 || die "build failed (logs/llama-build.log)"
+  ninja -C "$LLAMA_BUILD" -j "$(nproc)" llama-server > "$LOGS/llama-build.log" 2>&1 \
+    || die "build failed (logs/llama-build.log)"
   record_llama_version "CUDA $cuda, arch $CUDA_ARCH, built in $((SECONDS - t0)) s"
   log "built: $(tr '\n' ' ' < "$RES/llamacpp-version.txt")"
 }
@@ -244,7 +255,8 @@ phase_check() {
   if [ -d "$STORE_DIR/store" ] && [ -f "$GGUF_DIR/model.gguf" ]; then
     local both=$SBS_DIR/check-view  # one directory view of both formats and their summaries
     rm -rf "$both" && mkdir -p "$both"
-    ln -s "$STORE_DIR/store" "$STORE_DIR/synthetic-store.json" "$GGUF_DIR/model.gguf" "$GGUF_DIR/synthetic-gguf.json" "$both/"
+    ln -s "$STORE_DIR/store" "$STORE_DIR/synthetic-store.json" "$GGUF_DIR/model.gguf" "$GGUF_DIR/synthetic-gguf.json" \
+      "$both/"
     tm bench check-qwen3moe "$both" > "$RES/check.txt" 2>"$LOGS/check.err"; log "$(tail -1 "$RES/check.txt")"
   else
     log "check skipped (store and GGUF are not both on disk); report compares generation digests"
@@ -252,7 +264,8 @@ phase_check() {
 }
 
 expert_gib() {  # GiB of expert weights of N layers (the same bytes per expert in both formats)
-  json_get "$RES/synthetic-store.json" "round($1 * d['spec']['experts'] * d['sizes']['store_bytes_per_expert'] / 2**30, 4)"
+  json_get "$RES/synthetic-store.json" \
+    "round($1 * d['spec']['experts'] * d['sizes']['store_bytes_per_expert'] / 2**30, 4)"
 }
 
 wait_http() {  # wait_http URL PID SECONDS
@@ -299,11 +312,13 @@ stats() {  # stats URL FILE: the server's /stats JSON (tiermoe's tier counters)
 measure() {  # measure LABEL URL STATS(0|1) BENCH...: warm-up, sweep into results/ (+ /stats around the sweep)
   local label=$1 url=$2 with_stats=$3; shift 3
   local bench=("$@")
-  timeout 300 "${bench[@]}" bench sweep --url "$url" --model "$NAME" --prefill-sizes "$WARMUP_SIZE" --reps 1 --concurrency "$CONC" \
+  timeout 300 "${bench[@]}" bench sweep --url "$url" --model "$NAME" --prefill-sizes "$WARMUP_SIZE" --reps 1 \
+    --concurrency "$CONC" \
     --max-tokens 32 --long-prompt 0 --seed 7 --out "$LOGS/warmup-$label.json" > "$LOGS/warmup-$label.log" 2>&1 \
     || log "warm-up of $label failed (logs/warmup-$label.log)"
   [ "$with_stats" = 1 ] && stats "$url" "$RES/stats-before-$label.json"
-  timeout "$SWEEP_TIMEOUT" "${bench[@]}" bench sweep --url "$url" --model "$NAME" --prefill-sizes "$PREFILL_SIZES" --reps "$REPS" \
+  timeout "$SWEEP_TIMEOUT" "${bench[@]}" bench sweep --url "$url" --model "$NAME" --prefill-sizes "$PREFILL_SIZES" \
+    --reps "$REPS" \
     --concurrency "$CONC" --max-tokens "$MAX_TOKENS" --long-prompt 0 --seed 1 --out "$RES/sweep-$label.json" \
     > "$LOGS/sweep-$label.log" 2>&1 || { log "sweep of $label failed (logs/sweep-$label.log)"; return 1; }
   [ "$with_stats" = 1 ] && stats "$url" "$RES/stats-$label.json"
@@ -323,7 +338,8 @@ run_tiermoe() {  # run_tiermoe MODE[@VARIANT]  (storepath: --device-cache off; e
   [ -d "$STORE_DIR/store" ] || die "no store in $STORE_DIR (phase model-store)"
   gpu_gb=$(expert_gib $((LAYERS - N_CPU_MOE)))
   host_gb=$($PY -c "print(round($(expert_gib "$LAYERS") + 1, 2))")
-  [ "$($PY -c "import os,sys; print(int(os.path.realpath(sys.argv[1]).startswith('/dev/shm')))" "$STORE_DIR")" = 1 ] && dio=--no-direct-io
+  [ "$($PY -c "import os,sys; print(int(os.path.realpath(sys.argv[1]).startswith('/dev/shm')))" "$STORE_DIR")" = 1 ] \
+    && dio=--no-direct-io
   local cmd=("$PY" -m tiermoe.cli serve "$STORE_DIR/store" --host 127.0.0.1 --port $port --served-model-name "$NAME"
     --max-model-len "$CTX" --max-num-seqs "$NP" --max-num-batched-tokens "$UBATCH" --gpu-expert-gb "$gpu_gb"
     --host-expert-gb "$host_gb" --mode "$mode" --cpu-lane-threads "$THREADS" $dio $vargs $TIERMOE_EXTRA_ARGS)
@@ -337,7 +353,8 @@ run_tiermoe() {  # run_tiermoe MODE[@VARIANT]  (storepath: --device-cache off; e
   if wait_http "http://127.0.0.1:$port/health" $pid "$SERVER_WAIT" > "$LOGS/wait-$label.txt"; then
     echo "$((SECONDS - t0))" > "$RES/startup-s-$label.txt"
     measure "$label" "http://127.0.0.1:$port" 1 "$PY" -m tiermoe.cli
-    timeout 300 $PY "$ROOT/scripts/sbs/greedy.py" record "http://127.0.0.1:$port" "$RES/greedy-$label.json" --model "$NAME" \
+    timeout 300 $PY "$ROOT/scripts/sbs/greedy.py" record "http://127.0.0.1:$port" "$RES/greedy-$label.json" \
+      --model "$NAME" \
       > "$LOGS/greedy-$label.log" 2>&1 || log "greedy record failed (logs/greedy-$label.log)"
   else
     log "$label did not start: $(cat "$LOGS/wait-$label.txt"); tail of its log:"; tail -5 "$LOGS/server-$label.log"
@@ -369,10 +386,12 @@ phase_llamacpp() {
     grep -E "model buffer size|KV buffer size|compute buffer size|CUDA0|offloaded" "$LOGS/server-$label.log" \
       > "$RES/llamacpp-buffers.txt"
     measure "$label" "http://127.0.0.1:$port" 0 "$PY" "$ROOT/scripts/sbs/bench_llamacpp.py"
-    timeout 300 $PY "$ROOT/scripts/sbs/greedy.py" record "http://127.0.0.1:$port" "$RES/greedy-$label.json" --model "$NAME" \
+    timeout 300 $PY "$ROOT/scripts/sbs/greedy.py" record "http://127.0.0.1:$port" "$RES/greedy-$label.json" \
+      --model "$NAME" \
       > "$LOGS/greedy-$label.log" 2>&1 || log "greedy record failed (logs/greedy-$label.log)"
   else
-    log "llama-server did not start: $(cat "$LOGS/wait-$label.txt"); tail of its log:"; tail -5 "$LOGS/server-$label.log"
+    log "llama-server did not start: $(cat "$LOGS/wait-$label.txt"); tail of its log:"; tail -5 \
+      "$LOGS/server-$label.log"
   fi
   stop_pid $pid
   [ "$vpid" != 0 ] && kill "$vpid" 2>/dev/null
@@ -419,7 +438,8 @@ collect() {  # copy results (and the logs, compressed) into $OUT when it names a
 
 phase_start() {
   mkdir -p "$SBS_DIR"
-  if [ -f "$SBS_DIR/run.pid" ] && kill -0 "$(cat "$SBS_DIR/run.pid")" 2>/dev/null; then log "already running"; return 0; fi
+  if [ -f "$SBS_DIR/run.pid" ] && kill -0 "$(cat "$SBS_DIR/run.pid")" \
+    2>/dev/null; then log "already running"; return 0; fi
   setsid nohup bash "$0" all > "$SBS_DIR/run.log" 2>&1 < /dev/null &
   echo $! > "$SBS_DIR/run.pid"
   log "started (pid $(cat "$SBS_DIR/run.pid")); follow with: $0 wait"

@@ -245,18 +245,35 @@ async def run(args) -> dict:
     rss_ok = base_rss is None or after_rss is None or after_rss - base_rss <= tolerance
     gpu_ok = base_gpu is None or after_gpu is None or after_gpu - base_gpu <= tolerance
     report = {
-        "url": args.url, "server_pid": pid, "clients": args.clients, "max_num_seqs": args.max_num_seqs,
-        "duration_s": round(wall, 1), "max_tokens": args.max_tokens,
-        "completed": tally.completed, "rejected_429": tally.rejected, "retry_after_values": tally.retry_after,
-        "other_errors": len(tally.errors), "error_samples": tally.errors[:10], "finish_reasons": tally.finish,
-        "latency_s": {"p50": pct(tally.latencies, 0.5), "p99": pct(tally.latencies, 0.99), "max": max(tally.latencies, default=None)},
+        "url": args.url,
+        "server_pid": pid,
+        "clients": args.clients,
+        "max_num_seqs": args.max_num_seqs,
+        "duration_s": round(wall, 1),
+        "max_tokens": args.max_tokens,
+        "completed": tally.completed,
+        "rejected_429": tally.rejected,
+        "retry_after_values": tally.retry_after,
+        "other_errors": len(tally.errors),
+        "error_samples": tally.errors[:10],
+        "finish_reasons": tally.finish,
+        "latency_s": {
+            "p50": pct(tally.latencies, 0.5),
+            "p99": pct(tally.latencies, 0.99),
+            "max": max(tally.latencies, default=None),
+        },
         "ttft_s": {"p50": pct(tally.ttfts, 0.5), "p99": pct(tally.ttfts, 0.99)},
         "requests_per_s": round(tally.completed / wall, 2) if wall else None,
         "tokens_per_s": round(tally.tokens / wall, 1) if wall else None,
-        "rss_mb": {"baseline": mb(base_rss), "peak": mb(peaks.get("rss")), "after": mb(after_rss),
-                   "tolerance": mb(tolerance)},
+        "rss_mb": {
+            "baseline": mb(base_rss),
+            "peak": mb(peaks.get("rss")),
+            "after": mb(after_rss),
+            "tolerance": mb(tolerance),
+        },
         "gpu_mb": {"baseline": mb(base_gpu), "peak": mb(peaks.get("gpu")), "after": mb(after_gpu)}
-        if base_gpu is not None else "not reported by /stats",
+        if base_gpu is not None
+        else "not reported by /stats",
         "health_after": health,
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -268,7 +285,9 @@ async def run(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (loopback only)")
-    p.add_argument("--max-num-seqs", type=int, default=4, help="the server's --max-num-seqs (sets the default client count)")
+    p.add_argument(
+        "--max-num-seqs", type=int, default=4, help="the server's --max-num-seqs (sets the default client count)"
+    )
     p.add_argument("--clients", type=int, default=None, help="concurrent clients (default 4x --max-num-seqs)")
     p.add_argument("--duration", type=float, default=120.0, help="seconds of load (default 120)")
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each request")
@@ -278,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=4, help="sequential requests before the memory baseline")
     p.add_argument("--settle", type=float, default=15.0, help="seconds allowed for memory to come back after the load")
     p.add_argument("--rss-tolerance-mb", type=float, default=64.0)
-    p.add_argument("--rss-tolerance-pct", type=float, default=10.0, help="of the baseline; the larger tolerance applies")
+    p.add_argument(
+        "--rss-tolerance-pct", type=float, default=10.0, help="of the baseline; the larger tolerance applies"
+    )
     p.add_argument("--request-timeout", type=float, default=300.0, help="client-side timeout per request (seconds)")
     p.add_argument("--json", default=None, help="also write the report to this file")
     args = p.parse_args(argv)

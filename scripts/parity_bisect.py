@@ -75,10 +75,15 @@ def main() -> None:
 
     config = transformers.AutoConfig.from_pretrained(tmp)
     cls = reference_class(config.model_type) or transformers.AutoModelForCausalLM
-    ref = cls.from_pretrained(tmp, dtype=getattr(torch, args.dtype), experts_implementation="eager").to(args.device).eval()
+    ref = (
+        cls.from_pretrained(tmp, dtype=getattr(torch, args.dtype), experts_implementation="eager")
+        .to(args.device)
+        .eval()
+    )
 
     ours_mods = dict(ours.named_modules())
     ref_mods = dict(ref.named_modules())
+
     # The reference may nest the language model one level deeper (model.language_model.layers...).
     def ref_name(name: str) -> str | None:
         for cand in (name, name.replace("model.", "model.language_model.", 1), "model.language_model." + name):
@@ -92,8 +97,11 @@ def main() -> None:
 
     def ref_hook(name):
         def hook(mod, inputs, output):
-            record.setdefault(name, {})["in"] = _first_tensor(inputs).detach().clone() if _first_tensor(inputs) is not None else None
+            record.setdefault(name, {})["in"] = (
+                _first_tensor(inputs).detach().clone() if _first_tensor(inputs) is not None else None
+            )
             record[name]["out"] = output
+
         return hook
 
     handles = [ref_mods[r].register_forward_hook(ref_hook(n)) for n, r in shared]
@@ -118,8 +126,17 @@ def main() -> None:
                 o_ids, o_w = output
                 r_ids, r_w = _router_parts(rec["out"])
                 same_ids = torch.equal(o_ids.sort(-1)[0], r_ids.reshape(o_ids.shape).sort(-1)[0])
-                rows.append((name, in_d, f"ids {'same' if same_ids else 'DIFFER'}; weights (ref order) "
-                             + _diff(o_w.gather(1, o_ids.argsort(-1)), r_w.reshape(o_w.shape).gather(1, r_ids.reshape(o_ids.shape).argsort(-1)))))
+                rows.append(
+                    (
+                        name,
+                        in_d,
+                        f"ids {'same' if same_ids else 'DIFFER'}; weights (ref order) "
+                        + _diff(
+                            o_w.gather(1, o_ids.argsort(-1)),
+                            r_w.reshape(o_w.shape).gather(1, r_ids.reshape(o_ids.shape).argsort(-1)),
+                        ),
+                    )
+                )
                 return (r_ids.reshape(o_ids.shape).to(o_ids.dtype), r_w.reshape(o_w.shape).to(o_w.dtype))
             r_out = _first_tensor(rec["out"])
             o_out = _first_tensor(output)
@@ -127,6 +144,7 @@ def main() -> None:
             if isinstance(output, torch.Tensor) and r_out is not None and r_out.numel() == output.numel():
                 return r_out.reshape(output.shape).to(output.dtype)
             return None
+
         return hook
 
     handles = [ours_mods[n].register_forward_hook(our_hook(n)) for n, _ in shared]
@@ -136,8 +154,11 @@ def main() -> None:
     # A clean run without substitution, for the end-to-end figure.
     clean = engine_logits(engine, ids, chunk=len(ids))
 
-    print(f"{args.arch} {args.dtype} {args.device}: prompt {args.prompt} ({len(ids)} tokens); "
-          f"end to end max|dlogit| {_diff(clean, ref_logits.cpu())}, with substitution {_diff(ours_logits, ref_logits.cpu())}")
+    print(
+        f"{args.arch} {args.dtype} {args.device}: prompt {args.prompt} ({len(ids)} tokens); "
+        f"end to end max|dlogit| {_diff(clean, ref_logits.cpu())}, "
+        f"with substitution {_diff(ours_logits, ref_logits.cpu())}"
+    )
     culprit = None
     for name, in_d, out_d in rows[: args.limit]:
         print(f"  {name:55s} in {in_d:>12s}   out {out_d}")

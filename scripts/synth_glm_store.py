@@ -128,7 +128,9 @@ def write_dense(out: Path, tensors: dict[str, torch.Tensor]) -> dict:
         weight_map.update({k: name for k in keys})
         names.append(name)
     total = sum(t.numel() * 2 for t in tensors.values())
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
     return {"index": "model.safetensors.index.json", "shards": names, "tensors": len(weight_map)}
 
 
@@ -149,8 +151,16 @@ def write_experts(out: Path, a, layers: list[int], device: torch.device, log) ->
                 hashes = [pool.submit(lambda b: hashlib.sha256(b).hexdigest(), buf[j]) for j in range(n)]
                 f.write(memoryview(buf).cast("B"))
                 for j, h in enumerate(hashes):
-                    records.append({"layer": layer, "expert": e0 + j, "offset": len(records) * rec, "length": rec,
-                                    "sha256": h.result(), "layout": 0})
+                    records.append(
+                        {
+                            "layer": layer,
+                            "expert": e0 + j,
+                            "offset": len(records) * rec,
+                            "length": rec,
+                            "sha256": h.result(),
+                            "layout": 0,
+                        }
+                    )
             log(f"layer {layer}: {a.experts} records of {rec / 2**20:.2f} MiB")
     return layout, records
 
@@ -166,17 +176,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--max-position", type=int, default=20480,
-                   help="context length of the model (the benchmarks' 4k and 16k prompts must fit)")
+    p.add_argument(
+        "--max-position",
+        type=int,
+        default=20480,
+        help="context length of the model (the benchmarks' 4k and 16k prompts must fit)",
+    )
     p.add_argument("--group", type=int, default=128)
     p.add_argument("--kind", choices=("int4", "int8", "bf16"), default="int4")
     p.add_argument("--hot-share", type=float, default=0.11, help="expert share whose pick share the bias matches")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where records are drawn")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tiny", action="store_true", help="tiny shapes (H 64, I 32, 16 experts, top-4, G 32) for a CPU check")
+    p.add_argument(
+        "--tiny", action="store_true", help="tiny shapes (H 64, I 32, 16 experts, top-4, G 32) for a CPU check"
+    )
     a = p.parse_args(argv)
     if a.tiny:
-        a.hidden, a.inter, a.dense_inter, a.experts, a.top_k, a.group, a.heads, a.kv_heads = 64, 32, 128, 16, 4, 32, 4, 2
+        a.hidden, a.inter, a.dense_inter, a.experts, a.top_k, a.group, a.heads, a.kv_heads = (
+            64,
+            32,
+            128,
+            16,
+            4,
+            32,
+            4,
+            2,
+        )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "manifest.json").unlink(missing_ok=True)
@@ -195,22 +220,43 @@ def main(argv: list[str] | None = None) -> int:
     counts = real_counts(a.moe_layers, a.experts)
     rng = np.random.default_rng(a.seed)
     biases = [calibrated_bias(c, a.top_k, a.hot_share, rng) for c in counts]
-    (out / "expert-stats.json").write_text(json.dumps({f"model.layers.{L}.mlp": c.tolist() for L, c in zip(layers, counts)}))
+    (out / "expert-stats.json").write_text(
+        json.dumps({f"model.layers.{L}.mlp": c.tolist() for L, c in zip(layers, counts)})
+    )
     dense = write_dense(out, dense_tensors(cfg, biases, torch.Generator().manual_seed(a.seed)))
     log(f"dense: {dense['tensors']} tensors in {len(dense['shards'])} shard(s)")
     layout, records = write_experts(out, a, layers, torch.device(a.device), log)
-    write_manifest(out, {
-        "format_version": FORMAT_VERSION, "model_config": cfg,
-        "quantization": {"kind": a.kind, "group_size": layout.group_size},
-        "dtype": "bfloat16", "source_dtype": "bfloat16", "num_layers": 1 + a.moe_layers, "moe_layers": layers,
-        "experts_per_layer": {str(L): a.experts for L in layers},
-        "expert_prefixes": {str(L): f"model.layers.{L}.mlp.experts" for L in layers},
-        "experts_file": EXPERTS_NAME, "record_align": 4096, "layouts": [layout.to_json()],
-        "records": records, "dense": dense,
-    })
+    write_manifest(
+        out,
+        {
+            "format_version": FORMAT_VERSION,
+            "model_config": cfg,
+            "quantization": {"kind": a.kind, "group_size": layout.group_size},
+            "dtype": "bfloat16",
+            "source_dtype": "bfloat16",
+            "num_layers": 1 + a.moe_layers,
+            "moe_layers": layers,
+            "experts_per_layer": {str(L): a.experts for L in layers},
+            "expert_prefixes": {str(L): f"model.layers.{L}.mlp.experts" for L in layers},
+            "experts_file": EXPERTS_NAME,
+            "record_align": 4096,
+            "layouts": [layout.to_json()],
+            "records": records,
+            "dense": dense,
+        },
+    )
     total = len(records) * layout.length
-    log(json.dumps({"store": str(out), "moe_layers": a.moe_layers, "experts": len(records),
-                    "record_bytes": layout.length, "expert_gib": round(total / 2**30, 2)}))
+    log(
+        json.dumps(
+            {
+                "store": str(out),
+                "moe_layers": a.moe_layers,
+                "experts": len(records),
+                "record_bytes": layout.length,
+                "expert_gib": round(total / 2**30, 2),
+            }
+        )
+    )
     return 0
 
 

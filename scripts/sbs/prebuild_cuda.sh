@@ -33,7 +33,8 @@ die() { log "ERROR: $*"; exit 1; }
 
 cublas_dirs() {  # cublas_dirs TOOLKIT WORK -> "INCLUDE_DIR LIB_DIR" (lib dir holds libcublas{,Lt}.so)
   local tk=$1 work=$2
-  if [ -f "$tk/include/cublas_v2.h" ] && [ -e "$tk/lib64/libcublas.so" ]; then echo "$tk/include $tk/lib64 toolkit"; return; fi
+  if [ -f "$tk/include/cublas_v2.h" ] \
+    && [ -e "$tk/lib64/libcublas.so" ]; then echo "$tk/include $tk/lib64 toolkit"; return; fi
   local root=$work/cublas/nvidia/cu13
   if [ ! -f "$root/include/cublas_v2.h" ]; then
     mkdir -p "$work/wheels" "$work/cublas"
@@ -41,7 +42,8 @@ cublas_dirs() {  # cublas_dirs TOOLKIT WORK -> "INCLUDE_DIR LIB_DIR" (lib dir ho
       $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
         -d "$work/wheels" "nvidia-cublas==$CUBLAS_VERSION" >&2 || die "cannot download nvidia-cublas $CUBLAS_VERSION"
-    $PY - "$work"/wheels/nvidia_cublas-"$CUBLAS_VERSION"-*.whl "$work/cublas" <<'PY' || die "cannot unpack the cuBLAS wheel"
+    $PY - "$work"/wheels/nvidia_cublas-"$CUBLAS_VERSION"-*.whl "$work/cublas" <<'PY' \
+      || die "cannot unpack the cuBLAS wheel"
 import sys, zipfile
 z = zipfile.ZipFile(sys.argv[1])
 z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith("nvidia/")])
@@ -91,7 +93,8 @@ do_build() {
     -DCUDA_cuda_driver_LIBRARY="$drv" > "$work/configure.log" 2>&1 || die "cmake failed ($work/configure.log)"
   # The backends are modules the server loads at run time, not link dependencies: name them.
   local targets
-  targets=$(ninja -C "$work/build" -t targets all | grep -oE '^ggml-cpu-[a-z0-9_]+:' | tr -d ':' | sort -u | tr '\n' ' ')
+  targets=$(ninja -C "$work/build" -t targets all | grep -oE '^ggml-cpu-[a-z0-9_]+:' | tr -d ':' | sort -u \
+    | tr '\n' ' ')
   log "build: llama-server ggml-cuda $targets(-j$JOBS, nice $NICE; log $work/build.log)"
   local t0=$SECONDS
   # shellcheck disable=SC2086
@@ -106,7 +109,8 @@ do_pack() {
   local work=${1:?WORK} out=${2:?OUT.tar.xz}
   work=$(cd "$work" && pwd)
   local bin=$work/build/bin stage=$work/stage
-  [ -x "$bin/llama-server" ] && [ -f "$bin/libggml-cuda.so" ] || die "no llama-server + libggml-cuda.so in $bin (build first)"
+  [ -x "$bin/llama-server" ] && [ -f "$bin/libggml-cuda.so" ] \
+    || die "no llama-server + libggml-cuda.so in $bin (build first)"
   rm -rf "$stage" && mkdir -p "$stage/bin" "$stage/fallback"
   cp -P "$bin"/llama-server "$bin"/lib*.so* "$stage/bin/"
   find "$stage/bin" -type f -exec strip --strip-unneeded {} + || die "strip failed"

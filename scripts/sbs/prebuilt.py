@@ -71,7 +71,9 @@ def elf_files(bindir: str) -> list[str]:
 
 def missing(bindir: str, dirs: list[str]) -> dict[str, list[str]]:
     """Soname -> the files that need it and cannot find it with LD_LIBRARY_PATH=dirs."""
-    env = dict(os.environ, LD_LIBRARY_PATH=":".join(dirs + [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p]))
+    env = dict(
+        os.environ, LD_LIBRARY_PATH=":".join(dirs + [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p])
+    )
     gone: dict[str, list[str]] = {}
     for f in elf_files(bindir):
         res = subprocess.run(["ldd", f], capture_output=True, text=True, env=env, timeout=60)

@@ -110,7 +110,7 @@ def floors(res: Path, meta: dict, env: dict, labels: list[str], layers: int, n_c
             share, how = (measured, "measured") if measured is not None else (share, "static")
         path = res / f"floor-{label}.json"
         cmd = [sys.executable, "-m", "tiermoe.cli", "bench", "floor", *floor_args(meta, env, layers, share, rest),
-               "--out", str(path)]  # fmt: skip
+               "--out", str(path)]
         if subprocess.run(cmd, capture_output=True, text=True).returncode == 0 and _load(path):
             out[label] = {**_load(path), "gpu_share": share, "share_source": how}
     return out
@@ -139,8 +139,14 @@ def comparison(sweeps: dict, floor_of: dict) -> list[str]:
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
     if floor_of and "C1 per-stream" in keys:  # each engine against the floor of its own expert placement
         pad = " | |" if len(head) > len(labels) + 1 else " |"
-        share = [_f(100 * floor_of[lab]["gpu_share"], 1) + " %" + (" (static)" if floor_of[lab].get("share_source")
-                 == "static" and lab.startswith("tiermoe") else "") if lab in floor_of else "-" for lab in labels]
+        share = [
+            _f(100 * floor_of[lab]["gpu_share"], 1)
+            + " %"
+            + (" (static)" if floor_of[lab].get("share_source") == "static" and lab.startswith("tiermoe") else "")
+            if lab in floor_of
+            else "-"
+            for lab in labels
+        ]
         lines.append("| expert reads from HBM (the floor's split) | " + " | ".join(share) + pad)
         cells = []
         for lab in labels:
@@ -178,7 +184,9 @@ def profile(after: dict | None, before: dict | None, label: str, floor: dict | N
     skip = ("per_", "capacity", "resident", "in_flight", "kv_", "running", "waiting")
     picked = {k: v for k, v in flat.items() if any(w in k for w in words) and not any(w in k for w in skip) and v}
     if picked:
-        out += ["", "| counter | value |", "|---|---|"] + [f"| {k} | {_f(v, 3) if isinstance(v, float) else v} |" for k, v in picked.items()]
+        out += ["", "| counter | value |", "|---|---|"] + [
+            f"| {k} | {_f(v, 3) if isinstance(v, float) else v} |" for k, v in picked.items()
+        ]
     else:
         out.append("(no counters recorded)")
     return out + [""]
@@ -196,14 +204,20 @@ def agreement(res: Path) -> list[str]:
         if not (ref and mine):
             continue
         c = greedy.compare(mine, ref)
-        out.append(f"| {p.stem.removeprefix('greedy-')} vs llama.cpp | {c['identical_completions']}/{c['prompts']} | "
-                   f"{c['tokens_before_divergence']}/{c['tokens']} | {_f(c['topn_overlap_on_prefix'], 3)} | "
-                   f"{_f(c['mean_abs_logprob_diff'], 4)} / {_f(c['max_abs_logprob_diff'], 4)} |")
+        out.append(
+            f"| {p.stem.removeprefix('greedy-')} vs llama.cpp | {c['identical_completions']}/{c['prompts']} | "
+            f"{c['tokens_before_divergence']}/{c['tokens']} | {_f(c['topn_overlap_on_prefix'], 3)} | "
+            f"{_f(c['mean_abs_logprob_diff'], 4)} / {_f(c['max_abs_logprob_diff'], 4)} |"
+        )
     if not out:
         return []
-    head = ["Same weights, same answers? Greedy completions of the built-in panel prompts (raw, 32 tokens, top-5 logprobs):", "",
-            "| pair | identical completions | tokens before divergence | top-5 overlap | mean / max abs logprob diff |",
-            "|---|---|---|---|---|"]
+    head = [
+        "Same weights, same answers? Greedy completions of the built-in panel prompts "
+        "(raw, 32 tokens, top-5 logprobs):",
+        "",
+        "| pair | identical completions | tokens before divergence | top-5 overlap | mean / max abs logprob diff |",
+        "|---|---|---|---|---|",
+    ]
     return head + out + [""]
 
 
@@ -231,25 +245,41 @@ def main() -> int:
     gguf_meta, store_meta = _load(res / "synthetic-gguf.json"), _load(res / "synthetic-store.json")
     gpu_gib = (a.layers - a.n_cpu_moe) * spec["experts"] * sizes["store_bytes_per_expert"] / 2**30
     md = [f"## Side by side: tiermoe vs llama.cpp expert offload ({dt.date.today().isoformat()})", ""]
-    md += [f"Machine: {env.get('gpu', '?')} (driver {env.get('driver', '?')}, CUDA {env.get('cuda', '?')}), "
-           f"{env.get('cpus', '?')} CPUs, {env.get('mem_total_gib', '?')} GiB RAM; torch {env.get('torch', '?')}. "
-           f"Measured: HBM {env.get('hbm_gbs', '?')} GB/s, pinned host->GPU {env.get('pcie_gbs', '?')} GB/s, "
-           f"host read ({a.threads} threads) {env.get('host_read_gbs', '?')} GB/s.", ""]
-    md += [f"Versions: tiermoe {_text(res / 'tiermoe-commit.txt')[:12] or '?'}; llama.cpp: "
-           f"{' / '.join(_text(res / 'llamacpp-version.txt').splitlines()) or '?'}.", ""]
-    md += [f"Model: random-weight Qwen3-MoE, {a.layers} layers of Qwen3-235B-A22B's MoE shape (hidden {spec['hidden']}, "
-           f"{spec['experts']} experts x intermediate {spec['moe_intermediate']}, top-{spec['top_k']}, {spec['heads']}/"
-           f"{spec['kv_heads']} heads of {spec['head_dim']}), vocabulary {spec['vocab']}. Experts: tiermoe int4 store "
-           f"(group {spec['group_size']}, bf16 scales) {sizes['store_bytes_per_expert']:,} B/expert; llama.cpp Q4_0 "
-           f"{sizes['gguf_bytes_per_expert']:,} B/expert; same weights (generation digest "
-           f"{'equal' if gguf_meta and store_meta and gguf_meta['weights_sha256'] == store_meta['weights_sha256'] else 'NOT COMPARED'}"
-           f"{'; ' + _text(res / 'check.txt').splitlines()[-1] if _text(res / 'check.txt') else ''}).", ""]
-    md += [f"Equal budget: {a.layers - a.n_cpu_moe} of {a.layers} layers' experts = {gpu_gib:.2f} GiB of GPU memory for "
-           f"experts in both (tiermoe `--gpu-expert-gb {gpu_gib:.4f}`, llama.cpp `--n-cpu-moe {a.n_cpu_moe}`); "
-           f"{a.threads} CPU threads each; {a.ubatch} tokens per step.", ""]
+    md += [
+        f"Machine: {env.get('gpu', '?')} (driver {env.get('driver', '?')}, CUDA {env.get('cuda', '?')}), "
+        f"{env.get('cpus', '?')} CPUs, {env.get('mem_total_gib', '?')} GiB RAM; torch {env.get('torch', '?')}. "
+        f"Measured: HBM {env.get('hbm_gbs', '?')} GB/s, pinned host->GPU {env.get('pcie_gbs', '?')} GB/s, "
+        f"host read ({a.threads} threads) {env.get('host_read_gbs', '?')} GB/s.",
+        "",
+    ]
+    md += [
+        f"Versions: tiermoe {_text(res / 'tiermoe-commit.txt')[:12] or '?'}; llama.cpp: "
+        f"{' / '.join(_text(res / 'llamacpp-version.txt').splitlines()) or '?'}.",
+        "",
+    ]
+    same_weights = gguf_meta and store_meta and gguf_meta["weights_sha256"] == store_meta["weights_sha256"]
+    md += [
+        f"Model: random-weight Qwen3-MoE, {a.layers} layers of Qwen3-235B-A22B's MoE shape (hidden {spec['hidden']}, "
+        f"{spec['experts']} experts x intermediate {spec['moe_intermediate']}, top-{spec['top_k']}, {spec['heads']}/"
+        f"{spec['kv_heads']} heads of {spec['head_dim']}), vocabulary {spec['vocab']}. Experts: tiermoe int4 store "
+        f"(group {spec['group_size']}, bf16 scales) {sizes['store_bytes_per_expert']:,} B/expert; llama.cpp Q4_0 "
+        f"{sizes['gguf_bytes_per_expert']:,} B/expert; same weights (generation digest "
+        f"{'equal' if same_weights else 'NOT COMPARED'}"
+        f"{'; ' + _text(res / 'check.txt').splitlines()[-1] if _text(res / 'check.txt') else ''}).",
+        "",
+    ]
+    md += [
+        f"Equal budget: {a.layers - a.n_cpu_moe} of {a.layers} layers' experts = {gpu_gib:.2f} GiB of GPU memory for "
+        f"experts in both (tiermoe `--gpu-expert-gb {gpu_gib:.4f}`, llama.cpp `--n-cpu-moe {a.n_cpu_moe}`); "
+        f"{a.threads} CPU threads each; {a.ubatch} tokens per step.",
+        "",
+    ]
     vram = {p.stem.removeprefix("vram-"): vram_peak_mib(p) for p in sorted(logs.glob("vram-*.csv"))}
     if vram:
-        md += ["Peak GPU memory in use (nvidia-smi): " + ", ".join(f"{k} {_f(v, 0)} MiB" for k, v in vram.items()) + ".", ""]
+        md += [
+            "Peak GPU memory in use (nvidia-smi): " + ", ".join(f"{k} {_f(v, 0)} MiB" for k, v in vram.items()) + ".",
+            "",
+        ]
     buffers = _text(res / "llamacpp-buffers.txt")
     if buffers:
         md += ["llama.cpp buffers:", "", "```", buffers, "```", ""]
@@ -260,13 +290,15 @@ def main() -> int:
     if notes:
         md += ["Notes: " + notes, ""]
     for label in [k for k in sweeps if k.startswith("tiermoe")]:
-        md += profile(_load(res / f"stats-{label}.json"), _load(res / f"stats-before-{label}.json"), label,
-                      floor_of.get(label))
+        md += profile(
+            _load(res / f"stats-{label}.json"), _load(res / f"stats-before-{label}.json"), label, floor_of.get(label)
+        )
     detail = [str(res / f"floor-{label}.json") for label in floor_of]
     detail += [str(res / f"sweep-{k}.json") for k in sweeps]
     if detail:
-        r = subprocess.run([py, "-m", "tiermoe.cli", "bench", "report", *detail, "--title", "Detail"],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [py, "-m", "tiermoe.cli", "bench", "report", *detail, "--title", "Detail"], capture_output=True, text=True
+        )
         md += [r.stdout if r.returncode == 0 else f"(bench report failed: {r.stderr.strip()[-300:]})"]
     (res / "side_by_side.md").write_text("\n".join(md).rstrip() + "\n")
     print("\n".join(md))

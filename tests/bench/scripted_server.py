@@ -40,7 +40,7 @@ VOCAB = [
     " quietly", " river", " stone", " bright", " small", " old", " house", " garden", " moon", " over",
     " hill", " wind", " sang", " slept", " blue", " red", " green", " light", " .", " ,", " it", " was",
     " very", " warm", " cold", " day", " night", " again",
-]  # fmt: skip
+]
 EOS = "<eos>"
 
 
@@ -143,7 +143,11 @@ def _script_chat(messages: list[dict], tools: list | None, b: Behaviour) -> dict
             answer = "It is 17 °C in Paris right now." if (b.right and ok) else "Sorry, I could not get the weather."
             return {"content": answer, "finish": "stop"}
         city = "Paris" if b.right else "London"
-        call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+        call = {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})},
+        }
         return {"content": "", "tool_calls": [call], "finish": "tool_calls"}
     if "Name three primary colors" in text:
         return {"content": "Red, yellow, blue", "finish": "stop"} if b.right else {"content": "", "finish": "length"}
@@ -216,8 +220,10 @@ def build_app(b: Behaviour, vocab: Vocab | None = None) -> FastAPI:
         body = await req.json()
         state["requests"] += 1
         if body.get("echo") and b.llama_server:
-            return JSONResponse({"error": {"code": 500, "message": "Only no echo is supported", "type": "server_error"}},
-                                status_code=500)
+            return JSONResponse(
+                {"error": {"code": 500, "message": "Only no echo is supported", "type": "server_error"}},
+                status_code=500,
+            )
         if body.get("echo") and not b.has_echo:
             return err(400, "echo is not supported")
         prompt = body["prompt"]
@@ -240,7 +246,9 @@ def build_app(b: Behaviour, vocab: Vocab | None = None) -> FastAPI:
         text = "".join(t for t, _ in gen)
         choice = {"index": 0, "text": text, "finish_reason": "stop" if len(gen) < limit else "length", "logprobs": None}
         if k and b.llama_server:
-            choice["logprobs"] = {"content": [_llama_entry(t, dict(dist)[t], dist[:k], vocab) for t, dist in gen]} if gen else None
+            choice["logprobs"] = (
+                {"content": [_llama_entry(t, dict(dist)[t], dist[:k], vocab) for t, dist in gen]} if gen else None
+            )
         elif k is not None:
             name = (lambda t: f"token_id:{vocab.id(t)}") if as_ids else (lambda t: t)
             toks, offs, lps, tops = [], [], [], []
@@ -268,7 +276,13 @@ def build_app(b: Behaviour, vocab: Vocab | None = None) -> FastAPI:
                 tops.append({name(x): lp for x, lp in dist[: max(k, 1)]})
             choice["logprobs"] = {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
         usage = {"prompt_tokens": len(ptoks), "completion_tokens": len(gen), "total_tokens": len(ptoks) + len(gen)}
-        return {"id": f"cmpl-{state['requests']}", "object": "text_completion", "model": b.model, "choices": [choice], "usage": usage}
+        return {
+            "id": f"cmpl-{state['requests']}",
+            "object": "text_completion",
+            "model": b.model,
+            "choices": [choice],
+            "usage": usage,
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(req: Request):
@@ -347,7 +361,9 @@ async def _stream_completion(gen, n_prompt: int, body: dict, b: Behaviour):
 
 async def _stream_chat(scripted: dict, n_prompt: int, body: dict, b: Behaviour):
     def chunk(delta: dict, finish=None) -> str:
-        return _sse({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+        return _sse(
+            {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        )
 
     yield chunk({"role": "assistant", "content": ""})  # before prefill, like many servers
     await asyncio.sleep(n_prompt * b.prefill_s_per_token)

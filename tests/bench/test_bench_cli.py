@@ -11,8 +11,20 @@ from tiermoe.bench import cli as bench_cli
 def test_bench_floor_through_main(capsys):
     from tiermoe.cli import main
 
-    rc = main(["bench", "floor", "--bytes-per-expert", "9.44MB", "--top-k", "8", "--moe-layers", "42",
-               "--hits", "gpu=120,ram=175,disk=23"])  # fmt: skip
+    rc = main(
+        [
+            "bench",
+            "floor",
+            "--bytes-per-expert",
+            "9.44MB",
+            "--top-k",
+            "8",
+            "--moe-layers",
+            "42",
+            "--hits",
+            "gpu=120,ram=175,disk=23",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "<- bound" in out and '"bound": "disk"' in out
 
@@ -22,9 +34,7 @@ def test_extra_modules_register_and_missing_are_skipped(tmp_path, monkeypatch):
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "decode.py").write_text(
-        "def register(sub):\n"
-        "    p = sub.add_parser('decode')\n"
-        "    p.set_defaults(handler=lambda args: 7)\n"
+        "def register(sub):\n    p = sub.add_parser('decode')\n    p.set_defaults(handler=lambda args: 7)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(bench_cli, "BENCH_EXTRA_MODULES", ("benchextra_pkg.decode", "benchextra_pkg.moe_gpu"))

@@ -56,15 +56,34 @@ def test_input_errors():
 
 def test_floor_cli(tmp_path, capsys):
     out = tmp_path / "floor.json"
-    rc, text = run_bench(["floor", "--bytes-per-expert", "13.4MB", "--top-k", "8", "--moe-layers", "42",
-                          "--fractions", "gpu=0.385,ram=0.615", "--balance-host", "--non-moe-ms", "2",
-                          "--measured-tok-s", "20", "--out", str(out)], capsys)  # fmt: skip
+    rc, text = run_bench(
+        [
+            "floor",
+            "--bytes-per-expert",
+            "13.4MB",
+            "--top-k",
+            "8",
+            "--moe-layers",
+            "42",
+            "--fractions",
+            "gpu=0.385,ram=0.615",
+            "--balance-host",
+            "--non-moe-ms",
+            "2",
+            "--measured-tok-s",
+            "20",
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
     assert rc == 0, text
     r = load(out)
     assert r["kind"] == "tiermoe.bench.floor" and r["bound"] in ("pcie", "cpu")
     assert r["floor_ms"] == pytest.approx(r["moe_ms"] + 2)
     assert r["fraction_of_floor"] == pytest.approx(20 / r["tok_s"])
     assert "<- bound" in text and "of the floor" in text
-    rc, text = run_bench(["floor", "--bytes-per-expert", "1MB", "--top-k", "8", "--moe-layers", "4",
-                          "--fractions", "gpu=2"], capsys)  # fmt: skip
+    rc, text = run_bench(
+        ["floor", "--bytes-per-expert", "1MB", "--top-k", "8", "--moe-layers", "4", "--fractions", "gpu=2"], capsys
+    )
     assert rc == 2 and "add up to" in text

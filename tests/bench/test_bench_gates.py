@@ -90,7 +90,9 @@ def test_context_gate_needs_a_window(tmp_path, capsys):
 def test_context_gate_needle_at_end(tmp_path, capsys):
     out = tmp_path / "g.json"
     with serve(Behaviour(max_model_len=1024)) as url:
-        rc, text = run_bench(["gates", "--url", url, "--only", "context", "--needle-depth", "1", "--out", str(out)], capsys)
+        rc, text = run_bench(
+            ["gates", "--url", url, "--only", "context", "--needle-depth", "1", "--out", str(out)], capsys
+        )
     assert rc == 0, text
     ev = load(out)["gates"][0]["evidence"]
     assert ev["needle_depth"] == 1.0 and ev["prompt_tokens"] <= 1024

@@ -44,8 +44,9 @@ def test_panel_make_records_reference(panel_file):
 @pytest.mark.parametrize("mode", ["auto", "per-position"])
 def test_score_same_model_is_perfect(panel_file, right_url, mode, tmp_path, capsys):
     out = tmp_path / "score.json"
-    rc, text = run_bench(["panel", "score", "--url", right_url, "--panel", str(panel_file), "--mode", mode,
-                          "--out", str(out)], capsys)  # fmt: skip
+    rc, text = run_bench(
+        ["panel", "score", "--url", right_url, "--panel", str(panel_file), "--mode", mode, "--out", str(out)], capsys
+    )
     assert rc == 0, text
     r = load(out)
     assert r["kind"] == "tiermoe.bench.panel-score"
@@ -76,8 +77,21 @@ def test_token_id_teacher_forcing(tmp_path, capsys):
     with serve(Behaviour(has_token_ids=True)) as ref_url:
         rc, text = run_bench(["panel", "make", "--url", ref_url, "--max-tokens", "6", "--out", str(panel_path)], capsys)
         assert rc == 0 and "with token ids" in text
-        rc, text = run_bench(["panel", "score", "--url", ref_url, "--panel", str(panel_path), "--mode", "token-ids",
-                              "--out", str(score_path)], capsys)  # fmt: skip
+        rc, text = run_bench(
+            [
+                "panel",
+                "score",
+                "--url",
+                ref_url,
+                "--panel",
+                str(panel_path),
+                "--mode",
+                "token-ids",
+                "--out",
+                str(score_path),
+            ],
+            capsys,
+        )
         assert rc == 0, text
     panel, r = load(panel_path), load(score_path)
     it = panel["items"][0]
@@ -89,13 +103,17 @@ def test_token_id_teacher_forcing(tmp_path, capsys):
     # the same id-keyed panel scored on a server without ids falls back to text forcing
     b = Behaviour(noise=4.0)
     with serve(b) as url:
-        rc, text = run_bench(["panel", "score", "--url", url, "--panel", str(panel_path), "--out", str(score_path)], capsys)
+        rc, text = run_bench(
+            ["panel", "score", "--url", url, "--panel", str(panel_path), "--out", str(score_path)], capsys
+        )
     assert rc == 0, text
     r = load(score_path)
     assert r["teacher_forcing"] == ["echo"]
     assert r["top1_agreement"] == pytest.approx(teacher_forced_oracle(panel, b)[0])
     with serve(b) as url:
-        rc, text = run_bench(["panel", "score", "--url", url, "--panel", str(panel_path), "--mode", "token-ids"], capsys)
+        rc, text = run_bench(
+            ["panel", "score", "--url", url, "--panel", str(panel_path), "--mode", "token-ids"], capsys
+        )
     assert rc == 2 and "return_tokens_as_token_ids" in text
 
 
@@ -116,8 +134,9 @@ def test_prompts_file_and_errors(right_url, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "x", "prompt": "Hello there"}) + "\n" + json.dumps("Second one") + "\n")
     out = tmp_path / "panel.json"
-    rc, text = run_bench(["panel", "make", "--url", right_url, "--prompts", str(prompts), "--max-tokens", "3",
-                          "--out", str(out)], capsys)  # fmt: skip
+    rc, text = run_bench(
+        ["panel", "make", "--url", right_url, "--prompts", str(prompts), "--max-tokens", "3", "--out", str(out)], capsys
+    )
     assert rc == 0, text
     assert [it["id"] for it in load(out)["items"]] == ["x", "p1"]
     bad = tmp_path / "bad.json"

@@ -24,8 +24,24 @@ def project_url():
 
 def test_sweep_against_project_server(project_url, tmp_path, capsys):
     out = tmp_path / "sweep.json"
-    rc, text = run_bench(["sweep", "--url", project_url, "--prefill-sizes", "64,256", "--reps", "3",
-                          "--max-tokens", "16", "--long-prompt", "512", "--out", str(out)], capsys)  # fmt: skip
+    rc, text = run_bench(
+        [
+            "sweep",
+            "--url",
+            project_url,
+            "--prefill-sizes",
+            "64,256",
+            "--reps",
+            "3",
+            "--max-tokens",
+            "16",
+            "--long-prompt",
+            "512",
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
     assert rc == 0, text
     r = load(out)
     assert r["model"] == "scripted" and r["max_model_len"] == 4096
@@ -43,8 +59,9 @@ def test_sweep_against_project_server(project_url, tmp_path, capsys):
 
 def test_gates_against_project_server(project_url, tmp_path, capsys):
     out = tmp_path / "gates.json"
-    rc, text = run_bench(["gates", "--url", project_url, "--speed-window", "1", "--speed-min", "50",
-                          "--out", str(out)], capsys)  # fmt: skip
+    rc, text = run_bench(
+        ["gates", "--url", project_url, "--speed-window", "1", "--speed-min", "50", "--out", str(out)], capsys
+    )
     r = load(out)
     assert rc == 0, [(g["name"], g["reason"]) for g in r["gates"]]
     assert r["passed"] == 6

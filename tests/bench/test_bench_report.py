@@ -22,7 +22,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, right_url):
     d = tmp_path_factory.mktemp("results")
-    sweep = SweepConfig(url=right_url, prefill_sizes=[32, 64], reps=1, concurrency=[1, 2], max_tokens=6, long_prompt_tokens=64)
+    sweep = SweepConfig(
+        url=right_url, prefill_sizes=[32, 64], reps=1, concurrency=[1, 2], max_tokens=6, long_prompt_tokens=64
+    )
     files = {}
     files["sweep_a"] = asyncio.run(run_sweep(sweep))
     files["sweep_b"] = asyncio.run(run_sweep(sweep))
@@ -47,8 +49,15 @@ def test_report_markdown_and_plots(results, tmp_path, capsys):
     assert rc == 0, text
     body = md.read_text()
     assert body.startswith("## CPU smoke")
-    for heading in ("Sweep comparison", "Speed sweep", "Stream delivery", "Acceptance gates: PASS (6/6)",
-                    "Quality panel (teacher-forced)", "Quality panel reference", "Decode floor"):  # fmt: skip
+    for heading in (
+        "Sweep comparison",
+        "Speed sweep",
+        "Stream delivery",
+        "Acceptance gates: PASS (6/6)",
+        "Quality panel (teacher-forced)",
+        "Quality panel reference",
+        "Decode floor",
+    ):
         assert heading in body, heading
     assert "Command: `tiermoe" in body or "Command: `" in body
     assert "| C2 |" in body and "C1 / floor" in body  # floor given: C1 rates as a share of it

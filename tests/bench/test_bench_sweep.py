@@ -14,8 +14,25 @@ from .scripted_server import Behaviour, serve
 
 def test_sweep_json_and_rates(right_url, tmp_path, capsys):
     out = tmp_path / "sweep.json"
-    argv = ["sweep", "--url", right_url, "--prefill-sizes", "64,128", "--reps", "3", "--concurrency", "1,2,4",
-            "--max-tokens", "12", "--long-prompt", "256", "--seed", "1", "--out", str(out)]  # fmt: skip
+    argv = [
+        "sweep",
+        "--url",
+        right_url,
+        "--prefill-sizes",
+        "64,128",
+        "--reps",
+        "3",
+        "--concurrency",
+        "1,2,4",
+        "--max-tokens",
+        "12",
+        "--long-prompt",
+        "256",
+        "--seed",
+        "1",
+        "--out",
+        str(out),
+    ]
     rc, text = run_bench(argv, capsys)
     assert rc == 0, text
     r = load(out)
@@ -50,8 +67,24 @@ def test_sweep_json_and_rates(right_url, tmp_path, capsys):
 
 def test_sweep_natural_end(right_url, tmp_path, capsys):
     out = tmp_path / "s.json"
-    rc, text = run_bench(["sweep", "--url", right_url, "--prefill-sizes", "32", "--reps", "1", "--concurrency", "1",
-                          "--long-prompt", "0", "--out", str(out)], capsys)  # fmt: skip
+    rc, text = run_bench(
+        [
+            "sweep",
+            "--url",
+            right_url,
+            "--prefill-sizes",
+            "32",
+            "--reps",
+            "1",
+            "--concurrency",
+            "1",
+            "--long-prompt",
+            "0",
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
     assert rc == 0, text
     r = load(out)
     stream = r["decode"][0]["rounds"][0]["streams"][0]
@@ -63,8 +96,26 @@ def test_sweep_falls_back_to_chat_and_estimate(tmp_path, capsys):
     b = Behaviour(has_tokenize=False, has_completions=False)
     out = tmp_path / "s.json"
     with serve(b) as url:
-        rc, text = run_bench(["sweep", "--url", url, "--prefill-sizes", "200", "--reps", "1", "--concurrency", "2",
-                              "--max-tokens", "4", "--long-prompt", "0", "--out", str(out)], capsys)  # fmt: skip
+        rc, text = run_bench(
+            [
+                "sweep",
+                "--url",
+                url,
+                "--prefill-sizes",
+                "200",
+                "--reps",
+                "1",
+                "--concurrency",
+                "2",
+                "--max-tokens",
+                "4",
+                "--long-prompt",
+                "0",
+                "--out",
+                str(out),
+            ],
+            capsys,
+        )
     assert rc == 0, text
     r = load(out)
     assert r["config"]["prefill_endpoint"] == "chat"
@@ -75,8 +126,26 @@ def test_sweep_falls_back_to_chat_and_estimate(tmp_path, capsys):
 def test_sweep_without_stream_options(tmp_path, capsys):
     out = tmp_path / "s.json"
     with serve(Behaviour(reject_stream_options=True)) as url:
-        rc, text = run_bench(["sweep", "--url", url, "--prefill-sizes", "64", "--reps", "1", "--concurrency", "2",
-                              "--max-tokens", "5", "--long-prompt", "0", "--out", str(out)], capsys)  # fmt: skip
+        rc, text = run_bench(
+            [
+                "sweep",
+                "--url",
+                url,
+                "--prefill-sizes",
+                "64",
+                "--reps",
+                "1",
+                "--concurrency",
+                "2",
+                "--max-tokens",
+                "5",
+                "--long-prompt",
+                "0",
+                "--out",
+                str(out),
+            ],
+            capsys,
+        )
     assert rc == 0, text
     r = load(out)
     run = r["prefill"][0]["runs"][0]
@@ -111,8 +180,26 @@ def test_sweep_records_tier_counters_per_decode_token(tmp_path, capsys):
     """Each decode row carries the slot hits and misses per decode token read from /stats around it."""
     out = tmp_path / "s.json"
     with serve(Behaviour(tier_rates=(30, 6))) as url:
-        rc, text = run_bench(["sweep", "--url", url, "--prefill-sizes", "32", "--reps", "1", "--concurrency", "1,2",
-                              "--max-tokens", "8", "--long-prompt", "0", "--out", str(out)], capsys)
+        rc, text = run_bench(
+            [
+                "sweep",
+                "--url",
+                url,
+                "--prefill-sizes",
+                "32",
+                "--reps",
+                "1",
+                "--concurrency",
+                "1,2",
+                "--max-tokens",
+                "8",
+                "--long-prompt",
+                "0",
+                "--out",
+                str(out),
+            ],
+            capsys,
+        )
     assert rc == 0, text
     for row in load(out)["decode"]:
         tiers = row["tiers_per_token"]
@@ -123,8 +210,26 @@ def test_sweep_records_tier_counters_per_decode_token(tmp_path, capsys):
 
 def test_sweep_without_stats_has_no_tier_counters(right_url, tmp_path, capsys):
     out = tmp_path / "s.json"
-    rc, text = run_bench(["sweep", "--url", right_url, "--prefill-sizes", "32", "--reps", "1", "--concurrency", "1",
-                          "--max-tokens", "4", "--long-prompt", "0", "--out", str(out)], capsys)
+    rc, text = run_bench(
+        [
+            "sweep",
+            "--url",
+            right_url,
+            "--prefill-sizes",
+            "32",
+            "--reps",
+            "1",
+            "--concurrency",
+            "1",
+            "--max-tokens",
+            "4",
+            "--long-prompt",
+            "0",
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
     assert rc == 0, text
     assert load(out)["decode"][0]["tiers_per_token"] is None and "slot hits" not in text
 

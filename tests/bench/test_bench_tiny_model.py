@@ -33,8 +33,25 @@ def tiny_url(tiny_dir):
 def test_tiny_model_all_commands(tiny_url, tmp_path, capsys):
     f = {name: str(tmp_path / f"{name}.json") for name in ("sweep", "stream", "gates", "panel", "score")}
     common = ["--url", tiny_url, "--seed", "0"]
-    rc, text = run_bench(["sweep", *common, "--prefill-sizes", "64,128", "--reps", "1", "--concurrency", "1,2,4",
-                          "--max-tokens", "8", "--long-prompt", "256", "--out", f["sweep"]], capsys)  # fmt: skip
+    rc, text = run_bench(
+        [
+            "sweep",
+            *common,
+            "--prefill-sizes",
+            "64,128",
+            "--reps",
+            "1",
+            "--concurrency",
+            "1,2,4",
+            "--max-tokens",
+            "8",
+            "--long-prompt",
+            "256",
+            "--out",
+            f["sweep"],
+        ],
+        capsys,
+    )
     assert rc == 0, text
     s = load(f["sweep"])
     assert s["model"] == "tiny" and s["max_model_len"] == 1024

@@ -110,20 +110,38 @@ COMPLETIONS_CHOICE = {
         "top_logprobs": [{" Paris": -0.11, " Lyon": -2.7, " the": -3.9}, {" is": -0.52, ",": -1.3, " was": -2.2}],
         "text_offset": [27, 33],
     },
-}  # fmt: skip
+}
 CHAT_CHOICE = {
-    "index": 0, "text": " Paris is", "finish_reason": "length",
-    "logprobs": {"content": [
-        {"id": 6342, "token": " Paris", "bytes": [32, 80, 97, 114, 105, 115], "logprob": -0.11,
-         "top_logprobs": [{"id": 6342, "token": " Paris", "bytes": [32, 80, 97, 114, 105, 115], "logprob": -0.11},
-                          {"id": 44042, "token": " Lyon", "bytes": [32, 76, 121, 111, 110], "logprob": -2.7},
-                          {"id": 279, "token": " the", "bytes": [32, 116, 104, 101], "logprob": -3.9}]},
-        {"id": 374, "token": " is", "bytes": [32, 105, 115], "logprob": -0.52,
-         "top_logprobs": [{"id": 374, "token": " is", "bytes": [32, 105, 115], "logprob": -0.52},
-                          {"id": 11, "token": ",", "bytes": [44], "logprob": -1.3},
-                          {"id": 574, "token": " was", "bytes": [32, 119, 97, 115], "logprob": -2.2}]},
-    ]},
-}  # fmt: skip
+    "index": 0,
+    "text": " Paris is",
+    "finish_reason": "length",
+    "logprobs": {
+        "content": [
+            {
+                "id": 6342,
+                "token": " Paris",
+                "bytes": [32, 80, 97, 114, 105, 115],
+                "logprob": -0.11,
+                "top_logprobs": [
+                    {"id": 6342, "token": " Paris", "bytes": [32, 80, 97, 114, 105, 115], "logprob": -0.11},
+                    {"id": 44042, "token": " Lyon", "bytes": [32, 76, 121, 111, 110], "logprob": -2.7},
+                    {"id": 279, "token": " the", "bytes": [32, 116, 104, 101], "logprob": -3.9},
+                ],
+            },
+            {
+                "id": 374,
+                "token": " is",
+                "bytes": [32, 105, 115],
+                "logprob": -0.52,
+                "top_logprobs": [
+                    {"id": 374, "token": " is", "bytes": [32, 105, 115], "logprob": -0.52},
+                    {"id": 11, "token": ",", "bytes": [44], "logprob": -1.3},
+                    {"id": 574, "token": " was", "bytes": [32, 119, 97, 115], "logprob": -2.2},
+                ],
+            },
+        ]
+    },
+}
 
 
 def test_completion_logprobs_reads_both_shapes():
@@ -131,16 +149,26 @@ def test_completion_logprobs_reads_both_shapes():
     assert a is COMPLETIONS_CHOICE["logprobs"]  # already in the completions shape
     assert a["tokens"] == b["tokens"] == [" Paris", " is"]
     assert a["token_logprobs"] == b["token_logprobs"] == [-0.11, -0.52]
-    assert [top_pairs(t) for t in a["top_logprobs"]] == [top_pairs(t) for t in b["top_logprobs"]] == [
-        [[" Paris", -0.11], [" Lyon", -2.7], [" the", -3.9]],
-        [[" is", -0.52], [",", -1.3], [" was", -2.2]],
-    ]
+    assert (
+        [top_pairs(t) for t in a["top_logprobs"]]
+        == [top_pairs(t) for t in b["top_logprobs"]]
+        == [
+            [[" Paris", -0.11], [" Lyon", -2.7], [" the", -3.9]],
+            [[" is", -0.52], [",", -1.3], [" was", -2.2]],
+        ]
+    )
     assert "text_offset" not in b  # the chat shape has no offsets: echo forcing is not offered
     ids = completion_logprobs(CHAT_CHOICE, ids=True)
     assert ids["tokens"] == ["token_id:6342", "token_id:374"]
     assert [t["token"] for t in ids["top_logprobs"][1]] == ["token_id:374", "token_id:11", "token_id:574"]
     # vLLM's chat shape with return_tokens_as_token_ids already names ids; no "id" field to use
-    vllm = {"logprobs": {"content": [{"token": "token_id:7", "logprob": -0.1, "top_logprobs": [{"token": "token_id:7", "logprob": -0.1}]}]}}
+    vllm = {
+        "logprobs": {
+            "content": [
+                {"token": "token_id:7", "logprob": -0.1, "top_logprobs": [{"token": "token_id:7", "logprob": -0.1}]}
+            ]
+        }
+    }
     assert completion_logprobs(vllm, ids=True)["tokens"] == ["token_id:7"]
     assert completion_logprobs({"logprobs": None}) == {} and completion_logprobs({}) == {}
 
@@ -162,12 +190,15 @@ def test_panel_score_on_llama_server_text_forcing(shared_vocab_panel, tmp_path, 
     b = Behaviour(llama_server=True, noise=4.0)
     out = tmp_path / "score.json"
     text_only = dict(load(panel_path))
-    text_only["items"] = [{k: v for k, v in it.items() if k not in ("token_ids", "top_ids", "prompt_ids")}
-                          for it in text_only["items"]]  # fmt: skip
+    text_only["items"] = [
+        {k: v for k, v in it.items() if k not in ("token_ids", "top_ids", "prompt_ids")} for it in text_only["items"]
+    ]
     text_only["has_token_ids"] = False
     write_json(text_only, str(tmp_path / "text.json"))
     with serve(app=build_app(b, vocab)) as url:
-        rc, text = run_bench(["panel", "score", "--url", url, "--panel", str(tmp_path / "text.json"), "--out", str(out)], capsys)
+        rc, text = run_bench(
+            ["panel", "score", "--url", url, "--panel", str(tmp_path / "text.json"), "--out", str(out)], capsys
+        )
     assert rc == 0, text
     r = load(out)
     top1, kl = teacher_forced_oracle(text_only, b)
@@ -183,8 +214,10 @@ def test_panel_score_on_llama_server_token_ids(shared_vocab_panel, tmp_path, cap
     panel_path, vocab = shared_vocab_panel
     out = tmp_path / "score.json"
     with serve(app=build_app(Behaviour(llama_server=True), vocab)) as url:
-        rc, text = run_bench(["panel", "score", "--url", url, "--panel", str(panel_path), "--mode", "token-ids",
-                              "--out", str(out)], capsys)  # fmt: skip
+        rc, text = run_bench(
+            ["panel", "score", "--url", url, "--panel", str(panel_path), "--mode", "token-ids", "--out", str(out)],
+            capsys,
+        )
     assert rc == 0, text
     r = load(out)
     assert r["teacher_forcing"] == ["token-ids"] and r["positions"] == 48
@@ -202,8 +235,26 @@ def test_sweep_through_bench_llamacpp_script(tmp_path, capsys):
     assert not hasattr(shim, "_tokenize")
     out = tmp_path / "sweep.json"
     with serve(Behaviour(llama_server=True, report_window=False)) as url:
-        rc = shim.main(["bench", "sweep", "--url", url, "--prefill-sizes", "64,128", "--reps", "1", "--concurrency", "1",
-                        "--max-tokens", "4", "--long-prompt", "0", "--out", str(out)])  # fmt: skip
+        rc = shim.main(
+            [
+                "bench",
+                "sweep",
+                "--url",
+                url,
+                "--prefill-sizes",
+                "64,128",
+                "--reps",
+                "1",
+                "--concurrency",
+                "1",
+                "--max-tokens",
+                "4",
+                "--long-prompt",
+                "0",
+                "--out",
+                str(out),
+            ]
+        )
     text = capsys.readouterr()
     assert rc == 0, text
     for row in load(out)["prefill"]:

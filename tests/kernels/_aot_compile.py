@@ -17,7 +17,8 @@ process has the interpreter on.
    shared memory, so a hand-written signature would understate the shared memory a launch needs.
 
 Usage: TRITON_INTERPRET=0 python _aot_compile.py OUT.json   (writes this report as JSON)
-  {"targets": [...], "triton": the version that compiled, "launches": recorded, "variants": distinct, "errors": [wrapper calls that raised],
+  {"targets": [...], "triton": the version that compiled, "launches": recorded, "variants": distinct,
+   "errors": [wrapper calls that raised],
    "results": [{"kernel", "variant", "scenario", "target", "shared" (bytes), "seconds", "error"}]}
 """
 
@@ -132,8 +133,10 @@ def fused_moe_gemv(rec: Recorder) -> None:
     group (G128) and spanning several (int4 G32), the SwiGLU clamp on int4; 1 and 4 tokens."""
     for kind, group, bk in (("bf16", 0, 128), ("int4", 128, 128), ("int4", 32, 128), ("int8", 128, 64)):
         layout = expert_layout(kind, HIDDEN, INTER, group)
-        gemv = {st: {"BN": 32, "BK": bk, "num_warps": 4, "num_stages": 4, "acc": acc}
-                for st, acc in (("gate_up", "tile"), ("down", "row"))}  # both accumulator forms
+        gemv = {
+            st: {"BN": 32, "BK": bk, "num_warps": 4, "num_stages": 4, "acc": acc}
+            for st, acc in (("gate_up", "tile"), ("down", "row"))
+        }  # both accumulator forms
         cfg = {**fm.default_config(layout, 1), "gemv": {**gemv, "max_tokens": 4}}
         with rec.tagged(f"fused_moe {kind} G{group} gemv"):
             for tokens in (1, 4):
@@ -155,8 +158,12 @@ def fused_moe_tuned(rec: Recorder) -> None:
         for key, buckets in shapes.items():
             for bucket, cfg in buckets.items():
                 # decode: T=1, and past a matrix-vector entry's max_tokens so the block config compiles too
-                tokens = [PREFILL_TOKENS] if bucket != "decode" else \
-                    [1] + ([cfg["gemv"]["max_tokens"] + 1] if "gemv" in cfg and cfg["gemv"]["max_tokens"] < 16 else [])
+                tokens = (
+                    [PREFILL_TOKENS]
+                    if bucket != "decode"
+                    else [1]
+                    + ([cfg["gemv"]["max_tokens"] + 1] if "gemv" in cfg and cfg["gemv"]["max_tokens"] < 16 else [])
+                )
                 with rec.tagged(f"fused_moe {key} {bucket} tuned for {device}", (TUNED_DEVICE_TARGETS[device],)):
                     for t in tokens:
                         _moe(_layout_from_key(key), t, config=cfg)
@@ -183,8 +190,17 @@ def expert_cache(rec: Recorder) -> None:
     slots = torch.empty(64, 16, dtype=torch.uint8)  # stands in for GPU slots: only the address is used
     scratch = torch.empty(64, 16, dtype=torch.uint8)
     host = torch.arange(EXPERTS, dtype=torch.int64) * record
-    cache = ExpertCache(host, slots.data_ptr(), 64, record, extra_ptrs=torch.zeros(1, dtype=torch.int64),
-                        max_picks=128, scratch_base=scratch.data_ptr(), scratch_slots=64, lane_max=4)  # fmt: skip
+    cache = ExpertCache(
+        host,
+        slots.data_ptr(),
+        64,
+        record,
+        extra_ptrs=torch.zeros(1, dtype=torch.int64),
+        max_picks=128,
+        scratch_base=scratch.data_ptr(),
+        scratch_slots=64,
+        lane_max=4,
+    )
     with rec.tagged("expert cache step + gather"):
         cache.zero_addr = scratch.data_ptr()  # a real (64-bit) address, as the all-zero record's is
         for lane in (0, 4):  # exact mode, and fast mode's lane choice
@@ -227,8 +243,15 @@ def mailbox(rec: Recorder) -> None:
                 mb.wait_add(0, x)
 
 
-SCENARIOS = (fused_moe_defaults, fused_moe_k_tiles_spanning_groups, fused_moe_gemv, fused_moe_tuned,
-             paged_attention, expert_cache, mailbox)  # fmt: skip
+SCENARIOS = (
+    fused_moe_defaults,
+    fused_moe_k_tiles_spanning_groups,
+    fused_moe_gemv,
+    fused_moe_tuned,
+    paged_attention,
+    expert_cache,
+    mailbox,
+)
 
 
 def record() -> tuple[list[Launch], list[str]]:
@@ -253,8 +276,16 @@ def record() -> tuple[list[Launch], list[str]]:
 # ----------------------------------------------------------------------------- variants
 
 
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-           torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}  # fmt: skip
+_DTYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.uint8: "u8",
+    torch.int8: "i8",
+    torch.bool: "i1",
+}
 
 
 def _arg_type(value, specialize: bool = True) -> str:
@@ -281,8 +312,11 @@ def describe(launch: Launch) -> tuple[str, tuple]:
     names = [p.name for p in fn.params]
     bound = inspect.signature(fn.fn).bind(*launch.args, **{k: v for k, v in launch.kwargs.items() if k in names})
     bound.apply_defaults()
-    types = [f"{p.name}: {_arg_type(bound.arguments[p.name], not p.do_not_specialize)}"
-             for p in fn.params if not p.is_constexpr]  # fmt: skip
+    types = [
+        f"{p.name}: {_arg_type(bound.arguments[p.name], not p.do_not_specialize)}"
+        for p in fn.params
+        if not p.is_constexpr
+    ]
     consts = [f"{p.name}={bound.arguments[p.name]!r}" for p in fn.params if p.is_constexpr]
     opts = [f"{k}={v!r}" for k, v in sorted(launch.kwargs.items()) if k not in names]
     text = f"{launch.name}[{', '.join(opts)}]({', '.join(consts)}) ({', '.join(types)})"
@@ -370,8 +404,14 @@ def main(out_path: str) -> None:
     launches, errors = record()
     variants = distinct(launches)
     results = compile_all(variants, processes=min(8, os.cpu_count() or 1))
-    report = {"targets": list(TARGETS), "triton": triton.__version__, "launches": len(launches),
-              "variants": len(variants), "errors": errors, "results": results}
+    report = {
+        "targets": list(TARGETS),
+        "triton": triton.__version__,
+        "launches": len(launches),
+        "variants": len(variants),
+        "errors": errors,
+        "results": results,
+    }
     with open(out_path, "w") as f:
         json.dump(report, f, indent=1)
 

@@ -16,9 +16,18 @@ SCRATCH_BASE = 1 << 30
 
 def _fake_cache(e, s, device, admit_max=None, admission_filter=True, scratch=0):
     host = torch.arange(e, dtype=torch.int64, device=device) * REC + (1 << 40)  # addresses only
-    return C.ExpertCache(host, 1 << 20, s, REC, extra_ptrs=torch.tensor([7], device=device), admit_max=admit_max,
-                         admission_filter=admission_filter, decay_shift=3, scratch_base=SCRATCH_BASE,
-                         scratch_slots=scratch)  # fmt: skip
+    return C.ExpertCache(
+        host,
+        1 << 20,
+        s,
+        REC,
+        extra_ptrs=torch.tensor([7], device=device),
+        admit_max=admit_max,
+        admission_filter=admission_filter,
+        decay_shift=3,
+        scratch_base=SCRATCH_BASE,
+        scratch_slots=scratch,
+    )
 
 
 def _twin_state(cache):
@@ -37,9 +46,15 @@ def _check_equal(cache, st):
 
 @pytest.mark.parametrize(
     "e,s,tokens,k,admit_max,filt,scratch",
-    [(12, 4, 1, 3, None, True, 3), (12, 4, 2, 3, None, False, 0), (10, 3, 3, 2, 2, True, 2),
-     (9, 9, 2, 2, None, True, 0), (8, 0, 1, 3, None, True, 3), (16, 6, 1, 4, 1, False, 4)],
-)  # fmt: skip
+    [
+        (12, 4, 1, 3, None, True, 3),
+        (12, 4, 2, 3, None, False, 0),
+        (10, 3, 3, 2, 2, True, 2),
+        (9, 9, 2, 2, None, True, 0),
+        (8, 0, 1, 3, None, True, 3),
+        (16, 6, 1, 4, 1, False, 4),
+    ],
+)
 def test_cache_step_matches_twin(e, s, tokens, k, admit_max, filt, scratch, device):
     cache = _fake_cache(e, s, device, admit_max, filt, scratch)
     st = _twin_state(cache)
@@ -65,15 +80,26 @@ def test_cache_step_matches_twin(e, s, tokens, k, admit_max, filt, scratch, devi
 ZERO_ADDR = 1 << 36  # the all-zero record's address (fake)
 
 
-@pytest.mark.parametrize("e,s,tokens,k,lane_max,scratch", [(12, 4, 1, 4, 2, 3), (16, 3, 3, 3, 4, 2), (8, 0, 2, 3, 3, 0)])
+@pytest.mark.parametrize(
+    "e,s,tokens,k,lane_max,scratch", [(12, 4, 1, 4, 2, 3), (16, 3, 3, 3, 4, 2), (8, 0, 2, 3, 3, 0)]
+)
 def test_lane_choice_matches_twin(e, s, tokens, k, lane_max, scratch, device):
     """Fast mode: of the misses not admitted, the coldest go to the CPU lane (listed, not staged,
     their step-table rows at the zero record); admissions and residency stay those of exact
     mode (a cache without the lane, stepped alongside). Step by step against the twin, with
     steps without the lane and a smaller lane_max in between, as a mode switch would give."""
     host = torch.arange(e, dtype=torch.int64, device=device) * REC + (1 << 40)
-    make = lambda cap: C.ExpertCache(host, 1 << 20, s, REC, extra_ptrs=torch.tensor([7], device=device),  # noqa: E731
-                                     decay_shift=3, scratch_base=SCRATCH_BASE, scratch_slots=scratch, lane_max=cap)
+    make = lambda cap: C.ExpertCache(
+        host,
+        1 << 20,
+        s,
+        REC,
+        extra_ptrs=torch.tensor([7], device=device),  # noqa: E731
+        decay_shift=3,
+        scratch_base=SCRATCH_BASE,
+        scratch_slots=scratch,
+        lane_max=cap,
+    )
     cache, exact = make(lane_max), make(0)
     assert cache.lane_max == 0  # off until its owner sets it (with a zero record)
     cache.zero_addr = ZERO_ADDR
@@ -87,8 +113,9 @@ def test_lane_choice_matches_twin(e, s, tokens, k, lane_max, scratch, device):
         ids = torch.stack([torch.multinomial(popular, k, generator=gen) for _ in range(tokens)])
         C.cache_step(cache, ids.to(device), lane=on)
         C.cache_step(exact, ids.to(device))
-        R.cache_step_ref(st, ids, cache.admit_max, True, 3, (SCRATCH_BASE, scratch, REC),
-                         (cache.lane_max if on else 0, ZERO_ADDR))  # fmt: skip
+        R.cache_step_ref(
+            st, ids, cache.admit_max, True, 3, (SCRATCH_BASE, scratch, REC), (cache.lane_max if on else 0, ZERO_ADDR)
+        )
         _check_equal(cache, st)
         for key in ("slot_expert", "expert_slot", "ptr_table", "freq", "stats"):
             assert torch.equal(getattr(cache, key), getattr(exact, key)), key
@@ -157,8 +184,16 @@ def test_cached_moe_is_bit_exact_for_any_budget(device):
     for s in (0, 3, e):
         slots = torch.zeros(max(s, 1), lay.length, dtype=torch.uint8, device=device)
         scratch = torch.zeros(2, lay.length, dtype=torch.uint8, device=device)
-        cache = C.ExpertCache(host_ptrs[:e], slots.data_ptr(), s, lay.length, extra_ptrs=host_ptrs[e:], max_picks=8,
-                              scratch_base=scratch.data_ptr(), scratch_slots=1 if s == 3 else 2)  # fmt: skip
+        cache = C.ExpertCache(
+            host_ptrs[:e],
+            slots.data_ptr(),
+            s,
+            lay.length,
+            extra_ptrs=host_ptrs[e:],
+            max_picks=8,
+            scratch_base=scratch.data_ptr(),
+            scratch_slots=1 if s == 3 else 2,
+        )
         cache.gather_programs = 4
         res = []
         for ids, x in zip(steps, xs):

@@ -162,7 +162,7 @@ def _failures(results: list[dict]) -> str:
         targets = ", ".join(sorted({r["target"] for r in rows}, reverse=True))
         launches = sorted({f"    {r['scenario']}: {r['variant']}" for r in rows})
         out.append(f"{kernel} does not compile for {targets}:\n  " + error.replace("\n", "\n  ") + "\n  launches:\n"
-                   + "\n".join(launches))  # fmt: skip
+                   + "\n".join(launches))
     return "\n\n".join(out)
 
 

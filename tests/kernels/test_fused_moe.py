@@ -147,12 +147,14 @@ def test_k_tiles_spanning_several_groups_match_twin(kind, tokens, device):
 def _gemv_config(lay, bn, bk, max_tokens=4, acc=("tile", "row")):
     """gate_up and down with the two accumulator forms (a tile reduced at the end, a row per tile)."""
     base = F.default_config(lay, 1)
-    gemv = {st: {"BN": bn, "BK": bk, "num_warps": 4, "num_stages": 2, "acc": a} for st, a in zip(("gate_up", "down"), acc)}
+    stages = zip(("gate_up", "down"), acc)
+    gemv = {st: {"BN": bn, "BK": bk, "num_warps": 4, "num_stages": 2, "acc": a} for st, a in stages}
     return {**base, "gemv": {**gemv, "max_tokens": max_tokens}}
 
 
-@pytest.mark.parametrize("kind,group,bk", [("int4", 32, 16), ("int4", 16, 32), ("int8", 16, 16),
-                                           ("int8", 16, 32), ("bf16", 32, 32)])  # fmt: skip
+@pytest.mark.parametrize(
+    "kind,group,bk", [("int4", 32, 16), ("int4", 16, 32), ("int8", 16, 16), ("int8", 16, 32), ("bf16", 32, 32)]
+)
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_gemv_decode_path_matches_twin(kind, group, bk, tokens, device):
     """Few-token steps through the per-pick matrix-vector kernel (moe_gemv.py), K tiles within

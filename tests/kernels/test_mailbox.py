@@ -125,7 +125,7 @@ def test_post_matches_twin_bit_for_bit(device):
     for t, slot, n_meta in ((3, 1, 9), (1, 1, None), (4, 0, 2)):
         x = (torch.randn(t, H, generator=gen) * 100).to(device)  # fp32 -> bf16 rounding too
         meta = None if n_meta is None else torch.randint(-2**31, 2**31 - 1, (n_meta,), generator=gen,
-                                                         dtype=torch.int32).to(device)  # fmt: skip
+                                                         dtype=torch.int32).to(device)
         mb.post(slot, x, meta)
         R.mailbox_post_ref(twin.x_host, twin.ctrl, twin.seq, slot, x, twin.meta, meta)
     _sync(device)
@@ -194,9 +194,25 @@ def test_shape_checks(device):
 def test_bf16_rounding_edge_cases_match_torch(device):
     """Ties to even, carries into the exponent, infinities, subnormals: same bits as torch; NaN
     stays NaN (its payload differs between torch's own CPU and GPU casts)."""
-    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000,
-                         0x7FFFFFFF, 0x00008000, 0x80018000, 0x00000000, 0x80000000, 0x3F7FFFFF, 0x4049_0FDB],
-                        dtype=torch.int64).to(torch.int32)  # fmt: skip
+    bits = torch.tensor(
+        [
+            0x3F808000,
+            0x3F818000,
+            0x3F80FFFF,
+            0x7F7FFFFF,
+            0x7F800000,
+            0xFF800000,
+            0x7FC00000,
+            0x7FFFFFFF,
+            0x00008000,
+            0x80018000,
+            0x00000000,
+            0x80000000,
+            0x3F7FFFFF,
+            0x4049_0FDB,
+        ],
+        dtype=torch.int64,
+    ).to(torch.int32)
     x = torch.zeros(1, H, dtype=torch.int32)
     x[0, : bits.numel()] = bits
     x = x.view(torch.float32).to(device)

@@ -95,7 +95,12 @@ def _add_sweep(sub) -> None:
     p.add_argument("--concurrency", default="1,2,4", help="simultaneous decode streams per round")
     p.add_argument("--decode-reps", type=_positive(int), default=1, help="decode rounds per C (median)")
     p.add_argument("--max-tokens", type=_positive(int), default=None, help="cap decode length (default: natural end)")
-    p.add_argument("--long-prompt", type=int, default=None, help="tokens before the C1-after-long-prompt run (default: largest prefill size; 0 skips)")
+    p.add_argument(
+        "--long-prompt",
+        type=int,
+        default=None,
+        help="tokens before the C1-after-long-prompt run (default: largest prefill size; 0 skips)",
+    )
     p.add_argument("--prefill-endpoint", choices=("auto", "completions", "chat"), default="auto")
     p.set_defaults(handler=_run_sweep)
 
@@ -126,8 +131,9 @@ def _add_stream_rate(sub) -> None:
     _server_args(p)
     p.add_argument("--max-tokens", type=_positive(int), default=None, help="cap the story (default: natural end)")
     p.add_argument("--prompt-tokens", type=int, default=0, help="random text before the request (long-prompt check)")
-    p.add_argument("--min-tokens", type=int, default=0,
-                   help="ask the server (vLLM-style min_tokens) not to stop before N tokens")
+    p.add_argument(
+        "--min-tokens", type=int, default=0, help="ask the server (vLLM-style min_tokens) not to stop before N tokens"
+    )
     p.add_argument("--mid-fraction", type=float, default=0.40, help="min share of text by the time midpoint")
     p.add_argument("--tail-seconds", type=_positive(float), default=1.0, help="length of the final window")
     p.add_argument("--tail-fraction", type=float, default=0.10, help="max share of text in the final window")
@@ -163,10 +169,16 @@ def _add_gates(sub) -> None:
 
     p = sub.add_parser("gates", help="the six acceptance gates: load chat reasoning tools context speed")
     _server_args(p)
-    p.add_argument("--context", type=_positive(int), default=None, help="context window (default: max_model_len of /v1/models)")
+    p.add_argument(
+        "--context", type=_positive(int), default=None, help="context window (default: max_model_len of /v1/models)"
+    )
     p.add_argument("--context-fraction", type=float, default=0.85, help="prompt size as a share of the window")
-    p.add_argument("--needle-depth", type=float, default=0.0, help="vault code position in the filler, 0 start .. 1 end")
-    p.add_argument("--speed-window", type=_positive(float), default=30.0, help="seconds of stream the speed gate measures")
+    p.add_argument(
+        "--needle-depth", type=float, default=0.0, help="vault code position in the filler, 0 start .. 1 end"
+    )
+    p.add_argument(
+        "--speed-window", type=_positive(float), default=30.0, help="seconds of stream the speed gate measures"
+    )
     p.add_argument("--speed-min", type=float, default=15.0, help="tok/s the speed gate requires")
     p.add_argument("--max-tokens", type=_positive(int), default=None, help="cap every answer (default: server default)")
     p.add_argument("--load-wait", type=float, default=0.0, help="keep retrying /v1/models this many seconds")
@@ -218,8 +230,12 @@ def _add_panel(sub) -> None:
     sc = psub.add_parser("score", help="teacher-forced top-1 agreement, KL and greedy match vs a panel")
     _server_args(sc)
     sc.add_argument("--panel", required=True, help="panel JSON from 'bench panel make'")
-    sc.add_argument("--mode", choices=("auto", "token-ids", "echo", "per-position"), default="auto",
-                    help="how teacher forcing is done (auto: token-ids, then echo, then per-position)")
+    sc.add_argument(
+        "--mode",
+        choices=("auto", "token-ids", "echo", "per-position"),
+        default="auto",
+        help="how teacher forcing is done (auto: token-ids, then echo, then per-position)",
+    )
     sc.add_argument("--concurrency", type=_positive(int), default=8, help="parallel requests in per-position mode")
     sc.add_argument("--no-greedy", action="store_true", help="skip the free-running greedy comparison")
     sc.set_defaults(handler=_run_panel_score)
@@ -243,7 +259,10 @@ def _run_panel_make(args) -> int:
     panel = _measure(make_panel(cfg), args.out)
     n = sum(len(it["tokens"]) for it in panel["items"])
     ids = "with token ids" if panel["has_token_ids"] else "text only"
-    print(f"panel: {len(panel['items'])} prompts, {n} positions, top-{panel['top_logprobs_returned']} ({ids}) from {panel['model']}")
+    print(
+        f"panel: {len(panel['items'])} prompts, {n} positions, top-{panel['top_logprobs_returned']} ({ids}) "
+        f"from {panel['model']}"
+    )
     _print_json_path(args.out)
     return 0
 
@@ -297,7 +316,9 @@ def _add_floor(sub) -> None:
     p.add_argument("--host-gbs", type=_positive(float), default=None, help="shared host-RAM read GB/s (optional lane)")
     p.add_argument("--non-moe-ms", type=float, default=0.0, help="measured non-MoE ms per token")
     p.add_argument("--balance-host", action="store_true", help="split ram+cpu reads optimally between PCIe and CPU")
-    p.add_argument("--measured-tok-s", type=_positive(float), default=None, help="state a measured rate as a share of the floor")
+    p.add_argument(
+        "--measured-tok-s", type=_positive(float), default=None, help="state a measured rate as a share of the floor"
+    )
     p.add_argument("--out", default=None, help="write the result JSON here")
     p.set_defaults(handler=_run_floor)
 

@@ -209,7 +209,9 @@ def parse_tokenize(data: Any, text: str) -> tuple[int, list[int] | None] | None:
     return count, ids
 
 
-async def _tokenize(client: httpx.AsyncClient, model: str, text: str, special: bool) -> tuple[int, list[int] | None] | None:
+async def _tokenize(
+    client: httpx.AsyncClient, model: str, text: str, special: bool
+) -> tuple[int, list[int] | None] | None:
     """POST /tokenize (or /v1/tokenize) in a body every known dialect reads; None if no server tokenizer."""
     for path in ("/tokenize", "/v1/tokenize"):
         for body in tokenize_bodies(model, text, special):

@@ -167,7 +167,8 @@ def table_lines(floor: dict) -> list[str]:
     lines = ["lane   bytes/token        GB/s      ms/token", "-----  -----------  ----------  ---------"]
     for name, lane in floor["lanes"].items():
         mark = "  <- bound" if name == floor["bound"] else ""
-        lines.append(f"{name:<5}  {lane['bytes_per_token'] / 1e9:>8.3f} GB  {lane['gbs']:>10.1f}  {lane['ms']:>9.2f}{mark}")
+        gb = lane["bytes_per_token"] / 1e9
+        lines.append(f"{name:<5}  {gb:>8.3f} GB  {lane['gbs']:>10.1f}  {lane['ms']:>9.2f}{mark}")
     lines.append(
         f"MoE {floor['moe_ms']:.2f} ms + non-MoE {floor['non_moe_ms']:.2f} ms = floor {floor['floor_ms']:.2f} ms/token"
         f" = {floor['tok_s']:.1f} tok/s"

@@ -145,7 +145,11 @@ def completion_logprobs(choice: dict, ids: bool = False) -> dict:
         "tokens": [name(e) for e in entries],
         "token_logprobs": [e.get("logprob") for e in entries],
         "top_logprobs": [
-            [{"token": name(t), "logprob": t.get("logprob")} for t in e.get("top_logprobs") or [] if isinstance(t, dict)]
+            [
+                {"token": name(t), "logprob": t.get("logprob")}
+                for t in e.get("top_logprobs") or []
+                if isinstance(t, dict)
+            ]
             for e in entries
         ],
     }

@@ -113,7 +113,9 @@ class _Forcer:
         """(forced top-k or None where misaligned, misaligned count, whether alignment was checked)."""
         prefixes = _prefixes(item)
         chs = await asyncio.gather(*(self._one(item["prompt"] + p) for p in prefixes))
-        forced: list[TopK | None] = [top_pairs(((ch.get("logprobs") or {}).get("top_logprobs") or [None])[0]) for ch in chs]
+        forced: list[TopK | None] = [
+            top_pairs(((ch.get("logprobs") or {}).get("top_logprobs") or [None])[0]) for ch in chs
+        ]
         base = await http.count_tokens(self.c, self.model, item["prompt"], special=True)
         if base is None:
             return forced, 0, False
@@ -208,12 +210,16 @@ async def score_panel(cfg: PanelScoreConfig) -> dict:
         for item in panel["items"]:
             forced, mode, bad = await f.token_ids(item), "token-ids", 0
             if forced is None and cfg.mode == "token-ids":
-                raise UserError(f"{cfg.url}: token-id teacher forcing failed for item {item.get('id')} "
-                                "(panel without ids, or no return_tokens_as_token_ids); use --mode auto")
+                raise UserError(
+                    f"{cfg.url}: token-id teacher forcing failed for item {item.get('id')} "
+                    "(panel without ids, or no return_tokens_as_token_ids); use --mode auto"
+                )
             if forced is None:
                 forced, mode = await f.echo(item), "echo"
                 if forced is None and cfg.mode == "echo":
-                    raise UserError(f"{cfg.url}: echo teacher forcing failed for item {item.get('id')}; use --mode auto")
+                    raise UserError(
+                        f"{cfg.url}: echo teacher forcing failed for item {item.get('id')}; use --mode auto"
+                    )
             if forced is None:
                 (forced, bad, was_checked), mode = await f.per_position(item), "per-position"
                 checked = checked and was_checked

@@ -100,7 +100,8 @@ def _panel_score_md(r: dict) -> list[str]:
     rows = [
         [
             _f(r.get("items"), 0),
-            _f(r.get("positions"), 0) + (f" (+{r['positions_misaligned']} misaligned)" if r.get("positions_misaligned") else ""),
+            _f(r.get("positions"), 0)
+            + (f" (+{r['positions_misaligned']} misaligned)" if r.get("positions_misaligned") else ""),
             _f(r.get("top1_agreement"), 3),
             _f(r.get("mean_kl"), 4),
             _f(r.get("greedy_match_fraction"), 3),
@@ -115,18 +116,30 @@ def _panel_score_md(r: dict) -> list[str]:
 def _panel_md(r: dict) -> list[str]:
     items = r.get("items") or []
     toks = sum(len(i.get("tokens", [])) for i in items)
-    return _head("Quality panel reference", r) + [f"{len(items)} prompts, {toks} positions, top-{r.get('top_logprobs')}", ""]
+    return _head("Quality panel reference", r) + [
+        f"{len(items)} prompts, {toks} positions, top-{r.get('top_logprobs')}",
+        "",
+    ]
 
 
 def _floor_md(r: dict) -> list[str]:
     lines = _head("Decode floor", r)
     rows = [
-        [name, _f(lane["bytes_per_token"] / 1e9, 3), _f(lane["gbs"], 1), _f(lane["ms"], 2) + (" (bound)" if name == r["bound"] else "")]
+        [
+            name,
+            _f(lane["bytes_per_token"] / 1e9, 3),
+            _f(lane["gbs"], 1),
+            _f(lane["ms"], 2) + (" (bound)" if name == r["bound"] else ""),
+        ]
         for name, lane in r["lanes"].items()
     ]
     lines += _table(["lane", "GB/token", "GB/s", "ms/token"], rows)
-    lines += ["", f"Floor: {_f(r['moe_ms'], 2)} ms MoE + {_f(r['non_moe_ms'], 2)} ms non-MoE = "
-              f"**{_f(r['floor_ms'], 2)} ms/token = {_f(r['tok_s'], 1)} tok/s**", ""]
+    lines += [
+        "",
+        f"Floor: {_f(r['moe_ms'], 2)} ms MoE + {_f(r['non_moe_ms'], 2)} ms non-MoE = "
+        f"**{_f(r['floor_ms'], 2)} ms/token = {_f(r['tok_s'], 1)} tok/s**",
+        "",
+    ]
     return lines
 
 
@@ -138,7 +151,9 @@ def _sweep_compare_md(sweeps: list[tuple[str, dict]]) -> list[str]:
     for label, r in sweeps:
         pre = {p["target_tokens"]: p["median_tok_s"] for p in r.get("prefill", [])}
         dec = {d["concurrency"]: d["aggregate_tok_s"] for d in r.get("decode", [])}
-        rows.append([label, str(r.get("created", ""))[:10]] + [_f(pre.get(s)) for s in sizes] + [_f(dec.get(c)) for c in concs])
+        rows.append(
+            [label, str(r.get("created", ""))[:10]] + [_f(pre.get(s)) for s in sizes] + [_f(dec.get(c)) for c in concs]
+        )
     return ["### Sweep comparison (tok/s)", ""] + _table(header, rows) + [""]
 
 

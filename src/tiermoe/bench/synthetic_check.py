@@ -98,14 +98,20 @@ def check_synthetic(out: str | Path, samples: int = 4, layers: str = "first,last
                 with safe_open(str(out / STORE_DIR / weight_map[key]), framework="pt") as st:
                     mine = st.get_tensor(key).to(torch.float32)
                 t = tensors[n]
-                theirs = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # a writable copy
+                theirs = torch.from_numpy(
+                    np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
+                )  # a writable copy
                 same_t = torch.equal(mine, theirs.reshape(mine.shape))
                 ok &= same_t
                 if not same_t:
-                    lines.append(f"FAIL {n} / {key}: max |diff| {(mine - theirs.reshape(mine.shape)).abs().max().item():.3g}")
+                    lines.append(
+                        f"FAIL {n} / {key}: max |diff| {(mine - theirs.reshape(mine.shape)).abs().max().item():.3g}"
+                    )
                 checked["dense"] += 1
-    lines.append(f"{'OK  ' if ok else 'FAIL'} {checked['experts']} experts x 3 projections identical in fp32 and bf16, "
-                 f"{checked['dense']} dense tensors bit-identical "
-                 f"({meta['store']['sizes']['store_bytes_per_expert']:,} B/expert store, "
-                 f"{meta['gguf']['sizes']['gguf_bytes_per_expert']:,} B/expert Q4_0)")
+    lines.append(
+        f"{'OK  ' if ok else 'FAIL'} {checked['experts']} experts x 3 projections identical in fp32 and bf16, "
+        f"{checked['dense']} dense tensors bit-identical "
+        f"({meta['store']['sizes']['store_bytes_per_expert']:,} B/expert store, "
+        f"{meta['gguf']['sizes']['gguf_bytes_per_expert']:,} B/expert Q4_0)"
+    )
     return {"ok": bool(ok), "lines": lines, "checked": checked}

@@ -62,7 +62,11 @@ def tensor_plan(spec) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, numpy-order shape, type) of every tensor, in file order. Type: Q4_0, BF16 or F32."""
     h, v, e, i = spec.hidden, spec.vocab, spec.experts, spec.moe_intermediate
     q_out, kv_out = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
-    plan = [("token_embd.weight", (v, h), "BF16"), ("output_norm.weight", (h,), "F32"), ("output.weight", (v, h), "BF16")]
+    plan = [
+        ("token_embd.weight", (v, h), "BF16"),
+        ("output_norm.weight", (h,), "F32"),
+        ("output.weight", (v, h), "BF16"),
+    ]
     for layer in range(spec.layers):
         b = f"blk.{layer}"
         plan += [
@@ -84,15 +88,24 @@ def tensor_plan(spec) -> list[tuple[str, tuple[int, ...], str]]:
 
 # HF (store) name of each dense GGUF tensor; experts are handled separately.
 def hf_name(gguf_name: str) -> str:
-    fixed = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-             "output.weight": "lm_head.weight"}
+    fixed = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
     if gguf_name in fixed:
         return fixed[gguf_name]
     _, layer, kind, _ = gguf_name.split(".")
     sub = {
-        "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-        "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
+        "attn_norm": "input_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "ffn_norm": "post_attention_layernorm",
+        "ffn_gate_inp": "mlp.gate",
     }[kind]
     return f"model.layers.{layer}.{sub}.weight"
 
@@ -157,8 +170,11 @@ class GGUFSink:
         w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         _tokenizer_fields(w, tok)
-        types = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "BF16": gguf.GGMLQuantizationType.BF16,
-                 "F32": gguf.GGMLQuantizationType.F32}
+        types = {
+            "Q4_0": gguf.GGMLQuantizationType.Q4_0,
+            "BF16": gguf.GGMLQuantizationType.BF16,
+            "F32": gguf.GGMLQuantizationType.F32,
+        }
         for name, shape, kind in self.plan:
             nbytes = _nbytes(shape, kind)
             if kind == "F32":

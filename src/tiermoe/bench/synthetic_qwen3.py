@@ -72,7 +72,9 @@ class SyntheticSpec:
             raise UserError(f"--heads {self.heads} is not a multiple of --kv-heads {self.kv_heads}")
         g = self.group_size
         if g % 32 or self.hidden % g or self.moe_intermediate % g:
-            raise UserError(f"--group-size {g}: must be a multiple of 32 (Q4_0's block) dividing hidden and intermediate")
+            raise UserError(
+                f"--group-size {g}: must be a multiple of 32 (Q4_0's block) dividing hidden and intermediate"
+            )
 
 
 def store_bytes_per_expert(spec: SyntheticSpec) -> int:
@@ -89,7 +91,9 @@ def gguf_bytes_per_expert(spec: SyntheticSpec) -> int:
 
 def _dense_params(spec: SyntheticSpec) -> int:
     q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
-    per_layer = 2 * q * spec.hidden + 2 * kv * spec.hidden + spec.experts * spec.hidden + 2 * spec.hidden + 2 * spec.head_dim
+    per_layer = (
+        2 * q * spec.hidden + 2 * kv * spec.hidden + spec.experts * spec.hidden + 2 * spec.hidden + 2 * spec.head_dim
+    )
     return spec.layers * per_layer + 2 * spec.vocab * spec.hidden + spec.hidden
 
 
@@ -210,13 +214,26 @@ def hf_config(spec: SyntheticSpec, tok) -> dict:
     import transformers
 
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.dense_intermediate,
-        num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-        head_dim=spec.head_dim, max_position_embeddings=spec.max_position, rms_norm_eps=spec.rms_eps,
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.dense_intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position,
+        rms_norm_eps=spec.rms_eps,
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
-        moe_intermediate_size=spec.moe_intermediate, num_experts=spec.experts, num_experts_per_tok=spec.top_k,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
-        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id, bos_token_id=None,
+        moe_intermediate_size=spec.moe_intermediate,
+        num_experts=spec.experts,
+        num_experts_per_tok=spec.top_k,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
     )
     d = cfg.to_dict()
     d["architectures"] = ["Qwen3MoeForCausalLM"]
@@ -249,8 +266,15 @@ def _resolve_device(device: str):
 
 
 # ----------------------------------------------------------------------------- make
-def make_synthetic(out: str | Path, spec: SyntheticSpec, formats=FORMATS, device: str = "auto", force: bool = False,
-                   progress: bool = True, log=print) -> dict:
+def make_synthetic(
+    out: str | Path,
+    spec: SyntheticSpec,
+    formats=FORMATS,
+    device: str = "auto",
+    force: bool = False,
+    progress: bool = True,
+    log=print,
+) -> dict:
     """Write the selected formats of the model under `out`; returns the summary dict also
     written to OUT/synthetic-<format>.json."""
     import torch
@@ -280,8 +304,10 @@ def make_synthetic(out: str | Path, spec: SyntheticSpec, formats=FORMATS, device
     need = sum(sz[f"{f}_bytes"] for f in formats)
     out.mkdir(parents=True, exist_ok=True)
     if need > _free_bytes(out):
-        raise UserError(f"{out}: needs {need / 2**30:.1f} GiB for {'+'.join(formats)}, "
-                        f"{_free_bytes(out) / 2**30:.1f} GiB free (lower --layers)")
+        raise UserError(
+            f"{out}: needs {need / 2**30:.1f} GiB for {'+'.join(formats)}, "
+            f"{_free_bytes(out) / 2**30:.1f} GiB free (lower --layers)"
+        )
     dev = _resolve_device(device)
     config = hf_config(spec, tok)
     t0 = time.monotonic()
@@ -333,7 +359,9 @@ def make_synthetic(out: str | Path, spec: SyntheticSpec, formats=FORMATS, device
     for f in formats:
         summary_f = dict(summary, format=f, path=str(targets[f]))
         (out / f"synthetic-{f}.json").write_text(json.dumps(summary_f, indent=1) + "\n")
-        log(f"wrote {targets[f]} ({sz[f'{f}_bytes'] / 2**30:.1f} GiB, {sz[f'{f}_bytes_per_expert']:,} bytes per expert)")
+        log(
+            f"wrote {targets[f]} ({sz[f'{f}_bytes'] / 2**30:.1f} GiB, {sz[f'{f}_bytes_per_expert']:,} bytes per expert)"
+        )
     log(f"weights sha256 {summary['weights_sha256'][:16]}... in {summary['seconds']} s on {dev.type}")
     return summary
 
@@ -361,8 +389,12 @@ def register(sub) -> None:
     p.add_argument("--heads", type=int, default=d.heads)
     p.add_argument("--kv-heads", type=int, default=d.kv_heads)
     p.add_argument("--head-dim", type=int, default=d.head_dim)
-    p.add_argument("--group-size", type=int, default=d.group_size,
-                   help="int4 group size of the store (32 = Q4_0's block, equal bytes; 64/128 share a scale across blocks)")
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=d.group_size,
+        help="int4 group size of the store (32 = Q4_0's block, equal bytes; 64/128 share a scale across blocks)",
+    )
     p.add_argument("--max-position", type=int, default=d.max_position)
     p.add_argument("--quant", choices=("int4",), default="int4", help="expert format (int4 store / Q4_0 GGUF)")
     p.add_argument("--formats", default=",".join(FORMATS), help="store, gguf or both (default both)")
@@ -380,9 +412,19 @@ def register(sub) -> None:
 
 
 def _spec_from_args(a) -> SyntheticSpec:
-    return SyntheticSpec(layers=a.layers, hidden=a.hidden, experts=a.experts, moe_intermediate=a.moe_intermediate,
-                         top_k=a.top_k, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim,
-                         group_size=a.group_size, max_position=a.max_position, seed=a.seed)
+    return SyntheticSpec(
+        layers=a.layers,
+        hidden=a.hidden,
+        experts=a.experts,
+        moe_intermediate=a.moe_intermediate,
+        top_k=a.top_k,
+        heads=a.heads,
+        kv_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        group_size=a.group_size,
+        max_position=a.max_position,
+        seed=a.seed,
+    )
 
 
 def _run_make(args) -> int:

@@ -105,7 +105,10 @@ class StoreSink:
             "record_align": RECORD_ALIGN,
             "layouts": [self.layout.to_json()],
             "records": self.records,
-            "dense": {"index": "model.safetensors.index.json", "shards": [p.name for p in shards],
-                      "tensors": len(json.loads((self.root / "model.safetensors.index.json").read_text())["weight_map"])},
+            "dense": {
+                "index": "model.safetensors.index.json",
+                "shards": [p.name for p in shards],
+                "tensors": len(json.loads((self.root / "model.safetensors.index.json").read_text())["weight_map"]),
+            },
         }
         write_manifest(self.root, manifest)

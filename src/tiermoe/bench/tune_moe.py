@@ -55,11 +55,23 @@ def _handler(args: argparse.Namespace) -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     records = random_records(layout, args.experts, dev, gen)  # [E, R] uint8 in HBM
     pop = torch.full((args.experts,), 1.0 / args.experts, device=dev)
-    cfgs, report = tuning.tune(layout, records, pop, args.top_k, args.prefill_tokens, gen,
-                               time_budget_s=args.time_budget)  # fmt: skip
+    cfgs, report = tuning.tune(
+        layout, records, pop, args.top_k, args.prefill_tokens, gen, time_budget_s=args.time_budget
+    )
     out = args.out or str(fused_moe.CONFIG_PATH)
     tuning.save_configs(out, torch.cuda.get_device_name(dev), layout, cfgs)
-    print(json.dumps({"shape": fused_moe.shape_key(layout), "configs": cfgs, "decode_s": report["decode_s"],
-                      "prefill_s": report["prefill_s"], "default": report["default"],
-                      "gemv_vs_block_s": report["trials"].get("gemv_vs_block"), "written": out}, indent=1))
+    print(
+        json.dumps(
+            {
+                "shape": fused_moe.shape_key(layout),
+                "configs": cfgs,
+                "decode_s": report["decode_s"],
+                "prefill_s": report["prefill_s"],
+                "default": report["default"],
+                "gemv_vs_block_s": report["trials"].get("gemv_vs_block"),
+                "written": out,
+            },
+            indent=1,
+        )
+    )
     return 0

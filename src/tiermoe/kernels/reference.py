@@ -107,7 +107,9 @@ def fused_moe_ref(
     ids = topk_ids.to(torch.int64)
     for e in torch.unique(ids).tolist():
         rows, cols = (ids == e).nonzero(as_tuple=True)
-        y[rows, cols] = expert_ref(x[rows], records[e], layout, swiglu_limit) * topk_weights[rows, cols].float().unsqueeze(-1)
+        y[rows, cols] = expert_ref(x[rows], records[e], layout, swiglu_limit) * topk_weights[
+            rows, cols
+        ].float().unsqueeze(-1)
     out = y[:, 0]
     for j in range(1, k):  # pick order, as the kernel sums
         out = out + y[:, j]
@@ -155,9 +157,15 @@ def moe_align_ref(topk_ids: torch.Tensor, block_m: int, nb_max: int) -> tuple[to
 # ----------------------------------------------------------------------------- cache
 
 
-def cache_step_ref(state: dict[str, torch.Tensor], topk_ids: torch.Tensor, admit_max: int,
-                   admission_filter: bool = True, decay_shift: int = 8, scratch: tuple[int, int, int] = (0, 0, 0),
-                   lane: tuple[int, int] = (0, 0)) -> dict[str, torch.Tensor]:  # fmt: skip
+def cache_step_ref(
+    state: dict[str, torch.Tensor],
+    topk_ids: torch.Tensor,
+    admit_max: int,
+    admission_filter: bool = True,
+    decay_shift: int = 8,
+    scratch: tuple[int, int, int] = (0, 0, 0),
+    lane: tuple[int, int] = (0, 0),
+) -> dict[str, torch.Tensor]:
     """Twin of triton.cache_manager.cache_step, on a dict of CPU tensors (mutated and returned).
 
     state keys: ptr_table [E'] i64, host_addr [E] i64, slot_addr [S] i64, slot_expert [S] i32,
@@ -271,8 +279,15 @@ def gather_records_ref(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[i
 MAILBOX_CTRL, MAILBOX_POSTED, MAILBOX_NTOK, MAILBOX_DONE, MAILBOX_ERR = 16, 0, 1, 8, 9
 
 
-def mailbox_post_ref(x_host: torch.Tensor, ctrl: torch.Tensor, seq: torch.Tensor, slot: int, x: torch.Tensor,
-                     meta_host: torch.Tensor | None = None, meta: torch.Tensor | None = None) -> None:  # fmt: skip
+def mailbox_post_ref(
+    x_host: torch.Tensor,
+    ctrl: torch.Tensor,
+    seq: torch.Tensor,
+    slot: int,
+    x: torch.Tensor,
+    meta_host: torch.Tensor | None = None,
+    meta: torch.Tensor | None = None,
+) -> None:
     """Twin of Mailbox.post: x [T, H] -> x_host[slot, :T] (bf16), meta int32 [n] ->
     meta_host[slot, :n], seq[slot] += 1, ntok, posted."""
     t = x.shape[0]
@@ -284,8 +299,9 @@ def mailbox_post_ref(x_host: torch.Tensor, ctrl: torch.Tensor, seq: torch.Tensor
     ctrl[slot, MAILBOX_POSTED] = seq[slot].to(ctrl.device)
 
 
-def mailbox_wait_add_ref(result: torch.Tensor, ctrl: torch.Tensor, seq: torch.Tensor, slot: int,
-                         out: torch.Tensor) -> bool:  # fmt: skip
+def mailbox_wait_add_ref(
+    result: torch.Tensor, ctrl: torch.Tensor, seq: torch.Tensor, slot: int, out: torch.Tensor
+) -> bool:
     """Twin of Mailbox.wait_add, checked once instead of spun: if done >= seq[slot],
     out [T, H] = dtype(fp32(out) + result[slot, :T]) and True; else ERR = seq, out kept, False."""
     target = int(seq[slot])
@@ -300,9 +316,15 @@ def mailbox_wait_add_ref(result: torch.Tensor, ctrl: torch.Tensor, seq: torch.Te
 # ----------------------------------------------------------------------------- attention
 
 
-def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                               page_size: int) -> torch.Tensor:
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    page_size: int,
+) -> torch.Tensor:
     """Twin of kernels/triton/paged_attention.py: q [B, Hq, D] (one token per sequence),
     k/v_cache [slots, Hk, D], block_table [B, max_blocks], seq_lens [B] -> [B, Hq, D].
 

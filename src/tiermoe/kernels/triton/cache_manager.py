@@ -68,7 +68,7 @@ def _cache_step_kernel(
     S, E, E_TOTAL, ADMIT_MAX, lane_ids_ptr, lmark_ptr, LANE_MAX, LANE_CAP, zero_addr,
     FILTER: tl.constexpr, SHIFT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, LANE: tl.constexpr, BLOCK_L: tl.constexpr,
-):  # fmt: skip
+):
     # ---- picks: dedup in first-pick order, lookup
     offs_p = tl.arange(0, BLOCK_P)
     ok_p = offs_p < P
@@ -209,8 +209,16 @@ def _gather_kernel(src_ptr, dst_ptr, n_ptr, NPROG, WORDS: tl.constexpr, CHUNK: t
         tl.store(d + off + offs, tl.load(s + off + offs))
 
 
-def gather_records(copy_src: torch.Tensor, copy_dst: torch.Tensor, n_copy: torch.Tensor, record_bytes: int,
-                   *, chunk_bytes: int = 16384, programs: int = 264, num_warps: int = 8) -> None:  # fmt: skip
+def gather_records(
+    copy_src: torch.Tensor,
+    copy_dst: torch.Tensor,
+    n_copy: torch.Tensor,
+    record_bytes: int,
+    *,
+    chunk_bytes: int = 16384,
+    programs: int = 264,
+    num_warps: int = 8,
+) -> None:
     """Copy `n_copy[0]` records of `record_bytes` from copy_src[j] to copy_dst[j] (int64 addresses).
 
     The count stays on the device; the grid is fixed, so this is graph-capturable. Sources
@@ -234,10 +242,22 @@ class ExpertCache:
     experts (shared experts), fixed. `admit_max` bounds the misses admitted per step.
     """
 
-    def __init__(self, host_addr: torch.Tensor, slot_base: int | torch.Tensor, num_slots: int, record_bytes: int,
-                 *, extra_ptrs: torch.Tensor | None = None, admit_max: int | None = None,
-                 max_picks: int = 128, admission_filter: bool = True, decay_shift: int = 8,
-                 scratch_base: int = 0, scratch_slots: int = 0, lane_max: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        host_addr: torch.Tensor,
+        slot_base: int | torch.Tensor,
+        num_slots: int,
+        record_bytes: int,
+        *,
+        extra_ptrs: torch.Tensor | None = None,
+        admit_max: int | None = None,
+        max_picks: int = 128,
+        admission_filter: bool = True,
+        decay_shift: int = 8,
+        scratch_base: int = 0,
+        scratch_slots: int = 0,
+        lane_max: int = 0,
+    ) -> None:
         dev = host_addr.device
         e = host_addr.numel()
         self.num_experts, self.num_slots, self.record_bytes = e, int(num_slots), int(record_bytes)
@@ -280,8 +300,23 @@ class ExpertCache:
         self.gather_programs, self.gather_chunk, self.gather_warps = 264, 16384, 8
 
     def state(self) -> dict[str, torch.Tensor]:
-        names = ("ptr_table", "host_addr", "slot_addr", "slot_expert", "expert_slot", "ref", "clock",
-                 "copy_src", "copy_dst", "n_copy", "stats", "freq", "step_table", "lane_ids", "lmark")  # fmt: skip
+        names = (
+            "ptr_table",
+            "host_addr",
+            "slot_addr",
+            "slot_expert",
+            "expert_slot",
+            "ref",
+            "clock",
+            "copy_src",
+            "copy_dst",
+            "n_copy",
+            "stats",
+            "freq",
+            "step_table",
+            "lane_ids",
+            "lmark",
+        )
         return {n: getattr(self, n) for n in names}
 
     def warm_start(self, experts: list[int]) -> list[tuple[int, int]]:
@@ -333,8 +368,15 @@ class ExpertCache:
         self.slot_expert[start:] = held
         src = torch.where(held >= 0, self.host_addr[held.clamp(min=0).long()], slot_addr)  # [n]
         count = torch.full((1,), n, dtype=torch.int32, device=held.device)
-        gather_records(src, slot_addr.clone(), count, self.record_bytes, chunk_bytes=self.gather_chunk,
-                       programs=self.gather_programs, num_warps=self.gather_warps)  # fmt: skip
+        gather_records(
+            src,
+            slot_addr.clone(),
+            count,
+            self.record_bytes,
+            chunk_bytes=self.gather_chunk,
+            programs=self.gather_programs,
+            num_warps=self.gather_warps,
+        )
 
     def _set_rows(self, experts: torch.Tensor, slots: torch.Tensor, addrs: torch.Tensor) -> None:
         """expert_slot[e] = slots[i] and ptr_table[e] = addrs[i] for each e = experts[i] >= 0
@@ -359,8 +401,15 @@ class ExpertCache:
     def gather(self) -> None:
         """Copy the last step's admitted and staged records host -> GPU (sized on the device)."""
         if self.num_slots or self.scratch_slots:
-            gather_records(self.copy_src, self.copy_dst, self.n_copy, self.record_bytes, chunk_bytes=self.gather_chunk,
-                           programs=self.gather_programs, num_warps=self.gather_warps)  # fmt: skip
+            gather_records(
+                self.copy_src,
+                self.copy_dst,
+                self.n_copy,
+                self.record_bytes,
+                chunk_bytes=self.gather_chunk,
+                programs=self.gather_programs,
+                num_warps=self.gather_warps,
+            )
 
 
 def cache_step(cache: ExpertCache, topk_ids: torch.Tensor, *, lane: bool = False) -> None:
@@ -376,13 +425,44 @@ def cache_step(cache: ExpertCache, topk_ids: torch.Tensor, *, lane: bool = False
     bp = max(16, triton.next_power_of_2(p))
     bs = max(16, triton.next_power_of_2(max(cache.num_slots, 1)))
     _cache_step_kernel[(1,)](
-        ids, p, cache.ptr_table, cache.host_addr, cache.slot_addr, cache.slot_expert, cache.expert_slot,
-        cache.ref, cache.clock, cache.emark, cache.victims, cache.copy_src, cache.copy_dst, cache.n_copy,
-        cache.stats, cache.freq, cache.step_table, cache.smark, cache.saddr, cache.scratch_base, cache.scratch_slots,
-        cache.record_bytes, cache.num_slots, cache.num_experts, cache.ptr_table.numel(), cache.admit_max,
-        cache.lane_ids, cache.lmark, cache.lane_max, cache.lane_cap, cache.zero_addr,
-        FILTER=cache.admission_filter, SHIFT=cache.decay_shift, BLOCK_P=bp, BLOCK_S=bs, LANE=lane,
+        ids,
+        p,
+        cache.ptr_table,
+        cache.host_addr,
+        cache.slot_addr,
+        cache.slot_expert,
+        cache.expert_slot,
+        cache.ref,
+        cache.clock,
+        cache.emark,
+        cache.victims,
+        cache.copy_src,
+        cache.copy_dst,
+        cache.n_copy,
+        cache.stats,
+        cache.freq,
+        cache.step_table,
+        cache.smark,
+        cache.saddr,
+        cache.scratch_base,
+        cache.scratch_slots,
+        cache.record_bytes,
+        cache.num_slots,
+        cache.num_experts,
+        cache.ptr_table.numel(),
+        cache.admit_max,
+        cache.lane_ids,
+        cache.lmark,
+        cache.lane_max,
+        cache.lane_cap,
+        cache.zero_addr,
+        FILTER=cache.admission_filter,
+        SHIFT=cache.decay_shift,
+        BLOCK_P=bp,
+        BLOCK_S=bs,
+        LANE=lane,
         BLOCK_L=max(16, triton.next_power_of_2(cache.lane_cap)),
         BLOCK_E=max(16, triton.next_power_of_2(cache.num_experts)),
-        BLOCK_T=max(16, triton.next_power_of_2(cache.ptr_table.numel())), num_warps=4 if bp * bp <= 8192 else 8,
-    )  # fmt: skip
+        BLOCK_T=max(16, triton.next_power_of_2(cache.ptr_table.numel())),
+        num_warps=4 if bp * bp <= 8192 else 8,
+    )

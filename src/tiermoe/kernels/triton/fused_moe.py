@@ -251,7 +251,14 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
         ids = topk_ids.reshape(-1).to(torch.int32)
         bp = max(16, triton.next_power_of_2(p))
         _align_small_kernel[(1,)](
-            ids, p, sorted_pairs, block_expert, nb, BM=block_m, BLOCK_P=bp, BLOCK_NB=max(16, triton.next_power_of_2(nb)),
+            ids,
+            p,
+            sorted_pairs,
+            block_expert,
+            nb,
+            BM=block_m,
+            BLOCK_P=bp,
+            BLOCK_NB=max(16, triton.next_power_of_2(nb)),
             num_warps=4 if bp <= 64 else 8,
         )
         return sorted_pairs, block_expert
@@ -346,7 +353,9 @@ def _check_config_fields(layout: ExpertLayout, cfg: dict) -> None:
         if n % c["BN"] or kd % c["BK"]:
             raise ValueError(f"{stage}: BN={c['BN']}/BK={c['BK']} must divide N={n}/K={kd}")
         if c["BK"] < _min_block_k(layout):
-            raise ValueError(f"{stage}: BK={c['BK']} is below {_min_block_k(layout)} for {layout.kind} (the dot needs K >= 16)")
+            raise ValueError(
+                f"{stage}: BK={c['BK']} is below {_min_block_k(layout)} for {layout.kind} (the dot needs K >= 16)"
+            )
         if layout.kind != "bf16" and layout.group_size % c["BK"] and c["BK"] % layout.group_size:
             raise ValueError(f"{stage}: BK={c['BK']} and the group size {layout.group_size} must divide one another")
     if cfg["gate_up"]["BM"] != cfg["down"]["BM"]:
@@ -404,16 +413,56 @@ def fused_moe(
     s_dn = max(layout.down_s, 0)
     c = cfg["gate_up"]
     _moe_gemm_kernel[(nb, i // c["BN"])](
-        x, act, sorted_pairs, block_expert, ptr_table, w, p, k, float(swiglu_limit or 0.0),
-        Q_OFF=layout.gate_up_q, S_OFF=s_gu, N=i, KD=h, G=g, KIND=kind, GATED=True, CLAMP=swiglu_limit is not None,
-        BM=bm, BN=c["BN"], BK=c["BK"], DOT_F32=_INTERPRET, num_warps=c["num_warps"], num_stages=c["num_stages"],
-    )  # fmt: skip
+        x,
+        act,
+        sorted_pairs,
+        block_expert,
+        ptr_table,
+        w,
+        p,
+        k,
+        float(swiglu_limit or 0.0),
+        Q_OFF=layout.gate_up_q,
+        S_OFF=s_gu,
+        N=i,
+        KD=h,
+        G=g,
+        KIND=kind,
+        GATED=True,
+        CLAMP=swiglu_limit is not None,
+        BM=bm,
+        BN=c["BN"],
+        BK=c["BK"],
+        DOT_F32=_INTERPRET,
+        num_warps=c["num_warps"],
+        num_stages=c["num_stages"],
+    )
     c = cfg["down"]
     _moe_gemm_kernel[(nb, h // c["BN"])](
-        act, y, sorted_pairs, block_expert, ptr_table, w, p, 1, 0.0,
-        Q_OFF=layout.down_q, S_OFF=s_dn, N=h, KD=i, G=g, KIND=kind, GATED=False, CLAMP=False,
-        BM=bm, BN=c["BN"], BK=c["BK"], DOT_F32=_INTERPRET, num_warps=c["num_warps"], num_stages=c["num_stages"],
-    )  # fmt: skip
+        act,
+        y,
+        sorted_pairs,
+        block_expert,
+        ptr_table,
+        w,
+        p,
+        1,
+        0.0,
+        Q_OFF=layout.down_q,
+        S_OFF=s_dn,
+        N=h,
+        KD=i,
+        G=g,
+        KIND=kind,
+        GATED=False,
+        CLAMP=False,
+        BM=bm,
+        BN=c["BN"],
+        BK=c["BK"],
+        DOT_F32=_INTERPRET,
+        num_warps=c["num_warps"],
+        num_stages=c["num_stages"],
+    )
     return _sum_pairs(y, t, k, h, out)
 
 

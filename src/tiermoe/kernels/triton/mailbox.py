@@ -64,8 +64,14 @@ DEFAULT_MAX_SPINS = 1 << 22  # on a GPU a poll crosses PCIe (about 1 us): second
 @triton.jit
 def _release_store(ptr, val, ASM: tl.constexpr):
     if ASM:
-        tl.inline_asm_elementwise("st.release.sys.global.b64 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,l", [ptr, val],
-                                  dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+        tl.inline_asm_elementwise(
+            "st.release.sys.global.b64 [$1], $2;\n\tmov.u32 $0, 0;",
+            "=r,l,l",
+            [ptr, val],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
     else:
         tl.atomic_xchg(ptr, val, sem="release", scope="sys")
 
@@ -73,8 +79,9 @@ def _release_store(ptr, val, ASM: tl.constexpr):
 @triton.jit
 def _acquire_load(ptr, ASM: tl.constexpr):
     if ASM:
-        v = tl.inline_asm_elementwise("ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptr],
-                                      dtype=tl.int64, is_pure=False, pack=1)  # fmt: skip
+        v = tl.inline_asm_elementwise(
+            "ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64, is_pure=False, pack=1
+        )
     else:
         v = tl.load(ptr, volatile=True)
     return v
@@ -99,9 +106,23 @@ def _to_out(v, OUT_BF16: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["ntok", "slot", "n_meta"])  # T = 1 would otherwise become a constant int
-def _post_kernel(x_ptr, n_elem, ntok, seq_ptr, slot, req_addr, ctrl_addr, meta_ptr, n_meta, meta_addr,
-                 POSTED: tl.constexpr, NTOK: tl.constexpr, X_BF16: tl.constexpr, BLOCK: tl.constexpr,
-                 ASM: tl.constexpr):  # fmt: skip
+def _post_kernel(
+    x_ptr,
+    n_elem,
+    ntok,
+    seq_ptr,
+    slot,
+    req_addr,
+    ctrl_addr,
+    meta_ptr,
+    n_meta,
+    meta_addr,
+    POSTED: tl.constexpr,
+    NTOK: tl.constexpr,
+    X_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ASM: tl.constexpr,
+):
     """One program: x (n_elem values) and meta (n_meta int32 words) -> the slot's request and
     meta areas, seq[slot] += 1, then posted = seq."""
     req = req_addr.to(tl.int64).to(tl.pointer_type(tl.bfloat16))
@@ -126,8 +147,7 @@ def _post_kernel(x_ptr, n_elem, ntok, seq_ptr, slot, req_addr, ctrl_addr, meta_p
 
 
 @triton.jit(do_not_specialize=["slot"])
-def _wait_kernel(seq_ptr, slot, ok_ptr, ctrl_addr, max_spins, DONE: tl.constexpr, ERR: tl.constexpr,
-                 ASM: tl.constexpr):  # fmt: skip
+def _wait_kernel(seq_ptr, slot, ok_ptr, ctrl_addr, max_spins, DONE: tl.constexpr, ERR: tl.constexpr, ASM: tl.constexpr):
     """One program of one warp spins until done >= seq[slot] (bounded); ok[slot] = 1 or 0.
 
     One poller on purpose: every warp that reads the same host word costs a serialized trip
@@ -166,8 +186,9 @@ class Mailbox:
     with x (the CPU lane's routing), copied by the same kernel before the release.
     """
 
-    def __init__(self, slots: int, hidden: int, max_tokens: int, device: torch.device | str,
-                 meta_words: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self, slots: int, hidden: int, max_tokens: int, device: torch.device | str, meta_words: int = 0
+    ) -> None:
         self.slots, self.hidden, self.max_tokens = int(slots), int(hidden), int(max_tokens)
         self.meta_words = int(meta_words)
         self.device = torch.device(device)
@@ -212,14 +233,34 @@ class Mailbox:
         if meta is None:
             meta, n_meta = self.seq, 0  # any device tensor: nothing is read
         else:
-            if meta.dtype != torch.int32 or meta.dim() != 1 or not meta.is_contiguous() or meta.device != self.seq.device:
+            if (
+                meta.dtype != torch.int32
+                or meta.dim() != 1
+                or not meta.is_contiguous()
+                or meta.device != self.seq.device
+            ):
                 raise ValueError(f"meta must be a contiguous 1-D int32 tensor on {self.seq.device}")
             if meta.numel() > self.meta_words:
                 raise ValueError(f"meta of {meta.numel()} words exceeds meta_words={self.meta_words}")
             n_meta = meta.numel()
-        _post_kernel[(1,)](x, x.numel(), x.shape[0], self.seq, slot, self._req_addr(slot), self._ctrl_addr(slot),
-                           meta, n_meta, self._meta_addr(slot), POSTED=MAILBOX_POSTED, NTOK=MAILBOX_NTOK,
-                           X_BF16=x.dtype == torch.bfloat16, BLOCK=1024, ASM=self._asm, num_warps=4)  # fmt: skip
+        _post_kernel[(1,)](
+            x,
+            x.numel(),
+            x.shape[0],
+            self.seq,
+            slot,
+            self._req_addr(slot),
+            self._ctrl_addr(slot),
+            meta,
+            n_meta,
+            self._meta_addr(slot),
+            POSTED=MAILBOX_POSTED,
+            NTOK=MAILBOX_NTOK,
+            X_BF16=x.dtype == torch.bfloat16,
+            BLOCK=1024,
+            ASM=self._asm,
+            num_warps=4,
+        )
 
     def wait_add(self, slot: int, out: torch.Tensor, max_spins: int = DEFAULT_MAX_SPINS) -> None:
         """out [T, H] (bf16 or fp32) += the host's answer to this slot's last post, in place."""
@@ -227,12 +268,30 @@ class Mailbox:
         if out.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"out must be bf16 or fp32, got {out.dtype}")
         n = out.numel()
-        _wait_kernel[(1,)](self.seq, slot, self.ok, self._ctrl_addr(slot), int(max_spins), DONE=MAILBOX_DONE,
-                           ERR=MAILBOX_ERR, ASM=self._asm, num_warps=1)  # fmt: skip
+        _wait_kernel[(1,)](
+            self.seq,
+            slot,
+            self.ok,
+            self._ctrl_addr(slot),
+            int(max_spins),
+            DONE=MAILBOX_DONE,
+            ERR=MAILBOX_ERR,
+            ASM=self._asm,
+            num_warps=1,
+        )
         block = 4096 if _INTERPRET else 1024
         nprog = min(triton.cdiv(n, block), 4 if _INTERPRET else 64)
-        _add_kernel[(nprog,)](out, n, self.ok, slot, self._res_addr(slot), nprog,
-                              OUT_BF16=out.dtype == torch.bfloat16, BLOCK=block, num_warps=4)  # fmt: skip
+        _add_kernel[(nprog,)](
+            out,
+            n,
+            self.ok,
+            slot,
+            self._res_addr(slot),
+            nprog,
+            OUT_BF16=out.dtype == torch.bfloat16,
+            BLOCK=block,
+            num_warps=4,
+        )
 
     # ---------------------------------------------------------------- host-side views
     def posted(self) -> np.ndarray:
@@ -269,9 +328,16 @@ class MailboxServer:
     (failed ones included); once the device has seen an answer, it is counted.
     """
 
-    def __init__(self, mailbox: Mailbox, compute_fn: Callable[[int, torch.Tensor], torch.Tensor], threads: int = 0,
-                 *, spin_s: float = 2e-3, max_sleep_s: float = 5e-4,
-                 active: threading.Event | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        mailbox: Mailbox,
+        compute_fn: Callable[[int, torch.Tensor], torch.Tensor],
+        threads: int = 0,
+        *,
+        spin_s: float = 2e-3,
+        max_sleep_s: float = 5e-4,
+        active: threading.Event | None = None,
+    ) -> None:
         self.mb, self.compute_fn, self.threads = mailbox, compute_fn, int(threads)
         self.active = active
         self.spin_s, self.max_sleep_s = float(spin_s), float(max_sleep_s)

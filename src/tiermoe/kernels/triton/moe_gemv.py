@@ -53,7 +53,7 @@ def _dequant_nk(qf, s_row, k0, BN: tl.constexpr, C: tl.constexpr, G: tl.constexp
 
 @triton.jit
 def _dot_rows(wp, sp, a_ptr, offs_n, k0, KD: tl.constexpr, G: tl.constexpr, KIND: tl.constexpr,
-              BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+              BN: tl.constexpr, BK: tl.constexpr):
     """[BN, BK or BK/2] fp32 products of one K tile: rows offs_n of the matrix at wp (scales at
     sp) times the activation row at a_ptr (columns k0 .. k0 + BK)."""
     n64 = offs_n.to(tl.int64)
@@ -149,11 +149,21 @@ def check_gemv_config(layout: ExpertLayout, cfg: dict) -> None:
         if n % c["BN"] or kd % c["BK"] or (layout.kind == "int4" and c["BK"] < 2):
             raise ValueError(f"gemv {stage}: BN={c['BN']}/BK={c['BK']} must divide N={n}/K={kd}")
         if layout.kind != "bf16" and layout.group_size % c["BK"] and c["BK"] % layout.group_size:
-            raise ValueError(f"gemv {stage}: BK={c['BK']} and the group size {layout.group_size} must divide one another")
+            raise ValueError(
+                f"gemv {stage}: BK={c['BK']} and the group size {layout.group_size} must divide one another"
+            )
 
 
-def moe_projections_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ptr_table: torch.Tensor,
-                         layout: ExpertLayout, cfg: dict, k: int, swiglu_limit: float | None) -> torch.Tensor:  # fmt: skip
+def moe_projections_gemv(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    ptr_table: torch.Tensor,
+    layout: ExpertLayout,
+    cfg: dict,
+    k: int,
+    swiglu_limit: float | None,
+) -> torch.Tensor:
     """The gated and down projections of every pick: y fp32 [P, H] (routing weight applied).
 
     x [T, H] bf16; ids [P] int32 pointer-table rows (P = T * k, pick order); weights [P] fp32.
@@ -170,10 +180,25 @@ def moe_projections_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
         c = cfg[stage]
         q_off, s_off = (layout.gate_up_q, layout.gate_up_s) if gated else (layout.down_q, layout.down_s)
         _moe_gemv_kernel[(p, n // c["BN"])](
-            a, out, ids, ptr_table, weights, a_div, float(swiglu_limit or 0.0),
-            Q_OFF=q_off, S_OFF=max(s_off, 0), N=n, KD=kd, G=g, KIND=kind, GATED=gated,
-            CLAMP=gated and swiglu_limit is not None, BN=c["BN"], BK=c["BK"],
+            a,
+            out,
+            ids,
+            ptr_table,
+            weights,
+            a_div,
+            float(swiglu_limit or 0.0),
+            Q_OFF=q_off,
+            S_OFF=max(s_off, 0),
+            N=n,
+            KD=kd,
+            G=g,
+            KIND=kind,
+            GATED=gated,
+            CLAMP=gated and swiglu_limit is not None,
+            BN=c["BN"],
+            BK=c["BK"],
             KW=1 if c.get("acc") == "row" else c["BK"] // 2 if kind == 1 else c["BK"],
-            num_warps=c["num_warps"], num_stages=c["num_stages"],
-        )  # fmt: skip
+            num_warps=c["num_warps"],
+            num_stages=c["num_stages"],
+        )
     return y

@@ -152,6 +152,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _split_kernel[(bsz, hk, splits)](
         q, k_cache, v_cache, block_table, seq_lens, acc, ml, float(scale),
         MAX_BLOCKS=max_blocks, HQ=hq, HK=hk, D=dim, BD=bd, G=g, BG=bg, PAGE=page_size, S=splits, DOT_F32=dot_f32,
-    )  # fmt: skip
+    )
     _merge_kernel[(bsz * hq,)](acc, ml, out, D=dim, BD=bd, S=splits, BS=max(2, triton.next_power_of_2(splits)))
     return out

@@ -24,8 +24,11 @@ def _decode_candidates(layout: ExpertLayout) -> list[dict]:
     """Most promising first: a deadline cuts the tail."""
     g = layout.group_size or 128
     shapes = [(32, 128, 4, 4), (64, 128, 4, 4), (16, 128, 4, 4), (32, 64, 4, 4), (64, 128, 8, 3), (32, 128, 4, 2)]
-    return [{"BM": 16, "BN": bn, "BK": bk, "num_warps": nw, "num_stages": ns}
-            for bn, bk, nw, ns in shapes if _fits(layout, bn, bk, g)]  # fmt: skip
+    return [
+        {"BM": 16, "BN": bn, "BK": bk, "num_warps": nw, "num_stages": ns}
+        for bn, bk, nw, ns in shapes
+        if _fits(layout, bn, bk, g)
+    ]
 
 
 def _gemv_candidates(layout: ExpertLayout) -> list[dict]:
@@ -34,30 +37,54 @@ def _gemv_candidates(layout: ExpertLayout) -> list[dict]:
     # (BN, BK, warps, stages, accumulator): "tile" keeps [BN, BK] fp32 tiles and reduces once
     # (more registers a thread), "row" reduces each tile as it comes (fewer registers, so more
     # blocks an SM in flight, but more shuffles); which wins is measured here
-    shapes = [(32, 256, 4, 3, "tile"), (16, 256, 4, 3, "tile"), (32, 256, 4, 3, "row"), (64, 256, 4, 3, "row"),
-              (64, 128, 4, 3, "tile"), (16, 512, 4, 3, "row"), (128, 256, 8, 3, "row"), (8, 512, 2, 3, "tile")]  # fmt: skip
-    return [{"BN": bn, "BK": bk, "num_warps": nw, "num_stages": ns, "acc": acc}
-            for bn, bk, nw, ns, acc in shapes if _fits(layout, bn, bk, g)]  # fmt: skip
+    shapes = [
+        (32, 256, 4, 3, "tile"),
+        (16, 256, 4, 3, "tile"),
+        (32, 256, 4, 3, "row"),
+        (64, 256, 4, 3, "row"),
+        (64, 128, 4, 3, "tile"),
+        (16, 512, 4, 3, "row"),
+        (128, 256, 8, 3, "row"),
+        (8, 512, 2, 3, "tile"),
+    ]
+    return [
+        {"BN": bn, "BK": bk, "num_warps": nw, "num_stages": ns, "acc": acc}
+        for bn, bk, nw, ns, acc in shapes
+        if _fits(layout, bn, bk, g)
+    ]
 
 
 def _fits(layout: ExpertLayout, bn: int, bk: int, g: int) -> bool:
     """Does a BN x BK tile divide both matrices, with K tiles within or across whole groups?"""
-    dims_ok = all(n % bn == 0 and k % bk == 0 for n, k in ((layout.inter, layout.hidden), (layout.hidden, layout.inter)))
+    dims_ok = all(
+        n % bn == 0 and k % bk == 0 for n, k in ((layout.inter, layout.hidden), (layout.hidden, layout.inter))
+    )
     return dims_ok and (layout.kind == "bf16" or g % bk == 0 or bk % g == 0)
 
 
 def _prefill_candidates(layout: ExpertLayout, bm: int) -> list[dict]:
-    shapes = [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3)] if bm == 64 else \
-        [(128, 64, 8, 3), (128, 32, 8, 4)]
-    return [{"BM": bm, "BN": bn, "BK": bk, "num_warps": nw, "num_stages": ns} for bn, bk, nw, ns in shapes
-            if _fits(layout, bn, bk, layout.group_size or 128)]
+    shapes = (
+        [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3)]
+        if bm == 64
+        else [(128, 64, 8, 3), (128, 32, 8, 4)]
+    )
+    return [
+        {"BM": bm, "BN": bn, "BK": bk, "num_warps": nw, "num_stages": ns}
+        for bn, bk, nw, ns in shapes
+        if _fits(layout, bn, bk, layout.group_size or 128)
+    ]
 
 
 def _sample(pop: torch.Tensor, tokens: int, k: int, gen: torch.Generator, shared_row: int):
     ids = torch.multinomial(pop.expand(tokens, -1).contiguous(), k, False, generator=gen)
     ids = torch.cat([ids, torch.full((tokens, 1), shared_row, device=pop.device)], 1).to(torch.int32)
-    w = torch.cat([torch.softmax(torch.rand(tokens, k, device=pop.device, generator=gen), -1),
-                   torch.ones(tokens, 1, device=pop.device)], 1)  # fmt: skip
+    w = torch.cat(
+        [
+            torch.softmax(torch.rand(tokens, k, device=pop.device, generator=gen), -1),
+            torch.ones(tokens, 1, device=pop.device),
+        ],
+        1,
+    )
     return ids, w
 
 
@@ -97,8 +124,16 @@ def _time_prefill(layout, table, pop, k, cfg, tokens, gen) -> float:
     return a.elapsed_time(b) / 1e3 / 3
 
 
-def tune(layout: ExpertLayout, records: torch.Tensor, pop: torch.Tensor, top_k: int, prefill_tokens: int,
-         gen: torch.Generator, time_budget_s: float = 90.0, log=print) -> tuple[dict, dict]:  # fmt: skip
+def tune(
+    layout: ExpertLayout,
+    records: torch.Tensor,
+    pop: torch.Tensor,
+    top_k: int,
+    prefill_tokens: int,
+    gen: torch.Generator,
+    time_budget_s: float = 90.0,
+    log=print,
+) -> tuple[dict, dict]:
     """Best {"decode": cfg, "prefill": cfg} for records uint8 [E, R] on the GPU; plus a report."""
     e_n = records.shape[0]
     table = records.data_ptr() + torch.arange(e_n + 1, device=records.device, dtype=torch.int64) * layout.length
@@ -128,13 +163,17 @@ def tune(layout: ExpertLayout, records: torch.Tensor, pop: torch.Tensor, top_k: 
         return best, best_t
 
     def dec_timer(cfg):
-        return _time_decode(layout, table, pop, top_k, cfg, 1, gen) + _time_decode(layout, table, pop, top_k, cfg, 4, gen)
+        return _time_decode(layout, table, pop, top_k, cfg, 1, gen) + _time_decode(
+            layout, table, pop, top_k, cfg, 4, gen
+        )
 
     dec, dec_t = search("decode", default_config(layout, 1), _decode_candidates(layout), dec_timer)
     log(f"tune decode: {dec} ({dec_t * 1e6:.1f} us for T=1 + T=4)")
     pre_best, pre_t, pre_default_t = None, float("inf"), None
     if prefill_tokens:
-        pre_default_t = _time_prefill(layout, table, pop, top_k, default_config(layout, prefill_tokens), prefill_tokens, gen)
+        pre_default_t = _time_prefill(
+            layout, table, pop, top_k, default_config(layout, prefill_tokens), prefill_tokens, gen
+        )
         for bm in (64, 128):
             base = default_config(layout, prefill_tokens)
             base = {s: {**c, "BM": bm} for s, c in base.items()}
@@ -152,8 +191,16 @@ def tune(layout: ExpertLayout, records: torch.Tensor, pop: torch.Tensor, top_k: 
     return out, {"decode_s": dec_t, "prefill_s": pre_t if pre_best else None, "default": defaults, "trials": report}
 
 
-def _tune_gemv(layout: ExpertLayout, table: torch.Tensor, pop: torch.Tensor, top_k: int, block_cfg: dict,
-               gen: torch.Generator, deadline: float, report: dict) -> dict | None:  # fmt: skip
+def _tune_gemv(
+    layout: ExpertLayout,
+    table: torch.Tensor,
+    pop: torch.Tensor,
+    top_k: int,
+    block_cfg: dict,
+    gen: torch.Generator,
+    deadline: float,
+    report: dict,
+) -> dict | None:
     """The best matrix-vector configuration at T = 1 and the most tokens up to which it beats the
     block kernel's `block_cfg` (tried at 2, 4, 8, 16), or None where it never does."""
     cands = _gemv_candidates(layout)
@@ -198,7 +245,9 @@ def _tune_gemv(layout: ExpertLayout, table: torch.Tensor, pop: torch.Tensor, top
     return {**best, "max_tokens": max_tokens}
 
 
-def save_configs(path: str | Path, device_name: str, layout: ExpertLayout, cfgs: dict, base: str | Path = CONFIG_PATH) -> None:
+def save_configs(
+    path: str | Path, device_name: str, layout: ExpertLayout, cfgs: dict, base: str | Path = CONFIG_PATH
+) -> None:
     """Merge `cfgs` into the JSON at `base` (the package's) and write it to `path`."""
     try:
         data = json.loads(Path(base).read_text())
