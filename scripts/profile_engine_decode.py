@@ -108,7 +108,7 @@ def main() -> int:
     if args.prefill_tokens:  # one prefill chunk of that many tokens: wall time and top kernels
         for tag in ("warm", "timed"):
             eng.add_request(f"p-{tag}", [rng.randrange(eng.vocab_size) for _ in range(args.prefill_tokens)],
-                            SamplingParams(max_tokens=1, ignore_eos=True))  # fmt: skip
+                            SamplingParams(max_tokens=1, ignore_eos=True))
             sync()
             a = time.perf_counter()
             if tag == "timed":

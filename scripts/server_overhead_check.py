@@ -79,8 +79,12 @@ def main() -> int:
 
     tok = build_tokenizer()
     words = " ".join(f"w{i}" for i in range(4 * a.tokens))
-    core = ScriptedEngineCore(tokenizer=tok, script=lambda prompt: ScriptedReply(content=words),
-                              step_delay_s=a.step_ms / 1e3, max_model_len=16 * a.tokens + 4096)  # fmt: skip
+    core = ScriptedEngineCore(
+        tokenizer=tok,
+        script=lambda prompt: ScriptedReply(content=words),
+        step_delay_s=a.step_ms / 1e3,
+        max_model_len=16 * a.tokens + 4096,
+    )
     scripted_step = core.step
 
     def step():
@@ -118,8 +122,9 @@ def main() -> int:
             # on the server's own event loop (the engine delivers there), with no HTTP request open
             stamps = asyncio.run_coroutine_threadsafe(in_process(), engine._loop).result(timeout=300)
             results["in-process"] += gaps_ms(stamps)
-            out = subprocess.run([sys.executable, "-c", CLIENT, srv.url, str(a.tokens)], capture_output=True,
-                                 text=True, timeout=300)  # fmt: skip
+            out = subprocess.run(
+                [sys.executable, "-c", CLIENT, srv.url, str(a.tokens)], capture_output=True, text=True, timeout=300
+            )
             if out.returncode != 0:
                 print(f"server_overhead_check: client failed: {out.stderr.strip()[-300:]}", file=sys.stderr)
                 return 1
@@ -127,8 +132,10 @@ def main() -> int:
     base = statistics.median(results["in-process"])
     for name, gaps in results.items():
         print(f"{name:10s} {summary(gaps)}")
-    print(f"server adds {statistics.median(results['HTTP']) - base:.2f} ms per token (medians), "
-          f"step: {a.busy_ms} ms Python + {a.step_ms} ms sleep")
+    print(
+        f"server adds {statistics.median(results['HTTP']) - base:.2f} ms per token (medians), "
+        f"step: {a.busy_ms} ms Python + {a.step_ms} ms sleep"
+    )
     return 0
 
 

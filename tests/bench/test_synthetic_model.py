@@ -85,7 +85,10 @@ def test_gguf_has_llama_cpp_qwen3moe_layout(model):
         assert x.tensor_type == T.Q4_0 and list(x.shape) == ne  # ggml order: [in, out, experts]
     assert t["blk.0.attn_q.weight"].tensor_type == T.BF16 and list(t["blk.0.attn_q.weight"].shape) == [256, 256]
     assert t["blk.0.attn_k.weight"].tensor_type == T.BF16 and list(t["blk.0.attn_k.weight"].shape) == [256, 128]
-    assert t["blk.0.ffn_gate_inp.weight"].tensor_type == T.F32 and list(t["blk.0.ffn_gate_inp.weight"].shape) == [256, 16]
+    assert t["blk.0.ffn_gate_inp.weight"].tensor_type == T.F32 and list(t["blk.0.ffn_gate_inp.weight"].shape) == [
+        256,
+        16,
+    ]
     assert t["blk.0.attn_q_norm.weight"].tensor_type == T.F32 and list(t["blk.0.attn_q_norm.weight"].shape) == [64]
     assert list(t["token_embd.weight"].shape) == [256, vocab] and list(t["output.weight"].shape) == [256, vocab]
 
@@ -131,8 +134,14 @@ def test_separate_runs_write_the_same_weights(model, tmp_path):
     both = json.loads((model / "synthetic-store.json").read_text())["weights_sha256"]
     assert meta["weights_sha256"] == both
     assert (tmp_path / "model.gguf").read_bytes() == (model / "model.gguf").read_bytes()
-    other = make_synthetic(tmp_path / "seed4", SyntheticSpec(**{**SMALL.__dict__, "seed": 4}), formats=["gguf"],
-                           device="cpu", progress=False, log=lambda _m: None)
+    other = make_synthetic(
+        tmp_path / "seed4",
+        SyntheticSpec(**{**SMALL.__dict__, "seed": 4}),
+        formats=["gguf"],
+        device="cpu",
+        progress=False,
+        log=lambda _m: None,
+    )
     assert other["weights_sha256"] != both
 
 
@@ -164,9 +173,13 @@ def test_report_comparison_rows():
     rep = _load_script("report")
 
     def sweep(pre, c1, c4):
-        return {"prefill": [{"target_tokens": 4096, "median_tok_s": pre}],
-                "decode": [{"concurrency": 1, "per_stream_tok_s": c1, "aggregate_tok_s": c1},
-                           {"concurrency": 4, "per_stream_tok_s": c4 / 4, "aggregate_tok_s": c4}]}
+        return {
+            "prefill": [{"target_tokens": 4096, "median_tok_s": pre}],
+            "decode": [
+                {"concurrency": 1, "per_stream_tok_s": c1, "aggregate_tok_s": c1},
+                {"concurrency": 4, "per_stream_tok_s": c4 / 4, "aggregate_tok_s": c4},
+            ],
+        }
 
     floors = {"tiermoe-exact": {"tok_s": 120.0, "gpu_share": 0.95}, "llamacpp": {"tok_s": 40.0, "gpu_share": 1 / 3}}
     lines = rep.comparison({"tiermoe-exact": sweep(900.0, 30.0, 80.0), "llamacpp": sweep(1000.0, 20.0, 60.0)}, floors)
@@ -176,8 +189,10 @@ def test_report_comparison_rows():
     # each engine against the floor of its own expert placement
     assert "| expert reads from HBM (the floor's split) | 95.0 % | 33.3 % | |" in table
     assert "| C1 per-stream / floor (tok/s) | 25 % of 120.0 | 50 % of 40.0 | |" in table
-    share = rep.slot_hit_share({"engine": {"experts": {"slots": {"hits": 130, "misses": 10}}}},
-                               {"engine": {"experts": {"slots": {"hits": 30, "misses": 5}}}})
+    share = rep.slot_hit_share(
+        {"engine": {"experts": {"slots": {"hits": 130, "misses": 10}}}},
+        {"engine": {"experts": {"slots": {"hits": 30, "misses": 5}}}},
+    )
     assert share == 100 / 105 and rep.slot_hit_share({}, None) is None
     assert "Rows where tiermoe is not ahead: prefill 4096" in table
     assert rep.vram_peak_mib(Path("/nonexistent")) is None
@@ -185,11 +200,31 @@ def test_report_comparison_rows():
 
 def test_greedy_agreement_reads_both_logprobs_shapes():
     greedy = _load_script("greedy")
-    legacy = {"text": "ab", "logprobs": {"tokens": ["a", "b"], "token_logprobs": [-0.1, -0.2],
-                                         "top_logprobs": [{"a": -0.1, "x": -2.0}, {"b": -0.2, "y": -3.0}]}}
-    chat = {"text": "ac", "logprobs": {"content": [
-        {"token": "a", "logprob": -0.15, "top_logprobs": [{"token": "a", "logprob": -0.15}, {"token": "x", "logprob": -2.1}]},
-        {"token": "c", "logprob": -0.3, "top_logprobs": [{"token": "c", "logprob": -0.3}, {"token": "b", "logprob": -0.4}]}]}}
+    legacy = {
+        "text": "ab",
+        "logprobs": {
+            "tokens": ["a", "b"],
+            "token_logprobs": [-0.1, -0.2],
+            "top_logprobs": [{"a": -0.1, "x": -2.0}, {"b": -0.2, "y": -3.0}],
+        },
+    }
+    chat = {
+        "text": "ac",
+        "logprobs": {
+            "content": [
+                {
+                    "token": "a",
+                    "logprob": -0.15,
+                    "top_logprobs": [{"token": "a", "logprob": -0.15}, {"token": "x", "logprob": -2.1}],
+                },
+                {
+                    "token": "c",
+                    "logprob": -0.3,
+                    "top_logprobs": [{"token": "c", "logprob": -0.3}, {"token": "b", "logprob": -0.4}],
+                },
+            ]
+        },
+    }
     one = {"items": [{"text": legacy["text"], "tokens": greedy.normalize(legacy)}]}
     two = {"items": [{"text": chat["text"], "tokens": greedy.normalize(chat)}]}
     c = greedy.compare(one, two)

@@ -30,7 +30,9 @@ def register(bench_subparsers) -> None:
     p = bench_subparsers.add_parser("mtp", help="MTP speculative decoding at batch 1: acceptance, speed-up, exactness")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory or packed store with MTP weights")
-    src.add_argument("--tiny", metavar="ARCH", choices=("glm5_next",), help="a tiny glm5_next with a distilled MTP layer")
+    src.add_argument(
+        "--tiny", metavar="ARCH", choices=("glm5_next",), help="a tiny glm5_next with a distilled MTP layer"
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default="auto", help="auto (checkpoint dtype), bfloat16, float16, float32")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -40,8 +42,12 @@ def register(bench_subparsers) -> None:
     p.add_argument("--prompts", type=int, default=4, help="prompts, decoded one after the other")
     p.add_argument("--prompt-len", type=int, default=24, help="--tiny: length of the random prompts")
     p.add_argument("--distill-steps", type=int, default=300, help="--tiny: MTP distillation steps (0: random head)")
-    p.add_argument("--tiny-branch-scale", type=float, default=1.0,
-                   help="--tiny: trunk residual-branch scale (tiny.py; < 1 makes the trunk predictable)")
+    p.add_argument(
+        "--tiny-branch-scale",
+        type=float,
+        default=1.0,
+        help="--tiny: trunk residual-branch scale (tiny.py; < 1 makes the trunk predictable)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--out", help="write the figures as JSON")
     p.set_defaults(handler=_run)
@@ -109,8 +115,14 @@ def _run(args) -> int:
         raise UserError("--tokens must be >= 2 and --prompts >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    report: dict = {"model": args.model or f"tiny:{args.tiny}", "tokens_per_prompt": args.tokens,
-                    "prompts": args.prompts, "batch": 1, "threads": torch.get_num_threads(), "settings": []}
+    report: dict = {
+        "model": args.model or f"tiny:{args.tiny}",
+        "tokens_per_prompt": args.tokens,
+        "prompts": args.prompts,
+        "batch": 1,
+        "threads": torch.get_num_threads(),
+        "settings": [],
+    }
     with tempfile.TemporaryDirectory(prefix="tiermoe-bench-mtp-") as tmp:
         model = args.model
         if args.tiny:
@@ -122,18 +134,28 @@ def _run(args) -> int:
             if args.distill_steps > 0:
                 d = distill_mtp(model, steps=args.distill_steps)
                 report["distill"] = d.to_dict()
-                print(f"MTP distillation: {d.steps} steps in {d.seconds:.1f} s, loss {d.loss_first:.2f} -> "
-                      f"{d.loss_last:.2f}, held-out next-next agreement {d.agreement_before:.1%} -> "
-                      f"{d.agreement_after:.1%}")
+                print(
+                    f"MTP distillation: {d.steps} steps in {d.seconds:.1f} s, loss {d.loss_first:.2f} -> "
+                    f"{d.loss_last:.2f}, held-out next-next agreement {d.agreement_before:.1%} -> "
+                    f"{d.agreement_after:.1%}"
+                )
                 if d.agreement_after < 0.1 and args.tiny_branch_scale == 1.0:
-                    print("note: the default tiny trunk is close to chaotic (its next token is hardly predictable "
-                          "from local context), so no small head learns it; --tiny-branch-scale 0.25 gives a "
-                          "predictable trunk")
+                    print(
+                        "note: the default tiny trunk is close to chaotic (its next token is hardly predictable "
+                        "from local context), so no small head learns it; --tiny-branch-scale 0.25 gives a "
+                        "predictable trunk"
+                    )
         base = None
         for k in [0, *ks]:
             options = {**vars(args), "num_speculative_tokens": k, "max_num_batched_tokens": None}
-            engine = build_engine_core(model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                                       max_num_seqs=1, options=options)
+            engine = build_engine_core(
+                model,
+                device=args.device,
+                dtype=args.dtype,
+                max_model_len=args.max_model_len,
+                max_num_seqs=1,
+                options=options,
+            )
             if k and engine.runner.spec is None:
                 raise UserError(f"{model}: this model cannot draft (no MTP layer weights)")
             prompts = _bench_prompts(engine, args)
@@ -145,17 +167,25 @@ def _run(args) -> int:
             accepted = spec.get("accepted", 0) - before.get("accepted", 0)
             verify = spec.get("verify_steps", 0) - before.get("verify_steps", 0)
             emitted = spec.get("emitted", 0) - before.get("emitted", 0)
-            row = {"num_speculative_tokens": k, "decode_tokens": r["decode_tokens"], "decode_steps": r["decode_steps"],
-                   "seconds": round(r["seconds"], 4), "tok_per_s": round(r["decode_tokens"] / r["seconds"], 2),
-                   "drafted": drafted, "accepted": accepted,
-                   "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
-                   "tokens_per_verify": round(emitted / verify, 4) if verify else None,
-                   "tokens_per_step": round(r["decode_tokens"] / max(r["decode_steps"], 1), 4)}
+            row = {
+                "num_speculative_tokens": k,
+                "decode_tokens": r["decode_tokens"],
+                "decode_steps": r["decode_steps"],
+                "seconds": round(r["seconds"], 4),
+                "tok_per_s": round(r["decode_tokens"] / r["seconds"], 2),
+                "drafted": drafted,
+                "accepted": accepted,
+                "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+                "tokens_per_verify": round(emitted / verify, 4) if verify else None,
+                "tokens_per_step": round(r["decode_tokens"] / max(r["decode_steps"], 1), 4),
+            }
             if base is None:
                 base = r
                 row.update(speedup=1.0, identical=True)
             else:
-                row["speedup"] = round((r["decode_tokens"] / r["seconds"]) / (base["decode_tokens"] / base["seconds"]), 3)
+                row["speedup"] = round(
+                    (r["decode_tokens"] / r["seconds"]) / (base["decode_tokens"] / base["seconds"]), 3
+                )
                 row["identical"] = r["tokens"] == base["tokens"]
             report["settings"].append(row)
             report.setdefault("device", str(engine.model.device))
@@ -165,10 +195,18 @@ def _run(args) -> int:
         k = row["num_speculative_tokens"]
         rate = "n/a" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.1%}"
         per = "n/a" if row["tokens_per_verify"] is None else f"{row['tokens_per_verify']:.2f}"
-        extra = "" if not k else (f", acceptance {rate}, {per} tokens/verify, speed-up {row['speedup']:.2f}x, "
-                                  f"tokens {'identical' if row['identical'] else 'DIFFER'}")
-        print(f"num_speculative_tokens={k}: {row['tok_per_s']:.1f} tok/s ({row['decode_tokens']} tokens, "
-              f"{row['decode_steps']} steps){extra}")
+        extra = (
+            ""
+            if not k
+            else (
+                f", acceptance {rate}, {per} tokens/verify, speed-up {row['speedup']:.2f}x, "
+                f"tokens {'identical' if row['identical'] else 'DIFFER'}"
+            )
+        )
+        print(
+            f"num_speculative_tokens={k}: {row['tok_per_s']:.1f} tok/s ({row['decode_tokens']} tokens, "
+            f"{row['decode_steps']} steps){extra}"
+        )
     ok = all(row["identical"] for row in report["settings"])
     report["identical"] = ok
     if args.out:
