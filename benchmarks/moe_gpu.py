@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -97,8 +98,11 @@ def _handler(args) -> int:
 
     from benchmarks.moe_gpu_floors import summary
 
-    if not args.tiny and not torch.cuda.is_available():
-        raise UserError("moe-gpu needs a CUDA GPU (use --tiny for a CPU smoke run through the Triton interpreter)")
+    if not torch.cuda.is_available():
+        if not args.tiny:
+            raise UserError("moe-gpu needs a CUDA GPU (use --tiny for a CPU smoke run through the Triton interpreter)")
+        # on a CPU the kernels run only in Triton's interpreter, chosen before any kernel module is imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     result = run(args, batches)
     text = json.dumps(result, indent=2)
     if args.out:
