@@ -11,8 +11,8 @@ Protocol (the one the reference systems publish, so numbers compare):
   followed by the story request (decode speed with a long KV behind it).
 - tiers: around each decode round, /stats is read; each decode row records the slot hits and
   misses per decode token of its rounds (and the CPU lane's experts), so a tok/s figure always
-  travels with how the tiers served it (a synthetic model's own routing can hit 95 % where the
-  real model's routing hits under 40 %: the rate alone says nothing).
+  travels with how the tiers served it (a random model's own routing keeps hitting the same few
+  experts, a real model's spreads over many: the rate alone says nothing).
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ def _wait_kernel(seq_ptr, slot, ok_ptr, ctrl_addr, max_spins, DONE: tl.constexpr
     """One program of one warp spins until done >= seq[slot] (bounded); ok[slot] = 1 or 0.
 
     One poller on purpose: every warp that reads the same host word costs a serialized trip
-    over PCIe (measured on an H200: about 1 us per polling warp per poll)."""
+    over PCIe per poll, and those trips queue behind one another."""
     ctrl = ctrl_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
     target = tl.load(seq_ptr + slot)
     d = _acquire_load(ctrl + DONE, ASM)
