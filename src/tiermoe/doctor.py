@@ -24,7 +24,9 @@ from pathlib import Path
 GiB = 1 << 30
 MiB = 1 << 20
 _UNLIMITED = 1 << 60  # cgroup "no limit" values are near 2**63
-CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+CPU_FLAGS = (
+    "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8",
+)
 
 
 # --------------------------------------------------------------------------- checks
@@ -54,7 +56,8 @@ def check_gpu() -> dict:
         info["available"] = False
         has_nodes = any(Path("/dev").glob("nvidia[0-9]*"))
         if torch.version.cuda is None:
-            info["reason"] = "this torch build has no CUDA support" + (" (an NVIDIA device is present)" if has_nodes else "")
+            present = " (an NVIDIA device is present)" if has_nodes else ""
+            info["reason"] = "this torch build has no CUDA support" + present
         elif has_nodes:
             info["reason"] = "NVIDIA device present but CUDA is not usable (driver or permissions)"
         else:
@@ -306,7 +309,8 @@ def plan(report: dict) -> dict:
     if flags.get("amx_bf16") or flags.get("avx512_bf16"):
         kind = "AMX" if flags.get("amx_bf16") else "AVX512-BF16"
         decisions.append(
-            {"what": "CPU expert compute in bf16", "why": f"the CPU has native bf16 instructions ({kind}), which torch uses"}
+            {"what": "CPU expert compute in bf16",
+             "why": f"the CPU has native bf16 instructions ({kind}), which torch uses"}
         )
     elif flags.get("avx2"):
         decisions.append(
@@ -369,7 +373,8 @@ def render(report: dict) -> str:
     ]
     if disk.get("ok"):
         lines.append(
-            f"  {disk['path']} ({disk.get('fstype')}, {_b(disk['free_bytes'])} free): O_DIRECT {disk['o_direct_reason']};"
+            f"  {disk['path']} ({disk.get('fstype')}, {_b(disk['free_bytes'])} free):"
+            f" O_DIRECT {disk['o_direct_reason']};"
             f" read {disk['read_mib_s']:.0f} MiB/s ({disk['read_mode']}), write {disk['write_mib_s']:.0f} MiB/s"
             f" over {disk['test_bytes'] // MiB} MiB"
         )

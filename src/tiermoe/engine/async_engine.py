@@ -463,7 +463,8 @@ class AsyncEngine:
                 except Exception:
                     log.exception("abort after failed step failed for %s", rid)
             msg = f"engine error: {exc}" if str(exc) else f"engine error: {type(exc).__name__}"
-            self._post(self._deliver, [RequestOutput(r, [], finished=True, finish_reason="error", error=msg) for r in victims])
+            failed = [RequestOutput(r, [], finished=True, finish_reason="error", error=msg) for r in victims]
+            self._post(self._deliver, failed)
             return
         self._release_held()  # the hook did not run (no device wait in that step)
         self.steps += 1

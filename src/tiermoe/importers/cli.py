@@ -39,11 +39,14 @@ def register(subparsers) -> None:
     p.add_argument("src", help="GGUF file (llama, qwen2, qwen3 or qwen3moe)")
     p.add_argument("out", help="output directory (must not exist or be empty)")
     p.add_argument("--dtype", default="bfloat16", help="weight dtype: bfloat16 (default), float32 or float16")
-    p.add_argument("--experts-per-layer", type=int, default=8, help="routed experts cut from each dense MLP (default 8)")
+    p.add_argument(
+        "--experts-per-layer", type=int, default=8, help="routed experts cut from each dense MLP (default 8)"
+    )
     p.add_argument(
         "--top-k", type=int, default=None, help="experts per token; default all (exact), fewer calibrates a router"
     )
     p.add_argument(
-        "--shared-slices", type=int, default=None, help="MLP slices in the shared expert (default: smallest that divides)"
+        "--shared-slices", type=int, default=None,
+        help="MLP slices in the shared expert (default: smallest that divides)",
     )
     p.set_defaults(handler=_handle)

@@ -106,10 +106,12 @@ def calibrate(model_dir: Path, router_shard: str, plan: ExpertPlan, provenance: 
     ).eval()
     layers = model.model.layers
     inputs: list[list[torch.Tensor]] = [[] for _ in layers]
-    hooks = [
-        layer.mlp.register_forward_pre_hook(lambda _m, args, i=i: inputs[i].append(args[0].reshape(-1, args[0].shape[-1])))
-        for i, layer in enumerate(layers)
-    ]
+
+    def keep_input(i: int):
+        # The MLP's input x [B, S, H] is the router's input: kept flattened to [B * S, H].
+        return lambda _module, args: inputs[i].append(args[0].reshape(-1, args[0].shape[-1]))
+
+    hooks = [layer.mlp.register_forward_pre_hook(keep_input(i)) for i, layer in enumerate(layers)]
     with torch.no_grad():
         for ids in _calibration_ids(tokenizer, model.config.vocab_size):
             model(torch.tensor([ids]))

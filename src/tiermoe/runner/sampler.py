@@ -93,7 +93,8 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator | None = None) -> SampleResult:
+def sample(logits: torch.Tensor, rows: list[SampleRow],
+           default_generator: torch.Generator | None = None) -> SampleResult:
     """logits [N, V] fp32 (model output) -> chosen tokens and optional logprobs."""
     want_logprobs = any(r.params.logprobs is not None for r in rows)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None

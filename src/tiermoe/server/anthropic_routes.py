@@ -57,7 +57,10 @@ def to_chat(req) -> tuple[list[dict], list[dict], object]:
         raise bad_request("messages must contain at least one message", param="messages")
     out: list[dict] = []
     if req.system is not None:
-        system = req.system if isinstance(req.system, str) else "".join(_block_text(b, f"system[{i}]") for i, b in enumerate(req.system))
+        if isinstance(req.system, str):
+            system = req.system
+        else:
+            system = "".join(_block_text(b, f"system[{i}]") for i, b in enumerate(req.system))
         if system:
             out.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):
@@ -88,7 +91,8 @@ def to_chat(req) -> tuple[list[dict], list[dict], object]:
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
-    functions = [{"name": t.name, "description": t.description or "", "parameters": t.input_schema} for t in req.tools or []]
+    functions = [{"name": t.name, "description": t.description or "", "parameters": t.input_schema}
+                 for t in req.tools or []]
     choice = None
     if req.tool_choice is not None:
         tc = req.tool_choice
@@ -179,7 +183,8 @@ async def _stream(ctx: ServerContext, mid: str, run: ChoiceRun):
         events = close_block()
         state["index"] += 1
         state["kind"] = kind
-        return events + sse({"type": "content_block_start", "index": state["index"], "content_block": block}, "content_block_start")
+        start = {"type": "content_block_start", "index": state["index"], "content_block": block}
+        return events + sse(start, "content_block_start")
 
     def close_block() -> str:
         if state["kind"] is None:
@@ -219,11 +224,13 @@ async def _stream(ctx: ServerContext, mid: str, run: ChoiceRun):
             if d.finish_reason:
                 out += close_block()
                 if d.finish_reason == "error":
-                    out += sse({"type": "error", "error": {"type": "api_error", "message": run.error or "engine error"}}, "error")
+                    error = {"type": "api_error", "message": run.error or "engine error"}
+                    out += sse({"type": "error", "error": error}, "error")
             if out:
                 yield out
         usage = _usage(run)
-        yield sse({"type": "message_delta", "delta": {"stop_reason": _stop_reason(run), "stop_sequence": run.stop_matched},
+        stop = {"stop_reason": _stop_reason(run), "stop_sequence": run.stop_matched}
+        yield sse({"type": "message_delta", "delta": stop,
                    "usage": {"output_tokens": usage["output_tokens"], "input_tokens": usage["input_tokens"],
                              "cache_read_input_tokens": usage["cache_read_input_tokens"]}}, "message_delta")
         yield sse({"type": "message_stop"}, "message_stop")

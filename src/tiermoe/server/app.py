@@ -167,7 +167,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        log.info("serving %s (context %d tokens, tool format %s)", served_model_name, ctx.max_model_len, ctx.tool_format)
+        log.info("serving %s (context %d tokens, tool format %s)", served_model_name, ctx.max_model_len,
+                 ctx.tool_format)
         try:
             yield
         finally:
@@ -251,7 +252,8 @@ async def _tokenize(request: Request, ctx: ServerContext) -> Response:
     if req.messages is not None:
         plan = plan_tools([t.function.model_dump(exclude_none=True) for t in req.tools or []], None, can_parse=True)
         await ctx.check_schemas(plan.schemas)
-        text = await ctx.render_chat(openai_messages(req.messages), plan.template_tools, req.chat_template_kwargs, req.add_generation_prompt)
+        text = await ctx.render_chat(openai_messages(req.messages), plan.template_tools, req.chat_template_kwargs,
+                                     req.add_generation_prompt)
         ids = await ctx.encode(text, add_special_tokens=False)
     else:
         ids = await ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens)

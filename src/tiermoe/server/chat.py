@@ -82,7 +82,9 @@ def openai_messages(messages) -> list[dict]:
                     "type": "function",
                     "function": {
                         "name": tc.function.name,
-                        "arguments": _arguments_for_template(tc.function.arguments, f"messages[{i}].tool_calls[{j}].function.arguments"),
+                        "arguments": _arguments_for_template(
+                            tc.function.arguments, f"messages[{i}].tool_calls[{j}].function.arguments"
+                        ),
                     },
                 }
                 for j, tc in enumerate(m.tool_calls)
@@ -109,7 +111,8 @@ def check_functions(functions: list[dict], param: str = "tools") -> list[SchemaT
         name = fn.get("name")
         if not isinstance(name, str) or not _TOOL_NAME.match(name):
             raise bad_request(
-                f"tool name {name!r} must be 1-64 characters of letters, digits, '_', '-', '.' or ':'", param=f"{param}[{i}].name"
+                f"tool name {name!r} must be 1-64 characters of letters, digits, '_', '-', '.' or ':'",
+                param=f"{param}[{i}].name",
             )
         if name in seen:
             raise bad_request(f"tool name {name!r} is defined twice", param=f"{param}[{i}].name")
@@ -120,7 +123,8 @@ def check_functions(functions: list[dict], param: str = "tools") -> list[SchemaT
         if not isinstance(schema, dict):
             raise bad_request("tool parameters must be a JSON Schema object", param=f"{param}[{i}].parameters")
         if schema.get("type", "object") != "object":
-            raise bad_request("tool parameters must describe an object (type: object)", param=f"{param}[{i}].parameters.type")
+            raise bad_request("tool parameters must describe an object (type: object)",
+                              param=f"{param}[{i}].parameters.type")
         schemas.append(SchemaToCheck(schema, f"{param}[{i}].parameters"))
     return schemas
 

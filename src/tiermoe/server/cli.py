@@ -46,11 +46,13 @@ def register(subparsers) -> None:
     p.add_argument("model", nargs="?", default=None, metavar="MODEL", help="checkpoint directory or packed store")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, local only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="name clients pass as `model` (default: MODEL's directory name)")
+    p.add_argument("--served-model-name", default=None,
+                   help="name clients pass as `model` (default: MODEL's directory name)")
     p.add_argument("--api-key", default=os.environ.get("TIERMOE_API_KEY"),
                    help="require this key (Bearer or x-api-key); default $TIERMOE_API_KEY")
     add_sizing_args(p, max_num_seqs=16)
-    p.add_argument("--max-queue", type=int, default=256, help="requests allowed to wait beyond --max-num-seqs (then 429)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests allowed to wait beyond --max-num-seqs (then 429)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     add_store_args(p)
     add_routing_args(p)
@@ -60,7 +62,8 @@ def register(subparsers) -> None:
     p.add_argument("--thinking-budget", type=int, default=None, help="default cap on reasoning tokens per request")
     p.add_argument("--allowed-origins", default="", help="comma-separated CORS origins (default: CORS off)")
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted (413 beyond)")
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let running requests finish on SIGTERM")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds to let running requests finish on SIGTERM")
     p.add_argument("--request-timeout", type=float, default=None,
                    help="abort a generation running longer than this many seconds (504, or an in-stream error)")
     p.add_argument("--max-connections", type=int, default=None,
@@ -167,7 +170,8 @@ def build_core(args):
         from tiermoe.engine.build import build_engine_core
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.startswith("tiermoe"):
-            raise UserError("this install has no model engine (tiermoe.engine.build); use --scripted to test the server") from None
+            raise UserError("this install has no model engine (tiermoe.engine.build); "
+                            "use --scripted to test the server") from None
         raise
     options = {k: v for k, v in vars(args).items() if k not in ("handler", "api_key")}
     try:

@@ -67,7 +67,8 @@ class ServerContext:
         self.token_texts = TokenTexts(self.tokenizer)
         self.metrics = Metrics()
         self.vocab_size = len(self.tokenizer)
-        fmt = config.tool_format or detect_tool_format(engine.model_info, getattr(self.tokenizer, "chat_template", None))
+        template = getattr(self.tokenizer, "chat_template", None)
+        fmt = config.tool_format or detect_tool_format(engine.model_info, template)
         self.tool_parser_cls: type[ToolParser] = get_tool_parser(fmt)
         self.tool_format = fmt
         vocab = self.tokenizer.get_vocab()
@@ -93,7 +94,8 @@ class ServerContext:
     def check_model(self, name: str | None) -> None:
         if name is None or name in self.model_names:
             return
-        raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'", param="model", code="model_not_found")
+        raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
+                       param="model", code="model_not_found")
 
     def admit(self, n: int) -> None:
         """Refuse work the engine cannot queue: 503 while draining, 429 when the queue is full."""
@@ -119,7 +121,8 @@ class ServerContext:
         room = self.max_model_len - prompt_len
         if room < 1:
             raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {prompt_len} tokens",
+                f"This model's maximum context length is {self.max_model_len} tokens; "
+                f"the prompt has {prompt_len} tokens",
                 param=prompt_param,
                 code="context_length_exceeded",
             )
@@ -169,7 +172,8 @@ class ServerContext:
                                   param="logit_bias")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or not -100 <= value <= 100:
-                raise bad_request(f"logit_bias value for token {tid} must be a number in [-100, 100]", param="logit_bias")
+                raise bad_request(f"logit_bias value for token {tid} must be a number in [-100, 100]",
+                                  param="logit_bias")
             out[tid] = float(value)
         return out
 
@@ -192,7 +196,8 @@ class ServerContext:
         tokenizer thread, which would stall every other request.
         """
         if len(text) <= 4 * self.max_model_len:
-            return await self._off_loop(lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)))
+            return await self._off_loop(
+                lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)))
         return await self._off_loop(self._encode_bounded, text, add_special_tokens)
 
     def _encode_bounded(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -210,7 +215,8 @@ class ServerContext:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     async def render_chat(
-        self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None, add_generation_prompt: bool = True
+        self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None,
+        add_generation_prompt: bool = True,
     ) -> str:
         """Apply the chat template; a template that refuses the conversation is a 400."""
         if len(messages) >= self.max_model_len:  # each message renders to at least one token

@@ -167,7 +167,7 @@ def _byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode: the printable stand-in char -> original byte."""
     global _BYTE_DECODER
     if _BYTE_DECODER is None:
-        bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+        bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
         cs = bs[:]
         n = 0
         for b in range(256):

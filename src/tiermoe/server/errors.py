@@ -127,7 +127,8 @@ def from_validation_error(exc: ValidationError) -> APIError:
     if first.get("type") == "missing":
         return bad_request(f"missing required field '{param}'", param=param, code="missing_field")
     detail = f"invalid value for '{param}': {msg}" if param else msg
-    return bad_request(detail, param=param, code="invalid_type" if first.get("type", "").endswith("_type") else "invalid_value")
+    code = "invalid_type" if first.get("type", "").endswith("_type") else "invalid_value"
+    return bad_request(detail, param=param, code=code)
 
 
 def to_api_error(exc: BaseException) -> APIError:

@@ -73,7 +73,8 @@ class EngineCollector:
             kv.add_metric([], float(snap["kv_usage"]))
         yield kv
         hits = CounterMetricFamily("tiermoe_expert_hits", "Routed-expert picks served by each tier", labels=["tier"])
-        misses = CounterMetricFamily("tiermoe_expert_misses", "Routed-expert picks each tier had to fetch", labels=["tier"])
+        misses = CounterMetricFamily("tiermoe_expert_misses", "Routed-expert picks each tier had to fetch",
+                                     labels=["tier"])
         for tier, row in expert_tiers(snap).items():
             if "hits" in row:
                 hits.add_metric([tier], row["hits"])
@@ -82,7 +83,8 @@ class EngineCollector:
         yield hits
         yield misses
         experts = snap.get("experts") if isinstance(snap.get("experts"), dict) else {}
-        per_tok = GaugeMetricFamily("tiermoe_expert_per_decode_token", "Expert-store events per decode token", labels=["kind"])
+        per_tok = GaugeMetricFamily("tiermoe_expert_per_decode_token", "Expert-store events per decode token",
+                                    labels=["kind"])
         for kind, value in (experts.get("per_decode_token") or {}).items():
             if _num(value):
                 per_tok.add_metric([str(kind)], float(value))
@@ -122,8 +124,10 @@ def _spec_decode_families(spec: dict):
             if _num(value):
                 c.add_metric([str(pos)], float(value))
         yield c
-    for name, key, doc in (("draft_acceptance_rate", "acceptance_rate", "Accepted / drafted tokens since start"),
-                           ("num_speculative_tokens", "num_speculative_tokens", "Draft tokens per verify step (configured)")):
+    for name, key, doc in (
+        ("draft_acceptance_rate", "acceptance_rate", "Accepted / drafted tokens since start"),
+        ("num_speculative_tokens", "num_speculative_tokens", "Draft tokens per verify step (configured)"),
+    ):
         if _num(spec.get(key)):
             g = GaugeMetricFamily(f"tiermoe_spec_decode_{name}", doc)
             g.add_metric([], float(spec[key]))
@@ -134,13 +138,18 @@ class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("tiermoe_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
+        self.requests = Counter("tiermoe_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                registry=r)
         self.finished = Counter("tiermoe_request_finished", "Finished generations by reason", ["reason"], registry=r)
-        self.ttft = Histogram("tiermoe_time_to_first_token_seconds", "Time to first token", buckets=_TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("tiermoe_inter_token_latency_seconds", "Time between tokens", buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("tiermoe_e2e_request_latency_seconds", "Whole generation latency", buckets=_E2E_BUCKETS, registry=r)
+        self.ttft = Histogram("tiermoe_time_to_first_token_seconds", "Time to first token", buckets=_TTFT_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("tiermoe_inter_token_latency_seconds", "Time between tokens", buckets=_ITL_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram("tiermoe_e2e_request_latency_seconds", "Whole generation latency", buckets=_E2E_BUCKETS,
+                             registry=r)
         self.prompt_tokens = Counter("tiermoe_prompt_tokens", "Prompt tokens processed", registry=r)
-        self.cached_tokens = Counter("tiermoe_prompt_tokens_cached", "Prompt tokens served from the prefix cache", registry=r)
+        self.cached_tokens = Counter("tiermoe_prompt_tokens_cached", "Prompt tokens served from the prefix cache",
+                                     registry=r)
         self.generation_tokens = Counter("tiermoe_generation_tokens", "Tokens generated", registry=r)
         self.running = Gauge("tiermoe_requests_running", "Requests the engine is running", registry=r)
         self.waiting = Gauge("tiermoe_requests_waiting", "Requests waiting for a running slot", registry=r)
@@ -153,7 +162,8 @@ class Metrics:
         self.started = time.time()
         self._recent_ttft: deque[float] = deque(maxlen=1024)
         self._recent_itl: deque[float] = deque(maxlen=8192)
-        self.totals = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0, "errors": 0, "aborted": 0}
+        self.totals = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0, "errors": 0,
+                       "aborted": 0}
 
     # ---- recording -------------------------------------------------------------------------
     def observe_ttft(self, seconds: float) -> None:

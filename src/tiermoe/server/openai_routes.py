@@ -72,7 +72,8 @@ def _chat_logprobs(ctx: ServerContext, items: list[TokenLogprob], top_n: int, as
 
     return {
         "content": [
-            {**entry(it.token_id, it.logprob), "top_logprobs": [entry(t, lp) for t, lp in it.top[:top_n]]} for it in items
+            {**entry(it.token_id, it.logprob), "top_logprobs": [entry(t, lp) for t, lp in it.top[:top_n]]}
+            for it in items
         ]
     }
 
@@ -92,7 +93,8 @@ async def chat(request: Request, ctx: ServerContext) -> Response:
         plan.max_calls = 1
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
-    if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
+    both = req.max_tokens is not None and req.max_completion_tokens is not None
+    if both and req.max_tokens != req.max_completion_tokens:
         raise bad_request("max_tokens and max_completion_tokens disagree", param="max_completion_tokens")
     # OpenAI: max_completion_tokens replaces max_tokens; absent (null) means the remaining context,
     # and 0 or less is refused for both (check_context), never read as "no limit"
@@ -139,12 +141,14 @@ async def chat(request: Request, ctx: ServerContext) -> Response:
     choices = []
     for run in runs:
         _check_structured(ctx, spec, run)
-        message: dict = {"role": "assistant", "content": run.content if (run.content or not run.tools or not run.tools.calls) else None}
+        content = run.content if (run.content or not run.tools or not run.tools.calls) else None
+        message: dict = {"role": "assistant", "content": content}
         if run.reasoning_text:
             message["reasoning_content"] = run.reasoning_text
         if run.tools is not None and run.tools.calls:
             message["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in run.tools.calls
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in run.tools.calls
             ]
         choices.append({
             "index": run.index,
@@ -167,13 +171,14 @@ def _check_structured(ctx: ServerContext, spec: dict | None, run: ChoiceRun) -> 
         ctx.outputs.submit(spec, run.content, run.request_id)
 
 
-async def _chat_stream(ctx: ServerContext, rid: str, created: int, runs: list[ChoiceRun], top_n: int, include_usage: bool,
-                       as_ids: bool = False):
+async def _chat_stream(ctx: ServerContext, rid: str, created: int, runs: list[ChoiceRun], top_n: int,
+                       include_usage: bool, as_ids: bool = False):
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
     extra = {"usage": None} if include_usage else {}
 
     def chunk(index: int, delta: dict, finish=None, logprobs=None) -> str:
-        return sse({**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], **extra})
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return sse({**base, "choices": [choice], **extra})
 
     try:
         for run in runs:
@@ -216,7 +221,8 @@ def from_delta(ctx: ServerContext, run: ChoiceRun, d: Delta, chunk, top_n: int, 
                 item["function"] = {"arguments": tc.arguments}
             calls.append(item)
         delta["tool_calls"] = calls
-    logprobs = _chat_logprobs(ctx, d.logprobs, top_n, as_ids) if (d.logprobs and run.params.logprobs is not None) else None
+    wants_logprobs = d.logprobs and run.params.logprobs is not None
+    logprobs = _chat_logprobs(ctx, d.logprobs, top_n, as_ids) if wants_logprobs else None
     finish = _finish(run) if d.finish_reason else None
     if not delta and logprobs is None and finish is None:
         return ""
@@ -300,7 +306,8 @@ async def complete(request: Request, ctx: ServerContext) -> Response:
     for p_idx, (text, ids) in enumerate(prompts):
         max_tokens = ctx.check_context(len(ids), 1 if score_only else req.max_tokens, "prompt", "max_tokens")
         for i in range(req.n):
-            params = ctx.sampling_params(max_tokens=max_tokens, structured=spec, logprobs=req.logprobs, **_sampling_fields(req))
+            params = ctx.sampling_params(max_tokens=max_tokens, structured=spec, logprobs=req.logprobs,
+                                         **_sampling_fields(req))
             if req.echo and req.logprobs is not None:
                 params.prompt_logprobs = req.logprobs
             if params.seed is not None:
@@ -325,7 +332,8 @@ async def complete(request: Request, ctx: ServerContext) -> Response:
                     offsets[run.index] += len(d.content)
                     if d.content or d.finish_reason or lp:
                         finish = _finish(run) if d.finish_reason else None
-                        yield sse({**base, "choices": [{"index": run.index, "text": d.content, "logprobs": lp, "finish_reason": finish}]})
+                        choice = {"index": run.index, "text": d.content, "logprobs": lp, "finish_reason": finish}
+                        yield sse({**base, "choices": [choice]})
                     if d.finish_reason == "error":  # as on chat: say why, in band
                         yield in_band_error(run)
                 if include_usage:

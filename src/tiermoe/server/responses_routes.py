@@ -52,7 +52,8 @@ def to_chat(req: ResponsesRequest) -> list[dict]:
             for part in content if isinstance(content, list) else []:
                 if not isinstance(part, dict):
                     raise bad_request("content parts must be objects", param=f"{param}.content")
-            messages.append({"role": "system" if role == "developer" else role, "content": text_content(content, f"{param}.content")})
+            text = text_content(content, f"{param}.content")
+            messages.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
             name, args = item.get("name"), item.get("arguments", "{}")
             if not isinstance(name, str) or not isinstance(args, str):
@@ -106,7 +107,8 @@ def _tool_choice(choice):
     raise bad_request("tool_choice must be auto, none, required or {type: function, name}", param="tool_choice")
 
 
-def _response(ctx: ServerContext, rid: str, created: int, req: ResponsesRequest, run: ChoiceRun | None, output: list, status: str) -> dict:
+def _response(ctx: ServerContext, rid: str, created: int, req: ResponsesRequest, run: ChoiceRun | None,
+              output: list, status: str) -> dict:
     usage = None
     incomplete = None
     if run is not None and status != "in_progress":
@@ -155,8 +157,10 @@ async def create_response(request: Request, ctx: ServerContext) -> Response:
     functions = []
     for i, tool in enumerate(req.tools or []):
         if tool.type != "function" or not tool.name:
-            raise bad_request(f"tool type {tool.type!r} is not supported (function tools only)", param=f"tools[{i}].type")
-        functions.append({"name": tool.name, "description": tool.description or "", "parameters": tool.parameters or {"type": "object", "properties": {}}})
+            raise bad_request(f"tool type {tool.type!r} is not supported (function tools only)",
+                              param=f"tools[{i}].type")
+        parameters = tool.parameters or {"type": "object", "properties": {}}
+        functions.append({"name": tool.name, "description": tool.description or "", "parameters": parameters})
     plan = plan_tools(functions, _tool_choice(req.tool_choice), can_parse=True)
     if req.parallel_tool_calls is False:
         plan.max_calls = 1
@@ -199,15 +203,18 @@ async def _stream(ctx: ServerContext, rid: str, created: int, req: ResponsesRequ
         out = ""
         if kind == "reasoning":
             item["content"] = [{"type": "reasoning_text", "text": cur["text"]}]
-            out += ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0, text=cur["text"])
+            out += ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                      text=cur["text"])
         elif kind == "message":
             part = {"type": "output_text", "text": cur["text"], "annotations": [], "logprobs": []}
             item["content"] = [part]
-            out += ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0, text=cur["text"], logprobs=[])
+            out += ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                      text=cur["text"], logprobs=[])
             out += ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part)
         elif kind == "function_call":
             item["arguments"] = cur["text"]
-            out += ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx, arguments=cur["text"], name=item["name"])
+            out += ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                      arguments=cur["text"], name=item["name"])
         item["status"] = "completed"
         out += ev("response.output_item.done", output_index=idx, item=item)
         output.append(item)
@@ -231,30 +238,35 @@ async def _stream(ctx: ServerContext, rid: str, created: int, req: ResponsesRequ
             out = ""
             if d.reasoning:
                 if cur["kind"] != "reasoning":
-                    out += open_item("reasoning", {"type": "reasoning", "id": ctx.new_id("rs_"), "summary": [], "status": "in_progress"})
+                    reasoning = {"type": "reasoning", "id": ctx.new_id("rs_"), "summary": [], "status": "in_progress"}
+                    out += open_item("reasoning", reasoning)
                 cur["text"] += d.reasoning
-                out += ev("response.reasoning_text.delta", item_id=cur["item"]["id"], output_index=len(output), content_index=0, delta=d.reasoning)
+                out += ev("response.reasoning_text.delta", item_id=cur["item"]["id"], output_index=len(output),
+                          content_index=0, delta=d.reasoning)
             if d.content:
                 if cur["kind"] != "message":
                     out += open_item("message", _message_item(ctx.new_id("msg_"), None, "in_progress"))
                 cur["text"] += d.content
-                out += ev("response.output_text.delta", item_id=cur["item"]["id"], output_index=len(output), content_index=0,
-                          delta=d.content, logprobs=[])
+                out += ev("response.output_text.delta", item_id=cur["item"]["id"], output_index=len(output),
+                          content_index=0, delta=d.content, logprobs=[])
             for tc in d.tool_calls:
                 if tc.id is not None:
-                    out += open_item("function_call", {"type": "function_call", "id": "fc_" + tc.id.removeprefix("call_"),
-                                                       "call_id": tc.id, "name": tc.name, "arguments": "", "status": "in_progress"})
+                    call = {"type": "function_call", "id": "fc_" + tc.id.removeprefix("call_"), "call_id": tc.id,
+                            "name": tc.name, "arguments": "", "status": "in_progress"}
+                    out += open_item("function_call", call)
                     cur["tool"] = tc.index
                 if tc.arguments and cur["tool"] == tc.index:
                     cur["text"] += tc.arguments
-                    out += ev("response.function_call_arguments.delta", item_id=cur["item"]["id"], output_index=len(output), delta=tc.arguments)
+                    out += ev("response.function_call_arguments.delta", item_id=cur["item"]["id"],
+                              output_index=len(output), delta=tc.arguments)
             if d.finish_reason:
                 out += close()
             if out:
                 yield out
         if run.finish_reason == "error":
+            error = {"code": "server_error", "message": run.error or "engine error"}
             yield ev("response.failed", response={**_response(ctx, rid, created, req, run, output, "failed"),
-                                                  "error": {"code": "server_error", "message": run.error or "engine error"}})
+                                                  "error": error})
         else:
             final = _response(ctx, rid, created, req, run, output, "completed")
             yield ev("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)

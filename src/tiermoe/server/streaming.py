@@ -35,7 +35,8 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None] | None = None, headers: dict | None = None):
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None] | None = None,
+                 headers: dict | None = None):
         self.events = events
         self.on_close = on_close
         self.status_code = 200

@@ -144,7 +144,8 @@ class KDAStates:
             s.hist.setdefault(layer, [batch.starts[b], None, None])[2] = window.clone()
         s.conv[layer].copy_(window[:, window.shape[-1] - km1:])
 
-    def set_ssm(self, layer: int, batch: SeqBatch, b: int, state: torch.Tensor, steps: torch.Tensor | None = None) -> None:
+    def set_ssm(self, layer: int, batch: SeqBatch, b: int, state: torch.Tensor,
+                steps: torch.Tensor | None = None) -> None:
         """state [H, dk, dv]; steps [n+1, H, dk, dv] (keep_states only): before/after each token."""
         s = self.slots[batch.slots[b]]
         if steps is not None:

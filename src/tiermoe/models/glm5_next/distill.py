@@ -107,9 +107,9 @@ def _agreement(model: Glm5NextModel, data: _Data, idx: list[int]) -> float:
 
 
 def distill_mtp(
-    model_dir: str | Path, *, steps: int = 300, lr: float = 3e-3, num_prompts: int = 64, prompt_len: tuple[int, int] = (6, 24),
-    gen_len: int = 48, batch_seqs: int = 16, held_out: int = 8, seed: int = 0, time_budget_s: float = 50.0,
-    log=None,
+    model_dir: str | Path, *, steps: int = 300, lr: float = 3e-3, num_prompts: int = 64,
+    prompt_len: tuple[int, int] = (6, 24), gen_len: int = 48, batch_seqs: int = 16, held_out: int = 8, seed: int = 0,
+    time_budget_s: float = 50.0, log=None,
 ) -> DistillReport:
     """Train the MTP layer of the fp32 checkpoint in `model_dir` in place (see module docstring).
 
@@ -156,9 +156,9 @@ def distill_mtp(
         p.requires_grad_(False)
     after = _agreement(model, data, test_idx)
     files = _write_back(Path(model_dir), model, layer, {n: p.detach() for n, p in params.items()}, gate_up, down)
+    first_loss, last_loss = (round(losses[0], 4), round(losses[-1], 4)) if losses else (float("nan"), float("nan"))
     return DistillReport(step, round(time.perf_counter() - t0, 2), sum(int(data.tokens[i].shape[0]) for i in train_idx),
-                         round(losses[0], 4) if losses else float("nan"), round(losses[-1], 4) if losses else float("nan"),
-                         round(before, 4), round(after, 4), files)
+                         first_loss, last_loss, round(before, 4), round(after, 4), files)
 
 
 def _write_back(model_dir: Path, model: Glm5NextModel, layer: int, params: dict[str, torch.Tensor],

@@ -178,7 +178,8 @@ class Glm5NextEngineModel(nn.Module):
         self.kda.rollback(slot, length)
 
     @torch.inference_mode()
-    def mtp_forward(self, batch: ForwardBatch, mtp_kv: dict[str, torch.Tensor], prev_hidden: torch.Tensor) -> torch.Tensor:
+    def mtp_forward(self, batch: ForwardBatch, mtp_kv: dict[str, torch.Tensor],
+                    prev_hidden: torch.Tensor) -> torch.Tensor:
         """One MTP pass. batch: entries (t_{i+1} as input ids, positions = entry index i) laid out
         like a trunk batch over the MTP paged rows `mtp_kv`; prev_hidden [T, H]: h_i of each
         entry (trunk output, or an MTP hidden for a chained draft) -> MTP hidden [T, H]."""

@@ -206,7 +206,8 @@ class ToolParser:
         if part.name and not call.name_sent:
             call.name_sent = True
             deltas.append(ToolCallDelta(call.index, id=call.id, name=part.name, arguments=""))
-        if call.name_sent and len(part.arguments_prefix) > len(call.args_sent) and part.arguments_prefix.startswith(call.args_sent):
+        prefix = part.arguments_prefix
+        if call.name_sent and len(prefix) > len(call.args_sent) and prefix.startswith(call.args_sent):
             deltas.append(ToolCallDelta(call.index, arguments=part.arguments_prefix[len(call.args_sent) :]))
             call.args_sent = part.arguments_prefix
         return deltas
