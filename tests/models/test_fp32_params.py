@@ -60,7 +60,8 @@ def test_plan_names_and_fallback(tiny_dir):
     assert not plan("model.layers.0.self_attn.q_proj.weight")
     assert not Fp32Plan(tiny_dir("glm4_moe"), "glm4_moe", torch.float32)("model.layers.1.mlp.gate.weight")
     # Families the reference keeps entirely in the load dtype (qwen3_moe's router is bf16).
-    assert not Fp32Plan(tiny_dir("qwen3_moe"), "qwen3_moe", torch.bfloat16, ("gate.weight",))("model.layers.0.mlp.gate.weight")
+    qwen_plan = Fp32Plan(tiny_dir("qwen3_moe"), "qwen3_moe", torch.bfloat16, ("gate.weight",))
+    assert not qwen_plan("model.layers.0.mlp.gate.weight")
     # No class in transformers for the type: the family's own list.
     fallback = Fp32Plan(tiny_dir("glm4_moe"), "no_such_model_type", torch.bfloat16, ("gate.weight",))
     assert fallback("mlp.gate.weight") and not fallback("mlp.up_proj.weight")

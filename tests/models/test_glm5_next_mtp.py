@@ -126,7 +126,8 @@ def test_accept_reject_and_rollback_with_scripted_drafts(ckpt, reference):
     the counters are exactly the scripted accepts (so rollback left the state exact)."""
     prompts, alone, _ = reference
     engine = _engine(ckpt, 2, num_seqs=2)
-    tally = _oracle(engine, {"0": alone[1], "1": alone[3]}, lambda v, j: (v % 3 == 1 and j == 1) or (v % 3 == 2 and j == 0))
+    tally = _oracle(engine, {"0": alone[1], "1": alone[3]},
+                    lambda v, j: (v % 3 == 1 and j == 1) or (v % 3 == 2 and j == 0))
     toks, _, most = _run(engine, [prompts[1], prompts[3]], [SamplingParams(max_tokens=20, ignore_eos=True)] * 2)
     assert [toks["0"], toks["1"]] == [alone[1], alone[3]]
     spec = engine.stats()["speculative"]
@@ -239,7 +240,8 @@ def test_cli_flags():
 
     parser = build_parser()
     assert parser.parse_args(["serve", "--num-speculative-tokens", "2"]).num_speculative_tokens == 2
-    assert parser.parse_args(["generate", "--num-speculative-tokens", "1", "--prompt", "hi"]).num_speculative_tokens == 1
+    generate = parser.parse_args(["generate", "--num-speculative-tokens", "1", "--prompt", "hi"])
+    assert generate.num_speculative_tokens == 1
     assert parser.parse_args(["serve"]).num_speculative_tokens == 0
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--num-speculative-tokens", "3"])

@@ -25,8 +25,8 @@ def test_thinking_disabled_and_system(anthropic_client):
 
 
 def test_stream_accumulates(anthropic_client):
-    with anthropic_client.messages.stream(model="scripted", max_tokens=200,
-                                          messages=[{"role": "user", "content": "Name three primary colors"}]) as stream:
+    messages = [{"role": "user", "content": "Name three primary colors"}]
+    with anthropic_client.messages.stream(model="scripted", max_tokens=200, messages=messages) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == "Red, yellow, blue"
@@ -35,7 +35,8 @@ def test_stream_accumulates(anthropic_client):
 
 
 def test_max_tokens_and_stop_sequence(anthropic_client):
-    m = anthropic_client.messages.create(model="scripted", max_tokens=3, messages=[{"role": "user", "content": "Tell me a story"}])
+    m = anthropic_client.messages.create(model="scripted", max_tokens=3,
+                                         messages=[{"role": "user", "content": "Tell me a story"}])
     assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 3
     s = anthropic_client.messages.create(model="scripted", max_tokens=50, stop_sequences=["<|END|>"],
                                          messages=[{"role": "user", "content": "STOP_TEST"}])
@@ -54,7 +55,8 @@ def test_tool_use_round_trip(anthropic_client, stream):
     assert m.stop_reason == "tool_use" and use.name == "get_weather" and use.input == {"city": "Paris"}
     follow = msgs + [
         {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": json.dumps({"temp_c": 17})}]},
+        {"role": "user",
+         "content": [{"type": "tool_result", "tool_use_id": use.id, "content": json.dumps({"temp_c": 17})}]},
     ]
     m2 = anthropic_client.messages.create(model="scripted", max_tokens=200, tools=WEATHER, messages=follow)
     assert "17" in m2.content[-1].text and m2.stop_reason == "end_turn"
@@ -67,8 +69,9 @@ def test_tool_choice_any(anthropic_client):
 
 
 def test_count_tokens(anthropic_client, client):
-    n = anthropic_client.messages.count_tokens(model="scripted", messages=[{"role": "user", "content": "What is 17 * 23?"}])
-    r = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "What is 17 * 23?"}], max_tokens=1)
+    messages = [{"role": "user", "content": "What is 17 * 23?"}]
+    n = anthropic_client.messages.count_tokens(model="scripted", messages=messages)
+    r = client.chat.completions.create(model="scripted", messages=messages, max_tokens=1)
     assert n.input_tokens == r.usage.prompt_tokens
 
 
@@ -80,11 +83,13 @@ def test_errors_use_anthropic_shape(anthropic_client):
         anthropic_client.messages.create(model="scripted", max_tokens=5, messages=[])
     assert e.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.BadRequestError):
-        anthropic_client.messages.create(model="scripted", max_tokens=10**6, messages=[{"role": "user", "content": "hi"}])
+        anthropic_client.messages.create(model="scripted", max_tokens=10**6,
+                                         messages=[{"role": "user", "content": "hi"}])
 
 
 def test_thinking_budget_tokens(anthropic_client):
-    m = anthropic_client.messages.create(model="scripted", max_tokens=300, thinking={"type": "enabled", "budget_tokens": 6},
+    m = anthropic_client.messages.create(model="scripted", max_tokens=300,
+                                         thinking={"type": "enabled", "budget_tokens": 6},
                                          messages=[{"role": "user", "content": "THINK_LONG"}])
     thinking = next(b for b in m.content if b.type == "thinking")
     assert len(thinking.thinking) < 40 and m.content[-1].text == "Done thinking."

@@ -94,8 +94,8 @@ def test_serve_scripted_then_sigterm_drains_in_flight_stream():
 
         def consume():
             text, finish = "", None
-            for ch in client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "Tell me a story"}],
-                                                     max_tokens=60, stream=True):
+            messages = [{"role": "user", "content": "Tell me a story"}]
+            for ch in client.chat.completions.create(model="scripted", messages=messages, max_tokens=60, stream=True):
                 if ch.choices:
                     text += ch.choices[0].delta.content or ""
                     finish = ch.choices[0].finish_reason or finish

@@ -24,8 +24,9 @@ def _stream_story(url, results, key, max_tokens=N_TOKENS):
     c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
     t0 = time.monotonic()
     text, usage, finish = "", None, None
-    for ch in c.chat.completions.create(model="scripted", messages=[{"role": "user", "content": f"Tell me a story ({key})"}],
-                                        max_tokens=max_tokens, stream=True, stream_options={"include_usage": True}):
+    messages = [{"role": "user", "content": f"Tell me a story ({key})"}]
+    for ch in c.chat.completions.create(model="scripted", messages=messages, max_tokens=max_tokens, stream=True,
+                                        stream_options={"include_usage": True}):
         if ch.choices:
             text += ch.choices[0].delta.content or ""
             finish = ch.choices[0].finish_reason or finish
@@ -48,7 +49,8 @@ def test_sixteen_concurrent_streams_with_exact_usage(paced, tokenizer):
     assert len(results) == 16
     expected = tokenizer.decode(tokenizer.encode(STORY * 2, add_special_tokens=False)[:N_TOKENS])
     for key, (text, usage, finish, _) in results.items():
-        prompt = httpx.post(paced.url + "/tokenize", json={"messages": [{"role": "user", "content": f"Tell me a story ({key})"}]}).json()
+        messages = [{"role": "user", "content": f"Tell me a story ({key})"}]
+        prompt = httpx.post(paced.url + "/tokenize", json={"messages": messages}).json()
         assert finish == "length" and text == expected
         assert usage.completion_tokens == N_TOKENS and usage.prompt_tokens == prompt["count"]
     single_rate = N_TOKENS / single["solo"][3]
@@ -82,7 +84,8 @@ def test_non_streaming_disconnect_aborts(paced):
     before = httpx.get(paced.url + "/stats").json()["engine"]["aborted"]
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(paced.url + "/v1/chat/completions", timeout=0.3,
-                   json={"model": "scripted", "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 2000})
+                   json={"model": "scripted", "messages": [{"role": "user", "content": "Tell me a story"}],
+                         "max_tokens": 2000})
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         stats = httpx.get(paced.url + "/stats").json()

@@ -23,6 +23,11 @@ def _raises(exc_type, fn, **kwargs):
     return _body_ok(e.value.body if "error" in (e.value.body or {}) else {"error": e.value.body}, e.value.status_code)
 
 
+def _bad_chat(client, **kwargs):
+    """A chat completion the server must refuse with a 400 in OpenAI's error shape."""
+    return _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", **kwargs)
+
+
 def test_malformed_json_and_non_objects(server):
     for raw in (b"{bad json", b"", b"[1, 2]", b'"text"'):
         r = httpx.post(server.url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
@@ -31,11 +36,11 @@ def test_malformed_json_and_non_objects(server):
 
 
 def test_wrong_types(client):
-    err = _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=MSG, max_tokens="ten")
+    err = _bad_chat(client, messages=MSG, max_tokens="ten")
     assert err["param"] == "max_tokens"
-    err = _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=[{"role": "robot", "content": "x"}])
+    err = _bad_chat(client, messages=[{"role": "robot", "content": "x"}])
     assert err["param"].startswith("messages")
-    _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=MSG, stop=5)
+    _bad_chat(client, messages=MSG, stop=5)
 
 
 def test_unknown_model_is_404(client):
@@ -47,9 +52,9 @@ def test_unknown_model_is_404(client):
 
 def test_context_limits(client):
     long = "word " * 5000
-    err = _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=[{"role": "user", "content": long}])
+    err = _bad_chat(client, messages=[{"role": "user", "content": long}])
     assert err["code"] == "context_length_exceeded"
-    err = _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=MSG, max_tokens=5000)
+    err = _bad_chat(client, messages=MSG, max_tokens=5000)
     assert err["param"] == "max_tokens" and err["code"] == "context_length_exceeded"
     _raises(openai.BadRequestError, client.completions.create, model="scripted", prompt="x", max_tokens=10**6)
 
@@ -60,13 +65,13 @@ def test_context_limits(client):
     ("logit_bias", {"5": 101}), ("logit_bias", {"five": 1}), ("logit_bias", {"99999999": 1}), ("logit_bias", {"-1": 1}),
 ])
 def test_invalid_sampling_values(client, field, value):
-    err = _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=MSG, extra_body={field: value})
+    err = _bad_chat(client, messages=MSG, extra_body={field: value})
     assert err["param"] == field
 
 
 def test_invalid_logprobs(client):
-    _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=MSG, logprobs=True, top_logprobs=50)
-    _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=MSG, top_logprobs=2)
+    _bad_chat(client, messages=MSG, logprobs=True, top_logprobs=50)
+    _bad_chat(client, messages=MSG, top_logprobs=2)
 
 
 @pytest.mark.parametrize("tool", [
@@ -77,21 +82,21 @@ def test_invalid_logprobs(client):
     {"type": "retrieval"},
 ])
 def test_invalid_tool_schema(client, tool):
-    err = _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=MSG, tools=[tool])
+    err = _bad_chat(client, messages=MSG, tools=[tool])
     assert err["param"].startswith("tools")
 
 
 def test_tool_choice_errors(client):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=MSG, tools=tools,
+    _bad_chat(client, messages=MSG, tools=tools,
             tool_choice={"type": "function", "function": {"name": "g"}})
-    _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=MSG, tool_choice="required")
+    _bad_chat(client, messages=MSG, tool_choice="required")
 
 
 def test_empty_or_unsupported_messages(client):
-    err = _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=[])
+    err = _bad_chat(client, messages=[])
     assert err["param"] == "messages"
-    _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=[{"role": "system", "content": "x"}])
+    _bad_chat(client, messages=[{"role": "system", "content": "x"}])
     _raises(openai.BadRequestError, client.chat.completions.create, model="scripted",
             messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
     _raises(openai.BadRequestError, client.responses.create, model="scripted", input=[])
@@ -99,7 +104,7 @@ def test_empty_or_unsupported_messages(client):
 
 def test_invalid_response_format(client):
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "banana"}}}
-    err = _raises(openai.BadRequestError, client.chat.completions.create, model="scripted", messages=MSG, response_format=bad)
+    err = _bad_chat(client, messages=MSG, response_format=bad)
     assert "schema" in err["message"]
 
 
@@ -125,7 +130,8 @@ def test_api_key(tokenizer):
         a = anthropic.Anthropic(base_url=s.url, api_key="s3cret", max_retries=0)
         assert a.messages.count_tokens(model="scripted", messages=MSG).input_tokens > 0
         with pytest.raises(anthropic.AuthenticationError):
-            anthropic.Anthropic(base_url=s.url, api_key="nope", max_retries=0).messages.count_tokens(model="scripted", messages=MSG)
+            refused = anthropic.Anthropic(base_url=s.url, api_key="nope", max_retries=0)
+            refused.messages.count_tokens(model="scripted", messages=MSG)
 
 
 def test_body_too_large(tokenizer):
@@ -155,17 +161,17 @@ def test_engine_fault_fails_only_its_request(server, client):
     results = {}
 
     def other():
-        results["other"] = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "Tell me a story"}],
-                                                          max_tokens=40)
+        messages = [{"role": "user", "content": "Tell me a story"}]
+        results["other"] = client.chat.completions.create(model="scripted", messages=messages, max_tokens=40)
 
     t = threading.Thread(target=other)
     t.start()
     with pytest.raises(openai.InternalServerError) as e:
         client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "TRIGGER_FAULT"}])
     assert "scripted fault" in e.value.body["message"] and e.value.body["code"] == "engine_error"
-    chunks = []
+    chunks, fault = [], [{"role": "user", "content": "TRIGGER_FAULT"}]
     with pytest.raises(openai.APIError, match="scripted fault"):  # the client raises on the in-stream error event
-        for c in client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "TRIGGER_FAULT"}], stream=True):
+        for c in client.chat.completions.create(model="scripted", messages=fault, stream=True):
             chunks.append(c)
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["error"]
     t.join()

@@ -35,7 +35,8 @@ def test_chat_non_stream_with_reasoning(client):
 
 def test_enable_thinking_false(client):
     r = client.chat.completions.create(
-        model="scripted", messages=_user("What is 17 * 23?"), extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+        model="scripted", messages=_user("What is 17 * 23?"),
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     assert r.choices[0].message.content == "391"
     assert getattr(r.choices[0].message, "reasoning_content", None) is None
@@ -68,7 +69,8 @@ def test_unicode_stream_has_no_replacement_chars(client):
 def test_stop_strings_never_leak(client, stream):
     kwargs = dict(model="scripted", messages=_user("STOP_TEST"), stop=["<|END|>"])
     if stream:
-        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs) if c.choices)
+        chunks = client.chat.completions.create(stream=True, **kwargs)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     else:
         r = client.chat.completions.create(**kwargs)
         text = r.choices[0].message.content
@@ -82,7 +84,8 @@ def test_max_tokens_and_length(client):
 
 
 def test_n_choices(client):
-    r = client.chat.completions.create(model="scripted", messages=_user("Name three primary colors"), n=3, temperature=0.7, seed=1)
+    r = client.chat.completions.create(model="scripted", messages=_user("Name three primary colors"), n=3,
+                                       temperature=0.7, seed=1)
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     assert all(c.message.content == "Red, yellow, blue" for c in r.choices)
     one = client.chat.completions.create(model="scripted", messages=_user("Name three primary colors"))
@@ -123,7 +126,8 @@ def test_tool_call_round_trip(client, stream):
     assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"}
     follow = msgs + [
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
+            {"id": call["id"], "type": "function",
+             "function": {"name": call["name"], "arguments": call["arguments"]}}]},
         {"role": "tool", "tool_call_id": call["id"], "content": json.dumps({"temp_c": 17})},
     ]
     r2 = client.chat.completions.create(model="scripted", messages=follow, tools=WEATHER)
@@ -132,7 +136,8 @@ def test_tool_call_round_trip(client, stream):
 
 def test_tool_choice_modes(client):
     msgs = _user("Name three primary colors")  # the script would not call a tool here
-    forced = client.chat.completions.create(model="scripted", messages=_user("What is the weather in Paris?"), tools=WEATHER,
+    forced = client.chat.completions.create(model="scripted", messages=_user("What is the weather in Paris?"),
+                                            tools=WEATHER,
                                             tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert forced.choices[0].message.tool_calls[0].function.name == "get_weather"
     required = client.chat.completions.create(model="scripted", messages=_user("What is the weather in Paris?"),
@@ -144,7 +149,8 @@ def test_tool_choice_modes(client):
 
 def test_thinking_budget_closes_reasoning(client):
     full = client.chat.completions.create(model="scripted", messages=_user("THINK_LONG"))
-    cut = client.chat.completions.create(model="scripted", messages=_user("THINK_LONG"), extra_body={"thinking_budget": 8})
+    cut = client.chat.completions.create(model="scripted", messages=_user("THINK_LONG"),
+                                         extra_body={"thinking_budget": 8})
     assert full.usage.completion_tokens_details.reasoning_tokens > 50
     assert cut.usage.completion_tokens_details.reasoning_tokens <= 12
     assert cut.choices[0].message.content == "Done thinking." == full.choices[0].message.content
@@ -154,7 +160,8 @@ def test_thinking_budget_closes_reasoning(client):
 def test_response_format_json_schema(client):
     schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
     r = client.chat.completions.create(model="scripted", messages=_user("Answer in json"),
-                                       response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "a", "schema": schema}},
                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert json.loads(r.choices[0].message.content)["answer"] == "Paris"
 
@@ -198,7 +205,8 @@ def test_responses_tool_round_trip(client):
     r = client.responses.create(model="scripted", input="What is the weather in Paris?", tools=tools)
     call = next(o for o in r.output if o.type == "function_call")
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
-    events = list(client.responses.create(model="scripted", input="What is the weather in Paris?", tools=tools, stream=True))
+    events = list(client.responses.create(model="scripted", input="What is the weather in Paris?", tools=tools,
+                                          stream=True))
     args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert json.loads(args) == {"city": "Paris"}
     r2 = client.responses.create(model="scripted", tools=tools, input=[
@@ -222,7 +230,8 @@ def test_health_stats_metrics(server, client):
 
 
 def test_stream_n_choices_interleave(client):
-    chunks = list(client.chat.completions.create(model="scripted", messages=_user("Name three primary colors"), n=2, stream=True,
+    chunks = list(client.chat.completions.create(model="scripted", messages=_user("Name three primary colors"), n=2,
+                                                 stream=True,
                                                  extra_body={"chat_template_kwargs": {"enable_thinking": False}}))
     texts = {0: "", 1: ""}
     for c in chunks:
@@ -239,7 +248,8 @@ def test_glm_tool_format_round_trip(tokenizer):
     with start_server(tokenizer, core_kwargs={"tool_format": "glm"}) as s:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
         calls = {}
-        for ch in c.chat.completions.create(model="scripted", messages=_user("What is the weather in Paris?"), tools=WEATHER, stream=True):
+        for ch in c.chat.completions.create(model="scripted", messages=_user("What is the weather in Paris?"),
+                                            tools=WEATHER, stream=True):
             for tc in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
                 entry = calls.setdefault(tc.index, {"name": None, "arguments": ""})
                 entry["name"] = tc.function.name or entry["name"]
@@ -251,14 +261,16 @@ def test_glm_tool_format_round_trip(tokenizer):
 
 
 def test_cors_off_by_default(server):
-    r = httpx.options(server.url + "/v1/models", headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "GET"})
+    preflight = {"Origin": "http://evil.example", "Access-Control-Request-Method": "GET"}
+    r = httpx.options(server.url + "/v1/models", headers=preflight)
     assert "access-control-allow-origin" not in r.headers
 
 
 def test_named_tool_choice_streams_the_forced_call(client):
     calls = {}
-    for ch in client.chat.completions.create(model="scripted", messages=_user("What is the weather in Paris?"), tools=WEATHER,
-                                             tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for ch in client.chat.completions.create(model="scripted", messages=_user("What is the weather in Paris?"),
+                                             tools=WEATHER, tool_choice=named, stream=True):
         for tc in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
             entry = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
             if tc.id:

@@ -8,7 +8,8 @@ from tiermoe.engine.scripted import ScriptedReply, render_reply
 from tiermoe.server.reasoning import ReasoningParser
 from tiermoe.server.tool_parsers import GlmToolParser, HermesToolParser, detect_tool_format
 
-TOOLS = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}]
+TOOLS = [{"name": "get_weather",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}]
 
 
 def _run(parser, text, step):
@@ -29,7 +30,8 @@ def _run(parser, text, step):
 @pytest.mark.parametrize("cls,fmt", [(HermesToolParser, "hermes"), (GlmToolParser, "glm")])
 @pytest.mark.parametrize("step", [1, 3, 1000])
 def test_tool_calls_stream_equals_whole(cls, fmt, step):
-    reply = ScriptedReply(content="Checking.", tool_calls=[("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Oslo"})])
+    scripted_calls = [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Oslo"})]
+    reply = ScriptedReply(content="Checking.", tool_calls=scripted_calls)
     text = render_reply(reply, fmt)
     parser = cls(TOOLS)
     content, calls = _run(parser, text, step)
@@ -122,7 +124,8 @@ def test_metrics_export_engine_expert_tiers():
 
 
 def test_single_call_limit_drops_later_calls():
-    text = render_reply(ScriptedReply(tool_calls=[("get_weather", {"city": "A"}), ("get_weather", {"city": "B"})]), "hermes")
+    scripted_calls = [("get_weather", {"city": "A"}), ("get_weather", {"city": "B"})]
+    text = render_reply(ScriptedReply(tool_calls=scripted_calls), "hermes")
     parser = HermesToolParser(TOOLS, max_calls=1)
     content, calls = _run(parser, text, 2)
     assert list(calls) == [0] and len(parser.calls) == 1 and content == ""

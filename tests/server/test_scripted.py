@@ -13,8 +13,9 @@ def _run(core, rid, ids, params):
 
 
 def _chat(tok, text, **kw):
-    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True, **kw),
-                      add_special_tokens=False)
+    rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True,
+                                       **kw)
+    return tok.encode(rendered, add_special_tokens=False)
 
 
 def test_contract_counts_and_eos(tokenizer):
@@ -69,7 +70,8 @@ def test_default_script_gates(tokenizer):
     assert default_script("<|im_start|>user\nWhat is 17 * 23? Reply with only the number.<|im_end|>\n").content == "391"
     reply = default_script('... "get_weather" ...<|im_start|>user\nWhat is the weather in Paris?<|im_end|>\n')
     assert reply.tool_calls == [("get_weather", {"city": "Paris"})]
-    code = default_script("<|im_start|>user\nfiller. The vault code is 7Q-42. filler. What is the vault code?<|im_end|>\n")
+    code = default_script("<|im_start|>user\nfiller. The vault code is 7Q-42. filler. "
+                          "What is the vault code?<|im_end|>\n")
     assert "7Q-42" in code.content
 
 

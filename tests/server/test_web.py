@@ -23,8 +23,8 @@ from tiermoe.server.live_stats import compact, cumulative
 
 MSG = [{"role": "user", "content": "Tell me a story"}]
 STATS_FIELDS = {"t", "dt", "tok_s", "prompt_tok_s", "ttft_p50_s", "ttft_p90_s", "itl_p50_s", "running", "waiting",
-                "kv_usage", "requests", "errors", "decode_tokens", "hits_per_token", "bytes_per_token", "hits_per_token_total",
-                "cpu_lane_busy", "floor_fraction"}
+                "kv_usage", "requests", "errors", "decode_tokens", "hits_per_token", "bytes_per_token",
+                "hits_per_token_total", "cpu_lane_busy", "floor_fraction"}
 # where a page or library could load something: src/href attributes, imports, CSS url(), fetch()
 LOADS = re.compile(r"""(?:\b(?:src|href)\s*=\s*["']?|\bimport\s*(?:[\w{}\s,*]+from\s*)?\(?\s*["']|url\(\s*["']?"""
                    r"""|fetch\(\s*["'])((?:https?:)?//[^"')\s]*)""", re.IGNORECASE)
