@@ -70,7 +70,8 @@ class HostPools:
 
 def slot_budget(slots_per_layer: int, layers: int, top_k: int, max_tokens: int, stage_misses: bool) -> int:
     """DeviceCacheExperts' `slots` argument (slots of every layer + the staging rows for misses)
-    that leaves exactly `slots_per_layer` slots in each layer."""
+    that leaves `slots_per_layer` slots in each layer. Exact when the slots are at least as many
+    as the staging rows: the device cache gives staging at most half its budget (tiny stacks)."""
     from tiermoe.moe.device_cache import STAGE_PICKS
 
     stage = top_k * max(1, min(max_tokens, STAGE_PICKS)) if stage_misses else 0
