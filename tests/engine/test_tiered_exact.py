@@ -23,10 +23,9 @@ def _logits(model, **options):
     engine = build_engine_core(str(model), device="cpu", dtype="bfloat16", max_num_seqs=1, options=options)
     prompts = parity_prompts(engine.tokenizer, engine.vocab_size, min_positions=200)
     out = torch.cat([engine_logits(engine, p) for p in prompts])
-    backend = engine.model.expert_backend
-    counters = backend.counters() if hasattr(backend, "counters") else None
-    if hasattr(backend, "close"):
-        backend.close()
+    backend = engine.runner.experts
+    counters = backend.counters()  # None for resident experts
+    backend.close()
     return out, counters
 
 
@@ -45,7 +44,8 @@ def test_bit_identical_across_tiers(packed):
 
 def test_generate_same_text_with_and_without_ram_tier(packed):
     _, store = packed
-    cmd = [sys.executable, "-m", "tiermoe.cli", "generate", "--model", str(store), "--prompt", "Hello", "--max-tokens", "16"]
+    cmd = [sys.executable, "-m", "tiermoe.cli", "generate", "--model", str(store), "--prompt", "Hello",
+           "--max-tokens", "16"]
     a = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     b = subprocess.run(cmd + ["--host-expert-gb", "0"], capture_output=True, text=True, timeout=120)
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr

@@ -255,14 +255,14 @@ def test_tiered_store_batch_of_four_equals_alone(ckpt, tmp_path):
     """Pack the checkpoint (MTP experts included), serve routed experts from the store with a
     host tier far smaller than the experts, and decode 4 sequences together: the tokens equal
     resident experts and each sequence decoded alone."""
-    from tiermoe.moe.tiered import TieredExperts
+    from tiermoe.moe.store_backends import StoreTorchExperts
     from tiermoe.store.facade import ExpertStore
     from tiermoe.store.pack import pack
 
     out = tmp_path / "store"
     pack(str(ckpt), str(out), quant="bf16", direct_io=False, progress=False, log=lambda s: None)
     store = ExpertStore.open(out, device="cpu", dtype=torch.bfloat16, host_expert_gb=0.0002, direct_io=False)
-    tiered = load_model(out, dtype=torch.bfloat16, expert_backend=TieredExperts(store))
+    tiered = load_model(out, dtype=torch.bfloat16, expert_backend=StoreTorchExperts(store))
     resident = load_model(ckpt, dtype=torch.bfloat16)
     seqs = [list(range(5, 45)), list(range(50, 75)), [7] * 30, list(range(100, 160))]
     together, _ = greedy_generate(tiered, seqs, 8)

@@ -22,8 +22,7 @@ import torch  # noqa: E402
 
 from tiermoe.errors import UserError  # noqa: E402
 from tiermoe.moe.device_cache import DeviceCacheExperts  # noqa: E402
-from tiermoe.moe.tiered import TieredExperts  # noqa: E402
-from tiermoe.moe.triton_backend import TritonExperts  # noqa: E402
+from tiermoe.moe.store_backends import StoreTritonExperts  # noqa: E402
 from tiermoe.store.facade import ExpertStore  # noqa: E402
 from tiermoe.store.planner import inclusive_host_plan  # noqa: E402
 from tiermoe.store.records import load_manifest  # noqa: E402
@@ -43,12 +42,19 @@ def _host_store(path, rec: int) -> ExpertStore:
     return st
 
 
+def _open_backend(path, **flags):
+    """The expert backend the engine would open for these flags (settled once, opened by name)."""
+    from tiermoe.engine.build import engine_config
+    from tiermoe.moe.backends import open_expert_backend
+
+    cfg = engine_config(str(path), device=DEVICE, dtype="bfloat16", max_num_seqs=8, options=flags)
+    return open_expert_backend(cfg.experts)
 
 
 def _store_path_outputs(path, rec: int, calls) -> list[torch.Tensor]:
     """The store-managed Triton path's output for each (layer, tokens, seed) call: the reference."""
     with _host_store(path, rec) as st:
-        be = TritonExperts(st)
+        be = StoreTritonExperts(st)
         return [be.forward(layer, *moe_batch(t, seed)).cpu() for layer, t, seed in calls]
 
 
@@ -69,7 +75,7 @@ def test_bit_identical_to_store_path_and_across_budgets(stores, kind):
         with _host_store(path, rec) as st:
             dc = DeviceCacheExperts(st, slots, rates={}, top_k=2, max_tokens=1)
             got = [dc.forward(layer, *moe_batch(t, seed), decode=t < 17).cpu() for layer, t, seed in trace]
-            c = dc.counters()
+            c = dc.cache_counters()
         assert all(torch.equal(a, b) for a, b in zip(ref, got)), slots
         assert c["cache_steps"] == sum(t < 17 for _, t, _ in trace)
         assert c["table_calls"] == len(trace) - c["cache_steps"]
@@ -110,8 +116,8 @@ def test_matrix_vector_decode_path_is_bit_identical_across_budgets(stores, monke
     assert len(calls) == 4 * sum(t <= 4 for _, t, _ in trace)  # the kernel ran: both paths, 1 + 3 budgets
 
 
-def test_misses_read_in_place_without_staging_rows(stores, monkeypatch):
-    """stage_misses=False (TIERMOE_DEVICE_CACHE_STAGE=0): no staging rows, the whole budget in
+def test_misses_read_in_place_without_staging_rows(stores):
+    """stage_misses=False (EngineArgs.stage_misses): no staging rows, the whole budget in
     slots, misses read in place by the kernel: the same bits as with staging."""
     path, rec = stores["int4"]
     trace = _trace()
@@ -120,16 +126,14 @@ def test_misses_read_in_place_without_staging_rows(stores, monkeypatch):
         with _host_store(path, rec) as st:
             dc = DeviceCacheExperts(st, 2 * 2 + 2, rates={}, top_k=2, max_tokens=1, stage_misses=stage)
             outs.append([dc.forward(layer, *moe_batch(t, seed), decode=t < 17).cpu() for layer, t, seed in trace])
-            counters.append(dc.counters())
+            counters.append(dc.cache_counters())
     assert all(torch.equal(a, b) for a, b in zip(*outs))
     assert (counters[0]["stage_rows"], counters[0]["slots"]) == (2, 4)
     assert (counters[1]["stage_rows"], counters[1]["slots"]) == (0, 6)
-    monkeypatch.setenv("TIERMOE_DEVICE_CACHE_STAGE", "0")
-    be = TieredExperts.open(path, device=DEVICE, dtype=torch.bfloat16,
-                            options=dict(expert_kernel="triton", gpu_expert_gb=6 * rec / GIB,
-                                         host_expert_gb=N_EXPERTS * rec / GIB))  # fmt: skip
+    be = _open_backend(path, expert_kernel="triton", gpu_expert_gb=6 * rec / GIB,
+                       host_expert_gb=N_EXPERTS * rec / GIB, stage_misses=False)
     try:
-        assert be.device_cache is not None and be.device_cache.stage_rows == 0
+        assert isinstance(be, DeviceCacheExperts) and be.stage_rows == 0
     finally:
         be.close()
 
@@ -144,7 +148,7 @@ def test_prefill_staging_is_bit_identical(stores, rows):
     with _host_store(path, rec) as st:
         dc = DeviceCacheExperts(st, 2 * 2 + 2, rates={}, top_k=2, max_tokens=1, prefill_rows=rows)
         got = [dc.forward(layer, *moe_batch(t, seed), decode=False).cpu() for layer, t, seed in calls]
-        c = dc.counters()
+        c = dc.cache_counters()
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
     assert c["prefill_rows"] == (6 if rows is None else rows)  # 8 experts - 2 slots per layer
     assert c["prefill_staged"] == {None: 6, 3: 3, 0: 0}[rows] * len(calls)  # 70 tokens pick every expert
@@ -166,7 +170,7 @@ def test_planned_prefill_staging_is_bit_identical(stores, monkeypatch, rows, buf
     ref = _store_path_outputs(path, rec, [(layer, t, seed) for t, seed, _ in steps for layer in LAYERS])
     with _host_store(path, rec) as st:
         dc = DeviceCacheExperts(st, 2 * 2 + 2, rates={}, top_k=2, max_tokens=1, prefill_rows=rows,
-                                prefill_buffers=buffers)  # fmt: skip
+                                prefill_buffers=buffers)
         got = []
         for i, (t, seed, begin) in enumerate(steps):
             # the first chunk in inference mode, as the server's start-up warm-up runs it: buffers
@@ -175,7 +179,7 @@ def test_planned_prefill_staging_is_bit_identical(stores, monkeypatch, rows, buf
                 if begin:
                     dc.begin_step(t, decode=False)
                 got += [dc.forward(layer, *moe_batch(t, seed), decode=False).cpu() for layer in LAYERS]
-        c = dc.counters()
+        c = dc.cache_counters()
         dc.begin_step(1, decode=True)
         assert dc.prefill._plan is None  # a decode step drops the chunk's plan
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
@@ -200,7 +204,7 @@ def test_slots_lent_to_prefill_staging_come_back(stores, monkeypatch, rows):
     ref = _store_path_outputs(path, rec, [(layer, t, seed) for t, seed, _ in steps for layer in LAYERS])
     with _host_store(path, rec) as st:
         dc = DeviceCacheExperts(st, 4 * 2 + 2, rates={}, top_k=2, max_tokens=1, prefill_rows=rows,
-                                borrow_slots=True)  # fmt: skip
+                                borrow_slots=True)
         lender = dc.prefill.lender
         share = 4 if rows is None else 3  # lend_share([4, 4], rows): 2 * share >= rows + share
         assert dc.prefill.num_buffers == 2 and lender.lent_slots == {1: share, 2: share}
@@ -223,7 +227,7 @@ def test_slots_lent_to_prefill_staging_come_back(stores, monkeypatch, rows):
                         assert torch.equal(now[name], before[layer][name]), (layer, name)
                 assert torch.equal(dc.arena, arena)  # the lent slots' records copied back
             got += [dc.forward(layer, *moe_batch(t, seed), decode=decode).cpu() for layer in LAYERS]
-        c = dc.counters()
+        c = dc.cache_counters()
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
     assert c["prefill_loans"] == 2 and c["prefill_borrowed_rows"] == lender.rows and c["prefill_planned_chunks"] == 3
     # the loan adds as many rows as it evicts experts: in-place reads only where rows were short
@@ -232,7 +236,7 @@ def test_slots_lent_to_prefill_staging_come_back(stores, monkeypatch, rows):
 
 
 def test_lend_share_leaves_room_for_what_the_loan_evicts():
-    from tiermoe.moe.device_cache import lend_share
+    from tiermoe.moe.prefill_staging import lend_share
 
     assert lend_share([42] * 24, 86) == 4  # 24 * 4 = 96 >= 86 + 4
     assert lend_share([4, 4], 4) == 4 and lend_share([4, 4], 3) == 3
@@ -254,7 +258,7 @@ def test_warm_start_follows_rates_and_admission_moves_slots(stores):
         for _ in range(40):  # picked every step: its frequency passes the resident's, which decays
             dc.forward(1, x, ids, w)
         assert dc.resident(1)[0] in (0, 1)
-        assert dc.counters()["admitted"] >= 1
+        assert dc.cache_counters()["admitted"] >= 1
 
 
 def test_lane_forward_adds_the_lanes_part_through_the_mailbox(stores):
@@ -305,7 +309,7 @@ def test_lane_forward_adds_the_lanes_part_through_the_mailbox(stores):
                 torch.cuda.synchronize()
             assert out.shape == x.shape and dev_lane.server.served == dc.lane_calls == 9  # one post a lane step
             assert dev_lane.counters() == {"posts": 9, "served": 9, "unanswered": 0, "timeouts": 0, "failed": 0}
-            assert dc.counters()["mailbox"]["posts"] == 9  # what /stats reports
+            assert dc.cache_counters()["mailbox"]["posts"] == 9  # what /stats reports
             dc.set_lane(0)  # exact mode again: the plain path, no lane picks
             x, ids, w = moe_batch(2, seed=99)
             assert torch.equal(dev_lane.forward(1, x, ids, w), ref.forward(1, x, ids, w))
@@ -392,25 +396,25 @@ def test_eligibility_rules(stores, monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     opts = dict(expert_kernel="triton", gpu_expert_gb=3 * rec / GIB, host_expert_gb=all_host / 2)
     with pytest.raises(UserError, match="--device-cache on: host RAM for 8 of the 16"):
-        TieredExperts.open(path, device=DEVICE, dtype=torch.bfloat16, options={**opts, "device_cache": "on"})
+        _open_backend(path, **opts, device_cache="on")
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(UserError, match="--prefill-staging-gb must be a size"):
-            TieredExperts.open(path, device=DEVICE, dtype=torch.bfloat16, options={**opts, "prefill_staging_gb": bad})
+            _open_backend(path, **opts, prefill_staging_gb=bad)
     with pytest.raises(UserError, match="--device-cache 'sometimes'"):
-        TieredExperts.open(path, device=DEVICE, dtype=torch.bfloat16, options={**opts, "device_cache": "sometimes"})
-    be = TieredExperts.open(path, device=DEVICE, dtype=torch.bfloat16, options=opts)  # auto: not eligible
+        _open_backend(path, **opts, device_cache="sometimes")
+    be = _open_backend(path, **opts)  # auto: not eligible
     try:
-        assert be.device_cache is None and be.store.residency.slots.capacity == 3
+        assert not isinstance(be, DeviceCacheExperts) and be.store.residency.slots.capacity == 3
     finally:
         be.close()
     torch_opts = dict(opts, expert_kernel="torch", host_expert_gb=all_host)
     with pytest.raises(UserError, match="Triton expert kernel is not in use"):
-        TieredExperts.open(path, device=DEVICE, dtype=torch.bfloat16, options={**torch_opts, "device_cache": "on"})
+        _open_backend(path, **torch_opts, device_cache="on")
 
 
 @pytest.mark.slow
 def test_engine_logits_with_device_cache(stores):
-    """The real engine (loader -> MoE layer -> TieredExperts -> DeviceCacheExperts) on the int4
+    """The real engine (loader -> MoE layer -> DeviceCacheExperts) on the int4
     store: logits bit-identical to the store-managed Triton path for GPU budgets 100 %, ~10 %
     and 0 %; /stats counters carry the device cache's slot hits; fast mode stays close."""
     from tiermoe.eval.parity import compare

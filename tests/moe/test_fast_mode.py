@@ -31,7 +31,8 @@ def bf16_store(tiny_dir, tmp_path_factory):
 
 def test_paired_kl_below_target(int4_store):
     r = run_paired_kl(str(int4_store), device="cpu", tokens=16, texts=SHORT)
-    print("paired-kl tiny glm4_moe int4 fp32:", json.dumps({k: r[k] for k in ("positions", "kl_mean", "kl_max", "top1")}))
+    shown = {k: r[k] for k in ("positions", "kl_mean", "kl_max", "top1")}
+    print("paired-kl tiny glm4_moe int4 fp32:", json.dumps(shown))
     assert r["positions"] == 2 * 16
     assert r["kl_mean"] < 1e-3 and r["top1"] > 0.995
     lane = r["cpu_lane"]

@@ -22,9 +22,9 @@ import torch  # noqa: E402
 
 from tiermoe.errors import UserError  # noqa: E402
 from tiermoe.kernels import reference as R  # noqa: E402
+from tiermoe.moe.backends import choose_expert_kernel, triton_unsupported  # noqa: E402
 from tiermoe.moe.experts import combine_experts  # noqa: E402
-from tiermoe.moe.tiered import TieredExperts  # noqa: E402
-from tiermoe.moe.triton_backend import TritonExperts, choose_expert_kernel, triton_unsupported  # noqa: E402
+from tiermoe.moe.store_backends import StoreTorchExperts, StoreTritonExperts  # noqa: E402
 from tiermoe.store.facade import ExpertStore  # noqa: E402
 
 
@@ -64,7 +64,7 @@ def test_backend_matches_twins(stores, kind):
     path: dequantized tensors through combine_experts), for decode and prefill shapes."""
     path, rec = stores[kind]
     with _open(path, **_budgets(rec)["10%"]) as st:
-        be = TritonExperts(st)
+        be = StoreTritonExperts(st)
         for tokens in (1, 5, 20):
             x, ids, w = moe_batch(tokens, seed=tokens)
             out = be.forward(1, x, ids, w)  # [T, H]
@@ -75,7 +75,7 @@ def test_backend_matches_twins(stores, kind):
             # the interpreter rounds fp32 -> bf16 toward zero (GPUs round to nearest), hence 2e-2
             assert _rel(out, twin) < 2e-2, tokens
             assert _rel(out, torch_path) < 3e-2, tokens
-        assert be.counters()["calls"] == 3
+        assert be.counters()["triton"]["calls"] == 3
 
 
 @pytest.mark.parametrize("kind", ["int4", "bf16"])
@@ -88,7 +88,7 @@ def test_bit_identical_across_tier_budgets(stores, kind):
     results, tiers = {}, {}
     for name, cfg in _budgets(rec).items():
         with _open(path, **cfg) as st:
-            be = TritonExperts(st)
+            be = StoreTritonExperts(st)
             outs = []
             for layer, tokens, seed in trace:
                 st.begin_step(tokens=tokens, decode=tokens == 1)
@@ -96,7 +96,7 @@ def test_bit_identical_across_tier_budgets(stores, kind):
             c = st.counters()
             tiers[name] = (c["slots"]["hits"], c["host"]["hits"], c["disk"]["reads"])
             if ON_GPU and name == "0% host":
-                assert be.counters()["host_in_place"] > 0  # zero-copy reads of pinned host entries
+                assert be.counters()["triton"]["host_in_place"] > 0  # zero-copy reads of pinned host entries
         results[name] = outs
     ref = results["100%"]
     for name, outs in results.items():
@@ -111,7 +111,7 @@ def test_skipped_experts_add_exact_zero(stores):
     zeroed, bit for bit, and the zero record is never confused with a real one."""
     path, rec = stores["int4"]
     with _open(path, **_budgets(rec)["10%"]) as st:
-        be = TritonExperts(st)
+        be = StoreTritonExperts(st)
         x, ids, w = moe_batch(6, seed=3)
         skip = {int(ids[0, 0]), int(ids[2, 1])}
         part = be.combine(1, x, ids, w, skip=skip)
@@ -178,10 +178,10 @@ def test_swiglu_clamp_keeps_triton_and_matches_torch(stores):
     outs = {}
     for name, kernel, limit in (("triton", "triton", 0.02), ("torch", "torch", 0.02), ("free", "triton", None)):
         with _open(path, gpu_expert_gb=0, host_expert_gb=0) as st:
-            backend = TieredExperts(st, kernel=kernel, kernel_requested=True, prefetch=False)
+            backend = (StoreTritonExperts if kernel == "triton" else StoreTorchExperts)(st, prefetch=False)
             backend.attach([Layer(1, limit), Layer(2, limit)])
             if kernel == "triton":
-                assert backend.kernel is not None and backend.kernel.swiglu_limit == limit
+                assert backend.fused.swiglu_limit == limit
             outs[name] = backend.forward(1, x, ids, w)
     assert _rel(outs["triton"], outs["torch"]) < 3e-2
     assert _rel(outs["free"], outs["torch"]) > 0.1
@@ -189,7 +189,7 @@ def test_swiglu_clamp_keeps_triton_and_matches_torch(stores):
 
 @pytest.mark.slow
 def test_engine_logits_through_triton_backend(stores):
-    """The real engine path (loader -> MoE layer -> TieredExperts -> TritonExperts) on the
+    """The real engine path (loader -> MoE layer -> StoreTritonExperts) on the
     int4 store: logits bit-identical for slot budgets 100 %, 10 %, 0 %; close to the torch
     backend; fast mode (CPU lane + kernel with the lane's experts skipped) stays close."""
     from tiermoe.eval.parity import compare

@@ -11,7 +11,7 @@ from tiermoe.protocol import SamplingParams
 def test_warm_up_runs_every_shape_and_changes_no_token(tiny_dir):
     def engine():
         return build_engine_core(str(tiny_dir("glm4_moe")), device="cpu", dtype="float32", max_num_seqs=3,
-                                 max_model_len=96, options={"max_num_batched_tokens": 64})  # fmt: skip
+                                 max_model_len=96, options={"max_num_batched_tokens": 64})
 
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     prompts = [[7, 8, 9, 10, 11], list(range(20, 61)), [3]]

@@ -1,7 +1,12 @@
 """Build an LLMEngine from a model path (Hugging Face checkpoint or packed expert store).
 
-This is the one place that decides device, dtype, context length and KV-cache size, so the
-CLI (`generate`, `eval`, `bench`) and the server all start models the same way.
+    flags (argparse, defaults from config.EngineArgs) -> EngineArgs.from_options
+        -> engine/settle.settle_config (every "auto" decided once) -> EngineConfig
+        -> build_engine: routing hooks planned, expert backend opened (moe/backends.py), model
+           loaded with it, KV pages sized, decode attention and CUDA graphs switched on
+
+So the CLI (`generate`, `eval`, `bench`) and the server all start models the same way;
+`build_engine_core` is that chain in one call for callers holding a CLI namespace.
 """
 
 from __future__ import annotations
@@ -9,13 +14,19 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-from pathlib import Path
+from argparse import Namespace
+from typing import Any, Mapping
 
+from tiermoe.config import DEFAULTS, EngineArgs, EngineConfig
+from tiermoe.config import PAGE_SIZE as PAGE_SIZE
+from tiermoe.engine.settle import is_packed_store as is_packed_store
+from tiermoe.engine.settle import resolve_device as resolve_device
+from tiermoe.engine.settle import settle_config
 from tiermoe.errors import UserError
 
 log = logging.getLogger("tiermoe.engine")
 
-PAGE_SIZE = 16
+KV_CAP_BYTES = {"cpu": 2 * 2**30, "cuda": 8 * 2**30}  # default KV budget when --kv-cache-gb is not given
 
 
 def add_engine_args(p, model_positional: bool = False) -> None:
@@ -23,8 +34,8 @@ def add_engine_args(p, model_positional: bool = False) -> None:
     if not model_positional:
         p.add_argument("--model", default=None,
                        help="Hugging Face checkpoint directory or packed store (default: the embedded model)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default="auto", help="auto (checkpoint dtype), bfloat16, float16, float32")
+    p.add_argument("--device", default=DEFAULTS.device, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=DEFAULTS.dtype, help="auto (checkpoint dtype), bfloat16, float16, float32")
     add_sizing_args(p)
     add_store_args(p)
     add_routing_args(p)
@@ -37,31 +48,33 @@ def add_routing_args(p, record: bool = True) -> None:
                    help="replace every MoE layer's top-k with picks from FILE (per-layer pick counts JSON, as "
                         "--expert-stats, drawn per token; or a --record-routing trace, replayed in order), keeping "
                         "the router's cost and its weights for those ids (default: the model's own routing)")
-    g.add_argument("--routing-replay-seed", type=int, default=0,
-                   help="seed of the draws from a counts FILE (default 0)")
+    g.add_argument("--routing-replay-seed", type=int, default=DEFAULTS.routing_replay_seed,
+                   help=f"seed of the draws from a counts FILE (default {DEFAULTS.routing_replay_seed})")
     if record:
         g.add_argument("--record-routing", default=None, metavar="FILE",
                        help="write every forward token's picks per MoE layer to FILE (.npz routing trace, for "
                             "`tiermoe sim --trace` and --routing-replay)")
-        g.add_argument("--record-routing-max-tokens", type=int, default=200_000,
-                       help="tokens recorded at most (default 200000; later ones are not recorded)")
+        g.add_argument("--record-routing-max-tokens", type=int, default=DEFAULTS.record_routing_max_tokens,
+                       help=f"tokens recorded at most (default {DEFAULTS.record_routing_max_tokens}; later ones "
+                            "are not recorded)")
 
 
-def add_sizing_args(p, max_num_seqs: int = 8) -> None:
+def add_sizing_args(p, max_num_seqs: int = DEFAULTS.max_num_seqs) -> None:
     """Context, batch, KV-cache, seed and drafting flags; one definition for serve and the rest."""
     p.add_argument("--max-model-len", type=int, default=None, help="context length in tokens (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="sequences decoded together per step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per engine step (chunked prefill)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per engine step (chunked prefill; default 512 on a CPU, 2048 on CUDA)")
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="GiB for KV pages, MTP draft rows included (default: sized by the engine)")
     p.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never replay decode steps from CUDA graphs (default: captured where the model allows)")
-    p.add_argument("--decode-attention", choices=("auto", "sdpa", "paged"), default="auto",
+    p.add_argument("--decode-attention", choices=("auto", "sdpa", "paged"), default=DEFAULTS.decode_attention,
                    help="attention of decode steps: paged (Triton kernel over block tables, static shapes: a whole "
                         "decode step in one CUDA graph; grouped-query attention only), sdpa (torch, per sequence) "
-                        "or auto (default: paged on a CUDA device where the model allows, else sdpa)")  # fmt: skip
-    p.add_argument("--num-speculative-tokens", type=int, default=0, choices=(0, 1, 2),
+                        "or auto (default: paged on a CUDA device where the model allows, else sdpa)")
+    p.add_argument("--num-speculative-tokens", type=int, default=DEFAULTS.num_speculative_tokens, choices=(0, 1, 2),
                    help="MTP draft tokens verified per greedy decode step (0: off; models with an MTP head)")
 
 
@@ -73,121 +86,114 @@ def add_store_args(p, with_mode: bool = True) -> None:
     g.add_argument("--host-expert-gb", type=float, default=None,
                    help="GiB of (pinned) host RAM for the warm tier (default: the memory limit minus a margin)")
     g.add_argument("--expert-policy", choices=("lru", "lfu", "clock", "static"), default=None,
-                   help="slot cache replacement policy (default lfu)")
+                   help="the store's slot replacement policy (default lfu; the device cache decides its own)")
     g.add_argument("--expert-stats", default=None, help="routing statistics file for the cache warm start")
     g.add_argument("--no-direct-io", action="store_true", help="allow a filesystem without O_DIRECT")
-    g.add_argument("--expert-kernel", choices=("auto", "torch", "triton"), default=None, help="routed-expert compute: auto (Triton on CUDA when the store allows it), torch, triton")
+    g.add_argument("--expert-kernel", choices=("auto", "torch", "triton"), default=None,
+                   help="routed-expert compute: auto (Triton on CUDA when the store allows it), torch, triton "
+                        "(default: $TIERMOE_EXPERT_KERNEL, else auto)")
     g.add_argument("--device-cache", choices=("auto", "on", "off"), default=None,
                    help="decide the GPU slot cache on the device, no host sync per MoE layer (auto: with the Triton "
-                        "kernel when host RAM holds every expert)")  # fmt: skip
+                        "kernel when host RAM holds every expert)")
     g.add_argument("--prefill-staging-gb", type=float, default=None,
                    help="device cache: GPU memory that prefill chunks copy their layer's misses into (default: one "
                         "layer's non-resident experts; twice that: large chunks copy one layer ahead, overlapping "
-                        "compute; 0: read them in place)")  # fmt: skip
+                        "compute; 0: read them in place)")
     g.add_argument("--prefill-borrow-slots", action=argparse.BooleanOptionalAction, default=None,
                    help="device cache: large prefill chunks copy one layer ahead into a second staging buffer lent "
                         "by expert slots (a few per layer), whose experts are copied back before the next decode "
                         "step; both buffers get that share of rows more than --prefill-staging-gb's one buffer "
-                        "(default on; --no-prefill-borrow-slots: one buffer, copies and compute take turns)")  # fmt: skip
+                        "(default on; --no-prefill-borrow-slots: one buffer, copies and compute take turns)")
     if with_mode:
-        g.add_argument("--mode", choices=("exact", "fast"), default="exact",
+        g.add_argument("--mode", choices=("exact", "fast"), default=DEFAULTS.mode,
                        help="exact: bit-identical (default); fast: the CPU lane computes cold experts")
-    g.add_argument("--cpu-lane-experts", type=int, default=4, help="most experts per layer the CPU lane computes")
+    g.add_argument("--cpu-lane-experts", type=int, default=DEFAULTS.cpu_lane_experts,
+                   help=f"most experts per layer the CPU lane computes (default {DEFAULTS.cpu_lane_experts})")
     g.add_argument("--cpu-lane-threads", type=int, default=None, help="torch threads of the CPU lane")
-    g.add_argument("--cpu-lane-cache-gb", type=float, default=None,
-                   help="memory for repacked lane experts (default 1)")
+    g.add_argument("--cpu-lane-cache-gb", type=float, default=DEFAULTS.cpu_lane_cache_gb,
+                   help=f"GiB for repacked lane experts (default {DEFAULTS.cpu_lane_cache_gb:g})")
 
 
-def resolve_device(name: str | None) -> str:
-    import torch
-
-    if name in (None, "auto"):
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA device is available here")
-    if name != "cpu" and not name.startswith("cuda"):
-        raise UserError(f"--device: unknown device '{name}' (use cpu or cuda)")
-    return name
-
-
-def is_packed_store(path: Path) -> bool:
-    return (path / "manifest.json").is_file() and (path / "experts.bin").exists()
-
-
-def _expert_backend(path: Path, device: str, dtype, options: dict):
-    """A tiered expert backend when `path` is a packed store, else None (resident experts)."""
-    if not is_packed_store(path):
-        return None
-    from tiermoe.moe.tiered import TieredExperts
-
-    return TieredExperts.open(path, device=device, dtype=dtype, options=options)
+def engine_config(model: str | None = None, *, device: str | None = None, dtype: str | None = None,
+                  max_model_len: int | None = None, max_num_seqs: int = DEFAULTS.max_num_seqs,
+                  options: Mapping[str, Any] | Namespace | None = None) -> EngineConfig:
+    """The settled configuration for a CLI namespace (or its vars) and the explicit arguments,
+    which win over the namespace's values of the same name."""
+    args = EngineArgs.from_options(options, model=model, device=device, dtype=dtype, max_model_len=max_model_len,
+                                   max_num_seqs=max_num_seqs)
+    return settle_config(args)
 
 
 def build_engine_core(model: str | None, *, device: str | None = None, dtype: str | None = None,
-                      max_model_len: int | None = None, max_num_seqs: int = 8, options: dict | None = None):
-    import torch
+                      max_model_len: int | None = None, max_num_seqs: int = DEFAULTS.max_num_seqs,
+                      options: Mapping[str, Any] | Namespace | None = None):
+    """engine_config + build_engine in one call."""
+    return build_engine(engine_config(model, device=device, dtype=dtype, max_model_len=max_model_len,
+                                      max_num_seqs=max_num_seqs, options=options))
+
+
+def build_engine(cfg: EngineConfig):
+    """An LLMEngine for a settled configuration."""
     from transformers import AutoTokenizer
 
     from tiermoe.engine.llm_engine import LLMEngine
-    from tiermoe.models.loader import checkpoint_dtype, load_model, load_spec, parse_dtype
+    from tiermoe.models.loader import load_model, load_spec
     from tiermoe.runner.model_runner import kv_bytes_per_token
 
-    options = dict(options or {})
-    if model is None:
-        from tiermoe.default_model import ensure_default_model
-
-        model = str(ensure_default_model())
-    path = Path(model)
+    path = cfg.model
     spec = load_spec(path)
-    dev = resolve_device(device)
-    torch_dtype = parse_dtype(dtype, default=checkpoint_dtype(spec.hf_config))
-    options.setdefault("max_num_seqs", max(1, int(max_num_seqs or 8)))  # the device cache sizes its staging rows
-    budget = options.get("max_num_batched_tokens") or (512 if dev == "cpu" else 2048)
     routing = None
-    if options.get("routing_replay") or options.get("record_routing"):  # benchmarking; files checked before loading
+    if cfg.routing is not None:  # benchmarking; files checked before loading
         from tiermoe.moe.replay import plan_routing
 
-        routing = plan_routing(spec, options, model_name=path.name, max_step_tokens=budget)
-    backend = _expert_backend(path, dev, torch_dtype, options)
-    lm = load_model(path, device=dev, dtype=torch_dtype, expert_backend=backend)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    except Exception as exc:
-        raise UserError(f"{path}: cannot load the tokenizer ({str(exc).splitlines()[0]})") from None
+        routing = plan_routing(spec, cfg.routing, model_name=path.name, max_step_tokens=cfg.max_batched_tokens)
+    backend = None
+    if cfg.experts is not None:
+        from tiermoe.moe.backends import open_expert_backend
 
-    ctx = spec.max_position_embeddings
-    if max_model_len is not None:
-        if max_model_len < 2 or max_model_len > ctx:
-            raise UserError(f"--max-model-len {max_model_len}: must be between 2 and the model's {ctx}")
-        ctx = max_model_len
-    max_num_seqs = max(1, int(max_num_seqs or 8))
-    # the MTP draft rows (drafting on) share the page count, so they share the byte budget
-    per_token = kv_bytes_per_token(lm, torch_dtype, options.get("num_speculative_tokens") or 0)
-    pages_one_seq = math.ceil(ctx / PAGE_SIZE) + 1
-    if options.get("kv_cache_gb"):
-        num_pages = int(options["kv_cache_gb"] * 2**30 / (per_token * PAGE_SIZE) + 1e-6)
-    else:
-        cap = (2 * 2**30) if dev == "cpu" else (8 * 2**30)  # bytes
-        num_pages = min(pages_one_seq * max_num_seqs, max(pages_one_seq, cap // (per_token * PAGE_SIZE)))
-    if num_pages < pages_one_seq:
-        raise UserError(f"--kv-cache-gb: too small for one {ctx}-token sequence "
-                        f"({pages_one_seq * PAGE_SIZE * per_token / 2**30:.2f} GB needed)")
-    log.info("model %s (%s) on %s %s: context %d, %d KV pages of %d tokens, %d seqs", path, spec.arch, dev,
-             str(torch_dtype).replace("torch.", ""), ctx, num_pages, PAGE_SIZE, max_num_seqs)
-    engine = LLMEngine(lm, tokenizer, max_model_len=ctx, max_num_seqs=max_num_seqs, max_batched_tokens=budget,
-                       num_pages=num_pages, page_size=PAGE_SIZE, model_info={"arch": spec.arch, "name": path.name},
-                       seed=options.get("seed"), num_speculative_tokens=options.get("num_speculative_tokens") or 0)
+        backend = open_expert_backend(cfg.experts)
+    try:
+        lm = load_model(path, device=cfg.device, dtype=cfg.dtype, expert_backend=backend)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+        except Exception as exc:
+            raise UserError(f"{path}: cannot load the tokenizer ({str(exc).splitlines()[0]})") from None
+        num_pages = _kv_pages(cfg, kv_bytes_per_token(lm, cfg.dtype, cfg.num_speculative_tokens))
+    except BaseException:
+        if backend is not None:
+            backend.close()
+        raise
+    log.info("model %s (%s) on %s %s: context %d, %d KV pages of %d tokens, %d seqs", path, spec.arch, cfg.device,
+             str(cfg.dtype).replace("torch.", ""), cfg.max_model_len, num_pages, cfg.page_size, cfg.max_num_seqs)
+    engine = LLMEngine(lm, tokenizer, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+                       max_batched_tokens=cfg.max_batched_tokens, num_pages=num_pages, page_size=cfg.page_size,
+                       model_info={"arch": spec.arch, "name": path.name}, seed=cfg.seed,
+                       num_speculative_tokens=cfg.num_speculative_tokens)
     if routing is not None:
         engine.runner.routing = routing.attach(lm)
-    attention = options.get("decode_attention") or "auto"
-    if attention not in ("auto", "sdpa", "paged"):
-        raise UserError(f"--decode-attention {attention!r}: choose auto, sdpa or paged")
-    if attention == "paged" or (attention == "auto" and dev != "cpu"):
-        why = engine.runner.use_paged_decode_attention(ctx)
-        if why is not None and attention == "paged":
+    if cfg.decode_attention == "paged":
+        why = engine.runner.use_paged_decode_attention(cfg.max_model_len)
+        if why is not None and cfg.paged_attention_required:
             raise UserError(f"--decode-attention paged: {why}")
         log.info("decode attention: %s", "paged kernel" if why is None else f"sdpa ({why})")
-    if not options.get("enforce_eager") and dev != "cpu":
-        why = engine.runner.enable_decode_graphs(max_num_seqs)
+    if cfg.decode_graphs:
+        why = engine.runner.enable_decode_graphs(cfg.max_num_seqs)
         log.info("decode steps: %s", "CUDA graphs" if why is None else f"eager ({why})")
     return engine
+
+
+def _kv_pages(cfg: EngineConfig, per_token: int) -> int:
+    """KV pages for --kv-cache-gb, else one context per sequence within a byte cap; per_token:
+    bytes of one token position (the MTP draft rows included when drafting is on: they share the
+    page count, so they share the byte budget)."""
+    page = cfg.page_size
+    pages_one_seq = math.ceil(cfg.max_model_len / page) + 1
+    if cfg.kv_cache_gb:
+        num_pages = int(cfg.kv_cache_gb * 2**30 / (per_token * page) + 1e-6)
+    else:
+        cap = KV_CAP_BYTES["cpu" if cfg.device == "cpu" else "cuda"]
+        num_pages = min(pages_one_seq * cfg.max_num_seqs, max(pages_one_seq, cap // (per_token * page)))
+    if num_pages < pages_one_seq:
+        raise UserError(f"--kv-cache-gb: too small for one {cfg.max_model_len}-token sequence "
+                        f"({pages_one_seq * page * per_token / 2**30:.2f} GB needed)")
+    return num_pages

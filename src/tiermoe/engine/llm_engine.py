@@ -175,9 +175,9 @@ class LLMEngine:
             out["decode_graphs"] = self.runner.graphs.counters()
         if self.warm_up_done is not None:
             out["warm_up"] = dict(self.warm_up_done)
-        backend = getattr(self.model, "expert_backend", None)
-        if backend is not None and hasattr(backend, "counters"):
-            out["experts"] = backend.counters()
+        experts = self.runner.experts.counters()
+        if experts is not None:
+            out["experts"] = experts
             # beside the slot counters it qualifies (bench sweep reads it there): the replayed file or None
             out["experts"]["routing_replay"] = (out["routing"].get("replay") or {}).get("file")
         if self.runner.spec is not None:
@@ -185,11 +185,9 @@ class LLMEngine:
         return out
 
     def expert_heat(self) -> dict | None:
-        """Per-layer expert counts for the web dashboard's heat map (engine/expert_heat.py);
-        None with resident experts. Between steps only: it waits for the queued device work."""
-        from tiermoe.engine.expert_heat import expert_heat_map
-
-        return expert_heat_map(getattr(self.model, "expert_backend", None))
+        """Per-layer expert counts for the web dashboard's heat map (moe/heat.py); None with
+        resident experts. Between steps only: it may wait for the queued device work."""
+        return self.runner.experts.heat()
 
     # -- internals -----------------------------------------------------------------------
     def _drain_queues(self) -> list[RequestOutput]:

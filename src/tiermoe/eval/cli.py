@@ -19,7 +19,9 @@ def register(subparsers) -> None:
     par.add_argument("--chunk", type=int, default=32, help="prefill chunk size of our engine (tokens)")
     par.set_defaults(handler=_parity)
     _register_tiers(sub)
-    from tiermoe.eval.paired_kl import register_paired_kl; register_paired_kl(sub)  # noqa: E702
+    from tiermoe.eval.paired_kl import register_paired_kl
+
+    register_paired_kl(sub)
 
 
 def _parity(args) -> int:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import time
+from argparse import Namespace
+from typing import Any, Mapping
 
 from tiermoe.engine.prompts import chat_prompt_ids
 from tiermoe.protocol import SamplingParams
@@ -41,12 +43,9 @@ def _paired_kl(args) -> int:
 
     if args.tokens < 1:
         raise UserError("--tokens must be at least 1")
-    keys = ("gpu_expert_gb", "host_expert_gb", "expert_policy", "expert_stats", "no_direct_io", "expert_kernel",
-            "device_cache", "prefill_staging_gb", "prefill_borrow_slots", "cpu_lane_experts", "cpu_lane_threads",
-            "cpu_lane_cache_gb")  # every store flag add_store_args gives this command
-    options = {k: getattr(args, k, None) for k in keys}
+    # the namespace holds every store flag add_store_args gave this command (the rest is ignored)
     result = run_paired_kl(args.model, device=resolve_device(args.device), dtype=args.dtype, tokens=args.tokens,
-                           texts=args.prompts, options=options)
+                           texts=args.prompts, options=args)
     lane = result["cpu_lane"]
     print(f"paired KL over {result['positions']} positions: mean {result['kl_mean']:.3g}, max {result['kl_max']:.3g}, "
           f"top-1 agreement {result['top1']:.4f}; CPU lane {lane['per_decode_token']:.2f} experts/token "
@@ -99,22 +98,25 @@ def decode_logits(engine, prompt: list[int], n: int, forced: list[int] | None = 
 
 
 def run_paired_kl(store: str, *, device: str = "cpu", dtype: str = "auto", tokens: int = 64,
-                  texts: list[str] | None = None, options: dict | None = None) -> dict:
-    """Exact greedy decode, then the same tokens teacher-forced in fast mode; metrics dict."""
+                  texts: list[str] | None = None, options: Mapping[str, Any] | Namespace | None = None) -> dict:
+    """Exact greedy decode, then the same tokens teacher-forced in fast mode; metrics dict.
+    options: engine flags (a CLI namespace or a dict; the mode is fast here)."""
     import torch
 
     from pathlib import Path
 
-    from tiermoe.engine.build import build_engine_core, is_packed_store
+    from tiermoe.engine.build import build_engine, engine_config, is_packed_store
     from tiermoe.eval.parity import compare
-    from tiermoe.moe.tiered import TieredExperts
+    from tiermoe.moe.lane import LaneExperts
 
     if not is_packed_store(Path(store)):
         raise UserError(f"{store}: not a packed store (needs manifest.json and experts.bin; see tiermoe pack)")
-    opts = {k: v for k, v in (options or {}).items() if v is not None}
-    engine = build_engine_core(store, device=device, dtype=dtype, max_num_seqs=1, options={**opts, "mode": "fast"})
-    backend = engine.model.expert_backend
-    if not isinstance(backend, TieredExperts):
+    flags = vars(options) if isinstance(options, Namespace) else dict(options or {})
+    engine = build_engine(engine_config(store, device=device, dtype=dtype, max_num_seqs=1,
+                                        options={**flags, "mode": "fast"}))
+    backend = engine.runner.experts
+    if not isinstance(backend, LaneExperts):
+        backend.close()
         raise UserError(f"{store}: the model does not serve its experts from the store, nothing to compare")
     try:
         prompts = prompt_ids(engine.tokenizer, texts or EVAL_TEXTS)
@@ -134,5 +136,6 @@ def run_paired_kl(store: str, *, device: str = "cpu", dtype: str = "auto", token
     finally:
         backend.close()
     return {"store": str(store), "device": str(engine.model.device),
-            "dtype": str(engine.model.dtype).replace("torch.", ""), "prompts": len(prompts), "tokens_per_prompt": tokens, **result,
-            "exact_s": round(t1 - t0, 3), "fast_s": round(t2 - t1, 3), "cpu_lane": counters.get("cpu_lane", {})}
+            "dtype": str(engine.model.dtype).replace("torch.", ""), "prompts": len(prompts),
+            "tokens_per_prompt": tokens, **result, "exact_s": round(t1 - t0, 3), "fast_s": round(t2 - t1, 3),
+            "cpu_lane": counters.get("cpu_lane", {})}

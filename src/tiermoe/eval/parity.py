@@ -63,7 +63,8 @@ def compare(ref: torch.Tensor, ours: torch.Tensor) -> dict:
     }
 
 
-def reference_logits(ref_path: str | Path, prompts: list[list[int]], device: str, dtype: torch.dtype) -> list[torch.Tensor]:
+def reference_logits(ref_path: str | Path, prompts: list[list[int]], device: str,
+                     dtype: torch.dtype) -> list[torch.Tensor]:
     import transformers
 
     # The eager experts loop is transformers' defining implementation (grouped_mm, its default,

@@ -19,13 +19,14 @@ def expert_bytes(store_dir: str) -> int:
 
 def run_tiers(store: str, device: str, budgets: list[float], host_budgets: list[float | None],
               routing: dict | None = None) -> dict:
-    """routing: engine options of a routing replay (`--routing-replay`), the same for every
+    """routing: engine flags of a routing replay (`--routing-replay`), the same for every
     configuration: each engine starts at the same table row, so the picks match and exact
     mode must still give the same bits."""
-    from tiermoe.engine.build import build_engine_core, is_packed_store
+    from pathlib import Path
+
+    from tiermoe.engine.build import build_engine, engine_config, is_packed_store
     from tiermoe.errors import UserError
     from tiermoe.eval.parity import engine_logits, parity_prompts
-    from pathlib import Path
 
     if not is_packed_store(Path(store)):
         raise UserError(f"{store}: not a packed store (needs manifest.json and experts.bin; see tiermoe pack)")
@@ -36,12 +37,12 @@ def run_tiers(store: str, device: str, budgets: list[float], host_budgets: list[
             options = {**(routing or {}), "gpu_expert_gb": gpu_frac * total / 2**30}
             if host_frac is not None:
                 options["host_expert_gb"] = host_frac * total / 2**30
-            engine = build_engine_core(store, device=device, dtype="auto", max_num_seqs=1, options=options)
+            engine = build_engine(engine_config(store, device=device, dtype="auto", max_num_seqs=1, options=options))
             prompts = parity_prompts(engine.tokenizer, engine.vocab_size, min_positions=256)
             logits = torch.cat([engine_logits(engine, p) for p in prompts])
-            counters = engine.model.expert_backend.counters()
+            counters = engine.runner.experts.counters()
             counters["routing"] = engine.stats()["routing"]
-            engine.model.expert_backend.close()
+            engine.runner.experts.close()
             if baseline is None:
                 baseline = logits
             rows.append({"gpu_fraction": gpu_frac, "host_fraction": host_frac, "positions": int(logits.shape[0]),

@@ -20,7 +20,7 @@ from tiermoe.models.decoder import CausalLM
 from tiermoe.models.fp32_params import Fp32Plan
 from tiermoe.models.registry import family_module, load_hf_config
 from tiermoe.models.spec import ModelSpec
-from tiermoe.moe.experts import ResidentExperts
+from tiermoe.moe.experts import ExpertBackend, ResidentExperts
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float32": torch.float32, "fp32": torch.float32}
@@ -125,12 +125,12 @@ def load_model(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
-    expert_backend=None,
+    expert_backend: ExpertBackend | None = None,
 ) -> CausalLM:
     """Build the family's model and fill it from the checkpoint.
 
-    expert_backend: an ExpertBackend serving routed experts (e.g. the tiered store); when None
-    every expert is loaded resident.
+    expert_backend: an ExpertBackend serving routed experts (a store backend, moe/backends.py);
+    when None every expert is loaded resident.
     """
     hf_config = load_hf_config(model_dir)
     module = family_module(hf_config.model_type, str(Path(model_dir) / "config.json"))
@@ -148,11 +148,18 @@ def load_model(
         if expert_backend is None:
             expert_backend = _load_resident_experts(spec, index, dtype, device)
     model.rotary.to(device)
-    for moe_layer in model.moe_layers():
-        moe_layer.backend = expert_backend
-    if hasattr(expert_backend, "attach"):
-        expert_backend.attach(model.moe_layers())
-    model.expert_backend = expert_backend
+    _install(model, expert_backend, dtype, device)
+    return model.eval()
+
+
+def _install(model: CausalLM, backend: ExpertBackend, dtype: torch.dtype, device) -> None:
+    """The loaded model's serving state, set in one place: every MoE layer computes its routed
+    experts through `backend` (told the layers once, `attach`), and the engine reads the
+    backend, dtype and device from the model."""
+    layers = model.moe_layers()
+    for moe_layer in layers:
+        moe_layer.backend = backend
+    backend.attach(layers)
+    model.expert_backend = backend
     model.dtype = dtype
     model.device = torch.device(device)
-    return model.eval()

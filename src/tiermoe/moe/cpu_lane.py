@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tiermoe.config import LaneConfig
 from tiermoe.store.quant import dequantize_groupwise, unpack_int4
 from tiermoe.store.records import FLOAT_KINDS, RecordLayout, section_view
 
@@ -60,6 +61,21 @@ def lane_kernel(layout: RecordLayout, act: torch.dtype = torch.bfloat16) -> str:
     if layout.bits == 8 and act == torch.bfloat16 and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
         return "int8pack"
     return "dequant"
+
+
+def lane_act_dtype(act: torch.dtype) -> torch.dtype:
+    """The dtype the lane feeds its kernels for a model computing in `act`: the model's own
+    precision (bf16 is the fast path, and what a bf16 model computes in anyway; an fp32 model gets
+    fp32 inputs, slower but not coarser), bf16 for anything else."""
+    return act if act in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+
+
+def lane_reads_disk(layout: RecordLayout, act: torch.dtype, device: str | torch.device) -> bool:
+    """Should the lane also compute experts that are only on disk? Both lanes pay the read; the
+    CPU also pays a repack (int kernels), worth it only where the device path is dequantize +
+    matmul on the same CPU."""
+    repacks = lane_kernel(layout, lane_act_dtype(act)) in ("int4pack", "int8pack")
+    return not repacks or torch.device(device).type == "cpu"
 
 
 # -- int4 repack --------------------------------------------------------------------------------
@@ -147,7 +163,8 @@ def pack_expert(layout: RecordLayout, rec: torch.Tensor, kernel: str,
         elif kernel == "int8pack":
             n, k = q.shape
             g = layout.group_size
-            op = (q.view(n, k // g, g).transpose(0, 1).contiguous(), s.t().to(act).contiguous())  # [K/G, N, G], [K/G, N]
+            # [K/G, N, G] int8, [K/G, N] scales
+            op = (q.view(n, k // g, g).transpose(0, 1).contiguous(), s.t().to(act).contiguous())
         else:
             op = (q, s)
         ops.append(op)
@@ -280,22 +297,18 @@ class LaneJob:
 
 
 class CpuLane:
-    def __init__(self, layout: RecordLayout, *, max_experts: int = 4, max_tokens: int = 16, threads: int | None = None,
-                 workers: int = 1, cache_bytes: int = 1 << 30, disk: bool | None = None,
+    def __init__(self, layout: RecordLayout, *, max_experts: int = LaneConfig.max_experts,
+                 max_tokens: int = LaneConfig.max_tokens, threads: int | None = None,
+                 workers: int = LaneConfig.workers, cache_bytes: int = LaneConfig.cache_bytes, disk: bool | None = None,
                  swiglu_limit: float | None = None, act_dtype: torch.dtype = torch.bfloat16, device: str = "cpu"):
         self.layout = layout
-        # Kernel inputs at the model's own precision: bf16 is the fast path (and what a bf16
-        # model computes in anyway); an fp32 model gets fp32 inputs, slower but not coarser.
-        self.act = act_dtype if act_dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+        self.act = lane_act_dtype(act_dtype)
         self.kernel = lane_kernel(layout, self.act)
         self.max_experts = max(0, int(max_experts))
         self.max_tokens = max(1, int(max_tokens))
         self.workers = max(1, int(workers))
         self.threads = max(self.workers, int(threads or torch.get_num_threads()))
-        # Disk-only experts: both lanes pay the read; the CPU also pays a repack (int kernels),
-        # worth it only where the device path is dequantize + matmul on the same CPU.
-        repacks = self.kernel in ("int4pack", "int8pack")
-        self.disk = (not repacks or torch.device(device).type == "cpu") if disk is None else bool(disk)
+        self.disk = lane_reads_disk(layout, act_dtype, device) if disk is None else bool(disk)
         self.swiglu_limit = swiglu_limit
         self.cache = PackCache(cache_bytes)
         self.c = LaneCounters()

@@ -1,12 +1,10 @@
-"""Routed experts with the GPU slot cache kept on the device: no host sync per MoE layer.
+"""The "device-cache" backend: the GPU slot cache decided on the device, no host sync per MoE layer.
 
-The store-managed Triton path (triton_backend.TritonExperts) decides tiers in Python: every
-MoE layer of every step reads the router's picks back to the host (`unique().tolist()`), runs
-the store's policy and uploads a pointer table. That host round trip per layer is what kept
-the engine's decode at 3.6 ms per GLM-5.3-shaped layer against 1.5 ms for the same kernels
-replayed as one CUDA graph (docs/results.md sections 7 and 11). Here the decision runs on the
-device instead, with the kernels of `kernels.triton.cache_manager` (the ones `tiermoe bench
-moe-gpu` measures):
+The store backends (moe/store_backends.py) decide tiers in Python: every MoE layer of every step
+reads the router's picks back to the host (`unique().tolist()`), runs the store's policy and
+uploads a pointer table, a host round trip per layer that also keeps decode steps out of CUDA
+graphs. Here the decision runs on the device instead, with the kernels of
+`kernels.triton.cache_manager`:
 
     per MoE layer, decode step:  cache_step(topk_ids) -> gather(admitted + staged misses)
                                  -> fused_moe(x, topk_ids, topk_weights, step_table)
@@ -25,15 +23,18 @@ so the CPU only queues kernels and runs ahead of the GPU through the whole forwa
 Placement is inclusive: the store's host tier holds every routed expert (pinned, so the GPU
 reads any of them in place) and the GPU slots hold copies of some. An eviction only rewrites a
 table row; an admission is one copy of a record host -> slot. This needs host RAM for all the
-experts (`--host-expert-gb` >= the experts' size, the SBS and GLM-5.3 24 GB-card setups); the
-store is then opened with no slots of its own (`ExpertStore` tiers stay exclusive) and this
-class owns the GPU budget: `--gpu-expert-gb` = slots of every layer + the staging rows.
+experts (`--host-expert-gb` >= the experts' size); the store is then opened with no slots of its
+own (`ExpertStore` tiers stay exclusive) and this class owns the GPU budget: `--gpu-expert-gb` =
+slots of every layer + the staging rows (`split_budget`). The store's replacement policy
+(`--expert-policy`) has no slots to manage here: the cache kernel's CLOCK with frequency
+admission decides.
 
 Exactness: the kernel reads a record's bytes wherever they sit; the tier changes one table
 entry, never the launch configuration or the summation order, so outputs are bit-identical to
-TritonExperts and across budgets (tests/moe/test_device_cache.py, exact mode).
+the store-triton backend and across budgets (tests/moe/test_device_cache.py, exact mode).
 
-Fast mode (`lane_forward`, no host sync either, so it is captured in decode graphs too):
+Fast mode (`lane_forward`, answered by moe/device_lane.py; no host sync either, so it is
+captured in decode graphs too):
 
     per MoE layer, decode step:  cache_step(topk_ids, lane=True) also picks the lane's experts
                                  (the coldest misses it does not admit; not staged: no PCIe
@@ -46,15 +47,42 @@ Fast mode (`lane_forward`, no host sync either, so it is captured in decode grap
 
 from __future__ import annotations
 
+from typing import Hashable
+
 import torch
 
-from tiermoe.moe.prefill_staging import STAGE_TOKENS, PrefillStaging
+from tiermoe.moe.prefill_staging import STAGE_TOKENS, PrefillStaging, SlotLender, lend_share
+from tiermoe.moe.store_backends import StoreBackend
 
 STAGE_PICKS = 4  # staged (not admitted) misses per step are bounded by top_k x this many tokens
 
 
-class DeviceCacheExperts:
-    """ExpertBackend-like object over an ExpertStore whose host tier holds every routed expert.
+def split_budget(slots: int, experts: list[int], top_k: int, max_tokens: int,
+                 stage_misses: bool = True) -> tuple[int, list[int]]:
+    """(staging rows, slots of each layer) for a GPU budget of `slots` records over MoE layers
+    of `experts[i]` routed experts: staging rows for the misses the filter does not admit
+    (shared by all layers: stream order) come out of the budget first, at most half of it; the
+    rest is split evenly over the layers."""
+    want_stage = top_k * max(1, min(int(max_tokens), STAGE_PICKS)) if stage_misses else 0
+    stage_rows = min(want_stage, max(0, int(slots)) // 2) if experts else 0
+    per_layer, extra = divmod(max(0, int(slots) - stage_rows), max(1, len(experts)))
+    return stage_rows, [min(n, per_layer + (1 if i < extra else 0)) for i, n in enumerate(experts)]
+
+
+def prefill_plan(experts: list[int], slots_per_layer: list[int], prefill_rows: int | None,
+                 prefill_buffers: int | None) -> tuple[int, int]:
+    """(staging rows per buffer as asked, buffers) where either is None: rows default to the
+    most non-resident experts of any layer (a chunk then never reads in place); two buffers
+    when the rows hold two layers' non-resident experts (copies run one layer ahead)."""
+    most = max((n - s for n, s in zip(experts, slots_per_layer)), default=0)
+    rows = most if prefill_rows is None else max(0, int(prefill_rows))
+    if prefill_buffers is None:
+        prefill_buffers = 2 if most and rows >= 2 * most else 1
+    return rows, prefill_buffers
+
+
+class DeviceCacheExperts(StoreBackend):
+    """The device-cache backend over an ExpertStore whose host tier holds every routed expert.
 
     store: ExpertStore (no slots of its own, host tier complete and page-locked); slots: GPU
     record budget (all layers, staging rows included); rates: {record key: expected picks per
@@ -67,53 +95,49 @@ class DeviceCacheExperts:
     thousands of tokens touches nearly every expert, and the kernel would read an in-place
     record once per block of tokens; one copy per record is several times cheaper;
     stage_misses: False reads the misses the filter does not admit in place (no staging rows; the
-    MoE kernel reads them over PCIe) instead of gathering them into HBM first; lane_cap: most
-    experts per layer and step the CPU lane may take in fast mode (`set_lane`).
+    MoE kernel reads them over PCIe) instead of gathering them into HBM first; borrow_slots: a
+    second staging buffer lent by the slots (prefill_staging.SlotLender); lane_cap: most experts
+    per layer and step the CPU lane may take in fast mode (`set_lane`).
     """
 
-    def __init__(self, store, slots: int, rates: dict[int, float], top_k: int, max_tokens: int,
-                 swiglu_limit: float | None = None, config: dict | None = None,
-                 max_picks: int = 128, prefill_rows: int | None = None, stage_misses: bool = True,
-                 prefill_buffers: int | None = None, borrow_slots: bool = False, lane_cap: int = 0) -> None:  # fmt: skip
-        from tiermoe.kernels.layout import layout_from
-        from tiermoe.kernels.triton.cache_manager import ExpertCache
+    kernel = "triton"
 
-        self.store = store
-        self.layout = layout_from(store.layout)
-        self.swiglu_limit = swiglu_limit
-        self.config = config
+    def __init__(self, store, slots: int, rates: dict[int, float], top_k: int, max_tokens: int,
+                 swiglu_limit: float | None = None, config: dict | None = None, max_picks: int = 128,
+                 prefill_rows: int | None = None, stage_misses: bool = True, prefill_buffers: int | None = None,
+                 borrow_slots: bool = False, lane_cap: int = 0) -> None:
+        from tiermoe.kernels.triton.cache_manager import ExpertCache
+        from tiermoe.moe.fused import FusedMoE
+
+        super().__init__(store, swiglu_limit, prefetch=False)  # every expert is in host RAM: no disk reads
+        self.fused = FusedMoE(store.layout, config, swiglu_limit)
+        self.layout = self.fused.layout
         self.top_k = int(top_k)
         self.max_picks = int(max_picks)  # cache steps above this fall back to the canonical table
         dev = store.device
         r = store.record_bytes
         layers = list(store.moe_layers)
-        # Staging rows for misses the filter does not admit (shared by all layers: stream order),
-        # taken out of the GPU budget first; the rest is split evenly over the layers.
-        want_stage = self.top_k * max(1, min(int(max_tokens), STAGE_PICKS)) if stage_misses else 0
-        self.stage_rows = min(want_stage, max(0, int(slots)) // 2) if layers else 0
-        per_layer, extra = divmod(max(0, int(slots) - self.stage_rows), max(1, len(layers)))
-        self.scratch = torch.empty(max(1, self.stage_rows), r, dtype=torch.uint8, device=dev)
-        self.caches: dict[int, ExpertCache] = {}
-        self.entries: dict[int, list[torch.Tensor]] = {}  # host entry of each routed expert
-        self.slots_per_layer: dict[int, int] = {}
         all_entries = {}
-        for i, layer in enumerate(layers):
+        for layer in layers:
             entries = store.host_entries(layer)
             if entries is None:
                 raise ValueError(f"layer {layer}: the host tier does not hold every routed expert")
             all_entries[layer] = entries
-            self.slots_per_layer[layer] = min(len(entries), per_layer + (1 if i < extra else 0))
-        most = max((len(all_entries[l]) - s for l, s in self.slots_per_layer.items()), default=0)
-        rows = most if prefill_rows is None else max(0, int(prefill_rows))
-        if prefill_buffers is None:
-            prefill_buffers = 2 if most and rows >= 2 * most else 1
+        counts = [len(all_entries[layer]) for layer in layers]
+        self.stage_rows, per_layer = split_budget(slots, counts, self.top_k, max_tokens, stage_misses)
+        self.slots_per_layer: dict[int, int] = dict(zip(layers, per_layer))
+        self.scratch = torch.empty(max(1, self.stage_rows), r, dtype=torch.uint8, device=dev)
+        self.caches: dict[int, ExpertCache] = {}
+        self.entries: dict[int, list[torch.Tensor]] = {}  # host entry of each routed expert
+        most = max((n - s for n, s in zip(counts, per_layer)), default=0)
+        rows, prefill_buffers = prefill_plan(counts, per_layer, prefill_rows, prefill_buffers)
         self.prefill_rows = min(rows, most) if prefill_buffers == 2 or rows > most else rows  # per buffer
         # Slot lending: a layer lends at most its last `share` slots, so a loan grows no layer's
         # non-resident experts by more than `share`; both buffers get that many rows more.
-        share = lend_share(list(self.slots_per_layer.values()), self.prefill_rows) if (
-            borrow_slots and prefill_buffers == 1 and self.prefill_rows) else 0  # fmt: skip
+        lendable = borrow_slots and prefill_buffers == 1 and self.prefill_rows
+        share = lend_share(per_layer, self.prefill_rows) if lendable else 0
         if share:
-            self.prefill_rows = min(self.prefill_rows + share, max(len(e) for e in all_entries.values()))
+            self.prefill_rows = min(self.prefill_rows + share, max(counts))
             prefill_buffers = 2
         # One arena [sum S, R] for every layer's slots: first each layer's own slots, then the
         # lendable ones of every layer side by side, so a loan is one contiguous buffer.
@@ -133,8 +157,7 @@ class DeviceCacheExperts:
             host_addr = torch.tensor([t.data_ptr() for t in entries], dtype=torch.int64, device=dev)  # [E]
             slot_addr = (self.arena.data_ptr() + arena_rows * r).to(dev)  # [s] int64
             cache = ExpertCache(host_addr, slot_addr, s, r, max_picks=self.max_picks,
-                                scratch_base=self.scratch.data_ptr(), scratch_slots=self.stage_rows,
-                                lane_max=lane_cap)  # fmt: skip
+                                scratch_base=self.scratch.data_ptr(), scratch_slots=self.stage_rows, lane_max=lane_cap)
             layer_rates = torch.tensor([float(rates.get(store.key(layer, e), 0.0)) for e in range(n)])  # [E]
             order = torch.argsort(layer_rates, descending=True, stable=True).tolist()
             for e, slot in cache.warm_start(order[:s]):
@@ -145,31 +168,87 @@ class DeviceCacheExperts:
         lender = SlotLender(self, lent) if share else None
         self.prefill = PrefillStaging(self.entries, self.caches, r, self.prefill_rows, prefill_buffers, dev,
                                       lender=lender)
-        self._zero: torch.Tensor | None = None
         self.steps = 0  # layer calls that ran a cache step
         self.table_calls = 0  # layer calls served from the canonical table (prefill, large steps)
         self.lane_calls = 0
+        self.graph_replays = 0  # decode steps replayed from CUDA graphs (runner/decode_graph.py)
         self.device_lane = None  # the DeviceLane answering lane steps (fast mode): its counters join ours
-
-    def begin_step(self, tokens: int, decode: bool) -> None:
-        """Before each forward: a large prefill chunk plans its staging once (PrefillStaging)."""
-        self.prefill.begin(0 if decode else tokens)  # a decode step drops the last chunk's plan
+        self._step_start = (0, 0)  # (cache steps, lane calls) when the current step began
+        self._graph_counts: dict[Hashable, tuple[int, int]] = {}  # what each recorded program counts
 
     @property
     def slots_total(self) -> int:
         return sum(self.slots_per_layer.values())
 
+    # -- the seam --------------------------------------------------------------------------------
+    def begin_step(self, tokens: int, decode: bool) -> None:
+        """Before each forward: a large prefill chunk plans its staging once (PrefillStaging)."""
+        super().begin_step(tokens, decode)
+        self.prefill.begin(0 if decode else tokens)  # a decode step drops the last chunk's plan
+        self._step_start = (self.steps, self.lane_calls)  # so a graph replay can count it again
+
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                decode: bool = True) -> torch.Tensor:
-        """x [T, H], topk_ids/topk_weights [T, k] -> [T, H] in x's dtype. No host sync."""
+                decode: bool | None = None) -> torch.Tensor:
+        """x [T, H], topk_ids/topk_weights [T, k] -> [T, H] in x's dtype. No host sync.
+        decode: this call's kind (None: the current step's, from begin_step)."""
+        decode = self.decoding if decode is None else decode
         if x.shape[0] == 0:
             return torch.zeros_like(x)
         if not decode and x.shape[0] >= STAGE_TOKENS and self.prefill_rows:
-            out = self._moe(x, topk_ids, topk_weights, self.prefill.table(layer, topk_ids))
+            out = self.fused(x, topk_ids, topk_weights, self.prefill.table(layer, topk_ids))
             self.prefill.done(layer)
             return out
-        return self._moe(x, topk_ids, topk_weights, self._decode_table(layer, topk_ids, step=decode))
+        return self.fused(x, topk_ids, topk_weights, self._decode_table(layer, topk_ids, step=decode))
 
+    def combine(self, layer, x, topk_ids, topk_weights, skip=()):
+        if skip:  # the lane's experts are chosen on the device (lane_forward), never passed in
+            raise NotImplementedError("the device cache hands the CPU lane its experts itself")
+        return self.forward(layer, x, topk_ids, topk_weights)
+
+    def clamp_changed(self) -> None:
+        self.fused.swiglu_limit = self.swiglu_limit
+
+    def graph_unsupported(self) -> str | None:
+        return None
+
+    def graph_safe(self) -> bool:
+        return self.decoding
+
+    def graph_recorded(self, key: Hashable) -> None:
+        """The step was recorded (its kernels queued into graphs, not run): uncount what the
+        recording counted (cache steps, lane hand-offs) and keep it for the replays."""
+        delta = (self.steps - self._step_start[0], self.lane_calls - self._step_start[1])
+        self._graph_counts[key] = delta
+        self.steps -= delta[0]
+        self.lane_calls -= delta[1]
+
+    def graph_replayed(self, key: Hashable) -> None:
+        """The step was replayed: count what its recording would have counted."""
+        self.graph_replays += 1
+        steps, lane_calls = self._graph_counts.get(key, (0, 0))
+        self.steps += steps
+        self.lane_calls += lane_calls
+
+    def lane_handoff(self, lane):
+        """Fast mode answers through a mapped-memory mailbox (moe/device_lane.py): no host sync."""
+        from tiermoe.moe.device_lane import DeviceLane
+
+        return DeviceLane(self, lane, lane.max_tokens)
+
+    def counters(self) -> dict | None:
+        stats = self.stats()
+        c = self.merge_store_counters(self.store.counters(), stats)
+        c["device_cache"] = {**self.cache_counters(stats), "graph_replays": self.graph_replays}
+        c["mode"] = "exact"
+        c["expert_kernel"] = self.kernel
+        return c
+
+    def heat(self) -> dict | None:
+        from tiermoe.moe.heat import device_cache_heat
+
+        return device_cache_heat(self.caches)
+
+    # -- the cache -------------------------------------------------------------------------------
     def _decode_table(self, layer: int, topk_ids: torch.Tensor, step: bool = True) -> torch.Tensor:
         """The table a step reads: after a cache step (decode with at most max_picks picks), else
         the canonical one (slots from HBM, the rest read in place)."""
@@ -189,7 +268,7 @@ class DeviceCacheExperts:
             if experts > cache.lane_cap:
                 raise ValueError(f"{experts} lane experts exceed the cache's lane_cap={cache.lane_cap}")
             cache.lane_max = max(0, int(experts))
-            cache.zero_addr = self._zero_record(self.scratch.device).data_ptr()
+            cache.zero_addr = self.fused.zero_record(self.scratch.device).data_ptr()
 
     def lane_forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                      mailbox, slot: int) -> torch.Tensor:
@@ -200,7 +279,7 @@ class DeviceCacheExperts:
         topk_ids [T k] | topk_weights as fp32 bits [T k] (moe/device_lane.py)."""
         cache = self.caches[layer]
         if topk_ids.numel() > self.max_picks or not cache.lane_max:
-            return self.forward(layer, x, topk_ids, topk_weights)
+            return self.forward(layer, x, topk_ids, topk_weights, decode=True)
         self.prefill.return_loan()  # a cache decision must never meet lent slots
         cache.step(topk_ids, gather=False, lane=True)  # decisions, the lane's choice included
         self.steps += 1
@@ -212,18 +291,9 @@ class DeviceCacheExperts:
         mailbox.post(slot, x.contiguous(), meta)
         cache.gather()
         on_lane = cache.lmark[topk_ids.long()] == cache.clock[1]  # [T, k] (stamp of this step)
-        out = self._moe(x, topk_ids, topk_weights.masked_fill(on_lane, 0), cache.step_table)
+        out = self.fused(x, topk_ids, topk_weights.masked_fill(on_lane, 0), cache.step_table)
         mailbox.wait_add(slot, out)
         return out
-
-    def _moe(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-             table: torch.Tensor) -> torch.Tensor:
-        from tiermoe.kernels.triton.fused_moe import fused_moe
-
-        xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-        clamp = {} if self.swiglu_limit is None else {"swiglu_limit": self.swiglu_limit}
-        out = fused_moe(xb.contiguous(), topk_ids, topk_weights, table, self.layout, config=self.config, **clamp)
-        return out if out.dtype == x.dtype else out.to(x.dtype)  # [T, H]
 
     # What a cache step reads and writes besides the counters: slot contents and tables, CLOCK
     # state, pick frequencies, the step stamp and the marks compared against it.
@@ -260,11 +330,6 @@ class DeviceCacheExperts:
             gather_records(src, cache.slot_addr.clone(), count, cache.record_bytes, chunk_bytes=cache.gather_chunk,
                            programs=cache.gather_programs, num_warps=cache.gather_warps)
 
-    def _zero_record(self, device: torch.device) -> torch.Tensor:
-        if self._zero is None or self._zero.device != device:
-            self._zero = torch.zeros(self.layout.length, dtype=torch.uint8, device=device)
-        return self._zero
-
     def resident(self, layer: int) -> list[int]:
         """Experts of `layer` in GPU slots now (ascending; reads the device state)."""
         return sorted(e for e in self.caches[layer].slot_expert.tolist() if e >= 0)
@@ -275,14 +340,15 @@ class DeviceCacheExperts:
         tot = torch.stack([c.stats for c in self.caches.values()]).sum(0).tolist() if self.caches else [0] * 4
         return dict(zip(("lookups", "hits", "misses", "admitted"), (int(v) for v in tot)))
 
-    def counters(self, stats: dict[str, int] | None = None) -> dict:
-        """stats: a `stats()` just read (each read waits for the device), else read here."""
+    def cache_counters(self, stats: dict[str, int] | None = None) -> dict:
+        """The cache's own counts (/stats experts.device_cache); stats: a `stats()` just read
+        (each read waits for the device), else read here."""
+        lender = self.prefill.lender
         return {**(stats or self.stats()), "slots": self.slots_total, "stage_rows": self.stage_rows,
                 "layers": len(self.caches), "cache_steps": self.steps, "table_calls": self.table_calls,
                 "lane_calls": self.lane_calls, "prefill_staged": self.prefill.staged,
                 "prefill_in_place": self.prefill.in_place,
-                "prefill_borrowed_rows": self.prefill.lender.rows if self.prefill.lender else 0,
-                "prefill_loans": self.prefill.lender.loans if self.prefill.lender else 0,
+                "prefill_borrowed_rows": lender.rows if lender else 0, "prefill_loans": lender.loans if lender else 0,
                 "prefill_rows": self.prefill_rows, "prefill_buffers": self.prefill.num_buffers,
                 "prefill_planned_chunks": self.prefill.planned_chunks, "kind": self.layout.kind,
                 **({"mailbox": self.device_lane.counters()} if self.device_lane is not None else {})}
@@ -306,59 +372,3 @@ class DeviceCacheExperts:
         per["host_hits"] = per.get("host_hits", 0.0) + s["misses"] / tok
         per["bytes_moved"] = per.get("bytes_moved", 0.0) + s["misses"] * rec / tok  # each miss crosses PCIe once
         return c
-
-
-
-def lend_share(slots: list[int], rows: int) -> int:
-    """Slots each layer lends (its last ones) so that the lent rows hold one planned layer's
-    staging, which the loan itself grows by the share: sum(min(m, s)) >= rows + m. 0 where no
-    share works (a single MoE layer, or too few slots)."""
-    if len(slots) < 2 or rows <= 0:
-        return 0
-    for m in range(1, max(slots) + 1):
-        if sum(min(m, s) for s in slots) >= rows + m:
-            return m
-    return 0
-
-
-class SlotLender:
-    """Lends the last slots of the layers (`lent[layer]` each, at most the share, side by side
-    at the end of the slot arena: one buffer's rows) to prefill staging as its second buffer.
-
-    Two staging buffers let large prefill chunks copy one layer ahead (+31 % prefill tok/s on
-    the H200, docs/results.md section 16), but a buffer of dedicated memory is one more layer of
-    non-resident experts in HBM that decode would rather spend on slots. A loan empties those
-    slots (their experts point back at their host copies) for a run of planned prefill chunks;
-    every layer lends only a few, so no layer's staging outgrows the buffers (sized for the most
-    non-resident experts plus the share). `give_back` puts the same experts back (tables and one
-    gather per layer, no host sync) before any cache decision. Outputs do not change: only where
-    records are read from does (tests/moe/test_device_cache.py).
-    """
-
-    def __init__(self, cache: DeviceCacheExperts, lent: dict[int, int]) -> None:
-        self.cache, self.lent_slots = cache, {layer: n for layer, n in lent.items() if n}
-        self.rows = cache.prefill_rows  # the buffer: the first rows of the lendable part
-        self._held: dict[int, tuple[int, torch.Tensor]] | None = None  # layer -> (first slot, experts held)
-        self.loans = 0
-
-    @property
-    def lent(self) -> bool:
-        return self._held is not None
-
-    def borrow(self) -> torch.Tensor:
-        """Empty the lendable slots (once per run of planned chunks); returns the buffer [rows, R]."""
-        if self._held is None:
-            self._held = {}
-            for layer, n in self.lent_slots.items():
-                first = self.cache.slots_per_layer[layer] - n
-                self._held[layer] = (first, self.cache.caches[layer].lend_slots(first))
-            self.loans += 1
-        return self.cache.arena[self.cache.lend_start : self.cache.lend_start + self.rows]
-
-    def give_back(self) -> None:
-        """Put the experts back into their slots (queued on the current stream)."""
-        if self._held is None:
-            return
-        for layer, (first, held) in self._held.items():
-            self.cache.caches[layer].restore_slots(first, held)
-        self._held = None

@@ -1,9 +1,9 @@
 """Fast mode on the device cache: the CPU lane answers through a mapped-memory mailbox.
 
-The host-synchronous lane (tiered.TieredExperts with the store path) reads each layer's picks
-back to the host, submits the lane's experts and waits for their partial sum before adding it:
-two host round trips per MoE layer, so such steps cannot be captured in a CUDA graph. Here the
-device decides and hands off, and the host only answers:
+The host-synchronous hand-off of the store backends (moe/lane.HostLaneHandoff) reads each
+layer's picks back to the host, submits the lane's experts and waits for their partial sum
+before adding it: two host round trips per MoE layer, so such steps cannot be captured in a CUDA
+graph. Here the device decides and hands off, and the host only answers:
 
   GPU (one stream, graph-capturable)              host (MailboxServer thread)
   cache step: lane = the coldest misses
@@ -20,8 +20,9 @@ Failures: a compute_fn error zeroes that answer and marks the slot; a device wai
 of polls leaves `out` without the lane's part and marks the slot. Neither can stop a replayed
 graph, so `check()` runs after each lane step's device work, before its tokens are read
 (ModelRunner.check_step): the step then fails with the reason instead of serving tokens that
-miss the lane's experts. Only CUDA-graph-safe work happens per layer; `workers` of the lane is
-not used here (one serving thread computes each layer's experts with the lane's threads).
+miss the lane's experts (LaneExperts.end_step). Only CUDA-graph-safe work happens per layer;
+`workers` of the lane is not used here (one serving thread computes each layer's experts with the
+lane's threads).
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ import torch
 
 from tiermoe.kernels.reference import MAILBOX_ERR
 from tiermoe.kernels.triton.mailbox import Mailbox, MailboxServer
+from tiermoe.moe.lane import LaneHandoff
 
 
-class DeviceLane:
-    """One mailbox slot per MoE layer and the host thread that serves them with `lane`.
+class DeviceLane(LaneHandoff):
+    """One mailbox slot per MoE layer and the host thread that serves them with `lane`: the
+    device cache's LaneHandoff (DeviceCacheExperts.lane_handoff).
 
     device_cache: DeviceCacheExperts (its caches carry lane_cap lane rows); lane: CpuLane;
     max_tokens: largest decode batch handed to the lane.
@@ -49,15 +52,20 @@ class DeviceLane:
         self.top_k = device_cache.top_k
         self.hidden = device_cache.layout.hidden
         words = self.lane_cap + 2 * int(max_tokens) * self.top_k  # lane ids | topk ids | weights (fp32 bits)
-        self.mailbox = Mailbox(max(1, len(self.layers)), self.hidden, int(max_tokens), device_cache.scratch.device,
-                               meta_words=words)  # fmt: skip
+        self.mailbox = Mailbox(max(1, len(self.layers)), self.hidden, int(max_tokens),
+                               device_cache.scratch.device, meta_words=words)
         self.active = threading.Event()  # set from a lane step's start to its check: the server polls only then
         self.server = MailboxServer(self.mailbox, self._compute, threads=lane.threads, active=self.active).start()
         self.timeouts = 0  # device waits that ran out of polls (seen by check)
         device_cache.device_lane = self  # its counters report the mailbox's
 
+    def set_experts(self, experts: int) -> None:
+        """The cache step picks up to `experts` lane experts per layer (0: exact mode)."""
+        self.dc.set_lane(experts)
+
     def begin(self) -> None:
-        """A step that may hand work to the lane starts: the server polls until `check`."""
+        """A step that may hand work to the lane starts: the server polls until `check`. The
+        device cache's host tier holds every expert for good: no repack to prune."""
         self.active.set()
 
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -106,6 +114,13 @@ class DeviceLane:
         return {"posts": int(posted.sum()), "served": self.server.served,
                 "unanswered": int((posted - done).clip(min=0).sum()), "timeouts": self.timeouts,
                 "failed": self.server.failed}
+
+    def adjust_counters(self, c: dict) -> None:
+        """Lane experts are read by the CPU where they sit, not over PCIe: take them out of the
+        bytes the device cache counted as moved per decode token."""
+        per, tok = c.setdefault("per_decode_token", {}), max(1, int(c.get("decode_tokens") or 0))
+        moved = per.get("bytes_moved", 0.0) - self.lane.c.experts * self.dc.store.record_bytes / tok
+        per["bytes_moved"] = max(0.0, moved)
 
     def close(self) -> None:
         """Let queued device waits be answered, then stop the serving thread (before the lane

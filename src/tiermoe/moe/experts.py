@@ -1,26 +1,93 @@
 """The MoE seam: routed-expert computation behind one interface.
 
-`ExpertBackend.forward(layer, x, topk_ids, topk_weights)` is the only way the model reaches
-routed experts. The resident backend holds every expert in memory (the oracle); the tiered
-backend fetches them from the expert store. Both call `combine_experts`, which visits experts
-in ascending id order and accumulates exactly as transformers does, so the result depends only
-on the expert weights, never on which tier served them (bit-identical in exact mode).
+`ExpertBackend` is everything the model, the runner and the engine may ask of routed experts:
+`forward(layer, x, topk_ids, topk_weights)` per MoE layer, step boundaries, CUDA-graph
+eligibility and bookkeeping, decision snapshots around the warm-up, counters and close. It is
+an abstract class, so a backend states every answer (ResidentExperts with trivial ones) and
+callers never probe for methods.
+
+The resident backend holds every expert in memory (the oracle); the store backends
+(moe/backends.py) fetch them from the packed expert store. The torch paths call
+`combine_experts`, which visits experts in ascending id order and accumulates exactly as
+transformers does, so the result depends only on the expert weights, never on which tier
+served them (bit-identical in exact mode).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+import abc
+from typing import Callable, Collection, Hashable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 ExpertWeights = tuple[torch.Tensor, torch.Tensor]  # (gate_up [2I, H], down [H, I])
+NOT_CAPTURABLE = "routed experts are not behind the device cache (their layer syncs with the host)"
 
 
-class ExpertBackend(Protocol):
+class ExpertBackend(abc.ABC):
+    """Routed experts of every MoE layer of one model."""
+
+    @abc.abstractmethod
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H]."""
-        ...
+        """x [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H] in x's dtype."""
+
+    @abc.abstractmethod
+    def attach(self, moe_layers: Sequence) -> None:
+        """The loaded model's MoE layers in execution order (each has `.layer`, `.moe` with
+        `swiglu_limit`, and `predict_ids(x)`): called once by the loader."""
+
+    @abc.abstractmethod
+    def begin_step(self, tokens: int, decode: bool) -> None:
+        """Before each forward of `tokens` tokens; decode: every sequence computes one token."""
+
+    @abc.abstractmethod
+    def end_step(self) -> None:
+        """After a step's device work is queued, before its tokens are used: raise for work of
+        the step that failed off the stream (fast mode's CPU lane)."""
+
+    @abc.abstractmethod
+    def graph_unsupported(self) -> str | None:
+        """None when this backend's decode steps may be captured in CUDA graphs (no host sync
+        inside the MoE layer), else why not (runner/decode_graph.py)."""
+
+    @abc.abstractmethod
+    def graph_safe(self) -> bool:
+        """May the current step's MoE layers be captured or replayed?"""
+
+    @abc.abstractmethod
+    def graph_key(self) -> Hashable:
+        """What else a captured decode program depends on (programs are kept per key)."""
+
+    @abc.abstractmethod
+    def graph_recorded(self, key: Hashable) -> None:
+        """The current step was recorded into program `key` (queued into graphs, not run)."""
+
+    @abc.abstractmethod
+    def graph_replayed(self, key: Hashable) -> None:
+        """The current step was served by replaying program `key`."""
+
+    @abc.abstractmethod
+    def save_decisions(self) -> object | None:
+        """A snapshot of the state that decides future steps (slot cache decisions), taken
+        before steps that are not part of serving (the warm-up); None when there is none."""
+
+    @abc.abstractmethod
+    def restore_decisions(self, saved: object | None) -> None:
+        """Put back a `save_decisions` snapshot."""
+
+    @abc.abstractmethod
+    def counters(self) -> dict | None:
+        """What /stats shows under `experts` (None: nothing to show)."""
+
+    @abc.abstractmethod
+    def heat(self) -> dict | None:
+        """Per-layer expert counts and tiers for the dashboard's heat map (moe/heat.py), read
+        between steps (it may wait for the device); None: nothing counted per expert."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop threads and release memory; the backend serves no more steps."""
 
 
 def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, swiglu_limit: float | None) -> torch.Tensor:
@@ -38,10 +105,19 @@ def combine_experts(
     topk_weights: torch.Tensor,
     weights_of: Callable[[list[int]], dict[int, ExpertWeights]],
     swiglu_limit: float | None = None,
+    skip: Collection[int] = (),
 ) -> torch.Tensor:
-    """Weighted sum of the routed experts' outputs, reference order: x [T, H] -> [T, H]."""
+    """Weighted sum of the routed experts' outputs, reference order: x [T, H] -> [T, H].
+
+    skip: experts another lane computes (fast mode's CPU lane); they are neither fetched nor
+    computed, and every other expert's arithmetic and visiting order stay the same.
+    """
     out = torch.zeros_like(x)
     expert_ids = torch.unique(topk_ids).tolist()  # sorted ascending
+    if skip:
+        expert_ids = [e for e in expert_ids if e not in skip]
+        if not expert_ids:
+            return out
     weights = weights_of(expert_ids)
     for e in expert_ids:
         top_k_pos, token_idx = torch.where((topk_ids == e).t())  # same order as the reference
@@ -52,7 +128,7 @@ def combine_experts(
     return out
 
 
-class ResidentExperts:
+class ResidentExperts(ExpertBackend):
     """Every expert of every MoE layer held in memory as stacked tensors (the oracle)."""
 
     def __init__(self, swiglu_limit: float | None = None):
@@ -68,3 +144,43 @@ class ResidentExperts:
 
     def forward(self, layer, x, topk_ids, topk_weights):
         return combine_experts(x, topk_ids, topk_weights, lambda ids: self.weights(layer, ids), self.swiglu_limit)
+
+    # The oracle has no state between steps and syncs with the host in every layer.
+    def attach(self, moe_layers: Sequence) -> None:
+        pass
+
+    def begin_step(self, tokens: int, decode: bool) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
+
+    def graph_unsupported(self) -> str | None:
+        return NOT_CAPTURABLE
+
+    def graph_safe(self) -> bool:
+        return False
+
+    def graph_key(self) -> Hashable:
+        return None
+
+    def graph_recorded(self, key: Hashable) -> None:
+        pass
+
+    def graph_replayed(self, key: Hashable) -> None:
+        pass
+
+    def save_decisions(self) -> object | None:
+        return None
+
+    def restore_decisions(self, saved: object | None) -> None:
+        pass
+
+    def counters(self) -> dict | None:
+        return None
+
+    def heat(self) -> dict | None:
+        return None
+
+    def close(self) -> None:
+        pass

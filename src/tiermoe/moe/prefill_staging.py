@@ -11,8 +11,9 @@ Two ways to decide which records to copy (prefill never changes the slot cache):
   residency at the start of the step. No host sync per layer, so the host queues the whole
   forward ahead of the GPU. With two staging buffers (`--prefill-staging-gb` large enough for
   two layers) the copies run one layer ahead on a side stream, overlapping the previous
-  layer's compute (as kernels/staging.py does for `tiermoe bench moe-gpu`); with one buffer
-  they queue on the compute stream right before their layer.
+  layer's compute; with one buffer they queue on the compute stream right before their layer.
+  The second buffer may be lent by the slot cache instead of allocated (`SlotLender`, sized by
+  `lend_share`): a few slots of every layer, given back before the next cache decision.
 
 Experts beyond the rows of a buffer keep their host address (read in place by the kernel).
 Exactness: the kernel reads the same bytes from a staging row as from the host record.
@@ -36,7 +37,7 @@ class PrefillStaging:
     def __init__(self, entries: dict[int, list[torch.Tensor]], caches: dict, record_bytes: int, rows: int,
                  buffers: int, device: torch.device, lender=None) -> None:
         self.entries, self.caches, self.record_bytes = entries, caches, record_bytes
-        self.lender = lender  # device_cache.SlotLender: buffer 1 is lent slots, only during planned chunks
+        self.lender = lender  # SlotLender: buffer 1 is lent slots, only during planned chunks
         self.rows, self.num_buffers, self.device = max(0, int(rows)), max(1, int(buffers)), torch.device(device)
         self.layers = list(caches)
         self._bufs: list[torch.Tensor] = []  # allocated by the first chunk that stages
@@ -199,3 +200,59 @@ def _adjacent(a: torch.Tensor, b: torch.Tensor, record_bytes: int) -> bool:
     """Is host entry b the record right after a, in the same allocation (one strided view)?"""
     return (b.data_ptr() == a.data_ptr() + record_bytes
             and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+
+
+def lend_share(slots: list[int], rows: int) -> int:
+    """Slots each layer lends (its last ones) so that the lent rows hold one planned layer's
+    staging, which the loan itself grows by the share: sum(min(m, s)) >= rows + m. 0 where no
+    share works (a single MoE layer, or too few slots)."""
+    if len(slots) < 2 or rows <= 0:
+        return 0
+    for m in range(1, max(slots) + 1):
+        if sum(min(m, s) for s in slots) >= rows + m:
+            return m
+    return 0
+
+
+class SlotLender:
+    """Lends the last slots of the layers (`lent[layer]` each, at most the share, side by side at
+    the end of the slot arena of `cache`, a DeviceCacheExperts: one buffer's rows) to prefill
+    staging as its second buffer.
+
+    Two staging buffers let large prefill chunks copy one layer ahead, overlapping the previous
+    layer's compute, but a buffer of dedicated memory is one more layer of non-resident experts
+    in HBM that decode would rather spend on slots. A loan empties those
+    slots (their experts point back at their host copies) for a run of planned prefill chunks;
+    every layer lends only a few, so no layer's staging outgrows the buffers (sized for the most
+    non-resident experts plus the share). `give_back` puts the same experts back (tables and one
+    gather per layer, no host sync) before any cache decision. Outputs do not change: only where
+    records are read from does (tests/moe/test_device_cache.py).
+    """
+
+    def __init__(self, cache, lent: dict[int, int]) -> None:
+        self.cache, self.lent_slots = cache, {layer: n for layer, n in lent.items() if n}
+        self.rows = cache.prefill_rows  # the buffer: the first rows of the lendable part
+        self._held: dict[int, tuple[int, torch.Tensor]] | None = None  # layer -> (first slot, experts held)
+        self.loans = 0
+
+    @property
+    def lent(self) -> bool:
+        return self._held is not None
+
+    def borrow(self) -> torch.Tensor:
+        """Empty the lendable slots (once per run of planned chunks); returns the buffer [rows, R]."""
+        if self._held is None:
+            self._held = {}
+            for layer, n in self.lent_slots.items():
+                first = self.cache.slots_per_layer[layer] - n
+                self._held[layer] = (first, self.cache.caches[layer].lend_slots(first))
+            self.loans += 1
+        return self.cache.arena[self.cache.lend_start : self.cache.lend_start + self.rows]
+
+    def give_back(self) -> None:
+        """Put the experts back into their slots (queued on the current stream)."""
+        if self._held is None:
+            return
+        for layer, (first, held) in self._held.items():
+            self.cache.caches[layer].restore_slots(first, held)
+        self._held = None

@@ -31,7 +31,7 @@ captured step reads the next rows. One cursor per layer rather than one per step
 MoE layer runs once per forward with the same T, so the cursors move in lockstep and a token
 reads the same trace row in all layers (the trace's pattern across layers is kept), yet no
 layer depends on another to advance a shared cursor (no "last layer" bookkeeping, an MTP layer
-or a lone layer in a test runs the same code) and layer-ahead prefetch (moe/tiered.py) can read
+or a lone layer in a test runs the same code) and layer-ahead prefetch (moe/store_backends.py) can read
 the next layer's rows without moving them (`peek`). The price is one scalar add per layer.
 Every token a forward computes takes a row: warm-up steps do (the cursors are reset after
 warm-up, so a trace starts at its first row), and so would padding rows of a captured batch
@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tiermoe.config import DEFAULTS, RoutingConfig
 from tiermoe.errors import UserError
 
 log = logging.getLogger("tiermoe.moe")
@@ -190,7 +191,8 @@ class RoutingPlan:
     record file's header, written once empty so a bad path fails here too."""
 
     def __init__(self, spec, *, replay: str | None = None, seed: int = 0, record: str | None = None,
-                 record_max_tokens: int = 200_000, max_step_tokens: int = 2048, model_name: str = ""):
+                 record_max_tokens: int = DEFAULTS.record_routing_max_tokens, max_step_tokens: int = 2048,
+                 model_name: str = ""):
         flag = "--routing-replay" if replay else "--record-routing"
         if spec.moe is None or not spec.moe_layers:
             raise UserError(f"{flag}: {model_name or 'this model'} has no MoE layers")
@@ -242,20 +244,15 @@ class RoutingPlan:
         return RoutingHooks(layers, cursors, self.replay, recorder)
 
 
-def plan_routing(spec, options: dict, model_name: str = "", max_step_tokens: int = 2048) -> RoutingPlan | None:
-    """The plan for the engine options (`routing_replay`, `routing_replay_seed`,
-    `record_routing`, `record_routing_max_tokens`), or None when neither is asked for."""
-    replay, record = options.get("routing_replay"), options.get("record_routing")
-    if not replay and not record:
-        return None
-    max_tokens = options.get("record_routing_max_tokens")
-    return RoutingPlan(spec, replay=replay, seed=options.get("routing_replay_seed") or 0, record=record,
-                       record_max_tokens=200_000 if max_tokens is None else max_tokens,
-                       max_step_tokens=max_step_tokens, model_name=model_name)
+def plan_routing(spec, routing: RoutingConfig, model_name: str = "", max_step_tokens: int = 2048) -> RoutingPlan:
+    """The plan for the engine's routing configuration (replay and/or record)."""
+    return RoutingPlan(spec, replay=routing.replay, seed=routing.seed, record=routing.record,
+                       record_max_tokens=routing.record_max_tokens, max_step_tokens=max_step_tokens,
+                       model_name=model_name)
 
 
 def attach_routing(model, *, replay: str | None = None, seed: int = 0, record: str | None = None,
-                   record_max_tokens: int = 200_000, max_step_tokens: int = 2048,
+                   record_max_tokens: int = DEFAULTS.record_routing_max_tokens, max_step_tokens: int = 2048,
                    model_name: str = "") -> RoutingHooks | None:
     """plan + attach in one call (a model already loaded); None when nothing is asked for."""
     if not replay and not record:

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tiermoe.config import DEFAULTS
 from tiermoe.errors import UserError
 from tiermoe.store.routing_trace import write_trace
 
@@ -45,7 +46,8 @@ MIN_RING = 8192  # ring rows (tokens) at least
 
 class RoutingRecorder:
     def __init__(self, path: str, header: dict, *, device: torch.device, id_dtype: torch.dtype, num_layers: int,
-                 max_tokens: int = 200_000, max_step_tokens: int = 2048, write_every_s: float = WRITE_EVERY_S):
+                 max_tokens: int = DEFAULTS.record_routing_max_tokens, max_step_tokens: int = 2048,
+                 write_every_s: float = WRITE_EVERY_S):
         self.path, self.header, self.max_tokens = Path(path), header, int(max_tokens)
         self.capacity = max(MIN_RING, 1 << (2 * max(1, int(max_step_tokens)) - 1).bit_length())
         k = int(header["top_k"])

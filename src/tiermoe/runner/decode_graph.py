@@ -1,8 +1,7 @@
 """Piecewise CUDA graphs for decode steps: one replay program per batch size.
 
 A decode step of the eager engine is host-bound: about 75 kernel launches per layer issued
-one by one from Python, 47 ms of host time against 15 ms of GPU work per step on a 24-layer
-Qwen3-235B-shaped model (docs/results.md section 13); llama.cpp replays a CUDA graph instead.
+one by one from Python, more host time than GPU work; llama.cpp replays a CUDA graph instead.
 Here a pure decode step of B sequences (every sequence computes one token, no drafts) is
 recorded once per B and replayed afterwards:
 
@@ -20,12 +19,14 @@ its context through block tables of a fixed width with the paged decode kernel: 
 core breaks the capture and program(B) = [one graph]; the static batch's slot mapping, block
 table and lengths are refilled before each replay.
 
-What may be captured: the decoder families (models/decoder.py CausalLM) with routed experts
-behind TieredExperts' device cache, exact or fast mode (no host sync in the MoE layer: fast
-mode's CPU lane answers through a mapped-memory mailbox, moe/device_lane.py; the store's
-Python policy reads the picks back to the host, so that path stays eager). Programs are kept
-per batch size and per the backend's `graph_key()` (lane on or off). The first step of a kind
-runs eagerly (it compiles kernels and warms allocators); the second records and replays.
+What may be captured: the decoder families (models/decoder.py CausalLM) whose expert backend
+says so (`ExpertBackend.graph_unsupported()` is None: the device-cache backend, exact or fast
+mode, with no host sync in the MoE layer; fast mode's CPU lane answers through a mapped-memory
+mailbox, moe/device_lane.py; the store backends' Python policy reads the picks back to the
+host, so they stay eager), in steps where `graph_safe()` holds. Programs are kept per batch
+size and per the backend's `graph_key()` (lane on or off); the backend hears of each recording
+and replay (`graph_recorded` / `graph_replayed`, to count what a replay did). The first step of
+a kind runs eagerly (it compiles kernels and warms allocators); the second records and replays.
 Disabled by `--enforce-eager` (vLLM's flag).
 """
 
@@ -37,6 +38,7 @@ import torch
 
 from tiermoe.models.batch import ForwardBatch
 from tiermoe.models.blocks import graph_break
+from tiermoe.moe.experts import ExpertBackend
 
 log = logging.getLogger("tiermoe.runner")
 
@@ -49,10 +51,7 @@ def decode_graphs_unsupported(model, device: torch.device) -> str | None:
         return f"device {device.type}: CUDA graphs need a CUDA device"
     if not isinstance(model, CausalLM):
         return f"{type(model).__name__}: only the decoder families are captured"
-    backend = getattr(model, "expert_backend", None)
-    if backend is None or getattr(backend, "device_cache", None) is None:
-        return "routed experts are not behind the device cache (their layer syncs with the host)"
-    return None
+    return model.expert_backend.graph_unsupported()
 
 
 class _Recorder:
@@ -105,6 +104,7 @@ class DecodeGraphs:
 
     def __init__(self, model, kv_caches: list[dict[str, torch.Tensor]], max_batch: int) -> None:
         self.model, self.kv_caches, self.max_batch = model, kv_caches, int(max_batch)
+        self.experts: ExpertBackend = model.expert_backend
         self._entries: dict[tuple, _Entry] = {}  # (batch size, backend's graph key) -> program
         self._seen: set[tuple] = set()
         self.captures = 0
@@ -118,11 +118,10 @@ class DecodeGraphs:
         step of the same batch size overwrites it.
         """
         b = batch.num_tokens
-        backend = getattr(self.model, "expert_backend", None)
-        if b > self.max_batch or (backend is not None and not backend.graph_safe()):
+        if b > self.max_batch or not self.experts.graph_safe():
             return None
         # a backend whose layers run differently by mode (fast mode's CPU lane) keys its programs
-        key = (b, backend.graph_key() if hasattr(backend, "graph_key") else None)
+        key = (b, self.experts.graph_key())
         entry = self._entries.get(key)
         if entry is None:
             if key not in self._seen:  # first step of this kind: eager (compiles, warms allocators)
@@ -145,8 +144,7 @@ class DecodeGraphs:
                     _, core, tensors, cache, out = step
                     out.copy_(core(*tensors, batch, cache))
         self.replays += 1
-        if backend is not None:
-            backend.graph_replayed()
+        self.experts.graph_replayed(key)
         return entry.hidden
 
     def _record(self, batch: ForwardBatch, key: tuple) -> _Entry:
@@ -173,9 +171,7 @@ class DecodeGraphs:
             finally:
                 graph_break.set_recorder(None)
         main.wait_stream(side)
-        backend = getattr(self.model, "expert_backend", None)
-        if backend is not None:
-            backend.graph_recorded()
+        self.experts.graph_recorded(key)
         self.captures += 1
         entry = _Entry(rec.program, static, hidden)
         self._entries[key] = entry
@@ -183,5 +179,4 @@ class DecodeGraphs:
 
     def counters(self) -> dict:
         return {"captured_batch_sizes": sorted({b for b, _ in self._entries}), "captures": self.captures,
-                "replays": self.replays,
-                "failed": self.failed}
+                "replays": self.replays, "failed": self.failed}

@@ -21,13 +21,14 @@ returns the tokens each verified request emits (several per step).
 from __future__ import annotations
 
 import math
-import os
 from typing import Callable
 
 import torch
 
+from tiermoe import env
 from tiermoe.protocol import TokenLogprob
 from tiermoe.models.batch import ForwardBatch, build_forward_batch
+from tiermoe.moe.experts import ExpertBackend
 from tiermoe.runner.sampler import SampleResult, SampleRow, bias_tensors, sample
 from tiermoe.runner.speculative import draft_cache_shapes, make_drafter
 from tiermoe.runner.structured import GrammarBackend, RequestGrammar
@@ -52,8 +53,10 @@ class ModelRunner:
                  eos_ids: list[int] | None = None, num_speculative_tokens: int = 0):
         self.model, self.page_size = model, page_size
         self.device, self.dtype = model.device, model.dtype
+        self.experts: ExpertBackend = model.expert_backend  # the routed experts' seam (moe/experts.py)
         self.kv_caches = [
-            {name: torch.zeros(num_pages, page_size, *shp, dtype=self.dtype, device=self.device) for name, shp in s.items()}
+            {name: torch.zeros(num_pages, page_size, *shp, dtype=self.dtype, device=self.device)
+             for name, shp in s.items()}
             for s in model.cache_shapes()
         ]
         self.generators: dict[str, torch.Generator] = {}
@@ -94,7 +97,7 @@ class ModelRunner:
             return "only grouped-query attention has a paged decode kernel (this model uses latent attention)"
         if self.page_size < 16 or self.page_size & (self.page_size - 1):
             return f"the kernel needs a power-of-two page size >= 16, not {self.page_size}"
-        if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if self.device.type != "cuda" and not env.TRITON_INTERPRET.get():
             return "the kernel needs a CUDA device (on a CPU only Triton's interpreter runs it: TRITON_INTERPRET=1)"
         self.table_blocks = -(-max_model_len // self.page_size)
         return None
@@ -104,18 +107,17 @@ class ModelRunner:
         """Run the step shapes serving will meet before any request does; returns how many.
 
         The first step of a new shape compiles Triton kernels (specialised by token counts) and,
-        for decode, the second records its CUDA graph: seconds during which every request waits
-        (time to first token 0.97 s for two of four simultaneous requests and 4.38 s for the
-        other two in docs/results.md section 15). Here one dummy sequence prefills chunks of 1, 2,
+        for decode, the second records its CUDA graph: seconds during which every request waits.
+        Here one dummy sequence prefills chunks of 1, 2,
         4, ... max_chunk tokens, then decode steps of 1..max_batch sequences run twice each. The
         KV rows go to pages at the end of the pool, which no request holds yet (call before
         serving); results do not change (tests/runner/test_warm_up.py). Expert-cache counters
-        include these steps, but the device cache's decisions are put back as they were: fast
-        mode's tokens depend on them (which misses the CPU lane takes). Each step is checked as
-        a served one is (a failed lane answer fails the start-up, not the first request).
+        include these steps, but the expert backend's decisions are put back as they were
+        (`save_decisions`): fast mode's tokens depend on them (which misses the CPU lane takes).
+        Each step is checked as a served one is (a failed lane answer fails the start-up, not the
+        first request).
         """
-        device_cache = getattr(getattr(self.model, "expert_backend", None), "device_cache", None)
-        saved = device_cache.save_decisions() if device_cache is not None else None
+        saved = self.experts.save_decisions()
         pool = next(iter(self.kv_caches[0].values())).shape[0]  # KV pages
         steps = 0
         n = 1
@@ -131,8 +133,7 @@ class ModelRunner:
                 self._forward_chunks([([0], 0, [pool - 1 - i], i) for i in range(b)], decode=True)
                 self.check_step()
                 steps += 1
-        if saved is not None:
-            device_cache.restore_decisions(saved)
+        self.experts.restore_decisions(saved)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.routing is not None:  # a replayed trace starts at its first row with the first request
@@ -193,7 +194,8 @@ class ModelRunner:
         err = g.error
         return (err is None and g.stopped), err
 
-    def _run(self, items: list[tuple[Request, int]], all_logits: bool = False, drafts: dict[int, list[int]] | None = None):
+    def _run(self, items: list[tuple[Request, int]], all_logits: bool = False,
+             drafts: dict[int, list[int]] | None = None):
         """drafts: {item index: draft tokens} appended after that item's known token."""
         drafts = drafts or {}
         chunks = []
@@ -215,15 +217,11 @@ class ModelRunner:
     def check_step(self) -> None:
         """After execute() queued a step's device work: let the expert backend raise for work of
         this step that failed off the stream (fast mode's CPU lane), before its tokens are used."""
-        backend = getattr(self.model, "expert_backend", None)
-        if hasattr(backend, "end_step"):
-            backend.end_step()
+        self.experts.end_step()
 
     def _begin_step(self, batch: ForwardBatch, decode: bool, flags: list[bool] | None = None) -> None:
         """flags: per token, decode or not, for a routing record (None: the forward is not recorded)."""
-        backend = getattr(self.model, "expert_backend", None)
-        if hasattr(backend, "begin_step"):
-            backend.begin_step(batch.num_tokens, decode=decode)
+        self.experts.begin_step(batch.num_tokens, decode=decode)
         if self.routing is not None:
             self.routing.begin_forward(batch.num_tokens, flags)
 
@@ -277,8 +275,8 @@ class ModelRunner:
         if len(done) == logits.shape[0]:  # every row (a decode step): no index to upload
             return reqs, sample(logits, rows, self.default_generator), emitted
         # a pageable host->device copy would wait for the whole forward here, before the sampler
-        # is even queued (py-spy on the H200: 40 % of the engine thread's time, docs/results.md
-        # section 17); a pinned one is queued like the rest
+        # is even queued (a large share of the engine thread's time); a pinned one is queued like
+        # the rest
         cuda = logits.device.type == "cuda"
         idx = torch.tensor(done, dtype=torch.long, pin_memory=cuda).to(logits.device, non_blocking=cuda)
         return reqs, sample(logits.index_select(0, idx), rows, self.default_generator), emitted

@@ -22,6 +22,7 @@ from typing import Mapping
 
 import torch
 
+from tiermoe import env
 from tiermoe.errors import UserError
 
 GIB = 1 << 30
@@ -165,7 +166,7 @@ def inclusive_host_plan(manifest, *, device: str, gpu_expert_gb: float | None,
     """(GPU slot records, None) when the host tier can hold every routed expert, so a device-side
     slot cache can keep copies of some (moe/device_cache.py); else (0, why not)."""
     dev = torch.device(device)
-    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if dev.type != "cuda" and not env.TRITON_INTERPRET.get():
         return 0, f"device {dev.type}: the device cache runs on CUDA"
     rec, total = manifest.layout.length, len(manifest.records)
     n_slots, _, _ = size_tiers(record_bytes=rec, total_experts=total, device=dev, gpu_expert_gb=gpu_expert_gb,

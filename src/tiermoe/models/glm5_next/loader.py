@@ -133,7 +133,8 @@ def load_model(
     if expert_backend is None:
         expert_backend = ResidentExperts(cfg.swiglu_limit)
         for m in model.moe_layers():
-            expert_backend.add_layer(m.layer, *load_expert_layer(ck, prefix, m.layer, cfg.n_routed_experts, dtype, device))
+            weights = load_expert_layer(ck, prefix, m.layer, cfg.n_routed_experts, dtype, device)
+            expert_backend.add_layer(m.layer, *weights)
     model.set_expert_backend(expert_backend)
     model.checkpoint_prefix = prefix
     model.dtype, model.device = dtype, torch.device(device)
@@ -169,7 +170,8 @@ def attach_mtp(model: Glm5NextModel, model_dir: str | Path) -> bool:
     for name, p in list(mtp.named_parameters()):
         t = _param_tensor(ck, cfg, prefix, f"mtp.{name}")
         if tuple(t.shape) != tuple(p.shape):
-            raise UserError(f"{ck.source}: tensor for 'mtp.{name}' has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+            raise UserError(f"{ck.source}: tensor for 'mtp.{name}' has shape {tuple(t.shape)}, "
+                            f"expected {tuple(p.shape)}")
         _set_param(mtp, name, t.to(device=device, dtype=torch.float32 if keeps_fp32(name) else dtype).clone())
     if isinstance(backend, ResidentExperts):
         backend.add_layer(layer, *load_expert_layer(ck, prefix, layer, cfg.n_routed_experts, dtype, device))

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tiermoe.moe.experts import ResidentExperts
+from tiermoe.moe.experts import ExpertBackend, ResidentExperts
 
 from .cache import Glm5NextCache, SeqBatch
 from .config import Glm5NextConfig
@@ -108,14 +108,13 @@ class Glm5NextModel(nn.Module):
         """MoE blocks in execution order (trunk, then the MTP layer when loaded)."""
         return [m for m in self.modules() if isinstance(m, MoE)]
 
-    def set_expert_backend(self, backend) -> None:
-        """Route every MoE layer's experts through `backend` (an ExpertBackend: resident
-        experts by default, the tiered store when serving)."""
+    def set_expert_backend(self, backend: ExpertBackend) -> None:
+        """Route every MoE layer's experts through `backend` (resident experts by default, a
+        store backend when serving), telling it the layers once (`attach`)."""
         self.expert_backend = backend
         for m in self.moe_layers():
             m.backend = backend
-        if hasattr(backend, "attach"):
-            backend.attach(self.moe_layers())
+        backend.attach(self.moe_layers())
 
     def new_cache(self, num_slots: int, max_len: int) -> Glm5NextCache:
         p = self.embed_tokens.weight

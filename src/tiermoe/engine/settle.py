@@ -1,0 +1,153 @@
+"""settle_config: the one function that turns the flags (EngineArgs) into an EngineConfig.
+
+Every "auto" of the engine is decided here, once, before anything is loaded: the device, the
+dtype (the checkpoint's), the context length, the step token budget, decode attention and
+graphs, and for a packed store which expert backend serves (store-torch, store-triton or
+device-cache, by the expert kernel and whether host RAM holds every expert), its prefill staging
+buffers, and the CPU lane's threads and disk reads. It reads only small files (the model's
+config, the store's manifest) and free memory; errors are one-line UserErrors naming the flag.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
+
+from tiermoe.config import (
+    DECODE_ATTENTION_CHOICES, DEFAULTS, DEVICE_CACHE_CHOICES, MODES, DeviceCacheConfig, EngineArgs, EngineConfig,
+    ExpertsConfig, LaneConfig, RoutingConfig, StoreConfig,
+)
+from tiermoe.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("tiermoe.engine")
+
+GIB = 2**30
+
+
+def resolve_device(name: str | None) -> str:
+    """cpu or cuda[:N]; None or "auto": cuda when available."""
+    import torch
+
+    if name in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available here")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise UserError(f"--device: unknown device '{name}' (use cpu or cuda)")
+    return name
+
+
+def is_packed_store(path: Path) -> bool:
+    return (path / "manifest.json").is_file() and (path / "experts.bin").exists()
+
+
+def settle_config(args: EngineArgs) -> EngineConfig:
+    """The engine's configuration for these flags, every "auto" settled (module doc)."""
+    from tiermoe.models.loader import checkpoint_dtype, load_spec, parse_dtype
+
+    if args.model is None:
+        from tiermoe.default_model import ensure_default_model
+
+        path = Path(ensure_default_model())
+    else:
+        path = Path(args.model)
+    spec = load_spec(path)
+    device = resolve_device(args.device)
+    dtype = parse_dtype(args.dtype, default=checkpoint_dtype(spec.hf_config))
+    ctx = spec.max_position_embeddings
+    if args.max_model_len is not None:
+        if args.max_model_len < 2 or args.max_model_len > ctx:
+            raise UserError(f"--max-model-len {args.max_model_len}: must be between 2 and the model's {ctx}")
+        ctx = args.max_model_len
+    max_num_seqs = max(1, int(args.max_num_seqs or DEFAULTS.max_num_seqs))
+    attention = args.decode_attention or "auto"
+    if attention not in DECODE_ATTENTION_CHOICES:
+        raise UserError(f"--decode-attention {attention!r}: choose auto, sdpa or paged")
+    paged = attention == "paged" or (attention == "auto" and device != "cpu")
+    routing = None
+    if args.routing_replay or args.record_routing:
+        routing = RoutingConfig(replay=args.routing_replay, seed=int(args.routing_replay_seed or 0),
+                                record=args.record_routing, record_max_tokens=args.record_routing_max_tokens)
+    experts = _settle_experts(args, path, device, dtype, max_num_seqs) if is_packed_store(path) else None
+    return EngineConfig(
+        model=path, device=device, dtype=dtype, max_model_len=ctx, max_num_seqs=max_num_seqs,
+        max_batched_tokens=args.max_num_batched_tokens or (512 if device == "cpu" else 2048),
+        kv_cache_gb=args.kv_cache_gb or None, seed=args.seed, num_speculative_tokens=args.num_speculative_tokens or 0,
+        decode_attention="paged" if paged else "sdpa", paged_attention_required=attention == "paged",
+        decode_graphs=not args.enforce_eager and device != "cpu", experts=experts, routing=routing)
+
+
+def settle_lane(args: EngineArgs, device: str, record_layout, dtype: torch.dtype) -> LaneConfig:
+    """The CPU lane's settings (flags --cpu-lane-*): threads default to every torch thread on a
+    CUDA device and half of them on a CPU device (the device path computes on the same cores)."""
+    import torch
+
+    from tiermoe.moe.cpu_lane import lane_reads_disk
+
+    threads = args.cpu_lane_threads
+    if threads is None:
+        threads = torch.get_num_threads() if str(device).startswith("cuda") else max(1, torch.get_num_threads() // 2)
+    lane = LaneConfig(max_experts=int(args.cpu_lane_experts),
+                      max_tokens=int(args.cpu_lane_max_tokens or DEFAULTS.cpu_lane_max_tokens),
+                      threads=int(threads), workers=int(args.cpu_lane_workers or DEFAULTS.cpu_lane_workers),
+                      cache_bytes=int(float(args.cpu_lane_cache_gb) * GIB),
+                      disk=lane_reads_disk(record_layout, dtype, device) if args.cpu_lane_disk is None
+                      else bool(args.cpu_lane_disk), device=str(device))
+    if lane.max_experts < 0 or lane.threads < 1 or lane.workers < 1 or lane.cache_bytes < 0:
+        raise UserError("--cpu-lane-*: expert count and cache size must be >= 0, threads and workers >= 1")
+    return lane
+
+
+def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtype, max_num_seqs: int) -> ExpertsConfig:
+    """Which backend serves the packed store at `path` (moe/backends.py), and its settings."""
+    from tiermoe.moe.backends import choose_expert_kernel
+    from tiermoe.moe.device_cache import prefill_plan, split_budget
+    from tiermoe.store.planner import config_top_k, inclusive_host_plan
+    from tiermoe.store.records import load_manifest
+
+    mode = args.mode or "exact"
+    if mode not in MODES:
+        raise UserError(f"--mode {mode!r}: choose exact or fast")
+    wanted = (args.device_cache or "auto").lower()
+    if wanted not in DEVICE_CACHE_CHOICES:
+        raise UserError(f"--device-cache {wanted!r}: choose one of {', '.join(DEVICE_CACHE_CHOICES)}")
+    staging = args.prefill_staging_gb
+    if staging is not None and not 0 <= staging < float("inf"):
+        raise UserError(f"--prefill-staging-gb must be a size >= 0, got {staging}")
+    manifest = load_manifest(path)
+    lane = settle_lane(args, device, manifest.layout, dtype)
+    kernel = choose_expert_kernel(args.expert_kernel, SimpleNamespace(layout=manifest.layout, dtype=dtype, path=path),
+                                  device)
+    store = StoreConfig(path=path, device=device, dtype=dtype, gpu_expert_gb=args.gpu_expert_gb,
+                        host_expert_gb=args.host_expert_gb, policy=args.expert_policy or "lfu",
+                        stats_file=args.expert_stats, direct_io=not args.no_direct_io)
+    slots, why_not = inclusive_host_plan(manifest, device=device, gpu_expert_gb=args.gpu_expert_gb,
+                                         host_expert_gb=args.host_expert_gb)
+    if kernel != "triton":
+        why_not = why_not or "the Triton expert kernel is not in use"
+    if wanted == "on" and why_not:
+        raise UserError(f"--device-cache on: {why_not}")
+    if wanted == "off" or why_not:
+        log.info("expert slot cache: managed by the store (%s)", "--device-cache off" if wanted == "off" else why_not)
+        return ExpertsConfig(backend=f"store-{kernel}", store=store, mode=mode, lane=lane)
+    # Every expert in the (pinned) host tier, sized exactly (the check above found room; free
+    # memory read twice could differ); the device cache owns the GPU budget.
+    record = manifest.layout.length
+    store = replace(store, gpu_expert_gb=0.0, host_expert_gb=(len(manifest.records) + 0.5) * record / GIB)
+    experts = [manifest.experts_per_layer[layer] for layer in manifest.moe_layers]
+    _, per_layer = split_budget(slots, experts, config_top_k(manifest.config), max_num_seqs, args.stage_misses)
+    rows, buffers = prefill_plan(experts, per_layer, None if staging is None else int(staging * GIB // record), None)
+    if args.expert_policy:
+        log.info("--expert-policy %s: the device cache decides its slots itself (CLOCK with frequency admission)",
+                 args.expert_policy)
+    cache = DeviceCacheConfig(slots=slots, max_tokens=max_num_seqs, prefill_rows=rows, prefill_buffers=buffers,
+                              borrow_slots=args.prefill_borrow_slots is not False,
+                              borrow_slots_asked=bool(args.prefill_borrow_slots), stage_misses=args.stage_misses,
+                              lane_cap=lane.max_experts)
+    return ExpertsConfig(backend="device-cache", store=store, mode=mode, lane=lane, device_cache=cache)

@@ -1,0 +1,183 @@
+"""Expert backends chosen once, by name, from a small typed registry.
+
+    name            class (module)                          when (engine/settle.py decides)
+    store-torch     StoreTorchExperts (store_backends.py)   the torch path: CPU, or records or
+                                                            activations the kernel does not take
+    store-triton    StoreTritonExperts (store_backends.py)  CUDA, a store the fused kernel reads,
+                                                            host RAM too small for every expert
+    device-cache    DeviceCacheExperts (device_cache.py)    the fused kernel and host RAM for
+                                                            every expert: no host sync per layer
+
+`open_expert_backend(ExpertsConfig)` opens the store and builds the named backend; in fast mode
+the CPU lane wraps it (lane.LaneExperts). A new strategy is one more `@EXPERT_BACKENDS.register`.
+`choose_expert_kernel` and `triton_unsupported` are the rules the settling uses to pick between
+the torch and the Triton paths.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Generic, Protocol, TypeVar
+
+import torch
+
+from tiermoe import env
+from tiermoe.config import EXPERT_KERNELS, ExpertsConfig, StoreConfig
+from tiermoe.errors import UserError
+from tiermoe.moe.experts import ExpertBackend
+
+log = logging.getLogger("tiermoe.moe")
+
+T = TypeVar("T")
+SUPPORTED_KINDS = ("bf16", "int4", "int8")  # records the fused kernel reads
+
+
+class Registry(Generic[T]):
+    """name -> item, filled by `@registry.register(name)`."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._items: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        def add(item: T) -> T:
+            if name in self._items:
+                raise ValueError(f"{self.what} {name!r} registered twice")
+            self._items[name] = item
+            return item
+
+        return add
+
+    def __getitem__(self, name: str) -> T:
+        if name not in self._items:
+            raise UserError(f"{self.what} {name!r}: choose one of {', '.join(self._items)}")
+        return self._items[name]
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._items)
+
+
+class BackendFactory(Protocol):
+    def __call__(self, cfg: ExpertsConfig) -> ExpertBackend: ...
+
+
+EXPERT_BACKENDS: Registry[BackendFactory] = Registry("expert backend")
+
+
+def open_store(cfg: StoreConfig):
+    from tiermoe.store.facade import ExpertStore
+
+    return ExpertStore.open(cfg.path, device=cfg.device, dtype=cfg.dtype, gpu_expert_gb=cfg.gpu_expert_gb,
+                            host_expert_gb=cfg.host_expert_gb, policy=cfg.policy, stats_file=cfg.stats_file,
+                            direct_io=cfg.direct_io)
+
+
+@EXPERT_BACKENDS.register("store-torch")
+def _store_torch(cfg: ExpertsConfig) -> ExpertBackend:
+    from tiermoe.moe.store_backends import StoreTorchExperts
+
+    return StoreTorchExperts(open_store(cfg.store), prefetch=cfg.prefetch)
+
+
+@EXPERT_BACKENDS.register("store-triton")
+def _store_triton(cfg: ExpertsConfig) -> ExpertBackend:
+    from tiermoe.moe.store_backends import StoreTritonExperts
+
+    return StoreTritonExperts(open_store(cfg.store), prefetch=cfg.prefetch)
+
+
+@EXPERT_BACKENDS.register("device-cache")
+def _device_cache(cfg: ExpertsConfig) -> ExpertBackend:
+    from tiermoe.moe.device_cache import DeviceCacheExperts
+    from tiermoe.store.planner import config_top_k, key_rates
+
+    d = cfg.device_cache
+    store = open_store(cfg.store)  # every expert in the (pinned) host tier, no slots of its own
+    try:
+        if torch.device(cfg.store.device).type == "cuda" and not store.wait_pinned():
+            raise UserError("--device-cache: the host tier could not be page-locked (cudaHostRegister failed)")
+        top_k = config_top_k(store.manifest.config)
+        rates, _, _ = key_rates(store.manifest, cfg.store.stats_file, top_k)
+        cache = DeviceCacheExperts(store, d.slots, rates, top_k=top_k, max_tokens=d.max_tokens,
+                                   prefill_rows=d.prefill_rows, prefill_buffers=d.prefill_buffers,
+                                   stage_misses=d.stage_misses, lane_cap=d.lane_cap, borrow_slots=d.borrow_slots)
+    except BaseException:
+        store.close()
+        raise
+    if d.borrow_slots_asked and cache.prefill.lender is None:
+        log.info("--prefill-borrow-slots: not used (%s)", "two dedicated staging buffers already"
+                 if d.prefill_buffers == 2 else "too few slots or MoE layers to lend a buffer")
+    log.info("expert slot cache: on the device, %d slots over %d layers + %d staging rows; prefill staging %d x %d "
+             "records%s", cache.slots_total, len(cache.caches), cache.stage_rows, cache.prefill.num_buffers,
+             cache.prefill_rows, " (the second lent by slots)" if cache.prefill.lender else "")
+    return cache
+
+
+def open_expert_backend(cfg: ExpertsConfig) -> ExpertBackend:
+    """The backend `cfg.backend` over its store; in fast mode wrapped by the CPU lane."""
+    backend = EXPERT_BACKENDS[cfg.backend](cfg)
+    if cfg.mode == "exact":
+        return backend
+    from tiermoe.moe.lane import LaneExperts
+
+    try:
+        return LaneExperts(backend, cfg.lane, cfg.mode)
+    except BaseException:
+        backend.close()
+        raise
+
+
+# -- which kernel computes the experts ---------------------------------------------------------------
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def triton_unsupported(record_layout, act_dtype: torch.dtype, device: str | torch.device) -> str | None:
+    """None when the fused Triton kernel can serve records of this layout, else a one-line reason."""
+    dev = torch.device(device)
+    if dev.type != "cuda" and not env.TRITON_INTERPRET.get():
+        return f"device {dev.type}: the Triton kernels need CUDA (or TRITON_INTERPRET=1)"
+    if record_layout.kind not in SUPPORTED_KINDS:
+        return f"{record_layout.kind} records (the kernel reads {', '.join(SUPPORTED_KINDS)})"
+    if act_dtype != torch.bfloat16:
+        return f"{str(act_dtype).replace('torch.', '')} activations (the kernel takes bfloat16)"
+    try:
+        import triton  # noqa: F401
+
+        from tiermoe.kernels.layout import layout_from
+        from tiermoe.kernels.triton import fused_moe as fm
+    except ImportError as exc:
+        return f"Triton is not importable ({exc})"
+    try:
+        lay = layout_from(record_layout)
+        for tokens in (1, fm.DECODE_MAX_TOKENS + 1):  # the decode and the prefill bucket
+            cfg = fm.get_config(lay, tokens, dev)
+            fm._check_config(lay, cfg, tokens)
+            stages = [cfg["gate_up"], cfg["down"], *(cfg["gemv"][s] for s in ("gate_up", "down") if "gemv" in cfg)]
+            if not all(_pow2(c[b]) for c in stages for b in ("BN", "BK")) or not _pow2(cfg["gate_up"]["BM"]):
+                raise ValueError(f"block sizes {cfg} are not powers of two")
+    except ValueError as exc:
+        return f"record shape H={record_layout.hidden} I={record_layout.intermediate}: {exc}"
+    return None
+
+
+def choose_expert_kernel(requested: str | None, store, device: str) -> str:
+    """'torch' or 'triton' for `--expert-kernel` (else $TIERMOE_EXPERT_KERNEL, else auto); store:
+    anything with the store's `layout`, `dtype` (of the activations) and `path`.
+
+    auto: Triton on CUDA when the store and dtype are supported, else torch. triton: the Triton
+    path, or a UserError saying why it cannot run. On a CPU the kernels run only in Triton's
+    interpreter, which the user chooses (TRITON_INTERPRET=1, before the kernels are imported;
+    tiermoe/env.py): auto never picks it there.
+    """
+    choice = (requested or env.EXPERT_KERNEL.get() or "auto").lower()
+    if choice not in EXPERT_KERNELS:
+        raise UserError(f"--expert-kernel {choice!r}: choose one of {', '.join(EXPERT_KERNELS)}")
+    if choice == "torch" or (choice == "auto" and torch.device(device).type != "cuda"):
+        return "torch"
+    reason = triton_unsupported(store.layout, store.dtype, device)
+    if reason is None:
+        return "triton"
+    if choice == "triton":
+        raise UserError(f"--expert-kernel triton: cannot serve {store.path}: {reason}")
+    return "torch"

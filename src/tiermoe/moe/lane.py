@@ -1,0 +1,195 @@
+"""Fast mode: the CPU lane as a wrapper around any store backend.
+
+In a fast-mode decode step (every sequence one token, at most `LaneConfig.max_tokens` tokens)
+the CPU lane (moe/cpu_lane.py) computes some of each MoE layer's experts from their host
+records while the device computes the rest; the two partial sums are added in fp32 and rounded
+once. Prefill steps and exact mode never touch the lane, so their arithmetic is the wrapped
+backend's own.
+
+How the lane and the backend share a layer is the backend's `lane_handoff(lane)`:
+
+    HostLaneHandoff (store-torch, store-triton)    DeviceLane (device-cache, moe/device_lane.py)
+    CpuLane.assign picks the coldest misses        the cache-step kernel picks them on the device
+    one device->host copy of x, the lane starts    x and the picks posted to a mapped mailbox
+    the backend computes the rest (skip=)          the fused MoE reads zeros for the lane's rows
+    LaneJob.wait: one host wait per layer          the device waits for the answer: no host
+                                                   sync, so decode graphs capture lane steps too
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Hashable, Sequence
+
+import torch
+
+from tiermoe.config import MODES, LaneConfig
+from tiermoe.moe.experts import ExpertBackend
+from tiermoe.moe.store_backends import StoreBackend
+
+
+class LaneHandoff(abc.ABC):
+    """One way of sharing lane steps between a backend and the CPU lane."""
+
+    @abc.abstractmethod
+    def set_experts(self, experts: int) -> None:
+        """Up to `experts` lane experts per layer in later lane steps (0: exact mode)."""
+
+    @abc.abstractmethod
+    def begin(self) -> None:
+        """A lane step starts."""
+
+    @abc.abstractmethod
+    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """One MoE layer of a lane step: x [T, H] -> [T, H] in x's dtype."""
+
+    @abc.abstractmethod
+    def check(self) -> None:
+        """After a lane step's device work: raise if the lane's part failed."""
+
+    @abc.abstractmethod
+    def adjust_counters(self, c: dict) -> None:
+        """Correct the backend's /stats counters for what the lane did instead."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop serving (before the lane and the store are closed)."""
+
+
+class HostLaneHandoff(LaneHandoff):
+    """The store path's hand-off: per layer with lane work, one device->host copy of `x` and of
+    the routing (that path already syncs there for the picks), and one host wait for the lane
+    before its pinned partial sum is copied up (non-blocking) and added."""
+
+    def __init__(self, backend: StoreBackend, lane) -> None:
+        self.backend, self.lane = backend, lane
+
+    def set_experts(self, experts: int) -> None:
+        pass  # CpuLane.assign takes at most lane.max_experts itself
+
+    def begin(self) -> None:
+        self.lane.prune(self.backend.store)  # repacks of experts that left the host tier
+
+    def forward(self, layer, x, topk_ids, topk_weights):
+        be, lane = self.backend, self.lane
+        be.prefetch_ahead(layer, x)
+        expert_ids = torch.unique(topk_ids).tolist()  # sorted ascending
+        job = lane.submit(be.store, layer, x, topk_ids, topk_weights, lane.assign(be.store, layer, expert_ids),
+                          decode=be.decoding)
+        if job is None:
+            return be.combine(layer, x, topk_ids, topk_weights)
+        try:
+            out = be.combine(layer, x, topk_ids, topk_weights, skip=set(job.ids))
+        except BaseException:
+            job.cancel()
+            raise
+        partial = job.wait()  # [T, H] fp32 on the CPU: the one host wait of a lane layer
+        if out.device.type != "cpu":
+            partial = partial.pin_memory().to(out.device, non_blocking=True)
+        return (out.float() + partial).to(x.dtype)
+
+    def check(self) -> None:
+        pass  # every layer already waited for its lane job
+
+    def adjust_counters(self, c: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class LaneExperts(ExpertBackend):
+    """`inner` (a StoreBackend) with fast mode's CPU lane; `set_mode` switches between exact (no
+    lane) and fast. The lane's threads and repack cache are made on the first switch to fast and
+    kept afterwards."""
+
+    def __init__(self, inner: StoreBackend, lane: LaneConfig, mode: str = "fast") -> None:
+        self.inner, self.lane_config = inner, lane
+        self.lane = None  # CpuLane
+        self.handoff: LaneHandoff | None = None
+        self.mode = "exact"
+        self._lane_step = False  # the current step is a decode step the lane serves
+        self._fast_decode_tokens = 0  # decode tokens computed in fast mode (for lane experts/token)
+        self.set_mode(mode)
+
+    def set_mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode == "fast" and self.lane is None:
+            from tiermoe.moe.cpu_lane import CpuLane
+
+            store = self.inner.store
+            self.lane = CpuLane(store.layout, swiglu_limit=self.inner.swiglu_limit, act_dtype=store.dtype,
+                                **self.lane_config.kwargs())
+            self.handoff = self.inner.lane_handoff(self.lane)
+        if self.handoff is not None:
+            self.handoff.set_experts(self.lane.max_experts if mode == "fast" else 0)
+        self.mode = mode
+        self._lane_step = False
+
+    @property
+    def store(self):
+        return self.inner.store
+
+    def forward(self, layer, x, topk_ids, topk_weights):
+        if not self._lane_step:
+            return self.inner.forward(layer, x, topk_ids, topk_weights)
+        return self.handoff.forward(layer, x, topk_ids, topk_weights)
+
+    def attach(self, moe_layers: Sequence) -> None:
+        self.inner.attach(moe_layers)
+        if self.lane is not None:
+            self.lane.swiglu_limit = self.inner.swiglu_limit
+
+    def begin_step(self, tokens: int, decode: bool) -> None:
+        self.inner.begin_step(tokens, decode)
+        fast = self.mode == "fast"
+        self._lane_step = fast and decode and tokens <= self.lane.max_tokens
+        if fast and decode:
+            self._fast_decode_tokens += tokens
+        if self._lane_step:
+            self.handoff.begin()
+
+    def end_step(self) -> None:
+        self.inner.end_step()
+        if self._lane_step:
+            self.handoff.check()
+
+    def graph_unsupported(self) -> str | None:
+        return self.inner.graph_unsupported()
+
+    def graph_safe(self) -> bool:
+        return self.inner.graph_safe()
+
+    def graph_key(self) -> Hashable:
+        return self.inner.graph_key(), self._lane_step  # lane steps are other programs
+
+    def graph_recorded(self, key: Hashable) -> None:
+        self.inner.graph_recorded(key)
+
+    def graph_replayed(self, key: Hashable) -> None:
+        self.inner.graph_replayed(key)
+
+    def save_decisions(self) -> object | None:
+        return self.inner.save_decisions()
+
+    def restore_decisions(self, saved: object | None) -> None:
+        self.inner.restore_decisions(saved)
+
+    def counters(self) -> dict | None:
+        c = self.inner.counters()
+        c["mode"] = self.mode
+        if self.lane is not None:
+            self.handoff.adjust_counters(c)
+            c["cpu_lane"] = self.lane.counters(self._fast_decode_tokens)
+        return c
+
+    def heat(self) -> dict | None:
+        return self.inner.heat()
+
+    def close(self) -> None:
+        if self.handoff is not None:
+            self.handoff.close()
+        if self.lane is not None:
+            self.lane.close()
+        self.inner.close()
