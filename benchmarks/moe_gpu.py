@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -101,8 +100,9 @@ def _handler(args) -> int:
     if not torch.cuda.is_available():
         if not args.tiny:
             raise UserError("moe-gpu needs a CUDA GPU (use --tiny for a CPU smoke run through the Triton interpreter)")
-        # on a CPU the kernels run only in Triton's interpreter, chosen before any kernel module is imported
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        from tiermoe.env import use_triton_interpreter
+
+        use_triton_interpreter()  # before any kernel module is imported: on a CPU only the interpreter runs them
     result = run(args, batches)
     text = json.dumps(result, indent=2)
     if args.out:
