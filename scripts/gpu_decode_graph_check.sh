@@ -13,7 +13,7 @@
 #   4. scripts/profile_engine_decode.py on the same store: graphs off vs on, and a 4000-token
 #      prefill (the default paged decode kernel); then the same with SDPA decode attention
 #      and with two prefill staging buffers (copies one layer ahead, --prefill-staging-gb 1.75)
-#   5. the same profile with misses read in place instead of staged (TIERMOE_DEVICE_CACHE_STAGE=0)
+#   5. the same profile with misses read in place instead of staged (--no-stage-misses)
 # Environment: STORE ($HOME/sbs-graph-model), MAX_TOKENS (256),
 # VARIANTS ("default: sdpa:--decode-attention,sdpa": space-separated NAME:FLAGS, flags joined by
 #   commas, e.g. "noborrow:--no-prefill-borrow-slots ahead:--prefill-staging-gb,1.75 fast:--mode,fast"),
@@ -130,8 +130,8 @@ timeout 200 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile-
   --decode-attention sdpa \
   > "$out/profile-sdpa.log" 2>&1
 grep -E "wall per|busy" "$out/profile-sdpa.log"
-log "profile, misses read in place (TIERMOE_DEVICE_CACHE_STAGE=0)"
-TIERMOE_DEVICE_CACHE_STAGE=0 timeout 200 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile-nostage" \
-  "${flags[@]}" > "$out/profile-nostage.log" 2>&1
+log "profile, misses read in place (--no-stage-misses)"
+timeout 200 "$py" scripts/profile_engine_decode.py "$store/store" "$out/profile-nostage" \
+  "${flags[@]}" --no-stage-misses > "$out/profile-nostage.log" 2>&1
 grep -E "wall per|busy" "$out/profile-nostage.log"
 pack

@@ -31,6 +31,9 @@ def main() -> int:
     add_engine_args(p, model_positional=True)
     p.add_argument("--compare-eager", action="store_true", help="also time each batch size with the graphs off")
     p.add_argument("--prefill-tokens", type=int, default=0, help="also time and profile one prefill chunk this long")
+    p.add_argument("--stage-misses", action=argparse.BooleanOptionalAction, default=None,
+                   help="device cache: gather the misses it does not admit into HBM rows (default) or, with "
+                        "--no-stage-misses, read them in place (EngineArgs.stage_misses)")
     args = p.parse_args()
     out = Path(args.outdir)
     out.mkdir(parents=True, exist_ok=True)
