@@ -143,3 +143,29 @@ def test_cycle_finder_on_a_known_graph():
     graph = {"a": {"b": ["a.py:1"]}, "b": {"c": ["b.py:1"]}, "c": {"a": ["c.py:1"]}, "d": {"a": ["d.py:1"]}}
     assert cycles(graph) == [["a", "b", "c"]]
     assert cycles({"a": {"b": []}, "b": {}}) == []
+
+
+MAX_FILE_LINES = 500
+MAX_LINE_COLUMNS = 120
+BENCHMARKS = PACKAGE.parents[1] / "benchmarks"
+
+
+def source_files() -> list[Path]:
+    """The product package and the benchmarks package beside it."""
+    return package_files() + sorted(BENCHMARKS.rglob("*.py"))
+
+
+def test_no_file_over_500_lines():
+    """Small files: a module past this size holds more than one idea and is split."""
+    long = [f"{p}: {n} lines" for p in source_files() if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
+    assert not long, long
+
+
+def test_no_line_over_120_columns_and_no_format_escape():
+    """Lines fit a side-by-side review; `fmt: skip` markers were how long lines got past that before."""
+    bad = []
+    for p in source_files():
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            if len(line) > MAX_LINE_COLUMNS or "fmt: skip" in line:
+                bad.append(f"{p}:{i}")
+    assert not bad, bad

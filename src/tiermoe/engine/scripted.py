@@ -107,7 +107,9 @@ def default_script(prompt: str) -> ScriptedReply:
             tool_calls=[("get_weather", {"city": city.group(1) if city else "Paris"})],
         )
     if "primary colors" in low or "primary colours" in low:
-        return ScriptedReply(content="Red, yellow, blue", reasoning="The three primary colors are red, yellow and blue.")
+        return ScriptedReply(
+            content="Red, yellow, blue", reasoning="The three primary colors are red, yellow and blue."
+        )
     m = re.search(r"(\d+)\s*\*\s*(\d+)", text)
     if m:
         a, b = int(m.group(1)), int(m.group(2))
@@ -177,8 +179,15 @@ class ScriptedEngineCore:
         self._running: OrderedDict[str, _Seq] = OrderedDict()
         self._pages: OrderedDict[tuple, None] = OrderedDict()  # prefix-cache page keys, LRU
         self._max_pages = 4096
-        self.counters = {"added": 0, "finished": 0, "aborted": 0, "steps": 0, "prompt_tokens": 0,
-                         "generated_tokens": 0, "cached_tokens": 0}
+        self.counters = {
+            "added": 0,
+            "finished": 0,
+            "aborted": 0,
+            "steps": 0,
+            "prompt_tokens": 0,
+            "generated_tokens": 0,
+            "cached_tokens": 0,
+        }
 
     # ---- EngineCore interface ----------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -190,7 +199,8 @@ class ScriptedEngineCore:
             raise InvalidRequest(f"prompt has {n} tokens; the context holds {self.max_model_len}", "prompt")
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise InvalidRequest(
-                f"prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the context ({self.max_model_len})", "max_tokens"
+                f"prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the context ({self.max_model_len})",
+                "max_tokens",
             )
         if request_id in self._running or any(s.request_id == request_id for s in self._waiting):
             raise InvalidRequest(f"duplicate request id {request_id!r}", "request_id")
@@ -200,7 +210,14 @@ class ScriptedEngineCore:
             reply = ScriptedReply(content=reply)
         text = self._continuation(prompt, reply)
         script_ids = self.tokenizer.encode(text, add_special_tokens=False) if text else []
-        seq = _Seq(request_id, list(prompt_token_ids), params, script_ids, self._cache_lookup(prompt_token_ids), reply.fail_after)
+        seq = _Seq(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            script_ids,
+            self._cache_lookup(prompt_token_ids),
+            reply.fail_after,
+        )
         self._waiting.append(seq)
         self.counters["added"] += 1
 
@@ -297,8 +314,14 @@ class ScriptedEngineCore:
             del self._running[seq.request_id]
             self.counters["finished"] += 1
         return RequestOutput(
-            seq.request_id, [token], finished=finish is not None, finish_reason=finish, logprobs=logprobs,
-            prompt_tokens=len(seq.prompt_ids), completion_tokens=seq.generated, cached_tokens=seq.cached_tokens,
+            seq.request_id,
+            [token],
+            finished=finish is not None,
+            finish_reason=finish,
+            logprobs=logprobs,
+            prompt_tokens=len(seq.prompt_ids),
+            completion_tokens=seq.generated,
+            cached_tokens=seq.cached_tokens,
         )
 
     def _filler(self) -> int:

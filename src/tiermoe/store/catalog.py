@@ -114,7 +114,9 @@ class Checkpoint:
 
     def _note_dtype(self, key: str, dt: str) -> None:
         if dt not in _SRC_DTYPES:
-            raise UserError(f"{key}: unsupported dtype {dt} for a routed expert (only BF16, F16 and F32 checkpoints can be packed)")
+            raise UserError(
+                f"{key}: unsupported dtype {dt} for a routed expert (only BF16, F16 and F32 checkpoints can be packed)"
+            )
         t = _SRC_DTYPES[dt]
         if self.source_dtype is None:
             self.source_dtype = t
@@ -154,7 +156,10 @@ class Checkpoint:
         for layer, parts in fused.items():
             self._add_fused(layer, parts)
         if not self.experts:
-            raise UserError(f"{self.root}: no routed expert tensors found (expected names like model.layers.N.mlp.experts.E.gate_proj.weight)")
+            raise UserError(
+                f"{self.root}: no routed expert tensors found "
+                "(expected names like model.layers.N.mlp.experts.E.gate_proj.weight)"
+            )
         self._check_shapes()
 
     def _add_fused(self, layer: int, parts: dict[str, tuple[str, str, list[int]]]) -> None:
@@ -200,7 +205,9 @@ class Checkpoint:
                 if ref.expert is not None and ref.expert > 0:
                     continue  # fused tensors were checked as a whole
                 if self._shape(ref) != want[proj]:
-                    raise UserError(f"{ref.key}: shape {self._shape(ref)} differs from {want[proj]} (all experts must match)")
+                    raise UserError(
+                        f"{ref.key}: shape {self._shape(ref)} differs from {want[proj]} (all experts must match)"
+                    )
 
     @property
     def layers(self) -> list[int]:

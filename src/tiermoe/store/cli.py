@@ -141,19 +141,25 @@ def register(subparsers) -> None:
     p.add_argument("--gpu-expert-gb", type=float, default=None, help="GiB of device memory for expert slots")
     p.add_argument("--host-expert-gb", type=float, default=None, help="GiB of host RAM for experts")
     p.add_argument("--stats", default=None, help="routing statistics JSON (layers.<L> -> per-expert counts)")
-    p.add_argument("--quant", choices=QUANT_CHOICES, default="bf16", help="for an unpacked checkpoint: format to plan for")
+    p.add_argument("--quant", choices=QUANT_CHOICES, default="bf16",
+                   help="for an unpacked checkpoint: format to plan for")
     p.add_argument("--group-size", type=int, default=128)
     p.set_defaults(handler=_plan)
 
     p = subparsers.add_parser("sim", help="simulate expert-cache policies on routing statistics or a recorded trace")
     p.add_argument("--stats", default=None, help="routing statistics JSON (layers.<L> -> per-expert counts)")
-    p.add_argument("--trace", default=None,
-                   help="routing trace recorded by --record-routing (replayed in order; --stats then only "
-                        "warm-starts the caches)")
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="routing trace recorded by --record-routing (replayed in order; --stats then only warm-starts the caches)",
+    )
     p.add_argument("--slots", type=int, required=True, help="slot-tier capacity in experts, shared by all layers")
-    p.add_argument("--policy", default="all",
-                   help="lru, lfu, clock, static, device (the GPU device cache's own policy), belady, a comma list, "
-                        "or all (default)")
+    p.add_argument(
+        "--policy",
+        default="all",
+        help="lru, lfu, clock, static, device (the GPU device cache's own policy), belady, a comma list, "
+        "or all (default)",
+    )
     p.add_argument("--tokens", type=int, default=2000, help="decode tokens to simulate (default 2000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--host-experts", type=int, default=0, help="host-tier capacity in experts (default 0)")

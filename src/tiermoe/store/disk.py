@@ -72,7 +72,10 @@ def require_direct_io(path: str | os.PathLike) -> None:
     """Refuse (UserError, one line) a filesystem without O_DIRECT."""
     reason = probe_direct_io(path)
     if reason:
-        raise UserError(f"{path}: the filesystem does not support O_DIRECT reads ({reason}); pass --no-direct-io to use buffered reads")
+        raise UserError(
+            f"{path}: the filesystem does not support O_DIRECT reads ({reason}); "
+            "pass --no-direct-io to use buffered reads"
+        )
 
 
 def pread_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
@@ -136,7 +139,8 @@ class DiskReader:
                     self.checks += 1
                 if digest != rec.sha256:
                     raise StoreIntegrityError(
-                        f"{self.path}: checksum mismatch for {rec.name()}; the store is corrupted (run `tiermoe verify {self.path.parent}`)"
+                        f"{self.path}: checksum mismatch for {rec.name()}; the store is corrupted "
+                        f"(run `tiermoe verify {self.path.parent}`)"
                     )
                 self._verified.add(rec.index)
             return dest

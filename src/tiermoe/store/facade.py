@@ -99,7 +99,8 @@ class ExpertStore:
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise UserError(f"device {device!r} requested but CUDA is not available")
-        plan = build_plan(m, device=device, gpu_expert_gb=gpu_expert_gb, host_expert_gb=host_expert_gb, stats_file=stats_file)
+        plan = build_plan(m, device=device, gpu_expert_gb=gpu_expert_gb, host_expert_gb=host_expert_gb,
+                          stats_file=stats_file)
         for line in plan.table().splitlines():
             log.info(line)
         rates, _, _ = key_rates(m, stats_file, config_top_k(m.config))
@@ -111,7 +112,8 @@ class ExpertStore:
     def _load_residents(self) -> None:
         """Read every key the policies hold (warm start / static set) into its tier."""
         window: list[tuple[int, str, torch.Tensor, Future, torch.Tensor | None]] = []
-        todo = [(k, "slots") for k in sorted(self.residency.slots.keys())] + [(k, "host") for k in sorted(self.residency.host.keys())]
+        todo = [(k, "slots") for k in sorted(self.residency.slots.keys())]
+        todo += [(k, "host") for k in sorted(self.residency.host.keys())]
         depth = max(2, 2 * self._reader_threads)
 
         def finish(item) -> None:
@@ -235,7 +237,8 @@ class ExpertStore:
 
     def fetch(self, layer: int, expert_ids: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """{expert id: (gate_up [2I, H], down [H, I])} on the store's device in its dtype."""
-        return {e: decode_record(self.layout, buf, self.dtype) for e, buf in self.fetch_records(layer, expert_ids).items()}
+        records = self.fetch_records(layer, expert_ids)
+        return {e: decode_record(self.layout, buf, self.dtype) for e, buf in records.items()}
 
     def fetch_records(self, layer: int, expert_ids: list[int]) -> dict[int, torch.Tensor]:
         """{expert id: raw record bytes, uint8 [record_bytes] on the device} (see records.py)."""

@@ -368,7 +368,14 @@ def pack(
         "record_align": 4096,
         "layouts": [layout.to_json()],
         "records": [
-            {"layer": r.layer, "expert": r.expert, "offset": r.offset, "length": r.length, "sha256": r.sha256, "layout": 0}
+            {
+                "layer": r.layer,
+                "expert": r.expert,
+                "offset": r.offset,
+                "length": r.length,
+                "sha256": r.sha256,
+                "layout": 0,
+            }
             for r in infos
         ],
         "dense": dense,

@@ -270,7 +270,10 @@ def decode_floor_s(record_bytes: int, hits: Mapping[str, float], device: str, *,
             return lanes
     bw = {**DEFAULT_BANDWIDTH, **(bandwidth or {})}
     if cuda:
-        lanes = {"hbm": tier_hits["gpu"] * record_bytes / bw["hbm"], "pcie": (tier_hits["ram"] + tier_hits["disk"]) * record_bytes / bw["pcie"]}
+        lanes = {
+            "hbm": tier_hits["gpu"] * record_bytes / bw["hbm"],
+            "pcie": (tier_hits["ram"] + tier_hits["disk"]) * record_bytes / bw["pcie"],
+        }
     else:
         lanes = {"cpu": tier_hits["cpu"] * record_bytes / bw["ram"]}
     lanes["disk"] = tier_hits["disk"] * record_bytes / bw["disk"]
@@ -334,12 +337,28 @@ def build_plan(
     rec = manifest.layout.length
     total = len(manifest.records)
     n_slots, n_host, notes = size_tiers(
-        record_bytes=rec, total_experts=total, device=dev, gpu_expert_gb=gpu_expert_gb,
-        host_expert_gb=host_expert_gb, gpu_reserve_gb=gpu_reserve_gb, host_margin_gb=host_margin_gb,
+        record_bytes=rec,
+        total_experts=total,
+        device=dev,
+        gpu_expert_gb=gpu_expert_gb,
+        host_expert_gb=host_expert_gb,
+        gpu_reserve_gb=gpu_reserve_gb,
+        host_margin_gb=host_margin_gb,
     )
     top_k = config_top_k(manifest.config)
     rates, source, more = key_rates(manifest, stats_file, top_k)
     hits = expected_hits(rates, n_slots, n_host)
-    plan = TierPlan(str(dev), rec, total, n_slots, n_host, top_k, len(manifest.moe_layers), notes + more,
-                    hits, decode_floor_s(rec, hits, str(dev), top_k=top_k, moe_layers=len(manifest.moe_layers)), source)
+    plan = TierPlan(
+        str(dev),
+        rec,
+        total,
+        n_slots,
+        n_host,
+        top_k,
+        len(manifest.moe_layers),
+        notes + more,
+        hits,
+        decode_floor_s(rec, hits, str(dev), top_k=top_k, moe_layers=len(manifest.moe_layers)),
+        source,
+    )
     return plan

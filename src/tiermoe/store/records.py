@@ -177,7 +177,10 @@ def encode_expert(
     for name, t, shape in (("gate", gate, (i, h)), ("up", up, (i, h)), ("down", down, (h, i))):
         if tuple(t.shape) != shape:
             raise UserError(f"expert {name} has shape {tuple(t.shape)}, expected {shape}")
-    rec = torch.zeros(layout.length, dtype=torch.uint8) if out is None else out.view(torch.uint8).reshape(-1)[: layout.length]
+    if out is None:
+        rec = torch.zeros(layout.length, dtype=torch.uint8)
+    else:
+        rec = out.view(torch.uint8).reshape(-1)[: layout.length]
     if out is not None:
         rec.zero_()
     if layout.kind in FLOAT_KINDS:
@@ -196,7 +199,9 @@ def encode_expert(
     return rec
 
 
-def decode_record(layout: RecordLayout, buf: Any, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_record(
+    layout: RecordLayout, buf: Any, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Record bytes -> (gate_up [2I, H], down [H, I]) in `dtype`.
 
     Float stores return views into `buf` when `dtype` is the stored dtype (one contiguous copy
@@ -210,7 +215,9 @@ def decode_record(layout: RecordLayout, buf: Any, dtype: torch.dtype | None = No
         return gu.to(dtype), dn.to(dtype)
     dtype = dtype or torch.bfloat16
     bits, g = layout.bits, layout.group_size
-    gu = dequantize_groupwise(section_view(layout, buf, "gate_up_q"), section_view(layout, buf, "gate_up_s"), bits, g, dtype)
+    gu = dequantize_groupwise(
+        section_view(layout, buf, "gate_up_q"), section_view(layout, buf, "gate_up_s"), bits, g, dtype
+    )
     dn = dequantize_groupwise(section_view(layout, buf, "down_q"), section_view(layout, buf, "down_s"), bits, g, dtype)
     return gu, dn
 
@@ -237,7 +244,15 @@ class Manifest:
         self.root = root
         self.layouts = [RecordLayout.from_json(d) for d in data["layouts"]]
         self.records = [
-            RecordInfo(n, int(r["layer"]), int(r["expert"]), int(r["offset"]), int(r["length"]), r["sha256"], int(r.get("layout", 0)))
+            RecordInfo(
+                n,
+                int(r["layer"]),
+                int(r["expert"]),
+                int(r["offset"]),
+                int(r["length"]),
+                r["sha256"],
+                int(r.get("layout", 0)),
+            )
             for n, r in enumerate(data["records"])
         ]
         self._by_key = {(r.layer, r.expert): r for r in self.records}

@@ -40,11 +40,16 @@ class Residency:
         self.host = host
 
     @classmethod
-    def build(cls, policy: str, n_slots: int, n_host: int, *, decay: float = 0.995, static: Collection[int] = ()) -> "Residency":
+    def build(
+        cls, policy: str, n_slots: int, n_host: int, *, decay: float = 0.995, static: Collection[int] = ()
+    ) -> "Residency":
         """Both tiers under `policy`; the static hot set lives in slots (or host if no slots)."""
         s_static = list(static)[:n_slots]
         h_static = [k for k in static if k not in set(s_static)][:n_host]
-        return cls(make_policy(policy, n_slots, decay=decay, static=s_static), make_policy(policy, n_host, decay=decay, static=h_static))
+        return cls(
+            make_policy(policy, n_slots, decay=decay, static=s_static),
+            make_policy(policy, n_host, decay=decay, static=h_static),
+        )
 
     def tier(self, key: int) -> str:
         if key in self.slots:

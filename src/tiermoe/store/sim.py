@@ -43,7 +43,9 @@ class SimResult:
         return round(self.slot_hits + self.slot_misses)
 
 
-def sample_trace(stats: dict[int, list[float]], tokens: int, top_k: int, seed: int, smoothing: float = 0.5) -> np.ndarray:
+def sample_trace(
+    stats: dict[int, list[float]], tokens: int, top_k: int, seed: int, smoothing: float = 0.5
+) -> np.ndarray:
     """Keys int64 [tokens, layers, top_k]; key = layer_position * E + expert."""
     layers = sorted(stats)
     e = {len(stats[L]) for L in layers}
@@ -65,8 +67,9 @@ def sample_trace(stats: dict[int, list[float]], tokens: int, top_k: int, seed: i
     return out
 
 
-def _run_policy(trace: np.ndarray, policy: str, slots: int, host: int, warmup: int,
-                rates: dict[int, float] | None, static_hot: int) -> SimResult:
+def _run_policy(
+    trace: np.ndarray, policy: str, slots: int, host: int, warmup: int, rates: dict[int, float] | None, static_hot: int
+) -> SimResult:
     static = sorted(rates, key=lambda k: -rates[k])[:static_hot] if (rates and static_hot) else []
     res = Residency.build(policy, slots, host, static=static)
     if rates:
@@ -82,7 +85,9 @@ def _run_policy(trace: np.ndarray, policy: str, slots: int, host: int, warmup: i
                 counts[res.access(k, protect).served] += 1
         res.step()
     n = trace.shape[0] - warmup
-    return SimResult(policy, n, counts["slots"] / n, (counts["host"] + counts["disk"]) / n, counts["host"] / n, counts["disk"] / n)
+    return SimResult(
+        policy, n, counts["slots"] / n, (counts["host"] + counts["disk"]) / n, counts["host"] / n, counts["disk"] / n
+    )
 
 
 def _run_belady(trace: np.ndarray, slots: int, warmup: int) -> SimResult:
@@ -125,9 +130,21 @@ def _run_belady(trace: np.ndarray, slots: int, warmup: int) -> SimResult:
     return SimResult("belady", ntok, hits / ntok, per_token - hits / ntok, None, None)
 
 
-def simulate(stats_file: str | None, *, slots: int, policies: list[str], tokens: int = 2000, seed: int = 0,
-             host_experts: int = 0, top_k: int = 8, warmup: int | None = None, warm_start: bool = True,
-             static_hot: int = 0, smoothing: float = 0.5, trace_file: str | None = None) -> list[SimResult]:
+def simulate(
+    stats_file: str | None,
+    *,
+    slots: int,
+    policies: list[str],
+    tokens: int = 2000,
+    seed: int = 0,
+    host_experts: int = 0,
+    top_k: int = 8,
+    warmup: int | None = None,
+    warm_start: bool = True,
+    static_hot: int = 0,
+    smoothing: float = 0.5,
+    trace_file: str | None = None,
+) -> list[SimResult]:
     """Run each policy on one trace; per-token figures over the tokens after warm-up.
 
     The trace is sampled from the counts of `stats_file`, or read from `trace_file` (a routing
@@ -146,12 +163,16 @@ def simulate(stats_file: str | None, *, slots: int, policies: list[str], tokens:
         picks = load_trace_picks(trace_file, tokens)  # [T, L, k] expert ids
         top_k = picks.shape[2]
         if stats is None:
-            stats = {i: np.bincount(picks[:, i].reshape(-1), minlength=int(picks.max()) + 1).astype(float).tolist()
-                     for i in range(picks.shape[1])}
+            stats = {
+                i: np.bincount(picks[:, i].reshape(-1), minlength=int(picks.max()) + 1).astype(float).tolist()
+                for i in range(picks.shape[1])
+            }
         n_e = len(next(iter(stats.values())))
         if len(stats) != picks.shape[1] or picks.max() >= n_e:
-            raise UserError(f"--stats has {len(stats)} layers of {n_e} experts; the trace has {picks.shape[1]} "
-                            f"layers and expert ids up to {int(picks.max())}")
+            raise UserError(
+                f"--stats has {len(stats)} layers of {n_e} experts; the trace has {picks.shape[1]} "
+                f"layers and expert ids up to {int(picks.max())}"
+            )
         trace = picks.astype(np.int64) + (np.arange(picks.shape[1]) * n_e)[None, :, None]
     else:
         trace = sample_trace(stats, tokens, top_k, seed, smoothing)
