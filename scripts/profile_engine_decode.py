@@ -55,8 +55,7 @@ def main() -> int:
 
     def misses() -> int:
         """Device-cache misses so far (each one record over PCIe); 0 without the device cache."""
-        dc = getattr(getattr(eng.model, "expert_backend", None), "device_cache", None)
-        return dc.stats()["misses"] if dc is not None else 0
+        return int(eng.stats().get("experts", {}).get("device_cache", {}).get("misses", 0))
 
     def start(batch: int, tokens: int, tag: str) -> None:
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
@@ -129,8 +128,7 @@ def main() -> int:
             say(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
         except Exception:  # older profilers name it cuda
             say(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
-    backend = getattr(eng.model, "expert_backend", None)
-    say(str(backend.counters() if hasattr(backend, "counters") else {}))
+    say(str(eng.stats().get("experts", {})))
     (out / "profile.txt").write_text("\n".join(lines) + "\n")
     return 0
 

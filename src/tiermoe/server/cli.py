@@ -11,6 +11,7 @@ import socket
 import sys
 from pathlib import Path
 
+from tiermoe import env
 from tiermoe.engine.build import add_routing_args, add_sizing_args, add_store_args
 from tiermoe.errors import UserError
 
@@ -48,7 +49,7 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None,
                    help="name clients pass as `model` (default: MODEL's directory name)")
-    p.add_argument("--api-key", default=os.environ.get("TIERMOE_API_KEY"),
+    p.add_argument("--api-key", default=env.API_KEY.get(),
                    help="require this key (Bearer or x-api-key); default $TIERMOE_API_KEY")
     add_sizing_args(p, max_num_seqs=16)
     p.add_argument("--max-queue", type=int, default=256,
