@@ -83,3 +83,30 @@ def test_report_to_stdout_and_errors(results, tmp_path, capsys):
     assert rc == 2 and "unknown result kind" in text
     rc, text = run_bench(["report", str(tmp_path / "missing.json")], capsys)
     assert rc == 2 and "no such file" in text
+
+
+def test_report_carries_tier_counters_and_plots_them(tmp_path, capsys):
+    """A sweep taken against a server with tier counters: the decode table gets slot hits / misses /
+    CPU-lane experts per token beside each rate, the plot gains the tier panel and, with a floor
+    result, the C1-over-floor panel (the figure is wider for it)."""
+    from PIL import Image
+
+    from .scripted_server import Behaviour, serve
+
+    with serve(Behaviour(tier_rates=(30, 6))) as url:
+        sweep = asyncio.run(run_sweep(SweepConfig(url=url, prefill_sizes=[32], reps=1, concurrency=[1, 2],
+                                                  max_tokens=6, long_prompt_tokens=0)))
+    paths = [str(tmp_path / "sweep.json"), str(tmp_path / "floor.json")]
+    write_json(sweep, paths[0])
+    write_json(envelope("floor", **decode_floor(13.4e6, 8, 42, fractions={"gpu": 0.385, "ram": 0.615})), paths[1])
+    md = tmp_path / "r.md"
+    rc, text = run_bench(["report", paths[0], "--out", str(md), "--plots-dir", str(tmp_path / "p")], capsys)
+    assert rc == 0, text
+    body = md.read_text()
+    assert "slot hits / token" in body and "| 30.0 | 6.0 | 0.0 |" in body
+    with Image.open(tmp_path / "p" / "sweep.png") as im:
+        narrow = im.size[0]
+    rc, text = run_bench(["report", *paths, "--out", str(md), "--plots-dir", str(tmp_path / "q")], capsys)
+    assert rc == 0, text
+    with Image.open(tmp_path / "q" / "sweep.png") as im:
+        assert im.size[0] > narrow  # the floor panel joined the tier panel

@@ -57,18 +57,24 @@ def _sweep_md(r: dict, floor: dict | None) -> list[str]:
         return _f(fraction_of_floor(rate, floor) * 100, 0) + " %"
 
     rows = []
+    tiers = any(d.get("tiers_per_token") for d in r.get("decode", []))
     for d in r.get("decode", []):
         row = [f"C{d['concurrency']}", _f(d["aggregate_tok_s"]), _f(d["per_stream_tok_s"])]
         if floor:
             row.append(share(d["per_stream_tok_s"], d["concurrency"]))
+        if tiers:
+            t = d.get("tiers_per_token") or {}
+            row += [_f(t.get("slot_hits")), _f(t.get("slot_misses")), _f(t.get("lane_experts"))]
         rows.append(row)
     lc = r.get("long_prompt_c1")
     if lc:
         row = [f"C1 after {_f(lc.get('prompt_tokens'), 0)}-token prompt", "-", _f(lc.get("per_stream_tok_s"))]
         if floor:
             row.append(share(lc.get("per_stream_tok_s"), 1))
-        rows.append(row)
+        rows.append(row + (["-", "-", "-"] if tiers else []))
     header = ["decode", "aggregate tok/s", "per-stream tok/s"] + (["C1 / floor"] if floor else [])
+    if tiers:  # how the tiers served the decode tokens: a rate means little without it
+        header += ["slot hits / token", "slot misses / token", "CPU-lane experts / token"]
     return lines + _table(header, rows) + [""]
 
 
@@ -157,26 +163,53 @@ def _sweep_compare_md(sweeps: list[tuple[str, dict]]) -> list[str]:
     return ["### Sweep comparison (tok/s)", ""] + _table(header, rows) + [""]
 
 
-def _plot_sweep(r: dict, path: Path) -> None:
+def _plot_sweep(r: dict, path: Path, floor: dict | None = None) -> None:
+    """Prefill and decode tok/s; where the sweep recorded them, slot hits / misses / CPU-lane experts
+    per decode token by concurrency; with a floor result, C1 as a fraction of the floor."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    dec = r.get("decode", [])
+    tiers = [d.get("tiers_per_token") for d in dec]
+    c1 = next((d["per_stream_tok_s"] for d in dec if d["concurrency"] == 1 and d["per_stream_tok_s"]), None)
+    panels = 2 + any(tiers) + bool(floor and c1)
+    fig, axes = plt.subplots(1, panels, figsize=(4.5 * panels, 3.4))
+    a, b = axes[0], axes[1]
     pre = r.get("prefill", [])
     a.bar([str(p["target_tokens"]) for p in pre], [p["median_tok_s"] or 0 for p in pre], color="#4c72b0")
     a.set_title("prefill (median)")
     a.set_xlabel("prompt tokens")
     a.set_ylabel("tok/s")
-    dec = r.get("decode", [])
-    xs = range(len(dec))
+    xs = list(range(len(dec)))
+    labels = [f"C{d['concurrency']}" for d in dec]
     b.bar([x - 0.2 for x in xs], [d["aggregate_tok_s"] or 0 for d in dec], 0.4, label="aggregate")
     b.bar([x + 0.2 for x in xs], [d["per_stream_tok_s"] or 0 for d in dec], 0.4, label="per stream")
-    b.set_xticks(list(xs), [f"C{d['concurrency']}" for d in dec])
+    b.set_xticks(xs, labels)
     b.set_title("decode")
     b.set_ylabel("tok/s")
     b.legend(fontsize=8)
+    nxt = 2
+    if any(tiers):
+        c = axes[nxt]
+        nxt += 1
+        bottom = [0.0] * len(dec)
+        for key, name in (("slot_hits", "slot hits"), ("slot_misses", "slot misses"), ("lane_experts", "CPU lane")):
+            vals = [(t or {}).get(key) or 0.0 for t in tiers]
+            c.bar(xs, vals, 0.6, bottom=bottom, label=name)
+            bottom = [u + v for u, v in zip(bottom, vals)]
+        c.set_xticks(xs, labels)
+        c.set_title("expert picks per decode token")
+        c.legend(fontsize=8)
+    if floor and c1:
+        d = axes[nxt]
+        share = fraction_of_floor(c1, floor)
+        d.bar(["C1"], [share * 100], color="#55a868")
+        d.axhline(100, color="grey", linestyle="--")
+        d.set_ylim(0, max(110, share * 110))
+        d.set_title("C1 per-stream / floor")
+        d.set_ylabel("%")
     fig.suptitle(f"{r.get('model')} ({str(r.get('created', ''))[:10]})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -232,7 +265,7 @@ def render(
         if kind == "sweep":
             md += _sweep_md(r, floor)
             if pdir:
-                _plot_sweep(r, pdir / f"{stem}.png")
+                _plot_sweep(r, pdir / f"{stem}.png", floor)
                 md += [f"![sweep {stem}]({os.path.relpath(pdir / f'{stem}.png', base)})", ""]
         elif kind == "stream-rate":
             md += _stream_md(r)
