@@ -22,12 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "tiermoe"
 # Edges that still close a cycle because the code on one side belongs to work in progress
 # elsewhere: (importing unit, imported unit) -> why the edge is tolerated. An entry whose
 # imports are gone fails test_allowed_edges_are_still_needed, so this list only shrinks.
-ALLOWED_EDGES: dict[tuple[str, str], str] = {
-    # store/planner.py's decode_floor_s uses bench/floor.py's model when it is importable (a lazy,
-    # optional import with the same arithmetic as fallback), while bench/ imports the store. The
-    # split of benchmark code out of the product (issue 19) decides which side keeps the model.
-    ("store", "bench"): "bench/floor.py's decode floor model, optional in store/planner.py",
-}
+ALLOWED_EDGES: dict[tuple[str, str], str] = {}
 
 Graph = dict[str, dict[str, list[str]]]  # importing unit -> imported unit -> ["file.py:line", ...]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiermoe.bench.floor import Bandwidths, decode_floor, fraction_of_floor, parse_bytes, parse_tier_map
+from tiermoe.store.floor import Bandwidths, decode_floor, fraction_of_floor, parse_bytes, parse_tier_map
 from tiermoe.errors import UserError
 
 from .conftest import load, run_bench

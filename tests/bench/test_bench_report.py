@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tiermoe.bench.floor import decode_floor
+from tiermoe.store.floor import decode_floor
 from tiermoe.bench.gates import GatesConfig, run_gates
 from tiermoe.bench.panel import PanelMakeConfig, make_panel
 from tiermoe.bench.panel_score import PanelScoreConfig, score_panel

@@ -299,7 +299,7 @@ def _run_panel_score(args) -> int:
 
 # ---------------------------------------------------------------- floor
 def _add_floor(sub) -> None:
-    from tiermoe.bench.floor import Bandwidths
+    from tiermoe.store.floor import Bandwidths
 
     d = Bandwidths()
     p = sub.add_parser("floor", help="decode ms/token floor of a tier plan from bandwidths")
@@ -324,7 +324,7 @@ def _add_floor(sub) -> None:
 
 
 def _run_floor(args) -> int:
-    from tiermoe.bench.floor import Bandwidths, decode_floor, parse_bytes, parse_tier_map, table_lines
+    from tiermoe.store.floor import Bandwidths, decode_floor, parse_bytes, parse_tier_map, table_lines
     from tiermoe.bench.results import envelope, write_json
 
     floor = decode_floor(

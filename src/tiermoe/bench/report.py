@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tiermoe.bench.floor import fraction_of_floor
+from tiermoe.store.floor import fraction_of_floor
 from tiermoe.bench.results import kind_of, read_json
 from tiermoe.errors import UserError
 

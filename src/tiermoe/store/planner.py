@@ -248,8 +248,8 @@ def decode_floor_s(record_bytes: int, hits: Mapping[str, float], device: str, *,
                    moe_layers: int = 1, bandwidth: Mapping[str, float] | None = None) -> dict[str, float]:
     """Seconds per token per lane and their max ("floor"): lanes overlap, the slowest bounds.
 
-    Uses the project's floor model (tiermoe.bench.floor.decode_floor) when it is importable;
-    the local model below is the same arithmetic for builds without the bench subsystem.
+    Uses the project's floor model (store/floor.py, also behind `tiermoe bench floor`) unless
+    explicit bandwidths are given, which the local arithmetic below applies.
     On a GPU, slot hits read HBM and host hits cross PCIe; on a CPU device both are computed
     from RAM by the CPU. Disk reads are bounded by the disk.
     """
@@ -258,16 +258,13 @@ def decode_floor_s(record_bytes: int, hits: Mapping[str, float], device: str, *,
                  else {"cpu": hits.get("slots", 0.0) + hits.get("host", 0.0)})
     tier_hits["disk"] = hits.get("disk", 0.0)
     if bandwidth is None:
-        try:
-            from tiermoe.bench.floor import decode_floor  # optional: owned by the bench subsystem
-        except ImportError:
-            decode_floor = None
-        if decode_floor is not None:
-            res = decode_floor(record_bytes, max(1, top_k), max(1, moe_layers), hits=tier_hits)
-            keep = ("hbm", "pcie", "disk", "host") if cuda else ("cpu", "disk", "host")  # no PCIe without a GPU
-            lanes = {k: v["ms"] / 1e3 for k, v in res["lanes"].items() if v["bytes_per_token"] > 0 and k in keep}
-            lanes["floor"] = max(lanes.values(), default=0.0)
-            return lanes
+        from tiermoe.store.floor import decode_floor
+
+        res = decode_floor(record_bytes, max(1, top_k), max(1, moe_layers), hits=tier_hits)
+        keep = ("hbm", "pcie", "disk", "host") if cuda else ("cpu", "disk", "host")  # no PCIe without a GPU
+        lanes = {k: v["ms"] / 1e3 for k, v in res["lanes"].items() if v["bytes_per_token"] > 0 and k in keep}
+        lanes["floor"] = max(lanes.values(), default=0.0)
+        return lanes
     bw = {**DEFAULT_BANDWIDTH, **(bandwidth or {})}
     if cuda:
         lanes = {
