@@ -180,26 +180,8 @@ def test_sweep_records_tier_counters_per_decode_token(tmp_path, capsys):
     """Each decode row carries the slot hits and misses per decode token read from /stats around it."""
     out = tmp_path / "s.json"
     with serve(Behaviour(tier_rates=(30, 6))) as url:
-        rc, text = run_bench(
-            [
-                "sweep",
-                "--url",
-                url,
-                "--prefill-sizes",
-                "32",
-                "--reps",
-                "1",
-                "--concurrency",
-                "1,2",
-                "--max-tokens",
-                "8",
-                "--long-prompt",
-                "0",
-                "--out",
-                str(out),
-            ],
-            capsys,
-        )
+        argv = f"sweep --url {url} --prefill-sizes 32 --reps 1 --concurrency 1,2 --max-tokens 8 --long-prompt 0"
+        rc, text = run_bench([*argv.split(), "--out", str(out)], capsys)
     assert rc == 0, text
     for row in load(out)["decode"]:
         tiers = row["tiers_per_token"]
@@ -210,26 +192,8 @@ def test_sweep_records_tier_counters_per_decode_token(tmp_path, capsys):
 
 def test_sweep_without_stats_has_no_tier_counters(right_url, tmp_path, capsys):
     out = tmp_path / "s.json"
-    rc, text = run_bench(
-        [
-            "sweep",
-            "--url",
-            right_url,
-            "--prefill-sizes",
-            "32",
-            "--reps",
-            "1",
-            "--concurrency",
-            "1",
-            "--max-tokens",
-            "4",
-            "--long-prompt",
-            "0",
-            "--out",
-            str(out),
-        ],
-        capsys,
-    )
+    argv = f"sweep --url {right_url} --prefill-sizes 32 --reps 1 --concurrency 1 --max-tokens 4 --long-prompt 0"
+    rc, text = run_bench([*argv.split(), "--out", str(out)], capsys)
     assert rc == 0, text
     assert load(out)["decode"][0]["tiers_per_token"] is None and "slot hits" not in text
 
