@@ -128,29 +128,9 @@ def combine_experts(
     return out
 
 
-class ResidentExperts(ExpertBackend):
-    """Every expert of every MoE layer held in memory as stacked tensors (the oracle)."""
-
-    def __init__(self, swiglu_limit: float | None = None):
-        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> ([E,2I,H], [E,H,I])
-        self.swiglu_limit = swiglu_limit
-
-    def add_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-        self.layers[layer] = (gate_up, down)
-
-    def weights(self, layer: int, expert_ids: list[int]) -> dict[int, ExpertWeights]:
-        gate_up, down = self.layers[layer]
-        return {e: (gate_up[e], down[e]) for e in expert_ids}
-
-    def forward(self, layer, x, topk_ids, topk_weights):
-        return combine_experts(x, topk_ids, topk_weights, lambda ids: self.weights(layer, ids), self.swiglu_limit)
-
-    # The oracle has no state between steps and syncs with the host in every layer.
-    def attach(self, moe_layers: Sequence) -> None:
-        pass
-
-    def begin_step(self, tokens: int, decode: bool) -> None:
-        pass
+class HostSyncedBackend(ExpertBackend):
+    """Backends whose layers sync with the host in every step: nothing to capture in a CUDA graph
+    and no cache decisions to save around the warm-up (the device cache overrides these)."""
 
     def end_step(self) -> None:
         pass
@@ -174,6 +154,31 @@ class ResidentExperts(ExpertBackend):
         return None
 
     def restore_decisions(self, saved: object | None) -> None:
+        pass
+
+
+class ResidentExperts(HostSyncedBackend):
+    """Every expert of every MoE layer held in memory as stacked tensors (the oracle)."""
+
+    def __init__(self, swiglu_limit: float | None = None):
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> ([E,2I,H], [E,H,I])
+        self.swiglu_limit = swiglu_limit
+
+    def add_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        self.layers[layer] = (gate_up, down)
+
+    def weights(self, layer: int, expert_ids: list[int]) -> dict[int, ExpertWeights]:
+        gate_up, down = self.layers[layer]
+        return {e: (gate_up[e], down[e]) for e in expert_ids}
+
+    def forward(self, layer, x, topk_ids, topk_weights):
+        return combine_experts(x, topk_ids, topk_weights, lambda ids: self.weights(layer, ids), self.swiglu_limit)
+
+    # The oracle has no state between steps and syncs with the host in every layer.
+    def attach(self, moe_layers: Sequence) -> None:
+        pass
+
+    def begin_step(self, tokens: int, decode: bool) -> None:
         pass
 
     def counters(self) -> dict | None:

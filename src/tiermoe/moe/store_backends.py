@@ -28,14 +28,14 @@ SwiGLU activation to bf16 once and sums the top-k in pick order.
 from __future__ import annotations
 
 import abc
-from typing import Collection, Hashable, Sequence
+from typing import Collection, Sequence
 
 import torch
 
-from tiermoe.moe.experts import NOT_CAPTURABLE, ExpertBackend, combine_experts
+from tiermoe.moe.experts import HostSyncedBackend, combine_experts
 
 
-class StoreBackend(ExpertBackend):
+class StoreBackend(HostSyncedBackend):
     """An ExpertBackend whose experts live in an ExpertStore (which it owns and closes)."""
 
     kernel = "torch"  # what /stats shows as experts.expert_kernel
@@ -63,30 +63,6 @@ class StoreBackend(ExpertBackend):
     def begin_step(self, tokens: int, decode: bool) -> None:
         self.store.begin_step(tokens=tokens, decode=decode)
         self.decoding = decode
-
-    def end_step(self) -> None:
-        pass
-
-    def graph_unsupported(self) -> str | None:
-        return NOT_CAPTURABLE  # the store's policy reads every layer's picks back to the host
-
-    def graph_safe(self) -> bool:
-        return False
-
-    def graph_key(self) -> Hashable:
-        return None
-
-    def graph_recorded(self, key: Hashable) -> None:
-        pass
-
-    def graph_replayed(self, key: Hashable) -> None:
-        pass
-
-    def save_decisions(self) -> object | None:
-        return None
-
-    def restore_decisions(self, saved: object | None) -> None:
-        pass
 
     def counters(self) -> dict | None:
         c = self.store.counters()
