@@ -306,17 +306,13 @@ def make_stepper(torch, stack, ids, w, h0, gpu: bool):
     return step_eager
 
 
-def _timed(torch, gpu: bool, fn) -> float:
+def _timed(gpu: bool, fn) -> float:
     """Seconds for fn(), with device events on GPU."""
     if not gpu:
         return wall(fn)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    a.record()
-    fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / 1e3
+    from benchmarks.probe import timed
+
+    return timed(fn)
 
 
 def decode_bench(torch, stack, pop, t, warmup, steps, k, gen, gpu) -> dict:
@@ -326,7 +322,7 @@ def decode_bench(torch, stack, pop, t, warmup, steps, k, gen, gpu) -> dict:
     for i in range(warmup):
         step(i)
     s0 = stack.stats().clone()
-    sec = _timed(torch, gpu, lambda: [step(i) for i in range(warmup, warmup + steps)])
+    sec = _timed(gpu, lambda: [step(i) for i in range(warmup, warmup + steps)])
     d = (stack.stats() - s0).sum(0).tolist()  # lookups, hits, misses, admitted over all layers
     n_l = len(stack.caches)
     prof = _profile(stack, ids[warmup], w[warmup], h0) if gpu and t == 1 else None
@@ -373,7 +369,7 @@ def exactness(torch, new_stack, pop, args, lay, k, gen, gpu, batches, pools, sha
                 if t == 1:
                     timing["kernels_us_per_step"] = _profile(stack, ids[0], w[0], h0)
                 s0 = stack.stats().clone()
-                sec = _timed(torch, gpu, lambda: [step(i % args.exact_steps) for i in range(20)])
+                sec = _timed(gpu, lambda: [step(i % args.exact_steps) for i in range(20)])
                 d = (stack.stats() - s0).sum(0).tolist()
                 timing.update({"per_layer_ms_all_resident": 1e3 * sec / 20 / n_l, "unique_per_layer": d[0] / 20 / n_l})
             del stack, step
@@ -403,7 +399,7 @@ def prefill_bench(torch, stack, pop, args, k, gen, gpu, lay, pools, shared, top,
     ids, w = sample_routing(torch, pop, n, k, gen)
     h0 = torch.randn(n, lay.hidden, device=pop.device, generator=gen).to(torch.bfloat16)
     stack.prefill(h0, ids, w)  # warm-up: compiles the prefill configs
-    times = [_timed(torch, gpu, lambda: stack.prefill(h0, ids, w)) for _ in range(max(1, args.prefill_reps))]
+    times = [_timed(gpu, lambda: stack.prefill(h0, ids, w)) for _ in range(max(1, args.prefill_reps))]
     used = torch.zeros(pop.shape[0], pop.shape[1], dtype=torch.bool, device=pop.device)  # [L, E]
     used.scatter_(1, ids.reshape(pop.shape[0], -1).long(), True)
     resident = torch.stack([c.expert_slot >= 0 for c in stack.caches])  # [L, E]
@@ -415,7 +411,7 @@ def prefill_bench(torch, stack, pop, args, k, gen, gpu, lay, pools, shared, top,
         base = NaiveExperts(lay, pools, shared, [t_[:slots] for t_ in top], k, pop.device)
         for name, compute in (("baseline", "torch"), ("baseline_copy_triton", "triton")):
             base.compute = compute
-            sec = _timed(torch, gpu, lambda: base.forward(h0, ids, w))
+            sec = _timed(gpu, lambda: base.forward(h0, ids, w))
             out[name] = {"chunk_ms": 1e3 * sec, "tok_s": n / sec}
     return out
 
@@ -432,7 +428,7 @@ def baseline_decode(torch, base, pop, t, steps, k, gen, gpu, compute) -> dict:
     for i in range(2):
         step(i)
     c0 = base.copied
-    sec = _timed(torch, gpu, lambda: [step(i) for i in range(2, 2 + steps)])
+    sec = _timed(gpu, lambda: [step(i) for i in range(2, 2 + steps)])
     return {"compute": compute, "steps": steps, "step_ms": 1e3 * sec / steps, "per_token_ms": 1e3 * sec / steps / t,
             "tok_s": steps * t / sec, "copied_per_step": (base.copied - c0) / steps}
 
