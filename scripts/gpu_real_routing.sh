@@ -34,6 +34,7 @@ PREFILL=${PREFILL:-4k}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-8192}
 SERVE_ARGS=${SERVE_ARGS:-}           # more serve flags, e.g. "--device cpu --no-direct-io" for a CPU dry run
 GLM_ARGS=${GLM_ARGS:---device cuda}  # synth_glm_store.py flags, e.g. "--tiny --device cpu" for a CPU dry run
+QWEN_ARGS=${QWEN_ARGS:---layers 24 --device cuda}  # make-qwen3moe flags (a CPU dry run: a small shape on cpu)
 site=/tmp/tiermoe-site
 export PYTHONPATH=$ROOT/src:$site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 log() { echo "[rr $(date -u +%H:%M:%S)] $*"; }
@@ -121,7 +122,7 @@ serve_matrix() {  # NAME STORE STATS EXTRA_FLAGS...
 
 step_qwen() {
   rm -rf "$WORK/glm"  # the disk holds one store at a time
-  [ -f "$WORK/qwen/store/manifest.json" ] || "$PY" -m tiermoe.cli bench make-qwen3moe "$WORK/qwen" --layers 24 \
+  [ -f "$WORK/qwen/store/manifest.json" ] || "$PY" -m tiermoe.cli bench make-qwen3moe "$WORK/qwen" $QWEN_ARGS \
     --formats store --force > "$WORK/qwen-build.log" 2>&1 \
       || { log "qwen store failed: $(tail -3 "$WORK/qwen-build.log")"; return 1; }
   log "qwen store: $(tail -1 "$WORK/qwen-build.log")"
