@@ -15,6 +15,8 @@
 #              sweep, then `tiermoe bench sweep` (prefill 4k, decode C1 and C4) with /stats before/after
 #   qwen       the Qwen3-235B-shaped side-by-side store of results section 13 (24 layers), after the GLM
 #              store is removed (the disk holds one at a time); serve-qwen as serve-glm
+# `start` runs from a copy of the tree in $WORK/tree: each later call re-sends the working tree to the
+# machine, and a server or sweep started while that copy is written found modules missing.
 # Everything lands in $WORK (default $HOME/real-routing); `wait` packs it into $OUT/real-routing.tgz.
 # Carry .whl (the wheels of scripts/sbs/wheels.txt: the GPU image lacks the server's packages).
 # Dry run on a CPU machine first (a minute; catches flag and sizing mistakes at no device cost):
@@ -136,7 +138,7 @@ run_all() {
       2>&1
   local versions
   versions=$("$PY" -c 'import torch, triton; print(torch.__version__, triton.__version__)')
-  log "commit $(git rev-parse --short HEAD 2>/dev/null || echo "${COMMIT:-unknown}"), $versions"
+  log "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}, $versions"
   want pcie && step_pcie
   local tests_pid=""
   if want tests; then  # beside the store build (its timings are not figures; the build is disk-bound)
@@ -153,16 +155,18 @@ run_all() {
 
 case "${1:-run}" in
   run) run_all ;;
-  start)
-    mkdir -p "$WORK"
-    setsid nohup bash "$0" run > "$WORK/run.log" 2>&1 < /dev/null &
-    log "started: $WORK/run.log" ;;
+  start)  # from a copy of the tree: the next call's re-sent tree must not pull modules from under a server
+    mkdir -p "$WORK/tree"
+    tar cf - --exclude=./.git --exclude=./.venv . | tar xf - -C "$WORK/tree"
+    setsid nohup bash "$WORK/tree/scripts/gpu_real_routing.sh" run > "$WORK/run.log" 2>&1 < /dev/null &
+    log "started from a copy of the tree in $WORK/tree: $WORK/run.log" ;;
   wait)
     end=$(( $(date +%s) + ${2:-500} ))
     while [ "$(date +%s)" -lt "$end" ] && ! grep -q "\] done$" "$WORK/run.log" 2>/dev/null; do sleep 5; done
     cat "$WORK/run.log"
     if [ -n "${OUT:-}" ]; then
-      tar czf "$OUT/real-routing.tgz" -C "$(dirname "$WORK")" --exclude=glm --exclude=qwen "$(basename "$WORK")"
+      tar czf "$OUT/real-routing.tgz" -C "$(dirname "$WORK")" --exclude=glm --exclude=qwen --exclude=tree \
+        "$(basename "$WORK")"
     fi ;;
   *) echo "usage: $0 start|wait SECS|run" >&2; exit 2 ;;
 esac
