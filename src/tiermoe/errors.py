@@ -12,5 +12,13 @@ class UserError(Exception):
     exit_code = 2
 
 
-class StoreIntegrityError(UserError):
+class StoreError(UserError):
+    """The expert store failed a check while serving (a record's checksum, an I/O error).
+
+    A server marks itself unhealthy on one (/health answers 503 naming it) and answers the
+    request that hit it with a 503, not a 500: the fault is in the files, not in the request.
+    """
+
+
+class StoreIntegrityError(StoreError):
     """Stored expert bytes do not match their recorded checksum."""

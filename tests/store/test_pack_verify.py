@@ -128,8 +128,10 @@ def test_resume_after_interruption(tmp_path, monkeypatch):
     res = pack(tmp_path / "src", tmp_path / "st", **QUIET)
     assert res.written == 0 and res.rewritten == 1
     assert (tmp_path / "st" / "experts.bin").read_bytes() == (tmp_path / "fresh" / "experts.bin").read_bytes()
-    # other options invalidate the journal: everything is written again
-    assert pack(tmp_path / "src", tmp_path / "st", quant="int8", group_size=16, **QUIET).written == 16
+    # other options: the directory holds another pack, which pack refuses to overwrite
+    with pytest.raises(UserError, match="another source or other settings"):
+        pack(tmp_path / "src", tmp_path / "st", quant="int8", group_size=16, **QUIET)
+    assert (tmp_path / "st" / "experts.bin").read_bytes() == (tmp_path / "fresh" / "experts.bin").read_bytes()
 
 
 def _flip(store, record, at=10):

@@ -20,8 +20,10 @@ for each token (see router_fit.py); with an all-zero router the choice would be 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # plan_experts stays torch-free: `tiermoe pack` checks shapes before importing torch
+    import torch
 
 from tiermoe.errors import UserError
 
@@ -112,6 +114,8 @@ def split_mlp(
 
 def zero_router(prefix: str, hidden_size: int, plan: ExpertPlan) -> dict[str, torch.Tensor]:
     """Router tensors (fp32, as transformers keeps them) that weight every expert equally."""
+    import torch
+
     return {
         f"{prefix}.gate.weight": torch.zeros(plan.routed, hidden_size, dtype=torch.float32),  # [E, H]
         f"{prefix}.gate.e_score_correction_bias": torch.zeros(plan.routed, dtype=torch.float32),  # [E]

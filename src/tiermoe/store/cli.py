@@ -10,53 +10,92 @@ from tiermoe.errors import UserError
 
 
 def _pack(args: argparse.Namespace) -> int:
+    _pack_prechecks(args)
     if str(args.src).endswith(".gguf"):
         return _pack_gguf(args)
+    return _pack_checkpoint(args)
+
+
+def _pack_prechecks(args: argparse.Namespace) -> None:
+    """What can be refused in a second, before torch is imported or a GGUF file converted: a
+    --group-size that does not divide the shapes (from config.json or the GGUF header), an OUT
+    that holds other files, an OUT whose store a running process is reading."""
+    from tiermoe.store.lock import LOCK_NAME, StoreLock
+    from tiermoe.store.pack_checks import INT_QUANTS, check_target, choose_group_size, source_shapes
+
+    if args.shard_size_gb is not None and not args.shard_size_gb > 0:
+        raise UserError("--shard-size-gb must be > 0")
+    if args.quant in INT_QUANTS and args.group_size is not None:
+        shapes = source_shapes(args.src)
+        if shapes is not None:
+            choose_group_size(*shapes, args.group_size)
+    elif args.group_size is not None:
+        print(f"note: --group-size applies to int8/int4 only; {args.quant} ignores it", file=sys.stderr)
+        args.group_size = None
+    check_target(args.out)
+    if (Path(args.out) / LOCK_NAME).is_file():
+        StoreLock.exclusive(args.out).release()
+
+
+def _pack_checkpoint(args: argparse.Namespace, source: str | None = None) -> int:
     from tiermoe.store.pack import pack
 
     res = pack(args.src, args.out, quant=args.quant, group_size=args.group_size,
                shard_bytes=int(args.shard_size_gb * 1e9), direct_io=not args.no_direct_io, progress=not args.quiet,
-               log=lambda s: print(s, file=sys.stderr))
+               log=lambda s: print(s, file=sys.stderr), source=source)
     for note in res.notes:
         print(f"note: {note}", file=sys.stderr)
     resumed = res.records - res.written
-    print(f"packed {res.records} expert records into {res.out} ({args.quant}); "
+    kind = args.quant if res.group_size is None else f"{args.quant}, group size {res.group_size}"
+    print(f"packed {res.records} expert records into {res.out} ({kind}); "
           f"{res.written} written, {resumed} resumed, all read back and checksummed")
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from tiermoe.store.verify import verify_store
+    from tiermoe.store.verify import open_manifest, verify_dense, verify_store
 
     def on_bad(rec, got) -> None:
         print(f"BAD layer {rec.layer} expert {rec.expert} offset {rec.offset} length {rec.length}: "
               f"sha256 {got[:16]}... expected {rec.sha256[:16]}...")
 
+    if args.threads < 1:
+        raise UserError("--threads must be at least 1")
+    m = open_manifest(args.store)
+    shards, bad_shards = verify_dense(m, on_bad=lambda name, why: print(f"BAD dense shard {name}: {why}"))
     n, bad = verify_store(args.store, direct_io=not args.no_direct_io, threads=args.threads,
                           progress=not args.quiet, on_bad=on_bad)
-    if bad:
-        print(f"{len(bad)} of {n} records are corrupt in {args.store}", file=sys.stderr)
+    if bad or bad_shards:
+        print(f"{args.store}: {len(bad)} of {n} expert records and {len(bad_shards)} of {shards} dense shards are "
+              "missing or corrupt", file=sys.stderr)
         return 1
-    print(f"ok: {n} records verified")
+    print(f"ok: {n} records and {shards} dense shard{'s' if shards != 1 else ''} verified")
     return 0
 
 
-def _plan_manifest(model: str, quant: str, group_size: int):
+def _plan_manifest(model: str, quant: str, group_size: int | None):
     """A store's manifest, or a manifest-shaped description of an unpacked checkpoint."""
+    from tiermoe.store.pack_checks import INT_QUANTS, choose_group_size, incomplete_store
     from tiermoe.store.records import FORMAT_VERSION, MANIFEST_NAME, Manifest, RecordLayout, load_manifest
 
     root = Path(model)
     if (root / MANIFEST_NAME).is_file():
         return load_manifest(root)
+    problem = incomplete_store(root)
+    if problem:
+        raise UserError(problem)
     if not (root / "config.json").is_file():
         raise UserError(f"{root}: neither a packed store (manifest.json) nor a checkpoint (config.json)")
     from tiermoe.store.catalog import Checkpoint
 
     ck = Checkpoint(root)  # headers only
+    if quant in INT_QUANTS:
+        group_size = choose_group_size(ck.hidden, ck.intermediate, group_size)
     layout = RecordLayout.build(quant, ck.hidden, ck.intermediate, group_size)
     keys = ck.expert_keys()
     data = {
         "format_version": FORMAT_VERSION, "model_config": ck.config, "dtype": "bfloat16",
+        "dense_bytes": ck.dense_nbytes(),
         "moe_layers": ck.layers, "experts_per_layer": {str(k): v for k, v in ck.experts_per_layer.items()},
         "layouts": [layout.to_json()],
         "records": [{"layer": L, "expert": e, "offset": i * layout.length, "length": layout.length, "sha256": ""}
@@ -71,9 +110,11 @@ def _plan(args: argparse.Namespace) -> int:
     from tiermoe.store.planner import build_plan
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        raise UserError("--cpu-threads must be at least 1")
     m = _plan_manifest(args.model, args.quant, args.group_size)
     plan = build_plan(m, device=device, gpu_expert_gb=args.gpu_expert_gb, host_expert_gb=args.host_expert_gb,
-                      stats_file=args.stats)
+                      stats_file=args.stats, cpu_threads=args.cpu_threads)
     print(plan.table())
     return 0
 
@@ -102,69 +143,106 @@ def _pack_gguf(args: argparse.Namespace) -> int:
 
     from tiermoe.importers import gguf_to_hf
 
+    from tiermoe.importers import CONVERTER_VERSION
+
     src = Path(args.src)
     if not src.is_file():
         raise UserError(f"{src}: no such file")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".gguf-import-", dir=out.parent))
+    # the import is redone on every run: the GGUF file, not the temporary copy, is the source
+    # a resumed pack must share with the first run
+    stat = src.stat()
+    source = f"gguf {src.resolve()} {stat.st_size} {int(stat.st_mtime)} converter {CONVERTER_VERSION}"
     try:
         print(f"importing {src} ...", file=sys.stderr)
         gguf_to_hf(src, tmp / "hf")
         args.src = str(tmp / "hf")
-        return _pack(args)
+        return _pack_checkpoint(args, source)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("pack", help="pack a Hugging Face MoE checkpoint into an expert store")
+    from tiermoe.store.formats import STATS_FORMAT
+
+    p = subparsers.add_parser(
+        "pack", help="pack a Hugging Face MoE checkpoint (or a GGUF file) into an expert store",
+        description="Pack SRC into an expert store at OUT: every routed expert becomes one aligned record of "
+                    "experts.bin (read back and checksummed before pack reports success), the other weights go "
+                    "to safetensors shards, manifest.json is written last. OUT must be new, empty, or an "
+                    "interrupted pack of the same SRC and settings (which is resumed); while a server or any "
+                    "other process uses the store in OUT, pack refuses to write there.")
     p.add_argument("src", help="checkpoint directory (config.json + *.safetensors) or a .gguf file")
-    p.add_argument("out", help="output store directory")
-    p.add_argument("--quant", choices=QUANT_CHOICES, default="bf16", help="routed-expert storage format (default bf16)")
-    p.add_argument("--group-size", type=int, default=128, help="int8/int4 group size along the input dim (default 128)")
-    p.add_argument("--shard-size-gb", type=float, default=2.0, help="size of non-expert safetensors shards (default 2)")
-    p.add_argument("--no-direct-io", action="store_true", help="buffered writes/reads instead of O_DIRECT")
+    p.add_argument("out", help="output store directory (new, empty, or an unfinished pack to resume)")
+    p.add_argument("--quant", choices=QUANT_CHOICES, default="bf16", help="routed-expert storage format")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="int8/int4: input columns sharing one scale; it must divide the hidden size and the "
+                        "experts' intermediate size (default: the largest of 128, 64, 32, 16 that does)")
+    p.add_argument("--shard-size-gb", type=float, default=2.0, help="size of the non-expert safetensors shards, GB")
+    p.add_argument("--no-direct-io", action="store_true",
+                   help="buffered writes and reads instead of O_DIRECT (filesystems without it, e.g. tmpfs)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(handler=_pack)
 
-    p = subparsers.add_parser("verify", help="re-read every expert record of a store and check its sha256")
+    p = subparsers.add_parser(
+        "verify", help="check a store: its manifest, every expert record's sha256 and every dense shard",
+        description="Check the store at STORE against its manifest.json: the manifest itself (present, records "
+                    "complete and aligned), every expert record of experts.bin (re-read and compared with its "
+                    "sha256) and every dense safetensors shard (present, holding its tensors, matching its "
+                    "sha256). Exit 0: all good; 1: something is missing or corrupt (listed as BAD lines); "
+                    "2: not a store.")
     p.add_argument("store", help="store directory written by `tiermoe pack`")
     p.add_argument("--no-direct-io", action="store_true", help="buffered reads (page cache dropped after each)")
-    p.add_argument("--threads", type=int, default=8, help="reader threads (default 8)")
+    p.add_argument("--threads", type=int, default=8, help="reader threads")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(handler=_verify)
 
-    p = subparsers.add_parser("plan", help="print the expert tier plan for this machine (loads no weights)")
+    p = subparsers.add_parser(
+        "plan", help="print the expert tier plan for this machine (loads no weights)",
+        description="Print where the routed experts of MODEL would live on this machine (GPU slots, host RAM, "
+                    "disk), the expert picks per token each tier serves, and an upper bound on decode speed "
+                    "from the weight reads alone (dense weights plus the slowest expert lane). Reads only the "
+                    "manifest (or a checkpoint's headers) and free memory.")
     p.add_argument("model", help="packed store, or a checkpoint directory (planned as if packed with --quant)")
-    p.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
-    p.add_argument("--gpu-expert-gb", type=float, default=None, help="GiB of device memory for expert slots")
-    p.add_argument("--host-expert-gb", type=float, default=None, help="GiB of host RAM for experts")
-    p.add_argument("--stats", default=None, help="routing statistics JSON (layers.<L> -> per-expert counts)")
+    p.add_argument("--device", default=None, help="compute device: cpu or cuda (default: cuda if available, else cpu)")
+    p.add_argument("--gpu-expert-gb", type=float, default=None,
+                   help="GiB of device memory for expert slots (default: free VRAM minus a reserve; 0 on a CPU)")
+    p.add_argument("--host-expert-gb", type=float, default=None,
+                   help="GiB of host RAM for experts (default: the memory limit minus a margin)")
+    p.add_argument("--stats", default=None, metavar="FILE",
+                   help=f"routing statistics placing the hottest experts in the fastest tier: {STATS_FORMAT} "
+                        "(default: uniform routing)")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch threads decode will run with, for the bound on a CPU (default: torch's count here)")
     p.add_argument("--quant", choices=QUANT_CHOICES, default="bf16",
-                   help="for an unpacked checkpoint: format to plan for")
-    p.add_argument("--group-size", type=int, default=128)
+                   help="for an unpacked checkpoint: the format to plan for")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="for an unpacked checkpoint and int8/int4: as `tiermoe pack --group-size`")
     p.set_defaults(handler=_plan)
 
-    p = subparsers.add_parser("sim", help="simulate expert-cache policies on routing statistics or a recorded trace")
-    p.add_argument("--stats", default=None, help="routing statistics JSON (layers.<L> -> per-expert counts)")
-    p.add_argument(
-        "--trace",
-        default=None,
-        help="routing trace recorded by --record-routing (replayed in order; --stats then only warm-starts the caches)",
-    )
+    p = subparsers.add_parser(
+        "sim", help="simulate expert-cache policies on routing statistics or a recorded trace",
+        description="Replay expert picks through the slot (and host) tiers under each replacement policy and "
+                    "print the hits and misses per token: picks drawn from --stats counts, or a recorded "
+                    "--trace in order. No model is loaded.")
+    p.add_argument("--stats", default=None, metavar="FILE",
+                   help=f"routing statistics to draw picks from (with --trace: only to warm-start the tiers): "
+                        f"{STATS_FORMAT}")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="routing trace (.npz) recorded by `tiermoe serve --record-routing FILE`, replayed in "
+                        "order (--stats then only warm-starts the tiers)")
     p.add_argument("--slots", type=int, required=True, help="slot-tier capacity in experts, shared by all layers")
-    p.add_argument(
-        "--policy",
-        default="all",
-        help="lru, lfu, clock, static, device (the GPU device cache's own policy), belady, a comma list, "
-        "or all (default)",
-    )
-    p.add_argument("--tokens", type=int, default=2000, help="decode tokens to simulate (default 2000)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--host-experts", type=int, default=0, help="host-tier capacity in experts (default 0)")
-    p.add_argument("--top-k", type=int, default=8, help="experts per token per layer (default 8)")
-    p.add_argument("--warmup", type=int, default=None, help="tokens excluded from the figures (default 10%%)")
+    p.add_argument("--policy", default="all",
+                   help="lru, lfu, clock, static, device (the GPU device cache's own policy), belady, a comma "
+                        "list, or all")
+    p.add_argument("--tokens", type=int, default=2000, help="decode tokens to simulate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the picks drawn from --stats")
+    p.add_argument("--host-experts", type=int, default=0, help="host-tier capacity in experts")
+    p.add_argument("--top-k", type=int, default=8, help="experts per token per layer (a --trace sets its own)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="tokens excluded from the figures (default: the first 10%%)")
     p.add_argument("--no-warm-start", action="store_true", help="start with empty tiers instead of the hottest experts")
     p.add_argument("--static-hot", type=int, default=0, help="hottest experts pinned in the slots for good")
     p.set_defaults(handler=_sim)

@@ -23,14 +23,14 @@ from pathlib import Path
 
 import torch
 
-from tiermoe.errors import StoreIntegrityError, UserError
+from tiermoe.errors import StoreError, StoreIntegrityError, UserError
 from tiermoe.store.records import RECORD_ALIGN, RecordInfo
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 VERIFY_MODES = ("always", "first")
 
 
-class StoreIOError(UserError):
+class StoreIOError(StoreError):
     """A record could not be read (I/O error or short read); the message names the record."""
 
 

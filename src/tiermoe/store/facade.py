@@ -8,16 +8,15 @@ Every routed expert lives in exactly one of: a slot on the compute device ("slot
 entry of the RAM arena ("host", pinned on CUDA machines), or only in experts.bin ("disk").
 `Residency` (policy layer) decides what moves; this class executes the moves on buffers.
 
-Validity of returned tensors: for float stores, tensors of an expert held in slots (or in
-host on a CPU device) are views into that tier's entry; they stay valid until a later
-fetch() evicts the entry. Use them before the next fetch() (the MoE layer does), or clone.
-Experts not kept on the device are returned as fresh tensors. int4/int8 stores are
-dequantized into fresh tensors on every fetch (plain-torch reference path).
+Validity of returned tensors: for float stores, tensors of an expert held in slots (or in host
+on a CPU device) are views into that tier's entry, valid until a later fetch() evicts it: use
+them before the next fetch() (the MoE layer does), or clone. Other experts come back as fresh
+tensors; int4/int8 stores dequantize into fresh tensors on every fetch (plain-torch path).
 
-Exactness: tier moves copy record bytes verbatim and float records decode as views, so a
-bf16 store returns bit-identical tensors whichever tier an expert came from.
-Integrity: every record read from disk is sha256-checked before it is used
-(StoreIntegrityError otherwise; see disk.py).
+Exactness: tier moves copy record bytes verbatim and float records decode as views, so a bf16
+store returns bit-identical tensors whichever tier an expert came from. Integrity: every record
+read from disk is sha256-checked before use (StoreIntegrityError otherwise; disk.py). An open
+store holds OUT/store.lock shared, so `tiermoe pack` cannot rewrite it meanwhile (lock.py).
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ import torch
 
 from tiermoe.errors import UserError
 from tiermoe.store.disk import DiskReader
+from tiermoe.store.lock import StoreLock
 from tiermoe.store.planner import build_plan, key_rates, config_top_k
 from tiermoe.store.policy import POLICIES, top_keys
 from tiermoe.store.records import Manifest, check_experts_file, decode_record, load_manifest
@@ -45,7 +45,9 @@ log = logging.getLogger("tiermoe.store")
 class ExpertStore:
     def __init__(self, manifest: Manifest, *, device: torch.device, dtype: torch.dtype, n_slots: int, n_host: int,
                  policy: str, rates: dict[int, float] | None, static_hot: int, direct_io: bool, reader_threads: int,
-                 verify: str, preload: bool, prefetch_limit: int | None, measured_rates: bool = False):
+                 verify: str, preload: bool, prefetch_limit: int | None, measured_rates: bool = False,
+                 lock: StoreLock | None = None):
+        self._lock = lock  # released by close()
         self.manifest = manifest
         self.layout = manifest.layout
         self.device = device
@@ -104,10 +106,15 @@ class ExpertStore:
         for line in plan.table().splitlines():
             log.info(line)
         rates, _, _ = key_rates(m, stats_file, config_top_k(m.config))
-        return cls(m, device=dev, dtype=dtype or m.dtype, n_slots=plan.n_slots, n_host=plan.n_host, policy=policy,
-                   rates=rates, static_hot=static_hot, direct_io=direct_io, reader_threads=reader_threads,
-                   verify=verify, preload=preload, prefetch_limit=prefetch_limit,
-                   measured_rates=stats_file is not None)
+        lock = StoreLock.shared(path)
+        try:
+            return cls(m, device=dev, dtype=dtype or m.dtype, n_slots=plan.n_slots, n_host=plan.n_host,
+                       policy=policy, rates=rates, static_hot=static_hot, direct_io=direct_io,
+                       reader_threads=reader_threads, verify=verify, preload=preload, prefetch_limit=prefetch_limit,
+                       measured_rates=stats_file is not None, lock=lock)
+        except BaseException:
+            lock.release()
+            raise
 
     def _load_residents(self) -> None:
         """Read every key the policies hold (warm start / static set) into its tier."""
@@ -208,9 +215,9 @@ class ExpertStore:
         self._pending[key] = (buf, self._reader.submit(self.manifest.records[key], buf), step)
 
     def _take_pending(self, key: int) -> tuple[torch.Tensor, Future]:
-        """Hand a started read to the caller that needs the record. A prefetch that failed is
-        read again here: prefetching is speculative, so its failure (say, a transient EIO during
-        an earlier request) must not fail a later request that would read the record anew."""
+        """Hand a started read to the caller that needs the record. A failed prefetch is read again:
+        prefetching is speculative, so its failure (a transient EIO during an earlier request,
+        say) must not fail a later request that would read the record anew."""
         buf, fut, _ = self._pending.pop(key)
         if key in self._prefetched:
             self._prefetched.discard(key)
@@ -248,15 +255,13 @@ class ExpertStore:
         """{expert id: uint8 [record_bytes] record the compute device can read where it is}, for
         kernels that take record addresses (the Triton MoE kernel's pointer table).
 
-        Same tier decisions, moves and counters as fetch_records, except that an expert that
-        stays in the host tier comes back as its host entry itself whenever the device can read
-        it in place (always on a CPU device; on CUDA once the entry's chunk is page-locked, which
-        under unified addressing also maps it at the same address): the kernel then reads it
-        over PCIe (zero-copy) instead of the store copying it to the device first. Entries not
-        yet pinned, and disk-only experts that are not admitted, still come back as device
-        copies. Slot entries and host entries stay valid until a later call evicts them; after
-        queueing the kernels that read the returned buffers, call `device_reads_queued` so the
-        CPU never overwrites a host entry those kernels may still be reading.
+        As fetch_records, except that an expert staying in the host tier comes back as its host
+        entry itself when the device can read it in place (always on a CPU; on CUDA once the
+        entry's chunk is page-locked, which under unified addressing also maps it at the same
+        address): the kernel reads it over PCIe (zero-copy) instead of the store copying it
+        first. Unpinned entries and unadmitted disk-only experts still come back as device
+        copies. Entries stay valid until a later call evicts them; after queueing the kernels
+        that read them, call `device_reads_queued` so the CPU never overwrites one meanwhile.
         """
         return self._fetch_records(layer, expert_ids, in_place=True)
 
@@ -270,9 +275,9 @@ class ExpertStore:
 
     def host_entries(self, layer: int) -> list[torch.Tensor] | None:
         """uint8 [record_bytes] host entry of each routed expert of `layer` (id order), or None
-        unless the host tier holds all of them. For inclusive device caches that read the host
-        copies in place (moe/device_cache.py): in a store with no slots whose host tier holds
-        every expert nothing is ever admitted or evicted, so these entries never move."""
+        unless the host tier holds all of them. For inclusive device caches reading the host
+        copies in place (moe/device_cache.py): with no slots and every expert in the host tier
+        nothing is admitted or evicted, so these entries never move."""
         out = []
         for e in range(self.manifest.experts_per_layer[layer]):
             i = self._host_of.get(self.key(layer, e))
@@ -336,16 +341,13 @@ class ExpertStore:
     def lane_records(self, layer: int, expert_ids: list[int], *,
                      disk: bool = True) -> dict[int, tuple[torch.Tensor, Future | None]]:
         """Record bytes for the CPU lane without any tier move: {expert id: (uint8 [record_bytes]
-        on the CPU, pending read or None)}.
-
-        Host-resident experts come back as read-only views into their host entry (no copy).
-        Disk-only experts (when `disk`) get a staging buffer and an O_DIRECT read (sha256-checked
-        in the reader; wait on the future before reading the buffer); the record is used once and
-        not admitted. Experts in slots, or on disk with disk=False, are left out: the caller
-        computes them on the normal path. Each returned expert counts as one use for the policy
-        and the tier counters, and stays held (never a victim of fetch) until `lane_release`.
-        Call from the thread that calls fetch; the lane's workers only read the buffers.
-        """
+        on the CPU, pending read or None)}. Host-resident experts come back as read-only views of
+        their host entry (no copy). Disk-only experts (when `disk`) get a staging buffer and an
+        O_DIRECT read (sha256-checked; wait on the future first), used once and not admitted.
+        Experts in slots, or on disk with disk=False, are left out (the caller computes them on the
+        normal path). Each returned expert counts as one use and stays held (never a victim of
+        fetch) until `lane_release`. Call from the thread that calls fetch; the lane's workers
+        only read the buffers."""
         out: dict[int, tuple[torch.Tensor, Future | None]] = {}
         for e in dict.fromkeys(int(x) for x in expert_ids):
             k = self.key(layer, e)
@@ -383,9 +385,8 @@ class ExpertStore:
 
     # -- moves ------------------------------------------------------------------------------
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """One record copy, queued on the current stream on CUDA. The host side (a source still
-        being read, or a destination still being written by a D2H copy) gets an event, so the
-        CPU never writes there before the queued copy is done."""
+        """One record copy, queued on the current stream on CUDA. The host side (a source still being
+        read, or a destination a D2H copy still writes) gets an event: the CPU waits for it to write."""
         dst.copy_(src, non_blocking=self._cuda)
         for t in (src, dst):
             if t.device.type == "cpu":
@@ -489,6 +490,8 @@ class ExpertStore:
         self._host.close()
         self._slots.close()
         self._staging.close()
+        if self._lock is not None:
+            self._lock.release()
 
     def __enter__(self) -> "ExpertStore":
         return self

@@ -6,7 +6,12 @@ the filesystem allows), hashes it and, every ~64 MiB after fdatasync, appends th
 records to OUT/pack.journal. A restart with the same source and options skips journaled
 records. Nothing is reported as done until every record has been read back from disk
 (O_DIRECT) and matched its sha256; records that fail are rewritten once, then pack fails.
-The manifest is written last, so a store without manifest.json is known to be incomplete.
+The manifest is written last, so a store without manifest.json is known to be incomplete; it
+records the sha256 of every dense shard too, for `tiermoe verify`.
+
+OUT must be new, empty, or an earlier pack of the same source and settings (pack_checks.py),
+and pack holds OUT/store.lock exclusively while it writes: a process reading the store holds it
+shared (lock.py), so packing into a store in use fails instead of rewriting it under its reader.
 """
 
 from __future__ import annotations
@@ -28,10 +33,13 @@ from tqdm import tqdm
 from tiermoe.errors import UserError
 from tiermoe.store.catalog import Checkpoint, itemsize, text_config
 from tiermoe.store.disk import O_DIRECT, DiskReader, aligned_buffer, probe_direct_io
+from tiermoe.store.lock import StoreLock
+from tiermoe.store.pack_checks import JOURNAL_NAME, check_target, choose_group_size
 from tiermoe.store.records import (
     EXPERTS_NAME,
     FORMAT_VERSION,
     FLOAT_KINDS,
+    INT_KINDS,
     MANIFEST_NAME,
     QUANT_KINDS,
     RecordInfo,
@@ -41,7 +49,6 @@ from tiermoe.store.records import (
     write_manifest,
 )
 
-JOURNAL_NAME = "pack.journal"
 DENSE_INDEX = "model.safetensors.index.json"
 SYNC_BYTES = 64 << 20
 
@@ -54,15 +61,18 @@ class PackResult:
     rewritten: int  # records rewritten after a failed read-back
     direct_io: bool
     notes: list[str]
+    group_size: int | None = None  # int8/int4: the group size used (picked when none was given)
 
 
 class Journal:
-    """Append-only log of durable work: 'R <index> <sha256>' and 'S <shard> <size>' lines."""
+    """Append-only log of durable work: 'R <index> <sha256>' and 'S <shard> <size> <sha256>'
+    lines (journals of earlier versions lack the shard's sha256: it is computed again)."""
 
     def __init__(self, path: Path, fingerprint: str):
         self.path = path
         self.records: dict[int, str] = {}
         self.shards: dict[str, int] = {}
+        self.shard_sha: dict[str, str] = {}
         if path.is_file():
             lines = path.read_text().splitlines()
             if lines and lines[0] == f"tiermoe-pack {fingerprint}":
@@ -70,8 +80,10 @@ class Journal:
                     parts = line.split()
                     if len(parts) == 3 and parts[0] == "R":
                         self.records[int(parts[1])] = parts[2]
-                    elif len(parts) == 3 and parts[0] == "S":
+                    elif len(parts) in (3, 4) and parts[0] == "S":
                         self.shards[parts[1]] = int(parts[2])
+                        if len(parts) == 4:
+                            self.shard_sha[parts[1]] = parts[3]
                 self._f = open(path, "a")
                 return
         self._f = open(path, "w")
@@ -88,17 +100,21 @@ class Journal:
             self.records[idx] = sha
         self._sync()
 
-    def add_shard(self, name: str, size: int) -> None:
-        self._f.write(f"S {name} {size}\n")
+    def add_shard(self, name: str, size: int, sha: str) -> None:
+        self._f.write(f"S {name} {size} {sha}\n")
         self.shards[name] = size
+        self.shard_sha[name] = sha
         self._sync()
 
     def close(self) -> None:
         self._f.close()
 
 
-def _fingerprint(ck: Checkpoint, layout: RecordLayout, shard_bytes: int) -> str:
-    src = [(f, (ck.root / f).stat().st_size, int((ck.root / f).stat().st_mtime)) for f in ck.files]
+def _fingerprint(ck: Checkpoint, layout: RecordLayout, shard_bytes: int, source: str | None = None) -> str:
+    """What a resumed pack must share with the first run: the source (its directory, files, sizes
+    and mtimes, or the caller's `source` description), the record layout and the shard size."""
+    files = [(f, (ck.root / f).stat().st_size, (ck.root / f).stat().st_mtime_ns) for f in ck.files]
+    src = source or [str(ck.root.resolve()), files]
     blob = json.dumps([src, layout.to_json(), len(ck.experts), shard_bytes, FORMAT_VERSION], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
@@ -247,6 +263,7 @@ def _write_dense(ck: Checkpoint, out: Path, shard_bytes: int, journal: Journal, 
     weight_map: dict[str, str] = {}
     total_size = 0
     names = []
+    shas: dict[str, str] = {}
     for n, group in enumerate(tqdm(plan, desc="dense shards", unit="shard", disable=not progress or total == 0), 1):
         name = f"model-{n:05d}-of-{total:05d}.safetensors"
         names.append(name)
@@ -259,7 +276,10 @@ def _write_dense(ck: Checkpoint, out: Path, shard_bytes: int, journal: Journal, 
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-            journal.add_shard(name, path.stat().st_size)
+            journal.add_shard(name, path.stat().st_size, file_sha256(path))
+        elif name not in journal.shard_sha:  # journaled by an earlier version, without its hash
+            journal.shard_sha[name] = file_sha256(path)
+        shas[name] = journal.shard_sha[name]
         for file, key in group:
             weight_map[key] = name
             if tensors is not None:
@@ -269,7 +289,16 @@ def _write_dense(ck: Checkpoint, out: Path, shard_bytes: int, journal: Journal, 
         total_size = ck.dense_nbytes()
     index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
     (out / DENSE_INDEX).write_text(json.dumps(index, indent=1) + "\n")
-    return {"index": DENSE_INDEX, "shards": names, "tensors": len(weight_map)}
+    return {"index": DENSE_INDEX, "shards": names, "tensors": len(weight_map), "sha256": shas}
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a whole file (a dense shard just written: read back from the page cache)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(16 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _check_space(out: Path, path: Path, need: int) -> None:
@@ -287,17 +316,21 @@ def pack(
     out: str | os.PathLike,
     *,
     quant: str = "bf16",
-    group_size: int = 128,
+    group_size: int | None = None,
     shard_bytes: int = 2_000_000_000,
     direct_io: bool = True,
     progress: bool = True,
     log: Callable[[str], None] = print,
     device: str | None = "auto",
+    source: str | None = None,
 ) -> PackResult:
     """Pack checkpoint `src` into store directory `out` (see module docstring).
 
+    `group_size` (int8/int4): None picks the largest that divides the shapes, up to 128.
     `device` runs int8/int4 quantization there ("auto": CUDA when available, else CPU); the
     result is bit-identical either way (the same IEEE fp32 divide and round-half-even).
+    `source` stands for `src` in the resume fingerprint where `src` is itself a temporary
+    conversion (a GGUF import): it names what the checkpoint was made from.
     """
     if quant not in QUANT_KINDS:
         raise UserError(f"--quant {quant!r}: choose one of {', '.join(QUANT_KINDS)}")
@@ -305,18 +338,35 @@ def pack(
     out = Path(out)
     if out.resolve() == ck.root.resolve():
         raise UserError(f"{out}: OUT must differ from SRC")
+    if quant in INT_KINDS:
+        group_size = choose_group_size(ck.hidden, ck.intermediate, group_size)
     layout = RecordLayout.build(quant, ck.hidden, ck.intermediate, group_size)
+    fingerprint = _fingerprint(ck, layout, shard_bytes, source)
+    check_target(out, fingerprint)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = StoreLock.exclusive(out)
+    try:
+        return _pack_locked(ck, out, layout, fingerprint, shard_bytes=shard_bytes, direct_io=direct_io,
+                            progress=progress, log=log, device=device)
+    finally:
+        lock.release()
+        ck.close()
+
+
+def _pack_locked(ck: Checkpoint, out: Path, layout: RecordLayout, fingerprint: str, *, shard_bytes: int,
+                 direct_io: bool, progress: bool, log: Callable[[str], None], device: str | None) -> PackResult:
+    """The pack itself, with OUT checked and locked."""
+    quant = layout.kind
     qdev = None
     if layout.bits and device not in (None, "cpu"):
         if device == "auto":
             qdev = torch.device("cuda") if torch.cuda.is_available() else None
         else:
             qdev = torch.device(device)
-    out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST_NAME).unlink(missing_ok=True)  # incomplete until rewritten at the end
     keys = ck.expert_keys()
     notes: list[str] = []
-    journal = Journal(out / JOURNAL_NAME, _fingerprint(ck, layout, shard_bytes))
+    journal = Journal(out / JOURNAL_NAME, fingerprint)
     shas = {i: s for i, s in journal.records.items() if i < len(keys)}
     todo = [i for i in range(len(keys)) if i not in shas]
     if shas:
@@ -381,5 +431,4 @@ def pack(
         "dense": dense,
     }
     write_manifest(out, manifest)
-    ck.close()
-    return PackResult(out, len(keys), len(todo), rewritten, rf.direct, notes)
+    return PackResult(out, len(keys), len(todo), rewritten, rf.direct, notes, layout.group_size)

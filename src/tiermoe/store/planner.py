@@ -7,8 +7,14 @@ expert has one home: slots first, then host, the rest only on disk.
 
 `TierPlan.table()` is what `tiermoe plan` prints and what the store logs at start-up.
 Expected hits per token come from routing statistics when given (the hottest experts are
-placed in the fastest tier), else from uniform routing; the floor per token is the slowest
-lane at default bandwidths (the hardware figures measured on the project's H200 machine).
+placed in the fastest tier), else from uniform routing.
+
+The decode upper bound it prints (`decode_floor_s`) is what reading the weights alone allows:
+every dense weight once per token (the embedding table only where the output head shares it),
+plus the routed experts' slowest lane, at bandwidths measured on the project's H200 host. On a
+CPU device the CPU computes everything, so it scales the CPU lane's measured rate (51 GB/s at
+16 threads) by the threads torch runs with. Attention, sampling and per-step overheads are not
+counted, so real decode is slower; a small model on a CPU serves a fraction of the bound.
 """
 
 from __future__ import annotations
@@ -24,8 +30,13 @@ import torch
 
 from tiermoe import env
 from tiermoe.errors import UserError
+from tiermoe.store.routing_trace import is_trace, trace_counts
 
 GIB = 1 << 30
+
+# Expert-weight bytes/s the CPU computes through per torch thread: the CPU lane's 51 GB/s
+# (int4 GEMV, 16 threads on the H200 host) shared out; a CPU device gets this times its threads.
+CPU_GBS_PER_THREAD = 51.0 / 16
 
 # Bytes/s per lane (measured on an H200 host; see docs/store-format.md).
 DEFAULT_BANDWIDTH = {
@@ -86,8 +97,10 @@ class TierPlan:
     moe_layers: int
     notes: list[str] = field(default_factory=list)
     hits_per_token: dict[str, float] = field(default_factory=dict)  # slots/host/disk
-    floor_s: dict[str, float] = field(default_factory=dict)  # per lane + "floor"
+    floor_s: dict[str, float] = field(default_factory=dict)  # per lane, "dense" and "floor" (s per token)
     stats_source: str = "uniform routing"
+    dense_bytes: int = 0  # non-expert weight bytes read per decode token
+    cpu_threads: int = 1  # torch threads the CPU lanes were sized for
 
     @property
     def n_disk(self) -> int:
@@ -109,12 +122,22 @@ class TierPlan:
         for name, n, g, h in rows:
             out.append(f"{name:<20}{n:>9}{g:>10.2f}{h:>12.1f}{(h / picks if picks else 0):>8.1%}")
         if self.floor_s:
-            lanes = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.floor_s.items() if k != "floor")
-            f = self.floor_s.get("floor", 0.0)
-            rate = f"{1 / f:.1f} tok/s" if f > 0 else "unbounded"
-            out.append(f"predicted expert floor per token: {f * 1e3:.2f} ms ({rate}); lanes: {lanes}")
+            out.append(self.bound_line())
         out.extend(f"note: {n}" for n in self.notes)
         return "\n".join(out)
+
+
+    def bound_line(self) -> str:
+        """The decode upper bound: dense weights plus the slowest expert lane (module doc)."""
+        f = self.floor_s.get("floor", 0.0)
+        rate = f"{1 / f:,.1f} tok/s" if f > 0 else "unbounded"
+        lanes = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.floor_s.items() if k not in ("floor", "dense"))
+        where = ("HBM" if self.device.startswith("cuda")
+                 else f"{self.cpu_threads} CPU thread{'s' if self.cpu_threads != 1 else ''}")
+        return (f"decode upper bound: {rate} (weight reads only: attention, sampling and overheads make real "
+                f"decode slower)\n  per token: dense weights {fmt_bytes(self.dense_bytes)} in "
+                f"{self.floor_s.get('dense', 0.0) * 1e3:.2f} ms on {where} + the slowest expert lane "
+                f"({lanes or 'none'}) = {f * 1e3:.2f} ms")
 
 
 def fmt_bytes(n: float) -> str:
@@ -182,10 +205,14 @@ def inclusive_host_plan(manifest, *, device: str, gpu_expert_gb: float | None,
 def load_stats(path: str | os.PathLike) -> dict[int, list[float]]:
     """Routing statistics file -> {layer: per-expert pick counts}.
 
-    Format: a JSON object whose keys contain "layers.<L>" (e.g. "model.layers.3.mlp") and whose
-    values are lists of per-expert counts (index = expert id).
+    Format (formats.STATS_FORMAT, which the CLI help repeats): a routing trace recorded by
+    `--record-routing` (its decode tokens' picks counted, routing_trace.trace_counts), or a flat
+    JSON object whose keys contain "layers.<L>" (e.g. "model.layers.3.mlp") and whose values are
+    lists of per-expert counts (index = expert id).
     """
     p = Path(path)
+    if is_trace(p):
+        return trace_counts(p)
     try:
         data = json.loads(p.read_text())
     except OSError as exc:
@@ -193,7 +220,8 @@ def load_stats(path: str | os.PathLike) -> dict[int, list[float]]:
     except ValueError as exc:
         raise UserError(f"{p}: invalid JSON ({exc})") from None
     if not isinstance(data, dict):
-        raise UserError(f"{p}: expected a JSON object of layer -> per-expert counts")
+        raise UserError(f"{p}: expected a flat JSON object such as {{\"layers.1\": [120, 4, 0, 37]}} (per-expert "
+                        "pick counts per layer) or a routing trace (.npz) from --record-routing")
     out: dict[int, list[float]] = {}
     for key, counts in data.items():
         m = re.search(r"layers\.(\d+)", key)
@@ -245,25 +273,34 @@ def expected_hits(rates: Mapping[int, float], n_slots: int, n_host: int) -> dict
 
 
 def decode_floor_s(record_bytes: int, hits: Mapping[str, float], device: str, *, top_k: int = 8,
-                   moe_layers: int = 1, bandwidth: Mapping[str, float] | None = None) -> dict[str, float]:
-    """Seconds per token per lane and their max ("floor"): lanes overlap, the slowest bounds.
+                   moe_layers: int = 1, bandwidth: Mapping[str, float] | None = None, dense_bytes: int = 0,
+                   cpu_threads: int | None = None) -> dict[str, float]:
+    """Seconds per token per expert lane, for the dense weights ("dense") and in all ("floor"):
+    the expert lanes overlap, so the slowest bounds them; the dense layers run before and after.
 
     Uses the project's floor model (store/floor.py, also behind `tiermoe bench floor`) unless
-    explicit bandwidths are given, which the local arithmetic below applies.
-    On a GPU, slot hits read HBM and host hits cross PCIe; on a CPU device both are computed
-    from RAM by the CPU. Disk reads are bounded by the disk.
+    explicit bandwidths are given, which the local arithmetic below applies (experts only).
+    On a GPU, slot hits and the dense weights read HBM and host hits cross PCIe; on a CPU
+    device the CPU computes every expert (disk reads too, once read) and the dense weights, at
+    CPU_GBS_PER_THREAD per thread (`cpu_threads`, default torch's). Disk reads are bounded by
+    the disk.
     """
     cuda = device.startswith("cuda")
     tier_hits = ({"gpu": hits.get("slots", 0.0), "ram": hits.get("host", 0.0)} if cuda
-                 else {"cpu": hits.get("slots", 0.0) + hits.get("host", 0.0)})
+                 else {"cpu": hits.get("slots", 0.0) + hits.get("host", 0.0) + hits.get("disk", 0.0)})
     tier_hits["disk"] = hits.get("disk", 0.0)
     if bandwidth is None:
-        from tiermoe.store.floor import decode_floor
+        from tiermoe.store.floor import Bandwidths, decode_floor
 
-        res = decode_floor(record_bytes, max(1, top_k), max(1, moe_layers), hits=tier_hits)
+        threads = max(1, cpu_threads or torch.get_num_threads())
+        bw = Bandwidths(cpu_gbs=min(Bandwidths.cpu_gbs, CPU_GBS_PER_THREAD * threads))
+        dense_s = dense_bytes / ((bw.hbm_gbs if cuda else bw.cpu_gbs) * 1e9)
+        res = decode_floor(record_bytes, max(1, top_k), max(1, moe_layers), hits=tier_hits, bandwidths=bw,
+                           non_moe_ms=dense_s * 1e3)
         keep = ("hbm", "pcie", "disk", "host") if cuda else ("cpu", "disk", "host")  # no PCIe without a GPU
         lanes = {k: v["ms"] / 1e3 for k, v in res["lanes"].items() if v["bytes_per_token"] > 0 and k in keep}
-        lanes["floor"] = max(lanes.values(), default=0.0)
+        lanes["dense"] = dense_s
+        lanes["floor"] = max((v for k, v in lanes.items() if k != "dense"), default=0.0) + dense_s
         return lanes
     bw = {**DEFAULT_BANDWIDTH, **(bandwidth or {})}
     if cuda:
@@ -277,6 +314,27 @@ def decode_floor_s(record_bytes: int, hits: Mapping[str, float], device: str, *,
     lanes = {k: v for k, v in lanes.items() if v > 0}
     lanes["floor"] = max(lanes.values(), default=0.0)
     return lanes
+
+
+def dense_bytes_per_token(manifest) -> int:
+    """Bytes of non-expert weights a decode token reads: the dense shards' tensors (the dense
+    index's total_size, else the shard files' sizes; a checkpoint's description carries
+    "dense_bytes"), less the input embedding table where an untied output head is read instead
+    (decode reads one embedding row per token)."""
+    data, root = manifest.data, manifest.root
+    total = data.get("dense_bytes")
+    dense = data.get("dense") if isinstance(data.get("dense"), dict) else {}
+    if total is None:
+        try:
+            total = int(json.loads((root / dense["index"]).read_text())["metadata"]["total_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            total = sum((root / n).stat().st_size for n in dense.get("shards", []) if (root / n).is_file())
+    tc = manifest.config.get("text_config") if isinstance(manifest.config.get("text_config"), dict) else manifest.config
+    vocab, hidden = tc.get("vocab_size"), tc.get("hidden_size")
+    if not tc.get("tie_word_embeddings", False) and isinstance(vocab, int) and isinstance(hidden, int):
+        itemsize = 4 if data.get("source_dtype", data.get("dtype")) == "float32" else 2
+        total -= min(total, vocab * hidden * itemsize)
+    return int(total)
 
 
 def config_top_k(config: Mapping) -> int:
@@ -328,8 +386,10 @@ def build_plan(
     stats_file: str | os.PathLike | None = None,
     gpu_reserve_gb: float | None = None,
     host_margin_gb: float | None = None,
+    cpu_threads: int | None = None,
 ) -> TierPlan:
-    """The tier plan of a store (parsed manifest) on this machine; reads no expert data."""
+    """The tier plan of a store (parsed manifest) on this machine; reads no expert data.
+    `cpu_threads`: the torch threads decode will run with (default: torch's current count)."""
     dev = torch.device(device)
     rec = manifest.layout.length
     total = len(manifest.records)
@@ -345,17 +405,9 @@ def build_plan(
     top_k = config_top_k(manifest.config)
     rates, source, more = key_rates(manifest, stats_file, top_k)
     hits = expected_hits(rates, n_slots, n_host)
-    plan = TierPlan(
-        str(dev),
-        rec,
-        total,
-        n_slots,
-        n_host,
-        top_k,
-        len(manifest.moe_layers),
-        notes + more,
-        hits,
-        decode_floor_s(rec, hits, str(dev), top_k=top_k, moe_layers=len(manifest.moe_layers)),
-        source,
-    )
-    return plan
+    threads = max(1, cpu_threads or torch.get_num_threads())
+    dense = dense_bytes_per_token(manifest)
+    floor = decode_floor_s(rec, hits, str(dev), top_k=top_k, moe_layers=len(manifest.moe_layers), dense_bytes=dense,
+                           cpu_threads=threads)
+    return TierPlan(str(dev), rec, total, n_slots, n_host, top_k, len(manifest.moe_layers), notes + more, hits, floor,
+                    source, dense, threads)

@@ -9,8 +9,9 @@ One numpy `.npz` (uncompressed: recording must stay cheap) with three arrays:
                               "num_experts": E, "top_k": k}
 
 Tokens are in forward order (a step's tokens in batch order), so replaying a trace keeps its
-temporal locality. Readers: `tiermoe sim --trace`, `--routing-replay`. This module imports no
-torch (the simulator and the CLI use it); numpy only.
+temporal locality. Readers: `tiermoe sim --trace`, `--routing-replay`, and, as per-layer pick
+counts (`trace_counts`), every statistics flag (`--expert-stats`, `plan --stats`, `sim --stats`).
+This module imports no torch (the simulator and the CLI use it); numpy only.
 """
 
 from __future__ import annotations
@@ -87,6 +88,28 @@ def read_trace(path: str | os.PathLike) -> tuple[dict, np.ndarray, np.ndarray]:
         raise UserError(f"{p}: routing trace header is not valid JSON ({exc})") from None
     _check(p, header, picks, decode)
     return header, picks, decode
+
+
+def is_trace(path: str | os.PathLike) -> bool:
+    """Whether `path` is a zip archive (an .npz trace) rather than a JSON statistics file."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False  # the reader of the other format names the problem
+
+
+def trace_counts(path: str | os.PathLike) -> dict[int, list[float]]:
+    """{model layer index: picks per expert id} of a trace's decode tokens (of all its tokens
+    when it holds no decode token): the statistics format of store/planner.load_stats. Decode
+    tokens because the tiers serve decode; prefill chunks pick experts in bulk."""
+    header, picks, decode = read_trace(path)
+    if picks.shape[0] == 0:
+        raise UserError(f"{path}: the routing trace holds no tokens")
+    chosen = picks[decode] if decode.any() else picks
+    n = header["num_experts"]
+    return {layer: np.bincount(chosen[:, i].reshape(-1), minlength=n).astype(float).tolist()
+            for i, layer in enumerate(header["moe_layers"])}
 
 
 def _check(p: str, header, picks: np.ndarray, decode: np.ndarray) -> None:

@@ -1,16 +1,27 @@
-"""`tiermoe verify`: re-read every record of a store and check its sha256."""
+"""`tiermoe verify`: check a store's manifest, re-read every expert record and every dense
+shard, and compare them with the sha256 the manifest recorded.
+
+The manifest first (`check_manifest`): a store that has none, or one whose records overlap,
+leave gaps in a layer or disagree with the record layout, is reported as such rather than as a
+missing tensor later. Dense shards (`verify_dense`): each one the manifest lists must exist,
+hold the tensors the index assigns to it and, for stores packed since the manifest records
+them, match its sha256.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Callable
 
 from tqdm import tqdm
 
 from tiermoe.errors import UserError
 from tiermoe.store.disk import DiskReader, StoreIOError, aligned_buffer, probe_direct_io
-from tiermoe.store.records import RecordInfo, check_experts_file, load_manifest
+from tiermoe.store.pack_checks import incomplete_store
+from tiermoe.store.records import RECORD_ALIGN, Manifest, RecordInfo, check_experts_file, load_manifest
 
 
 def verify_store(
@@ -26,8 +37,7 @@ def verify_store(
     With direct_io and a filesystem that refuses O_DIRECT this raises UserError (the caller
     may retry with direct_io=False, which reads buffered and drops pages after each read).
     """
-    m = load_manifest(root)
-    check_experts_file(m)
+    m = open_manifest(root)
     path = m.experts_path
     if direct_io:
         reason = probe_direct_io(path)
@@ -62,3 +72,76 @@ def verify_store(
             finish(*item)
     bar.close()
     return len(m.records), bad
+
+
+def open_manifest(root: str | os.PathLike) -> Manifest:
+    """The store's manifest, checked (UserError, one line, for a missing or inconsistent one)."""
+    problem = incomplete_store(root)
+    if problem:
+        raise UserError(problem)
+    m = load_manifest(root)
+    check_manifest(m)
+    check_experts_file(m)
+    return m
+
+
+def check_manifest(m: Manifest) -> None:
+    """UserError unless every record of every listed layer is present once, aligned, of the
+    layout's length, and no two records overlap."""
+    where = m.root / "manifest.json"
+    seen = {(r.layer, r.expert) for r in m.records}
+    if len(seen) != len(m.records):
+        raise UserError(f"{where}: a (layer, expert) pair is listed twice")
+    for layer in m.moe_layers:
+        n = m.experts_per_layer.get(layer, 0)
+        missing = [e for e in range(n) if (layer, e) not in seen]
+        if n == 0 or missing:
+            raise UserError(f"{where}: layer {layer} lacks the records of experts {missing[:4] or 'all'}")
+    end = 0
+    for r in sorted(m.records, key=lambda r: r.offset):
+        if r.length != m.layouts[r.layout].length or r.offset % RECORD_ALIGN or r.offset < end:
+            raise UserError(f"{where}: record {r.name()} is misaligned, overlaps another or has the wrong length")
+        end = r.offset + r.length
+
+
+def verify_dense(m: Manifest, on_bad: Callable[[str, str], None] | None = None) -> tuple[int, list[str]]:
+    """(dense shards checked, names of the bad ones); on_bad(name, why) for each bad one."""
+    from safetensors import safe_open
+
+    from tiermoe.store.pack import file_sha256
+
+    dense = m.data.get("dense")
+    if not isinstance(dense, dict) or not isinstance(dense.get("shards"), list):
+        raise UserError(f"{m.root / 'manifest.json'}: lists no dense shards (not written by `tiermoe pack`?)")
+    index_path = m.root / str(dense.get("index", "model.safetensors.index.json"))
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{index_path}: missing or unreadable dense index ({type(exc).__name__})") from None
+    shas = dense.get("sha256") or {}
+    bad: list[str] = []
+
+    def fail(name: str, why: str) -> None:
+        bad.append(name)
+        if on_bad:
+            on_bad(name, why)
+
+    for name in sorted(set(weight_map.values()) - set(dense["shards"])):
+        fail(name, "named by the dense index but not listed in the manifest")
+    for name in dense["shards"]:
+        path = m.root / name
+        if not path.is_file():
+            fail(name, "missing")
+            continue
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                keys = set(f.keys())
+        except Exception as exc:  # safetensors raises its own error types for a damaged header
+            fail(name, f"unreadable safetensors file ({str(exc).splitlines()[0][:120] if str(exc) else exc})")
+            continue
+        lacking = [k for k, v in weight_map.items() if v == name and k not in keys]
+        if lacking:
+            fail(name, f"lacks {len(lacking)} tensor(s) the index puts there, e.g. {lacking[0]}")
+        elif name in shas and file_sha256(path) != shas[name]:
+            fail(name, "sha256 differs from the manifest's")
+    return len(dense["shards"]), bad
