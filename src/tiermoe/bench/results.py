@@ -19,7 +19,7 @@ from typing import Any
 from tiermoe.errors import UserError
 
 SCHEMA_VERSION = 1
-KINDS = ("sweep", "stream-rate", "gates", "panel", "panel-score", "floor")
+KINDS = ("sweep", "stream-rate", "gates", "panel", "panel-score", "floor", "lane")
 
 
 def envelope(kind: str, **fields: Any) -> dict:

@@ -1,0 +1,214 @@
+"""`tiermoe bench lane`: how fast the CPU lane computes experts, beside what the host's memory allows.
+
+Fast mode pays off only when the CPU lane reads expert weights at close to the host's memory
+bandwidth (issue 20). This measures both in one run, on the same records: for each record kind
+(int4, int8, bf16), thread count and token count T it times `CpuLane.compute` (the entry point
+the device cache's mailbox calls) on `--experts` experts per call, every one routed by all T
+tokens, cycling through a pool of records larger than the CPU caches so every call reads RAM;
+and, per thread count, a multi-threaded read of the same pool. Weight GB/s counts the bytes of
+the records' weight and scale sections (ExpertLayout.weight_bytes) per expert computed.
+
+    tiermoe bench lane [--hidden 4096 --inter 2048 --group-size 128] [--kinds int4,int8,bf16]
+                       [--threads 1,2,4,8] [--tokens 1,2,4,8] [--store STORE] [--out lane.json]
+
+`--store` takes the records (kind and shape too) from a packed store instead of random ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from tiermoe.errors import UserError
+
+KIND_CHOICES = ("int4", "int8", "bf16")
+
+
+def register(bench_subparsers) -> None:
+    p = bench_subparsers.add_parser("lane", help="CPU-lane GB/s of expert weights by threads and record kind, "
+                                                 "beside the host read GB/s")
+    p.add_argument("--hidden", type=int, default=4096, help="hidden size H (default: GLM-5.3-Flash's MoE)")
+    p.add_argument("--inter", type=int, default=2048, help="expert intermediate size I")
+    p.add_argument("--group-size", type=int, default=128, help="scale group of int4/int8 records")
+    p.add_argument("--kinds", default=",".join(KIND_CHOICES), help="record kinds, e.g. int4,bf16")
+    p.add_argument("--threads", default=None, help="lane thread counts (default 1,2,4,.. up to the usable cores)")
+    p.add_argument("--tokens", default="1,2,4,8", help="tokens routed to every expert of a call")
+    p.add_argument("--experts", type=int, default=4, help="experts per lane call (one MoE layer's share)")
+    p.add_argument("--pool-gb", type=float, default=1.0, help="GiB of records cycled through, per kind")
+    p.add_argument("--seconds", type=float, default=0.5, help="time per measurement")
+    p.add_argument("--store", default=None, help="packed store to take records (kind, shape) from")
+    p.add_argument("--out", default=None, help="write the result JSON here")
+    p.set_defaults(handler=_run)
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise UserError(f"{flag}: expected integers >= 1, got {text!r}")
+    return vals
+
+
+def default_threads() -> list[int]:
+    """1, 2, 4, ... below the usable cores, then the usable cores themselves."""
+    n = len(os.sched_getaffinity(0))
+    out, t = [], 1
+    while t < n:
+        out.append(t)
+        t *= 2
+    return out + [n]
+
+
+def _check(args) -> tuple[list[str], list[int], list[int]]:
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in KIND_CHOICES]
+    if bad or not kinds:
+        raise UserError(f"--kinds: unknown kind(s) {bad}; choose from {', '.join(KIND_CHOICES)}")
+    threads = _ints(args.threads, "--threads") if args.threads else default_threads()
+    tokens = _ints(args.tokens, "--tokens")
+    if args.experts < 1 or args.pool_gb <= 0 or args.seconds <= 0:
+        raise UserError("--experts, --pool-gb and --seconds must be > 0")
+    if args.hidden < 1 or args.inter < 1 or args.group_size < 1:
+        raise UserError("--hidden, --inter and --group-size must be >= 1")
+    return kinds, threads, tokens
+
+
+def _synthetic_pool(kind: str, args):
+    """(store RecordLayout, uint8 [n, R] random valid records) of about --pool-gb GiB."""
+    import torch
+
+    from tiermoe.bench.records import random_records
+    from tiermoe.kernels.layout import expert_layout
+    from tiermoe.store.records import RecordLayout
+
+    g = args.group_size if kind != "bf16" else None
+    layout = RecordLayout.build(kind, args.hidden, args.inter, g)  # UserError on a shape that does not tile
+    klay = expert_layout(kind, args.hidden, args.inter, g or 0)
+    n = max(args.experts + 1, int(args.pool_gb * 2**30 // layout.length))
+    return layout, random_records(klay, n, torch.device("cpu"), torch.Generator().manual_seed(0))
+
+
+def _store_pool(path: str, args):
+    """(store RecordLayout, uint8 [n, R] records read from the store) of about --pool-gb GiB."""
+    import numpy as np
+    import torch
+
+    from tiermoe.store.records import check_experts_file, load_manifest
+
+    m = load_manifest(path)
+    check_experts_file(m)
+    layout = m.layout
+    n = min(len(m.records), max(args.experts + 1, int(args.pool_gb * 2**30 // layout.length)))
+    raw = np.memmap(m.experts_path, dtype=np.uint8, mode="r")
+    pool = torch.empty(n, layout.length, dtype=torch.uint8)  # [n, R]
+    for i, r in enumerate(m.records[:n]):
+        pool[i].numpy()[:] = raw[r.offset : r.offset + layout.length]
+    return layout, pool
+
+
+def host_read_gbs(pool, threads: int, seconds: float) -> float:
+    """GB/s of a `threads`-thread read of every byte of `pool` (best of the passes in `seconds`)."""
+    import torch
+
+    flat = pool.view(-1)
+    words = flat[: flat.numel() // 8 * 8].view(torch.int64)  # integer sums: no denormal stalls
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        best, t_end = 0.0, time.perf_counter() + seconds
+        while True:
+            t0 = time.perf_counter()
+            words.sum()
+            best = max(best, words.numel() * 8 / (time.perf_counter() - t0) / 1e9)
+            if time.perf_counter() > t_end:
+                return best
+    finally:
+        torch.set_num_threads(prev)
+
+
+def lane_cell(layout, pool, threads: int, tokens: int, experts: int, seconds: float) -> dict:
+    """Time CpuLane.compute with `threads` threads on `experts` records of `pool` per call, each
+    routed by all `tokens` tokens; the records change every call (cycled through the pool)."""
+    import torch
+
+    from tiermoe.kernels.layout import expert_layout
+    from tiermoe.moe.cpu_lane import CpuLane
+
+    weight_bytes = expert_layout(layout.kind, layout.hidden, layout.intermediate, layout.group_size or 0).weight_bytes
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, layout.hidden, generator=gen).to(torch.bfloat16)  # [T, H]
+    weights = torch.full((tokens, experts), 1.0 / experts)  # [T, experts]
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)  # compute() runs in this thread
+    lane = CpuLane(layout, max_experts=experts, max_tokens=tokens, threads=threads, act_dtype=torch.bfloat16)
+    n, calls, cursor = pool.shape[0], 0, 0
+    try:
+        def call():
+            nonlocal cursor
+            picked = [(cursor + e) % n for e in range(experts)]  # expert id = record index in the pool
+            cursor = (cursor + experts) % n
+            ids = torch.tensor(picked, dtype=torch.int32).repeat(tokens, 1)  # [T, experts]: every token picks all
+            return lane.compute(0, x, ids, weights, {e: pool[e] for e in picked})
+
+        call()  # warm-up: first-use costs (thread start, kernel load) are not the lane's rate
+        c0 = dict(lane.c.as_dict())
+        t0 = time.perf_counter()
+        while True:
+            call()
+            calls += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= seconds and calls >= 2:
+                break
+        counters = lane.counters(calls * tokens)
+    finally:
+        lane.close()
+        torch.set_num_threads(prev)
+    done = calls * experts
+    return {"threads": threads, "tokens": tokens, "experts_per_call": experts, "calls": calls,
+            "gbs": done * weight_bytes / elapsed / 1e9, "ms_per_expert": elapsed / done * 1e3,
+            "repacks_per_expert": (counters.get("repacks", 0) - c0.get("repacks", 0)) / done,
+            "kernel": counters.get("kernel")}
+
+
+def run_lane_bench(args) -> dict:
+    import torch
+
+    kinds, threads, tokens = _check(args)
+    pools = [_store_pool(args.store, args)] if args.store else [_synthetic_pool(k, args) for k in kinds]
+    host = {}
+    for t in threads:
+        host[t] = max(host_read_gbs(p, t, args.seconds) for _, p in pools)
+    rows = []
+    for layout, pool in pools:
+        for t in threads:
+            for n_tok in tokens:
+                cell = lane_cell(layout, pool, t, n_tok, args.experts, args.seconds)
+                cell.update(kind=layout.kind, host_read_gbs=host[t], share_of_host=cell["gbs"] / host[t])
+                rows.append(cell)
+                print(_row_line(cell), flush=True)
+    layout = pools[0][0]
+    return {"shape": {"hidden": layout.hidden, "inter": layout.intermediate, "group_size": layout.group_size},
+            "store": args.store, "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+            "host_read_gbs": {str(t): g for t, g in host.items()}, "rows": rows}
+
+
+HEADER = "kind  threads  tokens   lane GB/s  ms/expert  host read GB/s  lane/host  repacks/expert  kernel"
+
+
+def _row_line(r: dict) -> str:
+    return (f"{r['kind']:<5} {r['threads']:>7} {r['tokens']:>7} {r['gbs']:>11.2f} {r['ms_per_expert']:>10.3f} "
+            f"{r['host_read_gbs']:>15.1f} {r['share_of_host']:>10.0%} {r['repacks_per_expert']:>15.2f}  {r['kernel']}")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tiermoe.bench.results import envelope, write_json
+
+    print(HEADER, flush=True)
+    result = run_lane_bench(args)
+    write_json(envelope("lane", **result), args.out)
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
