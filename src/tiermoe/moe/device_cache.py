@@ -47,26 +47,31 @@ captured in decode graphs too):
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Hashable, Sequence
 
 import torch
 
 from tiermoe.moe.prefill_staging import STAGE_TOKENS, PrefillStaging, SlotLender, lend_share
 from tiermoe.moe.store_backends import StoreBackend
+from tiermoe.store.slot_split import split_by_popularity
 
 STAGE_PICKS = 4  # staged (not admitted) misses per step are bounded by top_k x this many tokens
 
 
 def split_budget(slots: int, experts: list[int], top_k: int, max_tokens: int,
-                 stage_misses: bool = True) -> tuple[int, list[int]]:
+                 stage_misses: bool = True, rates: Sequence[Sequence[float]] | None = None) -> tuple[int, list[int]]:
     """(staging rows, slots of each layer) for a GPU budget of `slots` records over MoE layers
     of `experts[i]` routed experts: staging rows for the misses the filter does not admit
     (shared by all layers: stream order) come out of the budget first, at most half of it; the
-    rest is split evenly over the layers."""
+    rest goes to the layers by popularity (`store.slot_split`; rates[i][e]: expected picks of
+    layer i's expert e; None or uniform rates: evenly)."""
     want_stage = top_k * max(1, min(int(max_tokens), STAGE_PICKS)) if stage_misses else 0
     stage_rows = min(want_stage, max(0, int(slots)) // 2) if experts else 0
-    per_layer, extra = divmod(max(0, int(slots) - stage_rows), max(1, len(experts)))
-    return stage_rows, [min(n, per_layer + (1 if i < extra else 0)) for i, n in enumerate(experts)]
+    if rates is None:
+        rates = [[1.0] * n for n in experts]
+    if [len(r) for r in rates] != list(experts):
+        raise ValueError("split_budget: one rate per routed expert of every layer")
+    return stage_rows, split_by_popularity(int(slots) - stage_rows, rates)
 
 
 def prefill_plan(experts: list[int], slots_per_layer: list[int], prefill_rows: int | None,
@@ -124,7 +129,8 @@ class DeviceCacheExperts(StoreBackend):
                 raise ValueError(f"layer {layer}: the host tier does not hold every routed expert")
             all_entries[layer] = entries
         counts = [len(all_entries[layer]) for layer in layers]
-        self.stage_rows, per_layer = split_budget(slots, counts, self.top_k, max_tokens, stage_misses)
+        rates_of = [[float(rates.get(store.key(layer, e), 0.0)) for e in range(n)] for layer, n in zip(layers, counts)]
+        self.stage_rows, per_layer = split_budget(slots, counts, self.top_k, max_tokens, stage_misses, rates_of)
         self.slots_per_layer: dict[int, int] = dict(zip(layers, per_layer))
         self.scratch = torch.empty(max(1, self.stage_rows), r, dtype=torch.uint8, device=dev)
         self.caches: dict[int, ExpertCache] = {}
@@ -158,7 +164,7 @@ class DeviceCacheExperts(StoreBackend):
             slot_addr = (self.arena.data_ptr() + arena_rows * r).to(dev)  # [s] int64
             cache = ExpertCache(host_addr, slot_addr, s, r, max_picks=self.max_picks,
                                 scratch_base=self.scratch.data_ptr(), scratch_slots=self.stage_rows, lane_max=lane_cap)
-            layer_rates = torch.tensor([float(rates.get(store.key(layer, e), 0.0)) for e in range(n)])  # [E]
+            layer_rates = torch.tensor(rates_of[layers.index(layer)])  # [E] expected picks per token
             order = torch.argsort(layer_rates, descending=True, stable=True).tolist()
             for e, slot in cache.warm_start(order[:s]):
                 self.arena[int(arena_rows[slot])].copy_(entries[e])

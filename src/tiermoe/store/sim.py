@@ -8,7 +8,7 @@ policies converge to the static optimum. All layers share one slot pool of N slo
 (layer, expert)); an optional host tier of M experts sits below it with the same policy and
 the exact tier rules the store uses (residency.py). "belady" is the offline optimum for the
 slot tier on the same trace (with bypass), a lower bound on slot misses. "device" is the GPU
-device cache's own policy (sim_device.py): slots split evenly over the layers, as served.
+device cache's own policy (sim_device.py): slots split over the layers by popularity, as served.
 A recorded routing trace (`--trace`) replaces the sampled one, keeping its temporal locality.
 """
 
@@ -221,5 +221,5 @@ def format_results(results: list[SimResult], *, slots: int, host_experts: int, p
         lines.append(f"{r.policy:<8}{r.slot_hits:>11.1f}{miss:>13.1f}{host}{disk}{r.slot_hits / picks:>12.1%}")
     lines.append(f"per token; {picks} picks/token, {slots} slots shared by all layers, {host_experts} host experts")
     if any(r.policy == "device" for r in results):
-        lines.append("device: the GPU device cache's policy, slots split evenly over the layers, no host tier")
+        lines.append("device: the GPU device cache's policy, slots split over the layers by popularity, no host tier")
     return "\n".join(lines)

@@ -1,8 +1,9 @@
 """The device cache's own policy in `tiermoe sim`: per-layer CLOCK with the frequency filter.
 
 The serving engine's GPU slot cache (`kernels/triton/cache_manager.py`) decides admissions on
-the device, one layer at a time, with slots split evenly over the layers, a warm start from
-the statistics and an admission filter on decayed pick frequencies. The shared-pool policies of
+the device, one layer at a time, with a warm start from the statistics and an admission filter
+on decayed pick frequencies; its slots are split over the layers by popularity
+(`store.slot_split`). The shared-pool policies of
 `store/sim.py` cannot say how close that policy comes to the bounds, so this runs the policy's
 plain-torch twin (`kernels.reference.cache_step_ref`, tested bit for bit against the kernel)
 on the same picks: the simulated hits are the ones the kernel would count.
@@ -11,6 +12,9 @@ on the same picks: the simulated hits are the ones the kernel would count.
 from __future__ import annotations
 
 import numpy as np
+
+from tiermoe.kernels.cache_policy import DECAY_SHIFT
+from tiermoe.store.slot_split import split_by_popularity
 
 
 def _layer_state(n_experts: int, n_slots: int, rates: np.ndarray, decay_shift: int):
@@ -38,11 +42,12 @@ def _layer_state(n_experts: int, n_slots: int, rates: np.ndarray, decay_shift: i
 
 
 def run_device_policy(trace: np.ndarray, slots: int, warmup: int, rates: np.ndarray | None,
-                      decay_shift: int = 8) -> tuple[float, float]:
+                      decay_shift: int = DECAY_SHIFT) -> tuple[float, float]:
     """trace int64 [T, L, k] of per-layer expert ids; rates [L, E] expected picks per token.
 
     Returns per-token (slot hits, slot misses) over the tokens after `warmup`, one decode step
-    of one token at a time (batch 1), `slots` split evenly over the L layers as the engine does.
+    of one token at a time (batch 1), `slots` split over the L layers by popularity as the engine
+    splits them (evenly without rates).
     """
     import torch
 
@@ -50,12 +55,12 @@ def run_device_policy(trace: np.ndarray, slots: int, warmup: int, rates: np.ndar
 
     n_tok, n_layers, _ = trace.shape
     n_experts = int(rates.shape[1]) if rates is not None else int(trace.max()) + 1
-    per_layer, extra = divmod(max(0, slots), max(1, n_layers))
+    split_rates = rates if rates is not None else np.ones((n_layers, n_experts))
+    per_layer = split_by_popularity(slots, [list(r) for r in split_rates])
     states = []
     for i in range(n_layers):
-        s = min(n_experts, per_layer + (1 if i < extra else 0))
         layer_rates = rates[i] if rates is not None else np.zeros(n_experts)
-        states.append(_layer_state(n_experts, s, layer_rates, decay_shift))
+        states.append(_layer_state(n_experts, per_layer[i], layer_rates, decay_shift))
     hits = lookups = 0
     ids = torch.from_numpy(np.ascontiguousarray(trace))  # [T, L, k]
     for t in range(n_tok):

@@ -59,6 +59,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tiermoe.kernels.cache_policy import DECAY_SHIFT
+
 
 @triton.jit
 def _cache_step_kernel(
@@ -253,7 +255,7 @@ class ExpertCache:
         admit_max: int | None = None,
         max_picks: int = 128,
         admission_filter: bool = True,
-        decay_shift: int = 8,
+        decay_shift: int = DECAY_SHIFT,
         scratch_base: int = 0,
         scratch_slots: int = 0,
         lane_max: int = 0,
