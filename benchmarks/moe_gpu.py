@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "them in place")
     p.add_argument("--tune", action="store_true", help="tune launch configs first (written next to --out)")
     p.add_argument("--stats", default=str(REAL_STATS), help="per-layer expert pick counts (JSON)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and routing")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (runs on CPU through the Triton interpreter)")
     p.add_argument("--out", default=None, help="write the result JSON here")
 

@@ -399,7 +399,12 @@ def _handle(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("doctor", help="check this machine and print what tiermoe will do here")
+    p = subparsers.add_parser("doctor", help="check this machine and print what tiermoe will do here",
+                              description="Measure what decides where experts can live here (GPU and VRAM, "
+                                          "available RAM under any cgroup limit, the memlock limit, CPU vector "
+                                          "features, O_DIRECT support and read speed of the cache disk) and print "
+                                          "the plan that follows. A check that cannot run says why; it never "
+                                          "fails on a missing capability.")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--dir", default=None, help="directory for the disk test (default: tiermoe's cache dir)")
     p.add_argument("--disk-mib", type=int, default=64, help="size of the disk read test file in MiB (0: skip)")

@@ -101,7 +101,8 @@ def _add_sweep(sub) -> None:
         default=None,
         help="tokens before the C1-after-long-prompt run (default: largest prefill size; 0 skips)",
     )
-    p.add_argument("--prefill-endpoint", choices=("auto", "completions", "chat"), default="auto")
+    p.add_argument("--prefill-endpoint", choices=("auto", "completions", "chat"), default="auto",
+                   help="endpoint of the prefill measurements (auto: completions where the server has it)")
     p.set_defaults(handler=_run_sweep)
 
 
@@ -224,7 +225,7 @@ def _add_panel(sub) -> None:
     mk.add_argument("--prompts", default=None, help="prompts .json/.jsonl (default: a built-in set)")
     mk.add_argument("--max-tokens", type=_positive(int), default=64, help="completion length per prompt")
     mk.add_argument("--top-logprobs", type=int, default=20, help="alternatives recorded per position")
-    mk.add_argument("--concurrency", type=_positive(int), default=4)
+    mk.add_argument("--concurrency", type=_positive(int), default=4, help="requests in flight at once")
     mk.add_argument("--no-token-ids", action="store_true", help="do not record token ids (return_tokens_as_token_ids)")
     mk.set_defaults(handler=_run_panel_make)
     sc = psub.add_parser("score", help="teacher-forced top-1 agreement, KL and greedy match vs a panel")
@@ -304,15 +305,16 @@ def _add_floor(sub) -> None:
     d = Bandwidths()
     p = sub.add_parser("floor", help="decode ms/token floor of a tier plan from bandwidths")
     p.add_argument("--bytes-per-expert", required=True, help="e.g. 13.4MB, 9.44MB, 9MiB")
-    p.add_argument("--top-k", type=_positive(int), required=True)
-    p.add_argument("--moe-layers", type=_positive(int), required=True)
+    p.add_argument("--top-k", type=_positive(int), required=True, help="routed experts per token per layer")
+    p.add_argument("--moe-layers", type=_positive(int), required=True, help="MoE layers of the model")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--hits", help="expert reads per token per tier, e.g. gpu=120,ram=175,disk=23")
     g.add_argument("--fractions", help="share of top_k x layers reads per tier, e.g. gpu=0.385,ram=0.615")
-    p.add_argument("--hbm-gbs", type=_positive(float), default=d.hbm_gbs)
-    p.add_argument("--pcie-gbs", type=_positive(float), default=d.pcie_gbs)
+    p.add_argument("--hbm-gbs", type=_positive(float), default=d.hbm_gbs, help="GPU memory GB/s (slot hits)")
+    p.add_argument("--pcie-gbs", type=_positive(float), default=d.pcie_gbs,
+                   help="host-to-GPU GB/s (host hits, disk reads)")
     p.add_argument("--cpu-gbs", type=_positive(float), default=d.cpu_gbs, help="CPU-lane expert-weight GB/s")
-    p.add_argument("--disk-gbs", type=_positive(float), default=d.disk_gbs)
+    p.add_argument("--disk-gbs", type=_positive(float), default=d.disk_gbs, help="disk read GB/s (O_DIRECT)")
     p.add_argument("--host-gbs", type=_positive(float), default=None, help="shared host-RAM read GB/s (optional lane)")
     p.add_argument("--non-moe-ms", type=float, default=0.0, help="measured non-MoE ms per token")
     p.add_argument("--balance-host", action="store_true", help="split ram+cpu reads optimally between PCIe and CPU")

@@ -20,9 +20,9 @@ def register(bench_subparsers) -> None:
     src.add_argument("--model", help="checkpoint directory or packed store")
     src.add_argument("--tiny", metavar="ARCH", help="a tiny random checkpoint of ARCH")
     add_engine_args(p, model_positional=True)
-    p.add_argument("--batch-sizes", default="1,4")
+    p.add_argument("--batch-sizes", default="1,4", help="comma-separated batch sizes to measure")
     p.add_argument("--tokens", type=int, default=64, help="decode tokens per sequence")
-    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence")
     p.add_argument("--out", help="write the figures as JSON")
     p.set_defaults(handler=_run)
 

@@ -21,12 +21,12 @@ from tiermoe.errors import UserError
 
 def register(bench_subparsers) -> None:
     p = bench_subparsers.add_parser("tune-moe", help="tune the fused MoE kernel for one expert record shape (CUDA)")
-    p.add_argument("--hidden", type=int, required=True)
+    p.add_argument("--hidden", type=int, required=True, help="hidden size of the model")
     p.add_argument("--inter", type=int, required=True, help="intermediate size of one expert")
     p.add_argument("--experts", type=int, default=64, help="experts to build (routing spreads over them)")
-    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=8, help="routed experts per token")
     p.add_argument("--group-size", type=int, default=128, help="int4/int8 scale group size of the store")
-    p.add_argument("--kind", choices=("int4", "int8", "bf16"), default="int4")
+    p.add_argument("--kind", choices=("int4", "int8", "bf16"), default="int4", help="expert record format")
     p.add_argument("--prefill-tokens", type=int, default=4096, help="tokens of the prefill bucket's timing")
     p.add_argument("--time-budget", type=float, default=120.0, help="seconds of search")
     p.add_argument("--out", default=None, help="configs JSON to write (default: the package's configs.json)")

@@ -12,18 +12,23 @@ import sys
 def register(subparsers) -> None:
     from tiermoe.engine.build import add_engine_args
 
-    p = subparsers.add_parser("generate", help="complete one prompt and print the completion")
+    p = subparsers.add_parser("generate", help="complete one prompt and print the completion",
+                              description="Load the model, complete --prompt (as one user message through the chat "
+                                          "template, or --raw) and print only the completion's text; logs and "
+                                          "errors go to stderr.")
     add_engine_args(p)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template to the prompt")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest token set of this mass")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this share of the likeliest one")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="penalize tokens already seen, HF style (1: off; above 1 penalizes)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="subtract from logits of tokens already seen")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times each token's count so far from its logit")
     p.set_defaults(handler=_run)
 
 

@@ -14,7 +14,7 @@ def register(subparsers) -> None:
     src.add_argument("--model", help="checkpoint directory or packed store")
     src.add_argument("--tiny", metavar="ARCH", help="a tiny random checkpoint of ARCH, written to a temp dir")
     par.add_argument("--reference", help="reference checkpoint for transformers (default: --model)")
-    par.add_argument("--device", default=None)
+    par.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     par.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
     par.add_argument("--chunk", type=int, default=32, help="prefill chunk size of our engine (tokens)")
     par.set_defaults(handler=_parity)
@@ -45,7 +45,7 @@ def _parity(args) -> int:
 def _register_tiers(sub) -> None:
     t = sub.add_parser("tiers", help="bit-identical logits across expert tier sizes of a packed store")
     t.add_argument("--model", required=True, help="packed store directory")
-    t.add_argument("--device", default=None)
+    t.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     t.add_argument("--gpu-fractions", default="1.0,0.1,0.0", help="shares of all experts in device slots")
     t.add_argument("--host-fractions", default="all,0.1,0.0",
                    help="shares of all experts in host RAM ('all' = default sizing)")

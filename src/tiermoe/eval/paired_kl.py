@@ -30,7 +30,7 @@ def register_paired_kl(sub) -> None:
     p.add_argument("--tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
     p.add_argument("--prompts", nargs="+", default=None, metavar="TEXT",
                    help="prompt texts (default: a fixed set of 4)")
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default="auto", help="activation dtype: auto, bfloat16, float16, float32")
     from tiermoe.engine.build import add_store_args
 

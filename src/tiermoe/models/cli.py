@@ -6,11 +6,15 @@ from __future__ import annotations
 def register(subparsers) -> None:
     from tiermoe.models.registry import TINY_ARCHS
 
-    p = subparsers.add_parser("tiny", help="write a small seeded random checkpoint of ARCH")
+    p = subparsers.add_parser("tiny", help="write a small seeded random checkpoint of ARCH",
+                              description="Write a small checkpoint of ARCH with seeded random weights and a tiny "
+                                          "tokenizer to OUT_DIR: a model every command can load in seconds on a "
+                                          "CPU, for trying `serve`, `pack`, `plan` and `generate` without a "
+                                          "download (its text is gibberish).")
     p.add_argument("arch", metavar="ARCH", help=f"one of: {', '.join(TINY_ARCHS)}")
-    p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (config.json, safetensors, tokenizer)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weight dtype")
     p.add_argument("--distill-mtp", action="store_true",
                    help="glm5_next: train the MTP layer on the trunk's own predictions (CPU, under a minute)")
     p.set_defaults(handler=_run)
