@@ -40,7 +40,7 @@ get() { "$py" -c \
 flags=(--gpu-expert-gb 10.125 --host-expert-gb 31.38 --max-num-batched-tokens 4096 --dtype bfloat16)
 # REPLAY=1 (default): the routers' picks come from the real GLM-5.3-Flash statistics written beside
 # the model (a random model's own routing hits 95 % of the slots, the real one under 40 %)
-[ "${REPLAY:-1}" = 1 ] && flags+=(--routing-replay "$store/expert-stats.json")
+[ "${REPLAY:-1}" = 1 ] && flags+=(--routing-replay "$store/expert-stats.json" --expert-stats "$store/expert-stats.json")
 
 want() { [[ " ${STEPS:-tests tune store serve profile} " == *" $1 "* ]]; }
 

@@ -11,7 +11,8 @@
 #   glm        scripts/synth_glm_store.py: GLM-5.3-Flash MoE shape, as many MoE layers as disk and RAM
 #              hold (at least 12; GLM_LAYERS overrides), written with the real statistics beside it
 #   serve-glm  per budget in BUDGETS (share of expert bytes on the GPU) and mode in MODES: tiermoe serve
-#              with --routing-replay (picks drawn from the real per-layer statistics), a short warm-up
+#              with --routing-replay (picks drawn from the real per-layer statistics) and --expert-stats
+#              on the same file (the warm start a user of the real model gives it), a short warm-up
 #              sweep, then `tiermoe bench sweep` (prefill 4k, decode C1 and C4) with /stats before/after
 #   qwen       the Qwen3-235B-shaped side-by-side store of results section 13 (24 layers), after the GLM
 #              store is removed (the disk holds one at a time); serve-qwen as serve-glm
@@ -100,7 +101,8 @@ serve_matrix() {  # NAME STORE STATS EXTRA_FLAGS...
       log "$tag: serve (--gpu-expert-gb $gb of $expert_gb GiB of experts, --mode $mode, replay $stats)"
       "$PY" -m tiermoe.cli serve "$store" --host 127.0.0.1 --port 8121 --served-model-name "$name" \
         --max-model-len "$MAX_MODEL_LEN" --max-num-seqs 4 --max-num-batched-tokens 4096 --dtype bfloat16 \
-        --gpu-expert-gb "$gb" --mode "$mode" --routing-replay "$stats" $SERVE_ARGS "$@" > "$WORK/server-$tag.log" 2>&1 &
+        --gpu-expert-gb "$gb" --mode "$mode" --routing-replay "$stats" --expert-stats "$stats" $SERVE_ARGS "$@" \
+        > "$WORK/server-$tag.log" 2>&1 &
       local pid=$! ok=0
       for _ in $(seq 1 200); do
         get http://127.0.0.1:8121/health > /dev/null 2>&1 && { ok=1; break; }

@@ -343,7 +343,8 @@ run_tiermoe() {  # run_tiermoe MODE[@VARIANT]  (storepath: --device-cache off; e
   local cmd=("$PY" -m tiermoe.cli serve "$STORE_DIR/store" --host 127.0.0.1 --port $port --served-model-name "$NAME"
     --max-model-len "$CTX" --max-num-seqs "$NP" --max-num-batched-tokens "$UBATCH" --gpu-expert-gb "$gpu_gb"
     --host-expert-gb "$host_gb" --mode "$mode" --cpu-lane-threads "$THREADS" $dio $vargs $TIERMOE_EXTRA_ARGS)
-  [ "$REPLAY" = 1 ] && cmd+=(--routing-replay "$STORE_DIR/expert-stats.json")
+  [ "$REPLAY" = 1 ] && cmd+=(--routing-replay "$STORE_DIR/expert-stats.json" \
+    --expert-stats "$STORE_DIR/expert-stats.json")  # the same statistics warm-start the slot cache
   echo "tiermoe ${cmd[*]:3}" > "$RES/cmd-$label.txt"
   log "$label: --gpu-expert-gb $gpu_gb --host-expert-gb $host_gb"
   local vpid t0=$SECONDS
