@@ -1,19 +1,4 @@
-"""Kernel tests run on CPU through Triton's interpreter (chosen before triton is imported).
+"""Kernel tests run on CPU through Triton's interpreter (testkit/kernel_device.py chooses it before
+triton is imported); TIERMOE_KERNEL_TESTS_ON_GPU=1 runs the same tests compiled on a CUDA device."""
 
-Set TIERMOE_KERNEL_TESTS_ON_GPU=1 to run the same tests compiled on a CUDA device instead.
-"""
-
-import os
-
-if os.environ.get("TIERMOE_KERNEL_TESTS_ON_GPU") != "1":
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-
-@pytest.fixture
-def device() -> torch.device:
-    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda")
+from testkit.kernel_device import device  # noqa: F401  (the fixture)
