@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum |
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test install
+.PHONY: serve test install chromium
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,5 +24,16 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/tiermoe serve --host $(HOST) --port $(PORT) $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# Headless Chromium for the web page's browser test (tests/server/test_web_browser.py), from Debian's
+# packages, installed once where apt-get runs as root; elsewhere that test skips and says why.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's chromium for the browser test (apt-get, once)"; \
+	    log=$$( { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends chromium; } 2>&1 ) || { echo "$$log" | tail -n 5; \
+	      echo "chromium could not be installed: the browser test will say so"; }; \
+	  else echo "no chromium and no apt-get as root: the browser test will skip (install Debian's chromium)"; fi; }
