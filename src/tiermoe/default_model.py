@@ -122,8 +122,31 @@ def ensure_default_model(
     target = default_model_dir(dtype=dtype, experts_per_layer=experts_per_layer, top_k=top_k)
     if is_complete(target):
         return target
+    return convert_once(embedded_gguf_path(), target, label=f"the embedded default model {MODEL_NAME}",
+                        ready="default model ready", dtype=dtype, experts_per_layer=experts_per_layer, top_k=top_k,
+                        progress=progress)
+
+
+def convert_once(
+    source: Path,
+    target: Path,
+    *,
+    label: str,
+    ready: str,
+    dtype: str = "bfloat16",
+    experts_per_layer: int = 8,
+    top_k: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
+    """Convert the GGUF `source` into the cache directory `target` unless a complete copy is there.
+
+    The embedded default model and a GGUF file named on the command line (model_source.py) share
+    this, so both get the lock (concurrent first starts wait for one conversion), the partial
+    directory (an interrupted conversion leaves nothing half-written) and the progress lines.
+    """
+    if is_complete(target):
+        return target
     say = progress or (lambda msg: print(f"tiermoe: {msg}", file=sys.stderr, flush=True))
-    source = embedded_gguf_path()
     lock_path = target.parent / f".{target.name}.lock"
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -138,11 +161,11 @@ def ensure_default_model(
             if is_complete(target):
                 return target
             _remove_leftovers(target)
-            say(f"converting the embedded default model {MODEL_NAME} into {target} (once)")
+            say(f"converting {label} into {target} (once)")
             from tiermoe.importers.gguf import gguf_to_hf
 
             gguf_to_hf(source, target, dtype=dtype, experts_per_layer=experts_per_layer, top_k=top_k)
-            say("default model ready")
+            say(ready)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return target
