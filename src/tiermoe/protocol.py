@@ -107,6 +107,11 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
+# RequestOutput.error_code of a request that failed because the expert store failed a check (a
+# record's checksum, an I/O error): the server answers it with 503 and turns /health unhealthy.
+STORE_ERROR = "store_error"
+
+
 @dataclass
 class RequestOutput:
     """What one engine step produced for one request (only the new tokens)."""
@@ -123,6 +128,7 @@ class RequestOutput:
     # Only in a request's first output, when SamplingParams.prompt_logprobs was set: one entry
     # per prompt token (its logprob given the tokens before it), None for the first token.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    error_code: str | None = None  # with an error: STORE_ERROR when the expert store failed a check
 
 
 # Structured output request carried to the sampler: {"type": "json_object"} or

@@ -19,7 +19,9 @@ taking the GIL from the engine thread in the middle of building and launching th
 Failure containment: an exception from `add_request` fails that request only; an exception
 from `step()` fails the requests it names through an `request_ids` attribute, or else every
 request the core was running (they are aborted in the core so their pages are freed). Either
-way the thread keeps serving; affected streams end with finish_reason "error".
+way the thread keeps serving; affected streams end with finish_reason "error". An output whose
+error is the expert store's (error_code STORE_ERROR) also sets `store_fault`, which stays: the
+files under the server are damaged, so /health reports it until the server is restarted.
 
 Shutdown drains: new requests are refused (`EngineShutdown`), in-flight ones run to the end
 (or until the drain timeout, after which they are aborted), then the thread stops.
@@ -43,7 +45,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from tiermoe.protocol import InvalidRequest, RequestOutput, SamplingParams
+from tiermoe.errors import StoreError
+from tiermoe.protocol import STORE_ERROR, InvalidRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger("tiermoe.engine")
 
@@ -123,6 +126,7 @@ def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         cached_tokens=b.cached_tokens or a.cached_tokens,
         error=b.error,
         prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+        error_code=b.error_code,
     )
 
 
@@ -206,6 +210,7 @@ class AsyncEngine:
             core.device_wait_hook = self._release_held
         self.steps = 0
         self.step_errors = 0
+        self.store_fault: str | None = None  # the first expert-store failure seen (module doc)
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -335,6 +340,8 @@ class AsyncEngine:
     # ---- event-loop side of the thread -------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
+            if out.error_code == STORE_ERROR and self.store_fault is None:
+                self.store_fault = out.error or "the expert store failed a check"
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted meanwhile
@@ -463,7 +470,9 @@ class AsyncEngine:
                 except Exception:
                     log.exception("abort after failed step failed for %s", rid)
             msg = f"engine error: {exc}" if str(exc) else f"engine error: {type(exc).__name__}"
-            failed = [RequestOutput(r, [], finished=True, finish_reason="error", error=msg) for r in victims]
+            code = STORE_ERROR if isinstance(exc, StoreError) else None
+            failed = [RequestOutput(r, [], finished=True, finish_reason="error", error=msg, error_code=code)
+                      for r in victims]
             self._post(self._deliver, failed)
             return
         self._release_held()  # the hook did not run (no device wait in that step)

@@ -3,7 +3,9 @@
 add_request / abort_request may be called from another thread (the async bridge); they only
 enqueue. step() drains the queues, schedules, runs one forward pass and returns the new
 tokens of every request that produced one. A failure inside a forward pass fails the requests
-of that step (finish_reason "error") and the engine keeps serving the rest.
+of that step (finish_reason "error") and the engine keeps serving the rest. A store that fails
+a check (StoreError: a record's checksum, an I/O error) is logged as one line, not a traceback
+(the message names the record and `tiermoe verify`), and its outputs carry STORE_ERROR.
 
 Structured output: a request with `params.structured` gets a grammar matcher when it is added
 (a grammar that does not compile is an InvalidRequest); the runner masks its logits each step
@@ -24,8 +26,8 @@ import time
 from collections import deque
 from typing import Callable
 
-from tiermoe.protocol import InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
-from tiermoe.errors import UserError
+from tiermoe.protocol import STORE_ERROR, InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
+from tiermoe.errors import StoreError, UserError
 from tiermoe.runner.model_runner import ModelRunner
 from tiermoe.scheduler.kv_pages import KVPages
 from tiermoe.scheduler.request import Request
@@ -138,11 +140,15 @@ class LLMEngine:
                                                          on_queued=self.device_wait_hook)
             self.runner.check_step()
         except Exception as exc:  # fail this step's requests, keep serving the others
-            log.exception("forward pass failed")
-            self.counters["errors"] += 1
             message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            code = STORE_ERROR if isinstance(exc, StoreError) else None
+            if code:
+                log.error("forward pass failed: %s", message)
+            else:
+                log.exception("forward pass failed")
+            self.counters["errors"] += 1
             for req, _ in batch.items:
-                outputs.append(self._finish(req, "error", error=message))
+                outputs.append(self._finish(req, "error", error=message, error_code=code))
             return outputs
         for req, n in batch.items:
             self.scheduler.commit(req, len(verified[req.request_id]) if req.request_id in verified else n)
@@ -207,17 +213,19 @@ class LLMEngine:
         return outputs
 
     def _finish(self, req: Request, reason: str, new_ids=None, logprobs=None, error: str | None = None,
-                prompt_logprobs=None) -> RequestOutput:
+                prompt_logprobs=None, error_code: str | None = None) -> RequestOutput:
         self.scheduler.finish(req, reason)
         self._prompt_logprobs_done(req)
         self.runner.release(req)
         with self._lock:
             self._live.pop(req.request_id, None)
-        return self._output(req, new_ids or [], logprobs, True, reason, error, prompt_logprobs)
+        out = self._output(req, new_ids or [], logprobs, True, reason, error, prompt_logprobs)
+        out.error_code = error_code
+        return out
 
     def _output(self, req, new_ids, logprobs, finished, reason, error=None, prompt_logprobs=None) -> RequestOutput:
         return RequestOutput(req.request_id, new_ids, finished, reason, logprobs, len(req.prompt_ids),
-                             len(req.output_ids), req.cached_tokens, error, prompt_logprobs)
+                             len(req.output_ids), req.cached_tokens, error, prompt_logprobs=prompt_logprobs)
 
     def _prompt_logprobs_done(self, req: Request) -> list | None:
         """The request's prompt logprobs (once); afterwards its prefix may come from the cache."""

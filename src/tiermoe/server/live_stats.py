@@ -22,6 +22,9 @@ in the interval, no CPU lane):
   cpu_lane_busy           share of the interval the CPU lane's workers were computing
   floor_fraction          decode rate x the engine's floor (s per token), where the engine
                           reports one as `decode_floor_s_per_token`; none does today, so null
+
+The same snapshots, taken every STATS_LOG_INTERVAL_S by `ThroughputLog`, make the server log's
+periodic throughput line (access_log.py).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import logging
 import time
 from typing import AsyncIterator
 
+from tiermoe.server.access_log import STATS_LOG_INTERVAL_S, stats_log
 from tiermoe.server.metrics import expert_tiers
 from tiermoe.server.streaming import sse
 
@@ -213,3 +217,66 @@ class LiveStats:
         tick, self._tick = self._tick, asyncio.Event()
         if tick is not None:
             tick.set()
+
+
+def throughput_line(snap: dict) -> str:
+    """vLLM's periodic line from one live_stats.compact snapshot."""
+    def num(key: str) -> float:
+        return snap.get(key) or 0.0
+
+    line = (f"Avg prompt throughput: {num('prompt_tok_s'):.1f} tokens/s, Avg generation throughput: "
+            f"{num('tok_s'):.1f} tokens/s, Running: {int(num('running'))} reqs, Waiting: {int(num('waiting'))} reqs")
+    if snap.get("kv_usage") is not None:
+        line += f", KV cache usage: {100 * snap['kv_usage']:.1f}%"
+    hits = snap.get("hits_per_token")
+    if hits:
+        host, disk = hits.get("host") or 0.0, hits.get("disk") or 0.0
+        line += (f", Experts per decode token: slot hits {hits.get('slots') or 0:.2f}, slot misses "
+                 f"{host + disk:.2f} (host {host:.2f}, disk {disk:.2f})")
+    return line
+
+
+class ThroughputLog:
+    """The periodic line (module doc): one task per app, started and stopped by its lifespan."""
+
+    def __init__(self, ctx, interval_s: float = STATS_LOG_INTERVAL_S):
+        self.ctx = ctx
+        self.interval_s = interval_s
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _run(self) -> None:
+        prev, was_busy = None, False
+        while True:
+            await asyncio.sleep(self.interval_s)
+            if not stats_log.isEnabledFor(logging.INFO):
+                prev = None
+                continue
+            try:
+                prev, was_busy = await self._tick(prev, was_busy)
+            except Exception:  # a failing stats() must not end the task or the server
+                stats_log.debug("throughput line skipped", exc_info=True)
+
+    async def _tick(self, prev: dict | None, was_busy: bool) -> tuple[dict, bool]:
+        engine = self.ctx.engine
+        stats = await engine.stats()
+        running = engine.num_unfinished - engine.num_waiting
+        server = self.ctx.metrics.summary(stats, running, engine.num_waiting)
+        cur = cumulative(stats, server, time.time())
+        snap = compact(prev, cur, stats, server)
+        busy = bool(snap.get("tok_s") or snap.get("prompt_tok_s") or running or engine.num_waiting)
+        if prev is not None and (busy or was_busy):
+            stats_log.info("%s", throughput_line(snap))
+        return cur, busy

@@ -27,6 +27,8 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from tiermoe.server.access_log import log_finished
+
 disable_created_metrics()  # the *_created series only add noise to every scrape
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
@@ -175,6 +177,8 @@ class Metrics:
         self._recent_itl.append(seconds)
 
     def observe_finish(self, run) -> None:
+        """A choice finished (or was aborted): counters, and its access log line (access_log.py)."""
+        log_finished(run)
         self.finished.labels(run.finish_reason or "unknown").inc()
         self.e2e.observe(time.monotonic() - run.t_submit)
         self.prompt_tokens.inc(run.prompt_tokens)
