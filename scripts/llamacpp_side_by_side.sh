@@ -40,6 +40,9 @@ TIERMOE_EXTRA_ARGS=${TIERMOE_EXTRA_ARGS:-}
 # computes every pick of its CPU layers on the CPU, so its speed does not depend on the picks.
 REPLAY=${REPLAY:-1}
 LLAMA_EXTRA_ARGS=${LLAMA_EXTRA_ARGS:-}
+# MIX_CHECK=1: llama.cpp's decode sweep once more on story requests and on random words (other
+# routed experts), results/mix-*.json: its rate should not depend on which experts are picked
+MIX_CHECK=${MIX_CHECK:-1}
 # llama.cpp's own advice when experts are overridden to the CPU: "tensor overrides to CPU are used
 # with mmap enabled - consider using --load-mode none for better performance" (its log, 2026-12-01)
 LLAMA_LOAD_MODE=${LLAMA_LOAD_MODE:-none}
@@ -325,6 +328,17 @@ measure() {  # measure LABEL URL STATS(0|1) BENCH...: warm-up, sweep into result
   grep -E "prefill|decode" "$LOGS/sweep-$label.log" | sed "s/^/  [$label] /"
 }
 
+mix_check() {  # mix_check LABEL URL BENCH...: the same decode sweep on story requests and on random words
+  local label=$1 url=$2 kind; shift 2
+  for kind in story random; do
+    timeout "$SWEEP_TIMEOUT" "$@" bench sweep --url "$url" --model "$NAME" --prefill-sizes 1k --reps 1 \
+      --concurrency "$CONC" --max-tokens "$MAX_TOKENS" --long-prompt 0 --seed 11 --decode-prompts "$kind" \
+      --out "$RES/mix-$kind-$label.json" > "$LOGS/mix-$kind-$label.log" 2>&1 \
+      || { log "$label: the $kind mix failed (logs/mix-$kind-$label.log)"; return 0; }
+    grep -E "decode" "$LOGS/mix-$kind-$label.log" | sed "s/^/  [$label, $kind prompts] /"
+  done
+}
+
 run_tiermoe() {  # run_tiermoe MODE[@VARIANT]  (storepath: --device-cache off; eager: --enforce-eager)
   local mode=${1%%@*} variant="" port=8101 gpu_gb host_gb dio="" vargs=""
   [ "$1" != "$mode" ] && variant=${1#*@}
@@ -387,6 +401,7 @@ phase_llamacpp() {
     grep -E "model buffer size|KV buffer size|compute buffer size|CUDA0|offloaded" "$LOGS/server-$label.log" \
       > "$RES/llamacpp-buffers.txt"
     measure "$label" "http://127.0.0.1:$port" 0 "$PY" "$ROOT/scripts/sbs/bench_llamacpp.py"
+    [ "$MIX_CHECK" = 1 ] && mix_check "$label" "http://127.0.0.1:$port" "$PY" "$ROOT/scripts/sbs/bench_llamacpp.py"
     timeout 300 $PY "$ROOT/scripts/sbs/greedy.py" record "http://127.0.0.1:$port" "$RES/greedy-$label.json" \
       --model "$NAME" \
       > "$LOGS/greedy-$label.log" 2>&1 || log "greedy record failed (logs/greedy-$label.log)"

@@ -213,3 +213,30 @@ def test_prompt_sizing_survives_a_server_that_refuses_long_texts():
 
     text, n, source = asyncio.run(sized_random_text(random.Random(1), 4096, count))
     assert source == "tokenize" and abs(n - 4096) <= 82 and n == 3 * len(text.split())
+
+
+def test_decode_prompts_random_words_are_another_mix(right_url, tmp_path, capsys):
+    """--decode-prompts random asks each stream to continue 60 seeded random words (other routed
+    experts than story requests): longer prompts, recorded in the config, same seed same words."""
+    import random
+
+    from tiermoe.bench.sweep import decode_prompt
+
+    assert decode_prompt("story", 1, random.Random(0)).startswith("Write a story")
+    a, b = decode_prompt("random", 0, random.Random(5)), decode_prompt("random", 0, random.Random(5))
+    assert a == b and a.startswith("Continue this list of words:") and len(a.split()) > 60
+    assert a != decode_prompt("random", 0, random.Random(6))
+    lengths = {}
+    for kind in ("story", "random"):
+        out = tmp_path / f"{kind}.json"
+        argv = ["sweep", "--url", right_url, "--prefill-sizes", "64", "--reps", "1", "--concurrency", "1,2",
+                "--max-tokens", "4", "--long-prompt", "0", "--seed", "3", "--decode-prompts", kind, "--out", str(out)]
+        rc, text = run_bench(argv, capsys)
+        assert rc == 0, text
+        r = load(out)
+        assert r["config"]["decode_prompts"] == kind
+        lengths[kind] = [s["prompt_tokens"] for d in r["decode"] for s in d["rounds"][0]["streams"]]
+    assert max(lengths["story"]) < 40 < 60 < min(lengths["random"])
+    with pytest.raises(SystemExit) as exc:  # argparse refuses another kind (exit 2)
+        run_bench(["sweep", "--url", right_url, "--decode-prompts", "code"], capsys)
+    assert exc.value.code == 2

@@ -103,6 +103,9 @@ def _add_sweep(sub) -> None:
     )
     p.add_argument("--prefill-endpoint", choices=("auto", "completions", "chat"), default="auto",
                    help="endpoint of the prefill measurements (auto: completions where the server has it)")
+    p.add_argument("--decode-prompts", choices=("story", "random"), default="story",
+                   help="what the decode streams are asked: story requests, or random words (another mix of "
+                        "routed experts, to check that a speed does not depend on the prompts)")
     p.set_defaults(handler=_run_sweep)
 
 
@@ -119,6 +122,7 @@ def _run_sweep(args) -> int:
         max_tokens=args.max_tokens,
         long_prompt_tokens=args.long_prompt,
         prefill_endpoint=args.prefill_endpoint,
+        decode_prompts=args.decode_prompts,
     )
     result = _measure(run_sweep(cfg), args.out)
     print("\n".join(summary_lines(result)))

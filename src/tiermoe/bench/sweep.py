@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from tiermoe.bench import client as http
-from tiermoe.bench.prompts import sized_random_text, story_request
+from tiermoe.bench.prompts import random_text, sized_random_text, story_request
 from tiermoe.bench.results import envelope, median
 
 
@@ -40,6 +40,7 @@ class SweepConfig:
     max_tokens: int | None = None  # None: natural end
     long_prompt_tokens: int | None = None  # None: the largest prefill size; 0: skip
     prefill_endpoint: str = "auto"  # auto | completions | chat
+    decode_prompts: str = "story"  # story | random (random words: another mix of routed experts)
     seed: int | None = None
     timeout: float = http.DEFAULT_TIMEOUT_S
     api_key: str | None = None
@@ -122,12 +123,24 @@ def _stream_row(res: http.StreamResult) -> dict:
     }
 
 
+def decode_prompt(kind: str, index: int, rng: random.Random) -> str:
+    """The request of decode stream `index`: a story request, or (kind "random") 60 random words
+    to continue, which route other experts than stories do."""
+    if kind == "random":
+        return f"Continue this list of words: {random_text(rng, 60)}"
+    return story_request(index)
+
+
 async def run_decode_round(
-    c: httpx.AsyncClient, model: str, conc: int, max_tokens: int | None, first_topic: int = 0
+    c: httpx.AsyncClient, model: str, conc: int, max_tokens: int | None, first_topic: int = 0,
+    prompts: str = "story", rng: random.Random | None = None,
 ) -> dict:
-    """C simultaneous greedy story streams; aggregate and per-stream decode rates."""
+    """C simultaneous greedy streams (story requests or random words); aggregate and per-stream
+    decode rates."""
+    rng = rng or random.Random(first_topic)
     bodies = [
-        http.chat_payload(model, [{"role": "user", "content": story_request(first_topic + i)}], max_tokens)
+        http.chat_payload(model, [{"role": "user", "content": decode_prompt(prompts, first_topic + i, rng)}],
+                          max_tokens)
         for i in range(conc)
     ]
     t0 = time.perf_counter()
@@ -206,7 +219,8 @@ async def run_sweep(cfg: SweepConfig) -> dict:
         for conc in cfg.concurrency:
             before = await expert_counters(c)
             rounds = [
-                await run_decode_round(c, model, conc, cfg.max_tokens, first_topic=r * conc)
+                await run_decode_round(c, model, conc, cfg.max_tokens, first_topic=r * conc,
+                                       prompts=cfg.decode_prompts, rng=rng)
                 for r in range(cfg.decode_reps)
             ]
             decode.append(
@@ -233,6 +247,7 @@ async def run_sweep(cfg: SweepConfig) -> dict:
             "max_tokens": cfg.max_tokens,
             "long_prompt_tokens": long_tokens,
             "prefill_endpoint": endpoint,
+            "decode_prompts": cfg.decode_prompts,
             "seed": cfg.seed,
         },
         prefill=prefill,
