@@ -12,6 +12,8 @@ const fmt = {
   num: (v, digits = 1) => (v === null || v === undefined ? '–' : Number(v).toFixed(digits)),
   ms: (v) => (v === null || v === undefined ? '–' : `${(v * 1000).toFixed(0)} ms`),
   pct: (v) => (v === null || v === undefined ? '–' : `${(v * 100).toFixed(0)} %`),
+  // uPlot's default tick labels keep 3 decimals: a KV usage of 0.0004 would read 0 on every tick
+  share: (v) => String(Number(v.toPrecision(2))),
   bytes: (v) => {
     if (v === null || v === undefined) return '–';
     const units = ['B', 'KB', 'MB', 'GB'];
@@ -55,7 +57,7 @@ const CHARTS = [
     ['read from disk', (s) => s.bytes_per_token?.disk ?? null],
     ['CPU lane (RAM)', (s) => s.bytes_per_token?.cpu_lane ?? null]], (u, ticks) => ticks.map(fmt.bytes)],
   ['Shares (0–1)', [['KV usage', (s) => s.kv_usage], ['CPU lane busy', (s) => s.cpu_lane_busy],
-    ['fraction of floor', (s) => s.floor_fraction]]],
+    ['fraction of floor', (s) => s.floor_fraction]], (u, ticks) => ticks.map(fmt.share)],
   ['Queue', [['running', (s) => s.running], ['waiting', (s) => s.waiting]]],
 ];
 
