@@ -68,12 +68,17 @@ def is_repo_id(name: str) -> bool:
 
 
 def check_store_halves(path: Path) -> None:
-    """A packed store missing one of its two halves would otherwise be read as a plain
-    checkpoint and fail on the first expert tensor it cannot find, naming neither file."""
-    parts = {part: (path / part).is_file() for part in ("manifest.json", "experts.bin")}
-    if any(parts.values()) and not all(parts.values()):
-        missing = next(part for part, present in parts.items() if not present)
-        raise UserError(f"{path}: packed expert store without its {missing}; re-run `tiermoe pack` into this directory")
+    """A packed store missing one of its two halves (or a pack that did not finish) would
+    otherwise be read as a plain checkpoint and fail on the first expert tensor it cannot find,
+    naming neither file."""
+    from tiermoe.store.pack_checks import incomplete_store
+
+    problem = incomplete_store(path)  # no manifest.json: an unfinished pack, or a store without it
+    if problem:
+        raise UserError(problem)
+    if (path / "manifest.json").is_file() and not (path / "experts.bin").is_file():
+        raise UserError(f"{path}: packed expert store without its experts.bin; re-run `tiermoe pack` into this "
+                        "directory")
 
 
 # ---- GGUF files ------------------------------------------------------------------------------------

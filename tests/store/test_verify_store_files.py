@@ -50,7 +50,7 @@ def test_verify_names_a_missing_manifest(tmp_path, capsys):
     assert main(["verify", str(st)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
-    assert f"{st}: no manifest.json: packing into this directory did not finish" in err
+    assert f"{st}: packed expert store without its manifest.json (its pack did not finish" in err
     (st / "pack.journal").unlink()
     assert main(["verify", str(st)]) == 2
     assert f"{st}: packed expert store without its manifest.json" in capsys.readouterr().err

@@ -115,8 +115,8 @@ def incomplete_store(root: str | os.PathLike) -> str | None:
     if not root.is_dir() or (root / MANIFEST_NAME).is_file():
         return None
     if (root / JOURNAL_NAME).is_file():
-        return (f"{root}: no {MANIFEST_NAME}: packing into this directory did not finish; run the same "
-                "`tiermoe pack` command again to finish it")
+        return (f"{root}: packed expert store without its {MANIFEST_NAME} (its pack did not finish, or the file "
+                "was removed); run the same `tiermoe pack` command again to finish it")
     if (root / EXPERTS_NAME).exists():
         return (f"{root}: packed expert store without its {MANIFEST_NAME}; run `tiermoe pack` into this "
                 "directory again")
