@@ -25,7 +25,8 @@ import pytest
 from reliability_util import ServeProcess, ServerThread, assert_error_body, free_port
 
 PROMPT = [{"role": "user", "content": "Hello there, how are you today? Tell me about the sea and the stars."}]
-CHAT = {"messages": PROMPT, "max_tokens": 12}
+# greedy: a recovered server must give the reference text again (a left-out temperature samples)
+CHAT = {"messages": PROMPT, "max_tokens": 12, "temperature": 0}
 
 
 @pytest.fixture(scope="module")

@@ -69,6 +69,9 @@ def test_served_name_defaults():
     assert _served_name(parser.parse_args(["serve", "/models/GLM-5.3-Flash/"])) == "GLM-5.3-Flash"
     assert _served_name(parser.parse_args(["serve"])) == "smollm2-135m-instruct"
     assert _served_name(parser.parse_args(["serve", "x", "--served-model-name", "glm"])) == "glm"
+    # a Hugging Face repo id is served under its id, as vLLM does
+    assert _served_name(parser.parse_args(["serve", "HuggingFaceTB/SmolLM2-135M-Instruct"])) == \
+        "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 @pytest.mark.slow

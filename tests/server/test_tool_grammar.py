@@ -1,6 +1,8 @@
 """Forced tool calls (tool_choice required / named) under a grammar: each format's grammar
 accepts exactly well-formed calls of the offered tools, and a random tiny model behind the real
-server returns calls whose arguments validate against the tool's schema."""
+server returns calls whose arguments validate against the tool's schema. With parallel calls left
+on, a required turn ends: the grammar allows MAX_FORCED_CALLS calls with bounded whitespace, and a
+call that repeats an earlier one ends the turn without reaching the client."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ import jsonschema
 import openai
 import pytest
 
+from tiermoe.engine.scripted import ScriptedReply
 from tiermoe.models.tiny_tokenizer import build_tokenizer
 from tiermoe.server.structured import lark_marker
+from tiermoe.server.tool_parsers.base import MAX_FORCED_CALLS
 from tiermoe.server.tool_parsers.glm import GlmToolParser
 from tiermoe.server.tool_parsers.hermes import HermesToolParser
 
@@ -97,3 +101,87 @@ def test_random_model_makes_valid_forced_calls(client, choice):
     call = msg.tool_calls[0].function
     schema = {t["name"]: t["parameters"] for t in TOOLS}[call.name]
     jsonschema.validate(json.loads(call.arguments), schema)
+
+
+# ---- tool_choice "required" with parallel calls left on --------------------------------------------------
+def _calls(*args_list) -> str:
+    return "\n<tool_call>\n".join(json.dumps({"name": "get_time", "arguments": a}) + "\n</tool_call>"
+                                  for a in args_list)
+
+
+def test_forced_grammar_ends_after_max_calls(backend):
+    parser = HermesToolParser(TOOLS)
+    assert _accepts(backend, parser, None, _calls(*({"tz": f"T{i}"} for i in range(MAX_FORCED_CALLS))))
+    assert not _accepts(backend, parser, None, _calls(*({"tz": f"T{i}"} for i in range(MAX_FORCED_CALLS + 1))))
+    glm_call = "get_time\n<arg_key>tz</arg_key>\n<arg_value>UTC</arg_value>\n</tool_call>"
+    glm = GlmToolParser(TOOLS)
+    assert _accepts(backend, glm, None, "<tool_call>".join([glm_call] * MAX_FORCED_CALLS))
+    assert not _accepts(backend, glm, None, "<tool_call>".join([glm_call] * (MAX_FORCED_CALLS + 1)))
+
+
+def test_forced_grammar_bounds_whitespace_around_markers(backend):
+    parser = HermesToolParser(TOOLS)
+    call = '{"name": "get_time", "arguments": {}}'
+    assert _accepts(backend, parser, None, call + "\n" + " " * 7 + "</tool_call>")
+    assert not _accepts(backend, parser, None, call + "\n" * 40 + "</tool_call>")
+
+
+def _repeating(prompt: str):
+    """A model that, asked for the time, calls get_time(UTC), get_time(CET), then UTC again and again."""
+    from server_harness import script
+
+    if "What time is it" in prompt:
+        return ScriptedReply(content="", tool_calls=[("get_time", {"tz": "UTC"}), ("get_time", {"tz": "CET"})]
+                             + [("get_time", {"tz": "UTC"})] * 30)
+    return script(prompt)
+
+
+@pytest.fixture(scope="module")
+def repeating_client(tokenizer):
+    from server_harness import start_server
+
+    with start_server(tokenizer, core_kwargs={"script": _repeating, "max_model_len": 4096}) as server:
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+TIME_TOOLS = [{"type": "function", "function": t} for t in TOOLS]
+ASK_TIME = [{"role": "user", "content": "What time is it?"}]
+
+
+def test_a_repeated_call_ends_a_required_turn(repeating_client):
+    r = repeating_client.chat.completions.create(model="scripted", messages=ASK_TIME, tools=TIME_TOOLS,
+                                                 tool_choice="required", max_tokens=2000)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [json.loads(c.function.arguments) for c in choice.message.tool_calls] == [{"tz": "UTC"}, {"tz": "CET"}]
+    assert r.usage.completion_tokens < 500  # stopped at the repeat (3 calls), not at the budget (32 calls)
+
+
+def test_a_repeated_call_never_reaches_a_stream(repeating_client):
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in repeating_client.chat.completions.create(model="scripted", messages=ASK_TIME, tools=TIME_TOOLS,
+                                                          tool_choice="required", max_tokens=2000, stream=True):
+        for d in chunk.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(d.index, {"name": None, "arguments": ""})
+            entry["name"] = d.function.name or entry["name"]
+            entry["arguments"] += d.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert [json.loads(c["arguments"]) for c in calls.values()] == [{"tz": "UTC"}, {"tz": "CET"}]
+
+
+def test_auto_turns_keep_every_call(repeating_client):
+    r = repeating_client.chat.completions.create(model="scripted", messages=ASK_TIME, tools=TIME_TOOLS,
+                                                 max_tokens=2000)
+    assert len(r.choices[0].message.tool_calls) == 32
+
+
+def test_random_model_stops_after_a_required_call_it_would_repeat(client):
+    """A tool without parameters: every further call of the random model is a repeat."""
+    no_args = {"type": "object", "properties": {}, "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "ping", "parameters": no_args}}]
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Ping?"}], tools=tools,
+                                       tool_choice="required", max_tokens=400, temperature=0.7, seed=3)
+    assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
+    assert r.usage.completion_tokens < 100

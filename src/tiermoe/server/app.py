@@ -33,6 +33,7 @@ from tiermoe.server.errors import APIError, bad_request, error_body, install_han
 from tiermoe.server.handling import parse_body, run_endpoint, too_large
 from tiermoe.server.live_stats import LiveStats
 from tiermoe.server.protocol import DetokenizeRequest, TokenizeRequest
+from tiermoe.server.sampling_defaults import SamplingDefaults
 
 log = logging.getLogger("tiermoe.server")
 
@@ -135,6 +136,7 @@ def create_app(
     header_timeout_s: float = 10.0,
     keep_alive_timeout_s: float = 5.0,
     web: bool = True,
+    sampling_defaults: SamplingDefaults | None = None,
 ) -> FastAPI:
     """An ASGI app serving `engine` under `served_model_name`.
 
@@ -148,6 +150,8 @@ def create_app(
     half). body_timeout_s: a request body must arrive within this (408; None: no deadline).
     header_timeout_s, keep_alive_timeout_s: for the uvicorn protocol (connections.uvicorn_config).
     web: serve the built-in page at / (web_routes.py; the live stats stream is served either way).
+    sampling_defaults: what left-out sampling fields of a request take (None: the neutral values,
+    temperature 1.0 as in the OpenAI API; sampling_defaults.py).
     """
     if max_connections is None:
         max_connections = engine.capacity + max_queue + 32
@@ -160,6 +164,7 @@ def create_app(
         request_timeout_s=request_timeout_s, max_connections=max_connections,
         max_connections_per_client=max_connections_per_client, body_timeout_s=body_timeout_s,
         header_timeout_s=header_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s,
+        sampling_defaults=sampling_defaults or SamplingDefaults(),
     )
     ctx = ServerContext(engine, config)
     live = LiveStats(ctx)

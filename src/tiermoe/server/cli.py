@@ -14,6 +14,9 @@ from pathlib import Path
 from tiermoe import env
 from tiermoe.engine.build import add_routing_args, add_sizing_args, add_store_args
 from tiermoe.errors import UserError
+from tiermoe.model_source import check_name, is_repo_id, resolve_model
+from tiermoe.server.sampling_defaults import MODES as SAMPLING_MODES
+from tiermoe.server.sampling_defaults import SamplingDefaults, load_sampling_defaults
 
 log = logging.getLogger("tiermoe.server")
 
@@ -41,10 +44,22 @@ def _limits_epilog() -> str:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                              description="Serve MODEL (a checkpoint directory or packed store; omitted: the embedded "
-                                          "default)\nover an OpenAI- and Anthropic-compatible HTTP API.",
+                              description="Serve MODEL over an OpenAI- and Anthropic-compatible HTTP API. MODEL is a "
+                                          "checkpoint directory,\na packed store, a .gguf file (imported once into the "
+                                          "cache) or a Hugging Face repo id org/model\n(fetched into the Hugging Face "
+                                          "cache; HF_HUB_OFFLINE=1: from that cache only); omitted: the embedded "
+                                          "default model.",
                               epilog=_limits_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", nargs="?", default=None, metavar="MODEL", help="checkpoint directory or packed store")
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="checkpoint directory, packed store, .gguf file or Hugging Face repo id org/model "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a Hugging Face repo id MODEL (default: main)")
+    p.add_argument("--generation-config", default="auto", metavar="{auto,vllm,FOLDER}",
+                   help="defaults of the sampling fields a request leaves out (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty): auto: the model's generation_config.json, neutral values where it "
+                        "has none; vllm: the neutral values (temperature 1.0 as the OpenAI API, top_p 1, no top_k); "
+                        "FOLDER: the generation_config.json there (default auto). Request values always win")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, local only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None,
@@ -96,6 +111,8 @@ def _served_name(args) -> str:
     if args.scripted:
         return "scripted"
     if args.model:
+        if is_repo_id(args.model) and not Path(args.model).exists():
+            return args.model  # as vLLM: a Hub model is served under its repo id
         return Path(args.model.rstrip("/")).name or args.model
     from tiermoe.default_model import MODEL_NAME
 
@@ -128,21 +145,23 @@ def _check_args(args) -> None:
             raise UserError(f"--{flag.replace('_', '-')} must be > 0")
     if not args.max_body_mb > 0:
         raise UserError("--max-body-mb must be > 0")
-    if args.model and not args.scripted and not Path(args.model).exists():
-        raise UserError(f"model path {args.model} does not exist")
     if args.model and not args.scripted:
-        _check_store(Path(args.model))
+        check_name(args.model)
+    if args.generation_config not in SAMPLING_MODES and not Path(args.generation_config).expanduser().is_dir():
+        raise UserError(f"--generation-config {args.generation_config}: not auto, vllm or an existing folder")
 
 
-def _check_store(path: Path) -> None:
-    """A packed store missing one of its two halves would otherwise be read as a plain
-    checkpoint and fail on the first expert tensor it cannot find, naming neither file."""
-    if not path.is_dir():
-        return
-    parts = {name: (path / name).is_file() for name in ("manifest.json", "experts.bin")}
-    if any(parts.values()) and not all(parts.values()):
-        missing = next(name for name, present in parts.items() if not present)
-        raise UserError(f"{path}: packed expert store without its {missing}; re-run `tiermoe pack` into this directory")
+def resolve(args) -> tuple[argparse.Namespace, SamplingDefaults]:
+    """MODEL made a local directory (fetched from the Hub or imported from GGUF first, on this
+    thread, with progress lines) and the sampling defaults read from it; the namespace returned
+    names that directory, so the engine build finds it without resolving again."""
+    if args.scripted:
+        return args, load_sampling_defaults("vllm", None)
+    model_dir = resolve_model(args.model, revision=args.revision)
+    defaults = load_sampling_defaults(args.generation_config, model_dir)
+    log.info("sampling defaults for fields a request leaves out: %s", defaults.describe())
+    model = None if args.model is None else str(model_dir)
+    return argparse.Namespace(**{**vars(args), "model": model, "revision": None}), defaults
 
 
 def _check_port(host: str, port: int) -> None:
@@ -208,8 +227,12 @@ def startup_error(exc: BaseException, args) -> str:
 
 def serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpx2"):  # huggingface_hub's HTTP client logs every request at info
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     _check_args(args)
     _check_port(args.host, args.port)
+    served_name = _served_name(args)
+    args, sampling_defaults = resolve(args)
     from tiermoe.engine.async_engine import AsyncEngine
     from tiermoe.server.app import create_app
     from tiermoe.server.connections import uvicorn_config
@@ -225,7 +248,7 @@ def serve(args) -> int:
         os._exit(130)
     app = create_app(
         engine,
-        served_model_name=_served_name(args),
+        served_model_name=served_name,
         api_key=args.api_key or None,
         max_model_len=args.max_model_len,
         max_queue=args.max_queue,
@@ -242,6 +265,7 @@ def serve(args) -> int:
         keep_alive_timeout_s=args.keep_alive_timeout,
         aliases=["default"] if not args.model and not args.served_model_name else None,
         web=not args.no_web,
+        sampling_defaults=sampling_defaults,
     )
     config = uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
                             graceful_timeout_s=max(1, int(args.drain_timeout)))

@@ -26,6 +26,7 @@ from tiermoe.server.generation import ChoiceRun
 from tiermoe.server.metrics import Metrics
 from tiermoe.server.output_check import OutputChecker
 from tiermoe.server.reasoning import ReasoningParser
+from tiermoe.server.sampling_defaults import SamplingDefaults
 from tiermoe.server.structured import SchemaChecker, SchemaToCheck, lark_marker
 from tiermoe.server.tool_parsers import ToolParser, detect_tool_format, get_tool_parser
 
@@ -53,6 +54,8 @@ class ServerConfig:
     body_timeout_s: float | None = 30.0  # the whole body must arrive within this (408 and close)
     header_timeout_s: float = 10.0  # request headers must arrive within this (408 and close; uvicorn level)
     keep_alive_timeout_s: float = 5.0  # an idle connection between requests is closed after this
+    # what a request's left-out temperature, top_p, top_k, min_p, repetition_penalty take (sampling_defaults.py)
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 class ServerContext:
@@ -140,9 +143,11 @@ class ServerContext:
         return max_tokens
 
     def sampling_params(self, *, max_tokens: int, structured: dict | None = None, **fields) -> SamplingParams:
-        """Build and validate SamplingParams; None-valued fields keep their defaults."""
+        """Build and validate SamplingParams. None-valued fields take the server's sampling
+        defaults (the model's generation_config.json or the neutral values, --generation-config),
+        else SamplingParams' own."""
         logit_bias = fields.pop("logit_bias", None)
-        kwargs = {k: v for k, v in fields.items() if v is not None}
+        kwargs = {**self.config.sampling_defaults.values(), **{k: v for k, v in fields.items() if v is not None}}
         if kwargs.get("top_k") == -1:
             kwargs["top_k"] = 0
         params = SamplingParams(max_tokens=max_tokens, structured=structured, **kwargs)
@@ -268,7 +273,8 @@ class ServerContext:
         tools = None
         forced = ""
         if plan is not None and plan.parse:
-            tools = self.tool_parser_cls(plan.functions, id_prefix=id_prefix, max_calls=plan.max_calls)
+            tools = self.tool_parser_cls(plan.functions, id_prefix=id_prefix, max_calls=plan.max_calls,
+                                         unique_calls=plan.force)
             forced = self.forced_text(plan)
         parser = None
         if reasoning and self.reasoning_enabled and not forced:

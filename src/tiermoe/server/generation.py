@@ -160,7 +160,8 @@ class ChoiceRun:
                 self.completion_tokens = max(
                     self.completion_tokens, self._prior_tokens + out.completion_tokens, len(self.token_ids)
                 )
-                if self.stop_matched is not None:
+                if self.stop_matched is not None or (self.tools is not None and self.tools.repeated):
+                    # a stop string, or a forced turn repeating a call (tool_parsers/base.py): done
                     self.ctx.engine.abort(self._engine_id)
                     self._finish("stop", delta)
                 elif out.finished:

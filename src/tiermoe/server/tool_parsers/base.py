@@ -24,6 +24,13 @@ from dataclasses import dataclass, field
 from tiermoe.protocol import JSON_WHITESPACE
 from tiermoe.server.limits import loads
 
+# Calls one forced turn (tool_choice "required") may hold under its grammar: the grammar then
+# ends, so a model that keeps starting new calls stops even when each call differs.
+MAX_FORCED_CALLS = 16
+# Whitespace a forced grammar allows around its markers: what templates write (a line break),
+# with room to spare, but bounded, so a weak model cannot spend its whole budget on it.
+FORCED_WS = "/[ \\t\\r\\n]{0,8}/"
+
 
 @dataclass
 class ToolCallDelta:
@@ -91,11 +98,20 @@ class ToolParser:
     start_marker = "<tool_call>"
     end_marker = "</tool_call>"
 
-    def __init__(self, tools: list[dict] | None = None, *, id_prefix: str = "call_", max_calls: int | None = None):
+    def __init__(self, tools: list[dict] | None = None, *, id_prefix: str = "call_", max_calls: int | None = None,
+                 unique_calls: bool = False):
         # tools: OpenAI function definitions ({"name", "parameters", ...}) by name
         self.tools = {t["name"]: t for t in (tools or []) if isinstance(t, dict) and "name" in t}
         self.id_prefix = id_prefix
         self.max_calls = max_calls  # parallel_tool_calls=false: 1; later calls are dropped
+        # Forced turns: a call identical to an earlier one (name and arguments) ends the turn
+        # instead of being returned (`repeated` turns True; the run stops generating). Under a
+        # forced grammar a small model that would rather write text than call again can only
+        # choose between another call and the end, and tends to repeat its call until the
+        # token budget runs out. Calls after the first are then streamed only once complete,
+        # so a repeat never reaches the client.
+        self.unique_calls = unique_calls
+        self.repeated = False
         self.calls: list[ToolCall] = []
         self.content = ""
         self._buf = ""
@@ -123,6 +139,10 @@ class ToolParser:
         call(s), argument types from the tools' schemas. `marker(text)` gives the Lark terminal
         for a marker string (its token when it is one token). None: no grammar for this format."""
         return None
+
+    def _more_calls(self) -> int:
+        """How many calls a forced grammar allows after the first (MAX_FORCED_CALLS in all)."""
+        return min(self.max_calls or MAX_FORCED_CALLS, MAX_FORCED_CALLS) - 1
 
     def _parameters(self, name: str) -> dict:
         schema = schema_object(schema_object(self.tools.get(name)).get("parameters")) or {"type": "object"}
@@ -196,10 +216,14 @@ class ToolParser:
         return text
 
     def _dropped(self, call: _Open) -> bool:
-        return self.max_calls is not None and call.index >= self.max_calls
+        return self.repeated or (self.max_calls is not None and call.index >= self.max_calls)
+
+    def _repeats(self, parsed: ParsedBody) -> bool:
+        new = ToolCall("", parsed.name, parsed.arguments).arguments_dict()
+        return any(c.name == parsed.name and c.arguments_dict() == new for c in self.calls)
 
     def _progress(self, call: _Open) -> list[ToolCallDelta]:
-        if self._dropped(call):
+        if self._dropped(call) or (self.unique_calls and call.index > 0):
             return []
         part = self.parse_partial(call.body, call.scratch)
         deltas = []
@@ -222,6 +246,9 @@ class ToolParser:
                 raw = self.start_marker + call.body + (self.end_marker if complete else "")
                 return self._append(raw), []
         if self._dropped(call):
+            return "", []
+        if self.unique_calls and self._repeats(parsed):
+            self.repeated = True
             return "", []
         deltas = []
         if not call.name_sent:

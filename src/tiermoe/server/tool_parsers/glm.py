@@ -13,7 +13,7 @@ import json
 import re
 
 from tiermoe.server.limits import loads
-from tiermoe.server.tool_parsers.base import ParsedBody, PartialCall, ToolParser, schema_object
+from tiermoe.server.tool_parsers.base import FORCED_WS, ParsedBody, PartialCall, ToolParser, schema_object
 
 _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
@@ -87,7 +87,7 @@ class GlmToolParser(ToolParser):
         if any(not m.startswith("<[") for m in marks) or (name is None and not self.tools):
             return None
         k0, k1, v0, v1 = marks
-        ws, end = "/[ \\t\\r\\n]*/", marker(self.end_marker)
+        ws, end = FORCED_WS, marker(self.end_marker)
         rules = []
         names = [name] if name is not None else list(self.tools)
         for i, fn in enumerate(names):
@@ -96,5 +96,6 @@ class GlmToolParser(ToolParser):
             head = "" if name is not None else f"{json.dumps(fn)} {ws} "
             rules.append(f"call{i}: {head}pair{i}* {end}\npair{i}: {k0} ({key}) {k1} {ws} {v0} /(?s:.*)/ {v1} {ws}")
         calls = " | ".join(f"call{i}" for i in range(len(names)))
-        more = "" if (name is not None or self.max_calls == 1) else f" ({ws} {marker(self.start_marker)} call)*"
+        more = "" if (name is not None or self.max_calls == 1) else \
+            f" ({ws} {marker(self.start_marker)} call){{0,{self._more_calls()}}}"
         return f"start: call{more}\ncall: {calls}\n" + "\n".join(rules) + "\n"

@@ -13,7 +13,7 @@ import re
 
 from tiermoe.protocol import JSON_WHITESPACE
 from tiermoe.server.limits import loads
-from tiermoe.server.tool_parsers.base import ParsedBody, PartialCall, ToolParser
+from tiermoe.server.tool_parsers.base import FORCED_WS, ParsedBody, PartialCall, ToolParser
 
 _HEAD = re.compile(r'^\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*', re.S)
 _NAME = re.compile(r'^\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"', re.S)
@@ -114,7 +114,7 @@ class HermesToolParser(ToolParser):
         return '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": '
 
     def forced_grammar(self, name: str | None, marker) -> str | None:
-        ws, end = "/[ \\t\\r\\n]*/", marker(self.end_marker)
+        ws, end = FORCED_WS, marker(self.end_marker)
         if name is not None:  # the prompt ends inside the object, just before the arguments
             return f'start: args {ws} "}}" {ws} {end}\nargs: %json {json.dumps(self._parameters(name))}\n'
         if not self.tools:
@@ -125,5 +125,5 @@ class HermesToolParser(ToolParser):
             for fn in self.tools
         ]
         body = {"anyOf": variants, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
-        more = "" if self.max_calls == 1 else f" ({ws} {marker(self.start_marker)} {ws} call)*"
+        more = "" if self.max_calls == 1 else f" ({ws} {marker(self.start_marker)} {ws} call){{0,{self._more_calls()}}}"
         return f"start: call{more}\ncall: body {ws} {end}\nbody: %json {json.dumps(body)}\n"
