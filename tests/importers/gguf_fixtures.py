@@ -25,12 +25,16 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab=128, experts=4, expert_ffn=32, used=2)
 
 
-def write_gguf(path: Path, arch: str, *, tied: bool = True, seed: int = 0, extra_tensors: dict | None = None) -> dict:
+def write_gguf(path: Path, arch: str, *, tied: bool = True, seed: int = 0, extra_tensors: dict | None = None,
+               tokenizer=None, sampling: dict | None = None) -> dict:
     """Write a tiny random GGUF of `arch` (llama, qwen2, qwen3, qwen3moe); returns the HF-layout
-    weights it encodes (Q/K before llama.cpp's permutation), keyed by GGUF tensor name."""
+    weights it encodes (Q/K before llama.cpp's permutation), keyed by GGUF tensor name.
+    `tokenizer` (e.g. the tiny ChatML one): written into the file, the vocabulary sized to it, so
+    the imported checkpoint can be served. `sampling`: llama.cpp's recommended-sampling metadata
+    (`general.sampling.<key>`, e.g. {"temp": 0.6, "top_k": 20})."""
     import gguf
 
-    c = TINY
+    c = TINY if tokenizer is None else {**TINY, "vocab": len(tokenizer)}
     rng = np.random.default_rng(seed)
     rand = lambda *shape, s=0.08: (rng.standard_normal(shape) * s).astype(np.float32)  # noqa: E731
     h, q_out, kv_out = c["hidden"], c["heads"] * c["head_dim"], c["kv_heads"] * c["head_dim"]
@@ -77,6 +81,12 @@ def write_gguf(path: Path, arch: str, *, tied: bool = True, seed: int = 0, extra
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(c["vocab"])
+    if tokenizer is not None:
+        from tiermoe.bench.synthetic_gguf import write_tokenizer_fields
+
+        write_tokenizer_fields(w, tokenizer)
+    for key, value in (sampling or {}).items():
+        getattr(w, f"add_sampling_{key}")(value)
     if arch == "qwen3moe":
         w.add_expert_count(c["experts"])
         w.add_expert_used_count(c["used"])

@@ -117,7 +117,8 @@ def _nbytes(shape: tuple[int, ...], kind: str) -> int:
     return n * (2 if kind == "BF16" else 4)
 
 
-def _tokenizer_fields(w, tok) -> None:
+def write_tokenizer_fields(w, tok) -> None:
+    """Write tokenizer `tok` (ChatML template) into GGUFWriter `w` as llama.cpp's GPT-2 vocabulary."""
     import gguf
 
     from tiermoe.models.tiny_tokenizer import CHAT_TEMPLATE
@@ -169,7 +170,7 @@ class GGUFSink:
         w.add_vocab_size(spec.vocab)
         w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        _tokenizer_fields(w, tok)
+        write_tokenizer_fields(w, tok)
         types = {
             "Q4_0": gguf.GGMLQuantizationType.Q4_0,
             "BF16": gguf.GGMLQuantizationType.BF16,

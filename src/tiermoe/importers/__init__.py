@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 # Recorded in every converted directory (tiermoe_import.json); bump when output files change.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: generation_config.json carries sampling defaults (general.sampling.*)
 
 if TYPE_CHECKING:
     from tiermoe.importers.gguf import gguf_to_hf

@@ -40,6 +40,10 @@ _DTYPES = {
     "fp16": torch.float16,
 }
 _MISSING = object()
+# llama.cpp's recommended-sampling metadata -> the generation_config.json field of the same meaning
+_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+                  "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+                  "general.sampling.penalty_repeat": "repetition_penalty"}
 
 
 def parse_dtype(dtype: str) -> torch.dtype:
@@ -180,6 +184,7 @@ def gguf_to_hf(
     experts_per_layer: int = 8,
     top_k: int | None = None,
     shared_slices: int | None = None,
+    generation: dict | None = None,
 ) -> Path:
     """Convert a GGUF file into a Hugging Face checkpoint directory at `out_dir`; returns it.
 
@@ -188,6 +193,10 @@ def gguf_to_hf(
     `top_k` routed experts per token (None: all, which reproduces the dense model exactly; a
     smaller value calibrates a router, see router_fit.py). qwen3moe becomes qwen3_moe; there
     `top_k` overrides the file's experts-per-token and the other two options are ignored.
+
+    generation_config.json holds the token ids, the file's recommended sampling
+    (`general.sampling.*`, which `tiermoe serve` applies to requests that leave it out) and
+    `generation` on top (the embedded default model's, from its model card).
 
     The directory is built under a temporary name next to `out_dir` and renamed into place
     when complete, so an interrupted conversion never leaves a half-written checkpoint there.
@@ -232,6 +241,9 @@ def gguf_to_hf(
         config["dtype"] = str(torch_dtype).removeprefix("torch.")
         _write_json(tmp / "config.json", config)
         gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+        gen.update({hf: int(g.get(key)) if hf == "top_k" else round(float(g.get(key)), 6)  # stored as float32
+                    for key, hf in _SAMPLING_KEYS.items() if g.has(key)})
+        gen.update(generation or {})
         if gen:
             _write_json(tmp / "generation_config.json", gen)
         if result.finish is not None:  # e.g. router calibration, needs the whole directory

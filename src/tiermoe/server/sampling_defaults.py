@@ -6,11 +6,12 @@
     FOLDER   generation_config.json from FOLDER instead of the model's
 
 Neutral values: temperature 1.0, top_p 1.0, top_k off, min_p 0, repetition_penalty 1.0. A model
-without the file (a GGUF import, a tiny test model) therefore samples at temperature 1.0, which is
-the default of the OpenAI and Anthropic APIs and of vLLM, so a client written against any of
-them gets what it expects: `n=2` gives two samples, and a request that wants greedy decoding
-says `temperature: 0`, as it must there. Greedy by default would make small models loop and
-every `n>1` answer identical, with nothing in the response saying why.
+whose file sets none of them (a tiny test model, a GGUF without `general.sampling.*`; the
+importer copies those, and the embedded default model gets its model card's) therefore samples
+at temperature 1.0, which is the default of the OpenAI and Anthropic APIs and of vLLM, so a
+client written against any of them gets what it expects: `n=2` gives two samples, and a request
+that wants greedy decoding says `temperature: 0`, as it must there. Greedy by default would make
+small models loop and every `n>1` answer identical, with nothing in the response saying why.
 
 As in vLLM, `do_sample` is not read (a file that means greedy says `temperature: 0`), and
 values a request gives always win, per field, on every route (chat, completions, responses,
@@ -94,4 +95,6 @@ def from_file(path: Path) -> SamplingDefaults:
     for name, ok in checks.items():
         if name in found and not ok(found[name]):
             raise UserError(f"{path}: {name} {found[name]:g} is out of range {hint}")
+    if not found:
+        return SamplingDefaults(source=f"neutral defaults: {FILE} sets no sampling field")
     return SamplingDefaults(**found, source=str(path))
