@@ -13,10 +13,11 @@ class UserError(Exception):
 
 
 class StoreError(UserError):
-    """The expert store failed a check while serving (a record's checksum, an I/O error).
+    """The expert store failed while serving (a record's checksum, an I/O error).
 
-    A server marks itself unhealthy on one (/health answers 503 naming it) and answers the
-    request that hit it with a 503, not a 500: the fault is in the files, not in the request.
+    The server answers the request that hit it with a 503 naming the record, not a 500: the
+    fault is in the files or the disk, not in the request. A checksum mismatch also turns
+    /health unhealthy (503) until a restart: the files under the server are damaged.
     """
 
 

@@ -107,9 +107,12 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
-# RequestOutput.error_code of a request that failed because the expert store failed a check (a
-# record's checksum, an I/O error): the server answers it with 503 and turns /health unhealthy.
+# RequestOutput.error_code of a request that failed in the expert store: the server answers it
+# with a 503 naming the fault. STORE_CORRUPT (a record failed its checksum: the files are damaged)
+# also turns /health unhealthy until a restart; STORE_ERROR (an I/O error, a short read) may pass.
 STORE_ERROR = "store_error"
+STORE_CORRUPT = "store_corrupt"
+STORE_CODES = (STORE_ERROR, STORE_CORRUPT)
 
 
 @dataclass
@@ -128,7 +131,7 @@ class RequestOutput:
     # Only in a request's first output, when SamplingParams.prompt_logprobs was set: one entry
     # per prompt token (its logprob given the tokens before it), None for the first token.
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    error_code: str | None = None  # with an error: STORE_ERROR when the expert store failed a check
+    error_code: str | None = None  # with an error: STORE_ERROR / STORE_CORRUPT when the expert store failed
 
 
 # Structured output request carried to the sampler: {"type": "json_object"} or

@@ -2,9 +2,10 @@
 
 Every expert is read from experts.bin on each use (slot and host tiers sized 0), so disk
 faults land on the request path: I/O errors, short reads, partial reads, a record corrupted
-after start-up. Each affected request fails cleanly (an OpenAI / Anthropic error body, or an
-in-stream error with finish_reason "error"), and the next request is served normally, with
-the same text as before the fault. Start-up faults (missing or truncated store files, memory
+after start-up. Each affected request fails cleanly (a 503 with an OpenAI / Anthropic error body
+naming the fault, or an in-stream error with finish_reason "error"), and the next request is
+served normally, with the same text as before the fault. A checksum mismatch also turns /health
+unhealthy for good (the files are damaged); an I/O error leaves it healthy. Start-up faults (missing or truncated store files, memory
 that cannot be allocated or pinned) end `tiermoe serve` with one line and exit status 2.
 """
 
@@ -64,10 +65,11 @@ def experts(s) -> dict:
     return httpx.get(s.url + "/stats", timeout=30).json()["engine"]["experts"]
 
 
-def assert_recovered(s) -> None:
-    """The server is healthy, nothing is left running or reading, and the same request gives
-    the same text as before the fault (state after a failed step is intact)."""
-    assert httpx.get(s.url + "/health").status_code == 200
+def assert_recovered(s, health: int = 200) -> None:
+    """The server is healthy (`health`: the status /health answers), nothing is left running or
+    reading, and the same request gives the same text as before the fault (state after a failed
+    step is intact)."""
+    assert httpx.get(s.url + "/health").status_code == health
     r = httpx.post(s.url + "/v1/chat/completions", json=CHAT, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == s.reference
     engine = httpx.get(s.url + "/stats").json()["engine"]
@@ -75,16 +77,17 @@ def assert_recovered(s) -> None:
     assert engine["experts"]["disk"]["reads_in_flight"] == 0
 
 
-def assert_fails_cleanly(s, match: str) -> None:
-    """Non-streaming OpenAI and Anthropic requests get a 500 error body naming the fault; a
-    stream gets an in-band error and finish_reason "error", then [DONE]."""
+def assert_fails_cleanly(s, match: str, code: str = "store_error") -> None:
+    """Non-streaming OpenAI and Anthropic requests get a 503 error body naming the fault (the
+    store's, not the request's); a stream gets an in-band error and finish_reason "error", then
+    [DONE]."""
     r = httpx.post(s.url + "/v1/chat/completions", json=CHAT, timeout=60)
-    assert r.status_code == 500, r.text[:300]
+    assert r.status_code == 503, r.text[:300]
     err = assert_error_body("/v1/chat/completions", r)
-    assert err["code"] == "engine_error" and match in err["message"], err
+    assert err["code"] == code and match in err["message"], err
 
     r = httpx.post(s.url + "/v1/messages", json={"model": "tiny", "max_tokens": 12, "messages": PROMPT}, timeout=60)
-    assert r.status_code == 500 and match in assert_error_body("/v1/messages", r)["message"]
+    assert r.status_code == 503 and match in assert_error_body("/v1/messages", r)["message"]
 
     with httpx.stream("POST", s.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=60) as r:
         assert r.status_code == 200
@@ -159,7 +162,7 @@ def test_intermittent_faults_under_concurrent_load(served, monkeypatch):
                 outcomes.append("ok" if r.json()["choices"][0]["message"]["content"] == served.reference else "WRONG")
             else:
                 err = assert_error_body("/v1/chat/completions", r)
-                outcomes.append("failed" if r.status_code == 500 and "I/O error" in err["message"] else f"BAD {r.status_code}")
+                outcomes.append("failed" if r.status_code == 503 and "I/O error" in err["message"] else f"BAD {r.status_code}")
 
     threads = [threading.Thread(target=client) for _ in range(8)]
     for t in threads:
@@ -202,12 +205,15 @@ def test_corrupted_record_after_start(store, tmp_path):
             f.seek(rec.offset + 100)
             f.write(bytes([original[0] ^ 0xFF]))
         for _ in range(2):
-            assert_fails_cleanly(s, f"checksum mismatch for {rec.name()}")
+            assert_fails_cleanly(s, f"checksum mismatch for {rec.name()}", code="store_corrupt")
         assert "tiermoe verify" in httpx.post(s.url + "/v1/chat/completions", json=CHAT, timeout=60).json()["error"]["message"]
+        health = httpx.get(s.url + "/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "store_corrupt"
+        assert f"checksum mismatch for {rec.name()}" in health.json()["error"]["message"]
         with open(path, "r+b") as f:
             f.seek(rec.offset + 100)
             f.write(original)
-        assert_recovered(s)
+        assert_recovered(s, health=503)  # served again; /health names the damage until a restart
 
 
 # ---- start-up faults: one line, exit status 2 ----------------------------------------------------

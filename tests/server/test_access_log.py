@@ -21,7 +21,8 @@ def test_access_line_per_finished_request(client, caplog):
     lines = [rec.getMessage() for rec in caplog.records if rec.name == REQUESTS_LOGGER and r.id in rec.getMessage()]
     assert len(lines) == 1, lines
     line = lines[0]
-    assert line.startswith(f"{r.id}-0 /v1/chat/completions: prompt {r.usage.prompt_tokens} tokens (0 cached), "
+    cached = r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else 0
+    assert line.startswith(f"{r.id}-0 /v1/chat/completions: prompt {r.usage.prompt_tokens} tokens ({cached} cached), "
                            f"completion {r.usage.completion_tokens} tokens, finish length, ")
     assert re.search(r"\d+\.\d tok/s, first token \d+\.\d\d s$", line), line
 

@@ -20,8 +20,8 @@ Failure containment: an exception from `add_request` fails that request only; an
 from `step()` fails the requests it names through an `request_ids` attribute, or else every
 request the core was running (they are aborted in the core so their pages are freed). Either
 way the thread keeps serving; affected streams end with finish_reason "error". An output whose
-error is the expert store's (error_code STORE_ERROR) also sets `store_fault`, which stays: the
-files under the server are damaged, so /health reports it until the server is restarted.
+error is a record failing its checksum (error_code STORE_CORRUPT) also sets `store_fault`,
+which stays: the files under the server are damaged, so /health reports it until a restart.
 
 Shutdown drains: new requests are refused (`EngineShutdown`), in-flight ones run to the end
 (or until the drain timeout, after which they are aborted), then the thread stops.
@@ -45,8 +45,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from tiermoe.errors import StoreError
-from tiermoe.protocol import STORE_ERROR, InvalidRequest, RequestOutput, SamplingParams
+from tiermoe.errors import StoreError, StoreIntegrityError
+from tiermoe.protocol import STORE_CORRUPT, STORE_ERROR, InvalidRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger("tiermoe.engine")
 
@@ -340,8 +340,8 @@ class AsyncEngine:
     # ---- event-loop side of the thread -------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            if out.error_code == STORE_ERROR and self.store_fault is None:
-                self.store_fault = out.error or "the expert store failed a check"
+            if out.error_code == STORE_CORRUPT and self.store_fault is None:
+                self.store_fault = out.error or "a record of the expert store failed its checksum"
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted meanwhile
@@ -470,7 +470,8 @@ class AsyncEngine:
                 except Exception:
                     log.exception("abort after failed step failed for %s", rid)
             msg = f"engine error: {exc}" if str(exc) else f"engine error: {type(exc).__name__}"
-            code = STORE_ERROR if isinstance(exc, StoreError) else None
+            code = (STORE_CORRUPT if isinstance(exc, StoreIntegrityError)
+                    else STORE_ERROR if isinstance(exc, StoreError) else None)
             failed = [RequestOutput(r, [], finished=True, finish_reason="error", error=msg, error_code=code)
                       for r in victims]
             self._post(self._deliver, failed)

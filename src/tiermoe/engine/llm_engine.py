@@ -4,8 +4,8 @@ add_request / abort_request may be called from another thread (the async bridge)
 enqueue. step() drains the queues, schedules, runs one forward pass and returns the new
 tokens of every request that produced one. A failure inside a forward pass fails the requests
 of that step (finish_reason "error") and the engine keeps serving the rest. A store that fails
-a check (StoreError: a record's checksum, an I/O error) is logged as one line, not a traceback
-(the message names the record and `tiermoe verify`), and its outputs carry STORE_ERROR.
+(StoreError: a record's checksum, an I/O error) is logged as one line, not a traceback (the
+message names the record), and its outputs carry STORE_CORRUPT or STORE_ERROR.
 
 Structured output: a request with `params.structured` gets a grammar matcher when it is added
 (a grammar that does not compile is an InvalidRequest); the runner masks its logits each step
@@ -26,8 +26,8 @@ import time
 from collections import deque
 from typing import Callable
 
-from tiermoe.protocol import STORE_ERROR, InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
-from tiermoe.errors import StoreError, UserError
+from tiermoe.protocol import STORE_CORRUPT, STORE_ERROR, InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
+from tiermoe.errors import StoreError, StoreIntegrityError, UserError
 from tiermoe.runner.model_runner import ModelRunner
 from tiermoe.scheduler.kv_pages import KVPages
 from tiermoe.scheduler.request import Request
@@ -141,7 +141,7 @@ class LLMEngine:
             self.runner.check_step()
         except Exception as exc:  # fail this step's requests, keep serving the others
             message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            code = STORE_ERROR if isinstance(exc, StoreError) else None
+            code = store_error_code(exc)
             if code:
                 log.error("forward pass failed: %s", message)
             else:
@@ -289,6 +289,13 @@ class LLMEngine:
         if len(req.output_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+
+def store_error_code(exc: BaseException) -> str | None:
+    """The RequestOutput.error_code of a failure in the expert store (protocol.py), else None."""
+    if isinstance(exc, StoreIntegrityError):
+        return STORE_CORRUPT
+    return STORE_ERROR if isinstance(exc, StoreError) else None
 
 
 def generate_ids(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

@@ -25,13 +25,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tiermoe.engine.async_engine import AsyncEngine
+from tiermoe.protocol import STORE_CORRUPT
 from tiermoe.server import anthropic_routes, openai_routes, openapi, responses_routes, web_routes
 from tiermoe.server.chat import openai_messages, plan_tools
 from tiermoe.server.connections import client_key, with_body_deadline
 from tiermoe.server.context import ServerConfig, ServerContext
 from tiermoe.server.errors import APIError, bad_request, error_body, install_handlers, is_anthropic_path
 from tiermoe.server.handling import parse_body, run_endpoint, too_large
-from tiermoe.server.live_stats import LiveStats
+from tiermoe.server.live_stats import LiveStats, ThroughputLog
 from tiermoe.server.protocol import DetokenizeRequest, TokenizeRequest
 from tiermoe.server.sampling_defaults import SamplingDefaults
 
@@ -168,15 +169,18 @@ def create_app(
     )
     ctx = ServerContext(engine, config)
     live = LiveStats(ctx)
+    throughput = ThroughputLog(ctx)  # the log's periodic throughput line (access_log.py)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        throughput.start()
         log.info("serving %s (context %d tokens, tool format %s)", served_model_name, ctx.max_model_len,
                  ctx.tool_format)
         try:
             yield
         finally:
+            await throughput.stop()
             live.stop()
             await engine.shutdown(drain_timeout=drain_timeout_s)
             ctx.close()
@@ -197,6 +201,10 @@ def create_app(
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         if engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        if engine.store_fault:  # a record failed its checksum (or could not be read): the files are damaged
+            message = f"the expert store is damaged: {engine.store_fault}"
+            body = error_body(503, message, None, STORE_CORRUPT, False)
+            return JSONResponse({"status": "store failed", **body}, status_code=503)
         slots = ctx.connections
         if slots.saturated:  # every API request is being refused (429) right now
             return JSONResponse({"status": "saturated", "active_requests": slots.active,

@@ -90,6 +90,7 @@ class ChoiceRun:
         self.finish_reason: str | None = None
         self.stop_matched: str | None = None
         self.error: str | None = None
+        self.error_code: str | None = None  # protocol.STORE_CODES: the expert store failed (a 503)
         self._prior_tokens = 0  # completion tokens of earlier segments (thinking budget)
         self.t_submit = time.monotonic()
         self.t_first: float | None = None
@@ -166,7 +167,7 @@ class ChoiceRun:
                     self._finish("stop", delta)
                 elif out.finished:
                     if out.finish_reason == "error":
-                        self.error = out.error or "engine error"
+                        self.error, self.error_code = out.error or "engine error", out.error_code
                     self._finish(out.finish_reason or "stop", delta)
                 if not delta.empty():
                     yield delta

@@ -7,7 +7,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tiermoe.protocol import TokenLogprob
+from tiermoe.protocol import STORE_CODES, TokenLogprob
 from tiermoe.server.chat import openai_messages, plan_tools
 from tiermoe.server.context import ServerContext
 from tiermoe.server.errors import bad_request
@@ -198,8 +198,11 @@ async def _chat_stream(ctx: ServerContext, rid: str, created: int, runs: list[Ch
 
 
 def in_band_error(run: ChoiceRun) -> str:
-    """The SSE error event sent when a stream fails after its headers went out (engine error or
-    request timeout), on chat and completions alike."""
+    """The SSE error event sent when a stream fails after its headers went out (engine error,
+    expert store failure or request timeout), on chat and completions alike."""
+    if run.error_code in STORE_CODES:
+        return sse({"error": {"message": f"expert store: {run.error}", "type": "service_unavailable",
+                              "param": None, "code": run.error_code}})
     return sse({"error": {"message": run.error or "engine error", "type": "server_error", "param": None,
                           "code": "request_timeout" if run.timed_out else "engine_error"}})
 

@@ -264,7 +264,7 @@ async def _stream(ctx: ServerContext, rid: str, created: int, req: ResponsesRequ
             if out:
                 yield out
         if run.finish_reason == "error":
-            error = {"code": "server_error", "message": run.error or "engine error"}
+            error = {"code": run.error_code or "server_error", "message": run.error or "engine error"}
             yield ev("response.failed", response={**_response(ctx, rid, created, req, run, output, "failed"),
                                                   "error": error})
         else:

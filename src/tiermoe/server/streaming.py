@@ -19,6 +19,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tiermoe.protocol import STORE_CODES
 from tiermoe.server.errors import APIError, sse_error_event
 from tiermoe.server.generation import ChoiceRun, Delta
 
@@ -113,7 +114,8 @@ async def drain(runs: list[ChoiceRun]) -> None:
     """Run every choice to its end (non-streaming); outputs accumulate in the runs.
 
     A choice the engine failed turns the whole response into a 500 with the engine's
-    message (other requests are unaffected; the engine keeps serving).
+    message, or a 503 when the expert store failed (other requests are unaffected; the engine
+    keeps serving).
     """
     try:
         await asyncio.gather(*(_consume(r) for r in runs))
@@ -124,6 +126,8 @@ async def drain(runs: list[ChoiceRun]) -> None:
     if failed:
         if failed[0].timed_out:
             raise APIError(504, failed[0].error, code="request_timeout")
+        if failed[0].error_code in STORE_CODES:
+            raise APIError(503, f"expert store: {failed[0].error}", code=failed[0].error_code)
         raise APIError(500, failed[0].error or "engine error", code="engine_error")
 
 
