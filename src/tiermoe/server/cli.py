@@ -15,6 +15,7 @@ from tiermoe import env
 from tiermoe.engine.build import add_routing_args, add_sizing_args, add_store_args
 from tiermoe.errors import UserError
 from tiermoe.model_source import check_name, is_repo_id, resolve_model
+from tiermoe.server.access_log import REQUESTS_LOGGER, STATS_LOGGER
 from tiermoe.server.sampling_defaults import MODES as SAMPLING_MODES
 from tiermoe.server.sampling_defaults import SamplingDefaults, load_sampling_defaults
 
@@ -61,7 +62,7 @@ def register(subparsers) -> None:
                         "has none; vllm: the neutral values (temperature 1.0 as the OpenAI API, top_p 1, no top_k); "
                         "FOLDER: the generation_config.json there (default auto). Request values always win")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, local only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--served-model-name", default=None,
                    help="name clients pass as `model` (default: MODEL's directory name)")
     p.add_argument("--api-key", default=env.API_KEY.get(),
@@ -98,7 +99,13 @@ def register(subparsers) -> None:
     p.add_argument("--no-web", action="store_true",
                    help="do not serve the built-in web page (chat and live dashboard) at / (default: served; "
                         "with --api-key it asks for the key)")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="least severe log lines printed (info: start-up, one line per request, throughput)")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="no access line per finished request (id, route, tokens, tok/s) in the log")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic throughput line (prompt and generation tokens/s, running and waiting "
+                        "requests, KV cache use, expert slot hits and misses) while there is traffic")
     p.add_argument("--scripted", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--scripted-step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--scripted-tool-format", choices=("hermes", "glm"), default="hermes", help=argparse.SUPPRESS)
@@ -227,6 +234,8 @@ def startup_error(exc: BaseException, args) -> str:
 
 def serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger(REQUESTS_LOGGER).disabled = args.disable_log_requests
+    logging.getLogger(STATS_LOGGER).disabled = args.disable_log_stats
     for noisy in ("httpx", "httpx2"):  # huggingface_hub's HTTP client logs every request at info
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     _check_args(args)
