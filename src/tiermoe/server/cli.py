@@ -48,8 +48,8 @@ def register(subparsers) -> None:
                               description="Serve MODEL over an OpenAI- and Anthropic-compatible HTTP API. MODEL is a "
                                           "checkpoint directory,\na packed store, a .gguf file (imported once into the "
                                           "cache) or a Hugging Face repo id org/model\n(fetched into the Hugging Face "
-                                          "cache; HF_HUB_OFFLINE=1: from that cache only); omitted: the embedded "
-                                          "default model.",
+                                          "cache; HF_HUB_OFFLINE=1: from that cache only); omitted: the\n"
+                                          "embedded default model.",
                               epilog=_limits_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help="checkpoint directory, packed store, .gguf file or Hugging Face repo id org/model "
@@ -64,7 +64,8 @@ def register(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, local only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--served-model-name", default=None,
-                   help="name clients pass as `model` (default: MODEL's directory name)")
+                   help="name clients pass as `model` (default: MODEL's directory or file name; a Hugging Face "
+                        "repo id as given)")
     p.add_argument("--api-key", default=env.API_KEY.get(),
                    help="require this key (Bearer or x-api-key); default $TIERMOE_API_KEY")
     add_sizing_args(p, max_num_seqs=16)
