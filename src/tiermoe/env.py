@@ -55,10 +55,12 @@ EXPERT_KERNEL = EnvVar("TIERMOE_EXPERT_KERNEL", _text, None, "default of --exper
 API_KEY = EnvVar("TIERMOE_API_KEY", _text, None, "default of `tiermoe serve --api-key`")
 CACHE_DIR = EnvVar("TIERMOE_CACHE_DIR", _path, None, "where the embedded default model is unpacked")
 XDG_CACHE_HOME = EnvVar("XDG_CACHE_HOME", _path, None, "the user's cache root (default ~/.cache)")
+KERNEL_DIR = EnvVar("TIERMOE_KERNEL_DIR", _path, None,
+                    "where the CPU lane's compiled kernel is built and kept (default: the cache root's kernels/)")
 TRITON_INTERPRET = EnvVar("TRITON_INTERPRET", _one, False,
                           "Triton's switch: '1' runs the kernels in its interpreter (CPU tensors; tests)")
 
-VARIABLES = (EXPERT_KERNEL, API_KEY, CACHE_DIR, XDG_CACHE_HOME, TRITON_INTERPRET)
+VARIABLES = (EXPERT_KERNEL, API_KEY, CACHE_DIR, XDG_CACHE_HOME, KERNEL_DIR, TRITON_INTERPRET)
 
 
 def use_triton_interpreter() -> bool:

@@ -35,8 +35,10 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack(((p & 0xF) - 8, (p >> 4) - 8), dim=-1).reshape(packed.shape[0], -1)
 
 
-def dequant_matrix(rec: torch.Tensor, layout: ExpertLayout, which: str) -> torch.Tensor:
-    """One weight matrix of a record, dequantized to bf16: gate_up [2I, H] or down [H, I]."""
+def dequant_matrix(rec: torch.Tensor, layout: ExpertLayout, which: str, dtype: torch.dtype = torch.bfloat16
+                   ) -> torch.Tensor:
+    """One weight matrix of a record, dequantized to `dtype` (bf16: W' of the kernels; fp32: the
+    unrounded products): gate_up [2I, H] or down [H, I]."""
     h, i, g = layout.hidden, layout.inter, layout.group_size
     n, k = (2 * i, h) if which == "gate_up" else (h, i)
     q_off = layout.gate_up_q if which == "gate_up" else layout.down_q
@@ -49,7 +51,7 @@ def dequant_matrix(rec: torch.Tensor, layout: ExpertLayout, which: str) -> torch
         q = _section(rec, q_off, n * k).view(torch.int8).view(n, k).to(torch.int32)
     s = _section(rec, s_off, n * (k // g) * 2).view(torch.bfloat16).view(n, k // g)  # [N, K/G]
     w = q.to(torch.float32).view(n, k // g, g) * s.to(torch.float32).unsqueeze(-1)
-    return w.view(n, k).to(torch.bfloat16)
+    return w.view(n, k).to(dtype)
 
 
 def make_record(layout: ExpertLayout, gen: torch.Generator | None = None, scale: float | None = None) -> torch.Tensor:
@@ -122,6 +124,34 @@ def rmsnorm(h: torch.Tensor) -> torch.Tensor:
     return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
 
 
+def lane_experts_ref(x: torch.Tensor, records, tok_idx, tok_w, layout: ExpertLayout, round_bf16: bool = True,
+                     swiglu_limit: float | None = None) -> torch.Tensor:
+    """Twin of the CPU lane kernel (kernels/cpu/lane_kernel.cpp): the weighted sum fp32 [T, H] of
+    experts computed from their records on the rows of x fp32 [T, H] routed to them.
+
+    records[i]: uint8 record of the i-th expert; tok_idx[i]: int rows of x it serves; tok_w[i]:
+    their fp32 routing weights. round_bf16 (a bf16 model): W' = bf16(q * scale) and act rounded to
+    bf16 once, the GPU kernels' numerics; else fp32 products and act. Experts are added in the
+    order given (the lane passes ascending ids), fp32 throughout.
+    """
+    i = layout.inter
+    wdt = torch.bfloat16 if round_bf16 else torch.float32
+    out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
+    for rec, rows, w in zip(records, tok_idx, tok_w):
+        rows = torch.as_tensor(rows, dtype=torch.int64)
+        gu = dequant_matrix(rec, layout, "gate_up", wdt).float()  # [2I, H]
+        dn = dequant_matrix(rec, layout, "down", wdt).float()  # [H, I]
+        h = x[rows].float() @ gu.t()  # [n, 2I]
+        g, u = h[:, :i], h[:, i:]
+        if swiglu_limit is not None:
+            g, u = g.clamp(max=swiglu_limit), u.clamp(-swiglu_limit, swiglu_limit)
+        act = torch.nn.functional.silu(g) * u  # [n, I]
+        if round_bf16:
+            act = act.to(torch.bfloat16).float()
+        out.index_add_(0, rows, (act @ dn.t()) * torch.as_tensor(w, dtype=torch.float32)[:, None])
+    return out
+
+
 # ----------------------------------------------------------------------------- align
 
 
@@ -184,10 +214,12 @@ def cache_step_ref(
     scratch = (base, rows, record_bytes): misses not admitted are staged, in first-pick order,
     into the first `rows` scratch rows for this step (appended to the copy list); step_table
     is ptr_table with those rows.
-    lane = (lane_max, zero_addr), fast mode (state also holds lane_ids [L] i32, lmark [E] i32):
-    of the misses not admitted, the lane_max of lowest frequency (after this step's update;
-    ties in first-pick order) go to the CPU lane: lane_ids lists them in first-pick order (-1
-    padded), they are not staged, and their step_table rows are zero_addr.
+    lane = (lane_max, zero_addr), fast mode (state also holds lane_ids [L] i32, lmark [E] i32 and
+    optionally lane_share [1] i32, the cost model's share of the misses in 1/1024, default 1024):
+    of the misses not admitted, the n = min(lane_max, round(misses * share / 1024)) of lowest
+    frequency (after this step's update; ties in first-pick order) go to the CPU lane: lane_ids
+    lists them in first-pick order (-1 padded), they are not staged, and their step_table rows
+    are zero_addr.
     """
     st = state
     ids = topk_ids.reshape(-1).tolist()
@@ -246,8 +278,10 @@ def cache_step_ref(
     lane_max, zero_addr = lane
     on_lane = []
     if lane_max > 0:
+        share = int(st["lane_share"][0]) if "lane_share" in st else 1024
+        n_lane = min(lane_max, (len(misses) * share + 512) >> 10)
         by_heat = sorted(range(len(rejected)), key=lambda j: (int(freq[rejected[j]]), j))
-        on_lane = [rejected[j] for j in sorted(by_heat[:lane_max])]
+        on_lane = [rejected[j] for j in sorted(by_heat[:n_lane])]
         st["lane_ids"].fill_(-1)
         st["lane_ids"][: len(on_lane)] = torch.tensor(on_lane, dtype=st["lane_ids"].dtype)
         for e in on_lane:

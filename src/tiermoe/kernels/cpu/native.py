@@ -1,0 +1,187 @@
+"""The CPU lane's compiled kernel (lane_kernel.cpp): built with the machine's C++ compiler on first
+use, loaded through ctypes.
+
+Why ctypes and a plain shared library instead of a torch C++ extension: the library depends on
+nothing but the C++ runtime, so it compiles in seconds (torch's headers take a minute) and one
+build serves every torch version (CI's 2.13 CPU build, the GPU machine's 2.11); ctypes releases
+the GIL for the call, so the lane computes while Python threads (the engine, the mailbox server)
+run. One library holds scalar, AVX2 and AVX-512 code; the pool picks the best the CPU has.
+
+The library lands in a directory the caller names (moe/lane_kernel.py: the user's cache), under
+a name that hashes the sources, the compiler's version and the flags, written atomically so
+concurrent first uses agree. No compiler, or a failed build: `NativeUnavailable` with the reason;
+the lane then computes with its plain-torch twin (reference.lane_experts_ref).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE_DIR = Path(__file__).resolve().parent
+SOURCES = ("lane_kernel.cpp", "lane_dot.h")
+ABI = 4  # TM_ABI of lane_kernel.cpp: a library of another ABI is rebuilt
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
+ISA_NAMES = ("scalar", "avx2", "avx512", "avx512bf16")
+KINDS = {"bf16": 0, "int4": 1, "int8": 2}  # record kinds the kernel reads
+
+
+class NativeUnavailable(RuntimeError):
+    """The compiled kernel cannot be built or loaded here (the message says why)."""
+
+
+class TmLaneJob(ctypes.Structure):
+    """struct TmLaneJob of lane_kernel.cpp, field for field."""
+
+    _fields_ = [("kind", ctypes.c_int32), ("hidden", ctypes.c_int32), ("inter", ctypes.c_int32),
+                ("group", ctypes.c_int32), ("gu_q", ctypes.c_int64), ("gu_s", ctypes.c_int64),
+                ("dn_q", ctypes.c_int64), ("dn_s", ctypes.c_int64), ("n_exp", ctypes.c_int32),
+                ("n_tok", ctypes.c_int32), ("rec", ctypes.c_void_p), ("tok_off", ctypes.c_void_p),
+                ("tok_idx", ctypes.c_void_p), ("tok_w", ctypes.c_void_p), ("x", ctypes.c_void_p),
+                ("out", ctypes.c_void_p), ("round_bf16", ctypes.c_int32), ("has_limit", ctypes.c_int32),
+                ("limit", ctypes.c_float)]
+
+
+def find_compiler() -> str | None:
+    """$CXX, else the first of g++, c++, clang++ on PATH."""
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return shutil.which(cxx)
+    return next((p for p in map(shutil.which, ("g++", "c++", "clang++")) if p), None)
+
+
+def _fingerprint(compiler: str) -> str:
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update((SOURCE_DIR / name).read_bytes())
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeUnavailable(f"{compiler} --version failed: {exc}") from None
+    h.update(version.encode())
+    h.update(" ".join(FLAGS).encode())
+    h.update(platform.machine().encode())
+    return h.hexdigest()[:16]
+
+
+def build_library(directory: Path, compiler: str | None = None) -> Path:
+    """The compiled library in `directory`, built now if it is not there yet."""
+    compiler = compiler or find_compiler()
+    if compiler is None:
+        raise NativeUnavailable("no C++ compiler found (g++, c++ or clang++; or set CXX)")
+    lib = Path(directory) / f"tiermoe_lane-{_fingerprint(compiler)}.so"
+    if lib.is_file():
+        return lib
+    try:
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=lib.stem + ".", suffix=".tmp", dir=lib.parent)
+        os.close(fd)
+    except OSError as exc:
+        raise NativeUnavailable(f"cannot write to {lib.parent}: {exc.strerror or exc}") from None
+    try:
+        cmd = [compiler, *FLAGS, "-o", tmp, str(SOURCE_DIR / SOURCES[0])]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise NativeUnavailable(f"{compiler} failed to run: {exc}") from None
+        if r.returncode != 0:
+            last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise NativeUnavailable(f"{compiler} could not build the lane kernel: {last}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+_LOADED: dict[Path, ctypes.CDLL] = {}
+_LOAD_LOCK = threading.Lock()
+
+
+def load_library(path: Path) -> ctypes.CDLL:
+    """Load (once per process) a library from build_library and declare its functions."""
+    with _LOAD_LOCK:
+        if path in _LOADED:
+            return _LOADED[path]
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise NativeUnavailable(f"cannot load {path.name}: {exc}") from None
+        lib.tm_abi.restype = ctypes.c_int32
+        if lib.tm_abi() != ABI:
+            raise NativeUnavailable(f"{path.name} has ABI {lib.tm_abi()}, expected {ABI}")
+        lib.tm_cpu_isa.restype = ctypes.c_int32
+        lib.tm_pool_new.restype = ctypes.c_void_p
+        lib.tm_pool_new.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
+        lib.tm_pool_free.argtypes = [ctypes.c_void_p]
+        lib.tm_pool_isa.restype = ctypes.c_int32
+        lib.tm_pool_isa.argtypes = [ctypes.c_void_p]
+        lib.tm_lane_run.restype = ctypes.c_int32
+        lib.tm_lane_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmLaneJob)]
+        lib.tm_read.restype = ctypes.c_uint64
+        lib.tm_read.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        _LOADED[path] = lib
+        return lib
+
+
+class LanePool:
+    """One pool of `threads` threads (the caller's plus threads-1 workers, pinned to `cpus[1:]`
+    when given) that computes lane jobs; one job at a time (calls serialize). isa: the most the
+    pool may use ("avx512bf16", "avx512", "avx2" or "scalar"; the CPU may allow less; a job
+    that cannot use it runs on the next one: bf16 dot products only with bf16 numerics)."""
+
+    def __init__(self, lib: ctypes.CDLL, threads: int, cpus: list[int] | None = None, isa: str = "avx512bf16",
+                 spin_us: int = 500) -> None:
+        if isa not in ISA_NAMES:
+            raise ValueError(f"isa must be one of {ISA_NAMES}, got {isa!r}")
+        self.lib, self.threads = lib, max(1, int(threads))
+        arr = (ctypes.c_int32 * max(1, len(cpus or ())))(*(cpus or ()))
+        self._pool = lib.tm_pool_new(self.threads, arr, len(cpus or ()), ISA_NAMES.index(isa), int(spin_us))
+        if not self._pool:
+            raise NativeUnavailable("could not start the lane's thread pool")
+        self.isa = ISA_NAMES[lib.tm_pool_isa(self._pool)]
+
+    def run(self, layout, records: list[int], tok_off: torch.Tensor, tok_idx: torch.Tensor, tok_w: torch.Tensor,
+            x: torch.Tensor, out: torch.Tensor, round_bf16: bool, limit: float | None) -> None:
+        """out [T, H] fp32 += the experts' weighted outputs. layout: kernels.layout.ExpertLayout;
+        records: each expert's record address (ascending ids); tok_off int32 [n+1], tok_idx
+        int32 [m] (rows of x), tok_w fp32 [m]; x fp32 [T, H] contiguous."""
+        n = len(records)
+        if n == 0:
+            return
+        for t, dt in ((tok_off, torch.int32), (tok_idx, torch.int32), (tok_w, torch.float32), (x, torch.float32),
+                      (out, torch.float32)):
+            if t.dtype != dt or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"lane kernel operand must be a contiguous CPU {dt} tensor, got {t.dtype}")
+        if x.shape != out.shape or x.shape[1] != layout.hidden or tok_off.numel() != n + 1:
+            raise ValueError("lane kernel operands do not match the layout")
+        recs = (ctypes.c_uint64 * n)(*records)
+        job = TmLaneJob(KINDS[layout.kind], layout.hidden, layout.inter, layout.group_size, layout.gate_up_q,
+                        layout.gate_up_s, layout.down_q, layout.down_s, n, x.shape[0], ctypes.addressof(recs),
+                        tok_off.data_ptr(), tok_idx.data_ptr(), tok_w.data_ptr(), x.data_ptr(), out.data_ptr(),
+                        int(bool(round_bf16)), int(limit is not None), float(limit or 0.0))
+        rc = self.lib.tm_lane_run(self._pool, ctypes.byref(job))
+        if rc != 0:
+            why = {-1: "a record shape or routing it does not take", -2: "out of memory"}.get(rc, f"error {rc}")
+            raise RuntimeError(f"lane kernel failed: {why}")
+
+    def read(self, buf: torch.Tensor) -> None:
+        """Read every byte of the contiguous CPU tensor `buf` with the pool's threads."""
+        self.lib.tm_read(self._pool, buf.data_ptr(), buf.numel() * buf.element_size())
+
+    def close(self) -> None:
+        if self._pool:
+            self.lib.tm_pool_free(self._pool)
+            self._pool = None
+
+    def __del__(self) -> None:
+        self.close()

@@ -1,0 +1,102 @@
+"""The CPU lane's compiled kernel against its plain-torch twin (reference.lane_experts_ref), for
+int4, int8 and bf16 records, every instruction set this CPU runs, 1..8 tokens per expert, bf16
+and fp32 numerics, the SwiGLU limit, and any thread count (rows split over threads: same bits).
+Skipped, with the reason, where no C++ compiler can build it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiermoe.kernels.cpu import native
+from tiermoe.kernels.layout import expert_layout
+from tiermoe.kernels.reference import lane_experts_ref, make_record
+
+ISAS = ("scalar", "avx2", "avx512", "avx512bf16")
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    try:
+        return native.load_library(native.build_library(tmp_path_factory.mktemp("lane-kernel")))
+    except native.NativeUnavailable as exc:
+        pytest.skip(f"no compiled lane kernel here: {exc}")
+
+
+def _case(kind, hidden, inter, group, n_exp, tokens, seed):
+    layout = expert_layout(kind, hidden, inter, group)
+    gen = torch.Generator().manual_seed(seed)
+    records = [make_record(layout, gen) for _ in range(n_exp)]
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).float()  # [T, H] bf16 values
+    # expert e serves a subset of the tokens (always at least one), each with its weight
+    tok_idx = [torch.randperm(tokens, generator=gen)[: 1 + (e * 3) % tokens].sort().values for e in range(n_exp)]
+    tok_w = [torch.rand(len(t), generator=gen) for t in tok_idx]
+    return layout, records, x, tok_idx, tok_w
+
+
+def _run(pool, layout, records, x, tok_idx, tok_w, round_bf16, limit):
+    off = torch.tensor([0] + [len(t) for t in tok_idx]).cumsum(0).to(torch.int32)
+    out = torch.zeros_like(x)
+    pool.run(layout, [r.data_ptr() for r in records], off, torch.cat(tok_idx).to(torch.int32),
+             torch.cat(tok_w).float(), x.contiguous(), out, round_bf16, limit)
+    return out
+
+
+@pytest.mark.parametrize("kind,group", [("int4", 32), ("int4", 128), ("int4", 16), ("int8", 32), ("int8", 64),
+                                        ("int8", 8), ("bf16", 0)])
+@pytest.mark.parametrize("isa", ISAS)
+def test_kernel_equals_twin(lib, kind, group, isa):
+    hidden, inter = (256, 128) if group != 128 else (256, 256)  # int4 G=128: the bf16 dot path's blocks
+    pool = native.LanePool(lib, threads=3, isa=isa)
+    try:
+        for tokens, round_bf16, limit in ((1, True, None), (3, True, 0.5), (8, False, None), (5, False, 1.0)):
+            layout, records, x, idx, w = _case(kind, hidden, inter, group, 3, tokens, seed=tokens)
+            got = _run(pool, layout, records, x, idx, w, round_bf16, limit)
+            want = lane_experts_ref(x, records, idx, w, layout, round_bf16, limit)
+            err = float((got - want).abs().max() / want.abs().max())
+            assert err < (2e-3 if round_bf16 else 1e-5), (pool.isa, tokens, round_bf16, err)
+    finally:
+        pool.close()
+
+
+def test_thread_count_does_not_change_the_bits(lib):
+    layout, records, x, idx, w = _case("int4", 512, 256, 64, 4, 6, seed=3)
+    outs = []
+    for threads in (1, 2, 5):
+        pool = native.LanePool(lib, threads=threads)
+        try:
+            outs.append(_run(pool, layout, records, x, idx, w, True, None))
+        finally:
+            pool.close()
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_output_is_added_to_and_bad_jobs_are_refused(lib):
+    layout, records, x, idx, w = _case("int8", 128, 64, 32, 2, 2, seed=4)
+    pool = native.LanePool(lib, threads=2)
+    try:
+        once = _run(pool, layout, records, x, idx, w, True, None)
+        off = torch.tensor([0, len(idx[0]), len(idx[0]) + len(idx[1])], dtype=torch.int32)
+        out = once.clone()
+        pool.run(layout, [r.data_ptr() for r in records], off, torch.cat(idx).int(), torch.cat(w).float(), x, out,
+                 True, None)
+        assert torch.allclose(out, 2 * once)
+        with pytest.raises(RuntimeError, match="lane kernel failed"):
+            pool.run(layout, [0, records[1].data_ptr()], off, torch.cat(idx).int(), torch.cat(w).float(), x, out,
+                     True, None)  # a record it cannot read
+        with pytest.raises(ValueError):
+            pool.run(layout, [r.data_ptr() for r in records], off, torch.cat(idx).long(), torch.cat(w).float(), x, out,
+                     True, None)
+    finally:
+        pool.close()
+
+
+def test_read_probe_and_missing_compiler(lib, tmp_path, monkeypatch):
+    pool = native.LanePool(lib, threads=2)
+    try:
+        pool.read(torch.ones(1 << 20, dtype=torch.uint8))
+    finally:
+        pool.close()
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    with pytest.raises(native.NativeUnavailable, match="no C\\+\\+ compiler"):
+        native.build_library(tmp_path)
