@@ -70,3 +70,23 @@ def test_throughput_line_names_expert_tiers_of_a_packed_store():
         "Avg prompt throughput: 40.0 tokens/s, Avg generation throughput: 12.5 tokens/s, Running: 1 reqs, "
         "Waiting: 0 reqs, KV cache usage: 3.1%, Experts per decode token: slot hits 180.00, slot misses 60.00 "
         "(host 50.00, disk 10.00)")
+
+
+def test_throughput_counts_a_request_that_ends_within_the_first_interval(tokenizer, caplog):
+    caplog.set_level(logging.INFO, logger=STATS_LOGGER)
+
+    async def scenario():
+        engine = AsyncEngine(ScriptedEngineCore(tokenizer=tokenizer))
+        engine.start()
+        log = ThroughputLog(SimpleNamespace(engine=engine, metrics=Metrics()), interval_s=0.3)
+        log.start()
+        await asyncio.sleep(0.05)
+        async for _ in engine.generate("r1", tokenizer.encode("Tell me a story"), SamplingParams(max_tokens=20)):
+            pass
+        await asyncio.sleep(0.4)
+        await log.stop()
+        await engine.shutdown()
+
+    asyncio.run(scenario())
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == STATS_LOGGER]
+    assert lines and "Avg generation throughput: 0.0" not in lines[0], lines

@@ -260,14 +260,14 @@ class ThroughputLog:
     async def _run(self) -> None:
         prev, was_busy = None, False
         while True:
-            await asyncio.sleep(self.interval_s)
             if not stats_log.isEnabledFor(logging.INFO):
                 prev = None
-                continue
-            try:
-                prev, was_busy = await self._tick(prev, was_busy)
-            except Exception:  # a failing stats() must not end the task or the server
-                stats_log.debug("throughput line skipped", exc_info=True)
+            else:  # the first pass only takes the counters the first interval's rates start from
+                try:
+                    prev, was_busy = await self._tick(prev, was_busy)
+                except Exception:  # a failing stats() must not end the task or the server
+                    stats_log.debug("throughput line skipped", exc_info=True)
+            await asyncio.sleep(self.interval_s)
 
     async def _tick(self, prev: dict | None, was_busy: bool) -> tuple[dict, bool]:
         engine = self.ctx.engine
