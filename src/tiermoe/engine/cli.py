@@ -11,12 +11,14 @@ import sys
 
 def register(subparsers) -> None:
     from tiermoe.engine.build import add_engine_args
+    from tiermoe.engine.threads import add_cpu_threads_arg
 
     p = subparsers.add_parser("generate", help="complete one prompt and print the completion",
                               description="Load the model, complete --prompt (as one user message through the chat "
                                           "template, or --raw) and print only the completion's text; logs and "
                                           "errors go to stderr.")
     add_engine_args(p)
+    add_cpu_threads_arg(p)
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template to the prompt")
@@ -37,8 +39,10 @@ def _run(args) -> int:
     from tiermoe.engine.llm_engine import generate_ids
     from tiermoe.engine.prompts import chat_prompt_ids
     from tiermoe.errors import UserError
+    from tiermoe.engine.threads import use_cpu_threads
     from tiermoe.protocol import InvalidRequest, SamplingParams
 
+    use_cpu_threads(args.cpu_threads)
     engine = build_engine_core(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                                max_num_seqs=1, options=vars(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tiermoe import env
 from tiermoe.engine.build import add_routing_args, add_sizing_args, add_store_args
+from tiermoe.engine.threads import add_cpu_threads_arg, use_cpu_threads
 from tiermoe.errors import UserError
 from tiermoe.model_source import check_name, is_repo_id, resolve_model
 from tiermoe.server.access_log import REQUESTS_LOGGER, STATS_LOGGER
@@ -69,6 +70,7 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", default=env.API_KEY.get(),
                    help="require this key (Bearer or x-api-key); default $TIERMOE_API_KEY")
     add_sizing_args(p, max_num_seqs=16)
+    add_cpu_threads_arg(p)
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests allowed to wait beyond --max-num-seqs (then 429)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
@@ -202,6 +204,7 @@ def build_core(args):
                             "use --scripted to test the server") from None
         raise
     options = {k: v for k, v in vars(args).items() if k not in ("handler", "api_key")}
+    use_cpu_threads(args.cpu_threads)  # on this thread: the engine thread, which will step the core
     try:
         core = build_engine_core(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                                  max_num_seqs=args.max_num_seqs, options=options)
