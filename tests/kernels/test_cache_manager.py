@@ -81,11 +81,13 @@ ZERO_ADDR = 1 << 36  # the all-zero record's address (fake)
 
 
 @pytest.mark.parametrize(
-    "e,s,tokens,k,lane_max,scratch", [(12, 4, 1, 4, 2, 3), (16, 3, 3, 3, 4, 2), (8, 0, 2, 3, 3, 0)]
+    "e,s,tokens,k,lane_max,scratch,share",
+    [(12, 4, 1, 4, 2, 3, 1024), (16, 3, 3, 3, 4, 2, 1024), (8, 0, 2, 3, 3, 0, 1024), (16, 3, 3, 3, 6, 2, 400)],
 )
-def test_lane_choice_matches_twin(e, s, tokens, k, lane_max, scratch, device):
+def test_lane_choice_matches_twin(e, s, tokens, k, lane_max, scratch, share, device):
     """Fast mode: of the misses not admitted, the coldest go to the CPU lane (listed, not staged,
-    their step-table rows at the zero record); admissions and residency stay those of exact
+    their step-table rows at the zero record), as many as the cost model's share of the step's
+    misses (lane_share / 1024, at most lane_max); admissions and residency stay those of exact
     mode (a cache without the lane, stepped alongside). Step by step against the twin, with
     steps without the lane and a smaller lane_max in between, as a mode switch would give."""
     host = torch.arange(e, dtype=torch.int64, device=device) * REC + (1 << 40)
@@ -101,8 +103,9 @@ def test_lane_choice_matches_twin(e, s, tokens, k, lane_max, scratch, device):
         lane_max=cap,
     )
     cache, exact = make(lane_max), make(0)
-    assert cache.lane_max == 0  # off until its owner sets it (with a zero record)
+    assert cache.lane_max == 0 and int(cache.lane_share) == 1024  # off until its owner sets it (with a zero record)
     cache.zero_addr = ZERO_ADDR
+    cache.lane_share.fill_(share)
     st = _twin_state(cache)
     gen = torch.Generator().manual_seed(e + 7 * s)
     popular = torch.linspace(3.0, 0.2, e)
@@ -111,6 +114,7 @@ def test_lane_choice_matches_twin(e, s, tokens, k, lane_max, scratch, device):
         on = step not in (5, 6)  # steps without the lane in between
         cache.lane_max = lane_max if step < 12 else max(1, lane_max // 2)
         ids = torch.stack([torch.multinomial(popular, k, generator=gen) for _ in range(tokens)])
+        misses_before = int(cache.stats[2])
         C.cache_step(cache, ids.to(device), lane=on)
         C.cache_step(exact, ids.to(device))
         R.cache_step_ref(
@@ -121,7 +125,9 @@ def test_lane_choice_matches_twin(e, s, tokens, k, lane_max, scratch, device):
             assert torch.equal(getattr(cache, key), getattr(exact, key)), key
         lane = [x for x in cache.lane_ids.tolist() if x >= 0] if on else []
         sent += len(lane)
-        assert len(lane) <= cache.lane_max and not any(int(cache.expert_slot[x]) >= 0 for x in lane)
+        misses = int(cache.stats[2] - misses_before) if on else 0
+        assert len(lane) <= min(cache.lane_max, (misses * share + 512) >> 10)
+        assert not any(int(cache.expert_slot[x]) >= 0 for x in lane)
         assert all(int(cache.step_table[x]) == ZERO_ADDR for x in lane)
         copied = set(cache.copy_src[: int(cache.n_copy)].tolist())
         assert not copied & {int(cache.host_addr[x]) for x in lane}  # no PCIe bytes for lane experts

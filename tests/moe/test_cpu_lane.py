@@ -1,19 +1,20 @@
-"""CPU lane kernels: every lane kernel equals dequantize + fp32 matmul within its precision."""
+"""The CPU lane: its output against its plain-torch twin for int4, int8 and bf16 records (and the
+exact path's expert for the other kinds), no conversion per expert use on the compiled kernel,
+the cost model's order, and what happens without a compiler."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
-import torch.nn.functional as F
 
-from tiermoe.moe import cpu_lane
-from tiermoe.moe.cpu_lane import (PackCache, PackedExpert, expert_forward, int4_scales_and_zeros, lane_kernel,
-                                  linear, pack_expert, repack_int4)
+from tiermoe.kernels.layout import expert_layout
+from tiermoe.kernels.reference import lane_experts_ref
+from tiermoe.moe import cpu_lane, lane_kernel
+from tiermoe.moe.cpu_lane import CpuLane
 from tiermoe.moe.experts import expert_mlp
-from tiermoe.store.quant import dequantize_groupwise, quantize_groupwise
 from tiermoe.store.records import RecordLayout, decode_record, encode_expert
+
+NATIVE = lane_kernel.native_library() is not None
 
 
 def _w(n, k, seed):
@@ -24,82 +25,120 @@ def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.mark.parametrize("n,k,g", [(64, 64, 32), (128, 256, 64), (96, 128, 128), (48, 512, 256)])
-def test_int4_kernel_equals_dequant_matmul(n, k, g):
-    q, s = quantize_groupwise(_w(n, k, n + k), 4, g)
-    ref_w = dequantize_groupwise(q, s, 4, g, torch.float32)  # [N, K]
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
-    layout = SimpleNamespace(group_size=g, bits=4)  # what linear reads of a RecordLayout
-    ref = F.linear(x, ref_w)
-    w = repack_int4(q)
-    fp32 = linear(x, (w, int4_scales_and_zeros(s, torch.float32)), "int4pack", layout, torch.float32)
-    assert _rel(fp32, ref) < 1e-5  # same math, fp32 throughout
-    bf16 = linear(x, (w, int4_scales_and_zeros(s, torch.bfloat16)), "int4pack", layout, torch.bfloat16)
-    assert _rel(bf16, F.linear(x.bfloat16().float(), ref_w)) < 1e-2  # bf16 in/out, fp32 sums
-
-
-@pytest.mark.parametrize("n", [128, 192, 48, 16])
-def test_int4_repack_matches_torch_converter(n):
-    q = torch.randint(0, 256, (n, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
-    assert torch.equal(repack_int4(q), cpu_lane._int4pack_torch(q))
-
-
-def test_int8_kernel_equals_dequant_matmul():
-    n, k, g = 96, 256, 64
-    q, s = quantize_groupwise(_w(n, k, 3), 8, g)
-    ref_w = dequantize_groupwise(q, s, 8, g, torch.float32)
-    x = torch.randn(2, k, generator=torch.Generator().manual_seed(2))
-    layout = SimpleNamespace(group_size=g, bits=8)
-    op = (q.view(n, k // g, g).transpose(0, 1).contiguous(), s.t().to(torch.bfloat16).contiguous())
-    got = linear(x, op, "int8pack", layout, torch.bfloat16)
-    assert _rel(got, F.linear(x.bfloat16().float(), ref_w)) < 1e-2
-
-
-def _record(kind, g=None, hidden=64, inter=32, seed=0):
+def _records(kind, g=None, hidden=64, inter=32, n=3):
     layout = RecordLayout.build(kind, hidden, inter, g)
-    gate, up, down = _w(inter, hidden, seed), _w(inter, hidden, seed + 1), _w(hidden, inter, seed + 2)
-    return layout, encode_expert(layout, gate, up, down)
+    recs = {}
+    for e in range(n):
+        gate, up, down = _w(inter, hidden, 10 * e), _w(inter, hidden, 10 * e + 1), _w(hidden, inter, 10 * e + 2)
+        recs[e] = encode_expert(layout, gate, up, down)
+    return layout, recs
 
 
-@pytest.mark.parametrize("kind,g,act,kernel,tol", [
-    ("int4", 32, torch.float32, "int4pack", 1e-5),
-    ("int4", 32, torch.bfloat16, "int4pack", 2e-2),
-    ("int4", 16, torch.float32, "dequant", 1e-5),  # group size torch's int4 kernel refuses
-    ("int8", 32, torch.bfloat16, "int8pack", 2e-2),
-    ("int8", 32, torch.float32, "dequant", 1e-5),
-    ("bf16", None, torch.float32, "float", 1e-5),
-    ("bf16", None, torch.bfloat16, "float", 2e-2),
-    ("fp32", None, torch.float32, "float", 1e-5),
-])
-def test_expert_forward_equals_reference_expert(kind, g, act, kernel, tol):
-    layout, rec = _record(kind, g)
-    assert lane_kernel(layout, act) == kernel
-    p = pack_expert(layout, rec, kernel, act)
-    assert (p.nbytes > 0) == (kernel in ("int4pack", "int8pack"))
-    gate_up, down = decode_record(layout, rec, torch.float32)  # the exact path's weights
-    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(7))
-    for limit in (None, 0.5):
-        ref = expert_mlp(x, gate_up, down, limit)
-        got = expert_forward(p, x, layout, limit)
-        assert got.dtype == torch.float32 and got.shape == (5, 64)
-        assert _rel(got, ref) < tol, (kind, act, limit)
+def _routing(tokens, n):
+    """Token t picks experts t % n and (t + 1) % n, with weights 0.7 and 0.3."""
+    ids = torch.tensor([[t % n, (t + 1) % n] for t in range(tokens)], dtype=torch.int32)  # [T, 2]
+    return ids, torch.tensor([[0.7, 0.3]] * tokens)  # [T, 2]
 
 
-def test_pack_cache_budget_lru_and_prune():
-    def item(nbytes):
-        return PackedExpert("int4pack", (), (), nbytes)
+@pytest.mark.parametrize("kind,g", [("int4", 32), ("int4", 16), ("int8", 32), ("bf16", None)])
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("limit", [None, 0.5])
+def test_lane_equals_its_plain_torch_twin(kind, g, act, limit):
+    """compute() (the compiled kernel where it builds) against lane_experts_ref on the same records."""
+    layout, recs = _records(kind, g)
+    klay = expert_layout(kind, 64, 32, g or 0)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(7)).to(act)  # [T, H]
+    ids, w = _routing(5, 3)
+    lane = CpuLane(layout, threads=2, act_dtype=act, swiglu_limit=limit)
+    try:
+        got = lane.compute(0, x, ids, w, recs)
+        c = lane.counters(5)
+    finally:
+        lane.close()
+    rows = [torch.where((ids == e).any(1))[0] for e in range(3)]
+    weights = [w[r][ids[r] == e] for e, r in enumerate(rows)]
+    want = lane_experts_ref(x.float(), list(recs.values()), rows, weights, klay, act == torch.bfloat16, limit)
+    assert got.dtype == torch.float32 and got.shape == (5, 64)
+    assert _rel(got, want) < (2e-3 if act == torch.bfloat16 else 1e-5)
+    assert c["kernel"] == ("native-" if NATIVE else "torch") + (lane.pool.isa if NATIVE else "")
+    assert c["experts"] == 3 and c["repacks"] == (0 if NATIVE else 3) and c["weight_bytes"] == 3 * klay.weight_bytes
 
-    c = PackCache(100)
-    c.put((0, 1), item(40))
-    c.put((0, 2), item(40))
-    assert c.get((0, 1)) is not None  # (0, 1) now most recent
-    c.put((0, 3), item(40))  # evicts the least recent, (0, 2)
-    assert c.get((0, 2)) is None and c.bytes == 80 and len(c) == 2
-    c.put((0, 4), item(500))  # larger than the whole budget: not cached
-    c.put((0, 5), item(0))  # views of a record: never cached
-    assert len(c) == 2
-    assert c.prune(lambda key: key != (0, 1)) == 1
-    assert c.get((0, 1)) is None and c.bytes == 40
+
+@pytest.mark.parametrize("kind", ["int4", "fp32"])
+def test_lane_close_to_the_exact_path_expert(kind):
+    """fp32 model: the lane (kernel or fp16/fp32 records' float path) equals the exact path's expert_mlp."""
+    layout, recs = _records(kind, 32 if kind == "int4" else None, n=1)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))  # [T, H]
+    ids, w = torch.zeros(3, 1, dtype=torch.int32), torch.ones(3, 1)
+    lane = CpuLane(layout, threads=1, act_dtype=torch.float32, swiglu_limit=0.5)
+    try:
+        got = lane.compute(0, x, ids, w, recs)
+        assert lane.kernel == ("torch" if kind == "fp32" or not NATIVE else lane.kernel)
+    finally:
+        lane.close()
+    gate_up, down = decode_record(layout, recs[0], torch.float32)
+    assert _rel(got, expert_mlp(x, gate_up, down, 0.5)) < 1e-5
+
+
+@pytest.mark.skipif(not NATIVE, reason="no compiled lane kernel here")
+def test_thread_counts_and_instruction_sets_agree():
+    layout, recs = _records("int4", 32, hidden=128, inter=64, n=4)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1)).bfloat16()
+    ids, w = _routing(3, 4)
+    outs = {}
+    for threads, isa in ((1, "avx512bf16"), (3, "avx512bf16"), (2, "avx512"), (2, "avx2"), (2, "scalar")):
+        lane = CpuLane(layout, threads=threads, isa=isa)
+        try:
+            outs[(threads, lane.pool.isa)] = lane.compute(0, x, ids, w, recs)
+        finally:
+            lane.close()
+    first = next(iter(outs.values()))
+    for key, out in outs.items():
+        assert _rel(out, first) < 1e-5, key
+    same_isa = [o for (t, isa), o in outs.items() if isa == next(iter(outs))[1]]
+    assert all(torch.equal(o, same_isa[0]) for o in same_isa)  # rows split over threads: the same bits
+
+
+def test_a_record_the_lane_cannot_read_fails_with_its_name():
+    layout, recs = _records("int8", 32)
+    lane = CpuLane(layout, threads=1)
+    try:
+        with pytest.raises(RuntimeError, match="layer 4 expert 1: not a readable"):
+            lane.compute(4, torch.randn(1, 64), torch.tensor([[1]]), torch.ones(1, 1), {1: recs[1][:100]})
+    finally:
+        lane.close()
+
+
+def test_without_a_compiler_the_lane_uses_the_torch_path(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(lane_kernel, "_STATE", {})
+    monkeypatch.setenv("TIERMOE_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    layout, recs = _records("int4", 32)
+    with caplog.at_level("WARNING", logger="tiermoe.moe"):
+        lane = CpuLane(layout, threads=1)
+    try:
+        assert lane.kernel == "torch" and lane.pool is None
+        assert "no C++ compiler" in lane_kernel.native_error() and "plain-torch path" in caplog.text
+        out = lane.compute(0, torch.randn(2, 64), *_routing(2, 3), recs)
+        assert out.shape == (2, 64) and lane.counters(2)["repacks"] == 3
+    finally:
+        lane.close()
+
+
+def test_physical_cores_one_per_core_interleaved_over_nodes(tmp_path, monkeypatch):
+    """Two nodes, two cores each, two hyperthreads per core: one CPU per core, node by node in turn."""
+    sysfs = tmp_path
+    siblings = {0: 0, 1: 1, 2: 0, 3: 1, 4: 2, 5: 3, 6: 2, 7: 3}  # cpu -> core id (cpus 0-3 node 0)
+    for cpu, core in siblings.items():
+        topo = sysfs / "cpu" / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "core_id").write_text(f"{core}\n")
+        (topo / "physical_package_id").write_text("0\n")
+    for node, cpus in ((0, "0-3"), (1, "4-7")):
+        (sysfs / "node" / f"node{node}").mkdir(parents=True)
+        (sysfs / "node" / f"node{node}" / "cpulist").write_text(cpus + "\n")
+    monkeypatch.setattr(lane_kernel.os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert lane_kernel.physical_cores(sysfs) == [0, 4, 1, 5]
 
 
 class _FakeStore:
@@ -121,10 +160,8 @@ def test_cost_model_order_and_limit():
     heat = {0: 0.0, 1: 5.0, 2: 1.0, 3: 0.0, 4: 3.0, 5: 9.0, 6: 8.0}
     lane = cpu_lane.CpuLane(layout, max_experts=3, threads=1, disk=True)
     try:
-        lane.cache.put((7, 6), PackedExpert("int4pack", (), (), 10))  # expert 6's repack is cached
         store = _FakeStore(tiers, heat)
-        # cached host first (6), then host coldest first (2, then 4); never slots (0)
-        assert lane.assign(store, 7, list(range(7))) == [2, 4, 6]
+        assert lane.assign(store, 7, list(range(7))) == [1, 2, 4]  # host, coldest first; never slots (0)
         lane.max_experts = 6
         assert lane.assign(store, 7, list(range(7))) == [1, 2, 3, 4, 5, 6]  # disk ones last
         lane.max_experts = 0
@@ -133,10 +170,37 @@ def test_cost_model_order_and_limit():
         lane.close()
 
 
-def test_disk_only_experts_auto():
-    int4 = RecordLayout.build("int4", 64, 32, 32)
-    bf16 = RecordLayout.build("bf16", 64, 32)
-    for layout, device, expect in ((int4, "cuda", False), (int4, "cpu", True), (bf16, "cuda", True)):
-        lane = cpu_lane.CpuLane(layout, threads=1, device=device)
-        assert lane.disk is expect, (layout.kind, device)
+def test_cost_model_share_of_the_misses():
+    """With a measured share the lane takes round(misses * share) of a layer's misses (slots excluded,
+    disk-only ones counted: the device side would read them too), at most max_experts."""
+    from tiermoe.moe.lane_cost import LaneBandwidths, lane_count
+
+    bw = LaneBandwidths(pcie_gbs=55.0, host_gbs=100.0, lane_gbs=80.0, pcie_shared_gbs=45.0, lane_shared_gbs=30.0)
+    assert bw.share == pytest.approx(0.4) and bw.as_dict()["share"] == pytest.approx(0.4)
+    assert [lane_count(m, 0.4, 8) for m in (0, 1, 2, 5, 30)] == [0, 0, 1, 2, 8]
+    assert lane_count(5, None, 3) == 3  # no measurement: the fixed count
+    layout = RecordLayout.build("int4", 64, 32, 32)
+    tiers = {0: "slots", 1: "host", 2: "host", 3: "disk", 4: "host", 5: "disk", 6: "host"}
+    heat = {0: 0.0, 1: 5.0, 2: 1.0, 3: 0.0, 4: 3.0, 5: 9.0, 6: 8.0}
+    lane = cpu_lane.CpuLane(layout, max_experts=6, threads=1, disk=False)
+    try:
+        lane.share = 0.5
+        assert lane.assign(_FakeStore(tiers, heat), 7, list(range(7))) == [1, 2, 4]  # 6 misses -> 3, coldest host
+        lane.share = 0.0
+        assert lane.assign(_FakeStore(tiers, heat), 7, list(range(7))) == []
+    finally:
+        lane.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the cost model measures PCIe copies: needs CUDA")
+def test_cost_model_measures_bandwidths_on_cuda():
+    from tiermoe.moe.lane_cost import measure
+
+    lane = CpuLane(RecordLayout.build("int4", 256, 128, 64), threads=2, device="cuda", max_experts=8)
+    try:
+        before = lane.c.as_dict()
+        bw = measure(lane, torch.device("cuda"), records=4, seconds=0.05)
+        assert min(bw.as_dict().values()) > 0 and 0 < bw.share < 1
+        assert lane.c.as_dict() == before  # the measurement leaves the lane's counters alone
+    finally:
         lane.close()

@@ -12,6 +12,9 @@ from testkit.stores import pack_tiny
 from tiermoe.engine.build import build_engine_core
 from tiermoe.eval.paired_kl import decode_logits, prompt_ids, run_paired_kl
 from tiermoe.eval.parity import compare, engine_logits
+from tiermoe.moe.lane_kernel import native_library
+
+NATIVE = native_library() is not None  # the compiled lane kernel builds here
 
 RECORD_INT4 = 4096  # bytes of one tiny int4 record (H=64, I=32, G=32): one 4 KiB page
 GIB = 2**30
@@ -36,10 +39,10 @@ def test_paired_kl_below_target(int4_store):
     assert r["positions"] == 2 * 16
     assert r["kl_mean"] < 1e-3 and r["top1"] > 0.995
     lane = r["cpu_lane"]
-    assert lane["kernel"] == "int4pack"  # the quantized kernel, not dequantize + matmul
+    assert lane["kernel"].startswith("native-" if NATIVE else "torch")  # the record's own layout, in place
     # every decode pick of the 2 MoE layers (top-2) misses the (empty) CPU slot tier: 4 per token
     assert lane["per_decode_token"] == pytest.approx(4.0)
-    assert lane["repacks"] > 0 and lane["cache_hits"] > 0 and lane["wait_s"] >= 0.0
+    assert lane["repacks"] == (0 if NATIVE else lane["experts"]) and lane["wait_s"] >= 0.0
 
 
 def test_fast_mode_bf16_activations_close(int4_store):
@@ -82,7 +85,7 @@ def test_exact_mode_bit_identical_with_lane_built(bf16_store):
     finally:
         be.close()
     assert torch.equal(ref_decode, exact) and torch.equal(ref_chunked, prefill)
-    assert lane["experts"] > 0 and lane["kernel"] == "float"
+    assert lane["experts"] > 0 and lane["kernel"].startswith("native-" if NATIVE else "torch")
     m = compare(ref_decode, decode)
     # bf16 logits tie often in this tiny vocabulary, so top-1 flips on ties; KL is the measure
     assert m["kl_mean"] < 1e-3 and m["top1"] > 0.85, m
@@ -104,6 +107,6 @@ def test_lane_reads_disk_and_host_and_counts(int4_store):
     lane = c["cpu_lane"]
     assert c["mode"] == "fast" and lane["max_experts_per_layer"] == 1
     assert lane["per_decode_token"] == pytest.approx(2.0)  # one per MoE layer and token
-    assert lane["disk_experts"] + lane["cache_hits"] + lane["repacks"] >= lane["experts"]
+    assert 0 < lane["disk_experts"] < lane["experts"] and lane["repacks"] == (0 if NATIVE else lane["experts"])
     assert c["disk"]["reads"] > 0 and c["host"]["hits"] > 0
     assert stats["experts"]["cpu_lane"]["experts"] == lane["experts"]

@@ -5,7 +5,8 @@ bandwidth (issue 20). This measures both in one run, on the same records: for ea
 (int4, int8, bf16), thread count and token count T it times `CpuLane.compute` (the entry point
 the device cache's mailbox calls) on `--experts` experts per call, every one routed by all T
 tokens, cycling through a pool of records larger than the CPU caches so every call reads RAM;
-and, per thread count, a multi-threaded read of the same pool. Weight GB/s counts the bytes of
+and, per thread count, a multi-threaded read of the same pool (by the lane's own thread pool where
+the compiled kernel is built, else by torch's threads). Weight GB/s counts the bytes of
 the records' weight and scale sections (ExpertLayout.weight_bytes) per expert computed.
 
     tiermoe bench lane [--hidden 4096 --inter 2048 --group-size 128] [--kinds int4,int8,bf16]
@@ -38,6 +39,10 @@ def register(bench_subparsers) -> None:
     p.add_argument("--pool-gb", type=float, default=1.0, help="GiB of records cycled through, per kind")
     p.add_argument("--seconds", type=float, default=0.5, help="time per measurement")
     p.add_argument("--store", default=None, help="packed store to take records (kind, shape) from")
+    p.add_argument("--isa", choices=("avx512bf16", "avx512", "avx2", "scalar"), default="avx512bf16",
+                   help="most the compiled kernel may use (default: the best this CPU has)")
+    p.add_argument("--no-pin", action="store_true", help="do not pin the lane's threads to physical cores "
+                                                           "(fast mode pins them beside a GPU)")
     p.add_argument("--out", default=None, help="write the result JSON here")
     p.set_defaults(handler=_run)
 
@@ -109,27 +114,38 @@ def _store_pool(path: str, args):
     return layout, pool
 
 
-def host_read_gbs(pool, threads: int, seconds: float) -> float:
-    """GB/s of a `threads`-thread read of every byte of `pool` (best of the passes in `seconds`)."""
+def host_read_gbs(pool, threads: int, seconds: float, pin: bool) -> float:
+    """GB/s of a `threads`-thread read of every byte of `pool` (best of the passes in `seconds`):
+    the lane's own thread pool reading 8-byte words where the compiled kernel loads, else torch's
+    threads summing them."""
     import torch
+
+    from tiermoe.moe.lane_kernel import lane_pool
 
     flat = pool.view(-1)
     words = flat[: flat.numel() // 8 * 8].view(torch.int64)  # integer sums: no denormal stalls
+    native = lane_pool(threads, pin)
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         best, t_end = 0.0, time.perf_counter() + seconds
         while True:
             t0 = time.perf_counter()
-            words.sum()
+            if native is not None:
+                native.read(words)
+            else:
+                words.sum()
             best = max(best, words.numel() * 8 / (time.perf_counter() - t0) / 1e9)
             if time.perf_counter() > t_end:
                 return best
     finally:
         torch.set_num_threads(prev)
+        if native is not None:
+            native.close()
 
 
-def lane_cell(layout, pool, threads: int, tokens: int, experts: int, seconds: float) -> dict:
+def lane_cell(layout, pool, threads: int, tokens: int, experts: int, seconds: float, isa: str = "avx512bf16",
+              pin: bool = True) -> dict:
     """Time CpuLane.compute with `threads` threads on `experts` records of `pool` per call, each
     routed by all `tokens` tokens; the records change every call (cycled through the pool)."""
     import torch
@@ -143,7 +159,8 @@ def lane_cell(layout, pool, threads: int, tokens: int, experts: int, seconds: fl
     weights = torch.full((tokens, experts), 1.0 / experts)  # [T, experts]
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)  # compute() runs in this thread
-    lane = CpuLane(layout, max_experts=experts, max_tokens=tokens, threads=threads, act_dtype=torch.bfloat16)
+    lane = CpuLane(layout, max_experts=experts, max_tokens=tokens, threads=threads, act_dtype=torch.bfloat16,
+                   isa=isa, pin=pin)
     n, calls, cursor = pool.shape[0], 0, 0
     try:
         def call():
@@ -180,12 +197,12 @@ def run_lane_bench(args) -> dict:
     pools = [_store_pool(args.store, args)] if args.store else [_synthetic_pool(k, args) for k in kinds]
     host = {}
     for t in threads:
-        host[t] = max(host_read_gbs(p, t, args.seconds) for _, p in pools)
+        host[t] = max(host_read_gbs(p, t, args.seconds, not args.no_pin) for _, p in pools)
     rows = []
     for layout, pool in pools:
         for t in threads:
             for n_tok in tokens:
-                cell = lane_cell(layout, pool, t, n_tok, args.experts, args.seconds)
+                cell = lane_cell(layout, pool, t, n_tok, args.experts, args.seconds, args.isa, not args.no_pin)
                 cell.update(kind=layout.kind, host_read_gbs=host[t], share_of_host=cell["gbs"] / host[t])
                 rows.append(cell)
                 print(_row_line(cell), flush=True)

@@ -276,6 +276,16 @@ class DeviceCacheExperts(StoreBackend):
             cache.lane_max = max(0, int(experts))
             cache.zero_addr = self.fused.zero_record(self.scratch.device).data_ptr()
 
+    def set_lane_share(self, share: float | None) -> None:
+        """The cost model's share of each lane step's misses for the CPU lane (moe/lane_cost.py),
+        at most set_lane's count; None: that count. A device tensor per layer, read by captured
+        graphs too."""
+        from tiermoe.kernels.triton.cache_manager import LANE_SHARE_ONE
+
+        value = LANE_SHARE_ONE if share is None else round(min(1.0, max(0.0, float(share))) * LANE_SHARE_ONE)
+        for cache in self.caches.values():
+            cache.lane_share.fill_(value)
+
     def lane_forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                      mailbox, slot: int) -> torch.Tensor:
         """A fast-mode decode step of one layer with no host sync (module doc): x [T, H] ->

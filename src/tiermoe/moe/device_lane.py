@@ -63,6 +63,10 @@ class DeviceLane(LaneHandoff):
         """The cache step picks up to `experts` lane experts per layer (0: exact mode)."""
         self.dc.set_lane(experts)
 
+    def set_share(self, share: float | None) -> None:
+        """The cache step gives the lane this share of each step's misses (up to set_experts')."""
+        self.dc.set_lane_share(share)
+
     def begin(self) -> None:
         """A step that may hand work to the lane starts: the server polls until `check`. The
         device cache's host tier holds every expert for good: no repack to prune."""

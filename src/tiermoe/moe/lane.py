@@ -19,6 +19,7 @@ How the lane and the backend share a layer is the backend's `lane_handoff(lane)`
 from __future__ import annotations
 
 import abc
+import logging
 from typing import Hashable, Sequence
 
 import torch
@@ -27,6 +28,8 @@ from tiermoe.config import MODES, LaneConfig
 from tiermoe.moe.experts import ExpertBackend
 from tiermoe.moe.store_backends import StoreBackend
 
+log = logging.getLogger("tiermoe.moe")
+
 
 class LaneHandoff(abc.ABC):
     """One way of sharing lane steps between a backend and the CPU lane."""
@@ -34,6 +37,10 @@ class LaneHandoff(abc.ABC):
     @abc.abstractmethod
     def set_experts(self, experts: int) -> None:
         """Up to `experts` lane experts per layer in later lane steps (0: exact mode)."""
+
+    @abc.abstractmethod
+    def set_share(self, share: float | None) -> None:
+        """The cost model's share of each layer's misses for the lane (None: set_experts' count)."""
 
     @abc.abstractmethod
     def begin(self) -> None:
@@ -67,8 +74,11 @@ class HostLaneHandoff(LaneHandoff):
     def set_experts(self, experts: int) -> None:
         pass  # CpuLane.assign takes at most lane.max_experts itself
 
+    def set_share(self, share: float | None) -> None:
+        self.lane.share = share
+
     def begin(self) -> None:
-        self.lane.prune(self.backend.store)  # repacks of experts that left the host tier
+        pass  # the lane reads host records in place: nothing to prepare per step
 
     def forward(self, layer, x, topk_ids, topk_weights):
         be, lane = self.backend, self.lane
@@ -100,13 +110,14 @@ class HostLaneHandoff(LaneHandoff):
 
 class LaneExperts(ExpertBackend):
     """`inner` (a StoreBackend) with fast mode's CPU lane; `set_mode` switches between exact (no
-    lane) and fast. The lane's threads and repack cache are made on the first switch to fast and
-    kept afterwards."""
+    lane) and fast. The lane's threads (and its compiled kernel, built on first use) are made on
+    the first switch to fast and kept afterwards."""
 
     def __init__(self, inner: StoreBackend, lane: LaneConfig, mode: str = "fast") -> None:
         self.inner, self.lane_config = inner, lane
         self.lane = None  # CpuLane
         self.handoff: LaneHandoff | None = None
+        self.bandwidths = None  # lane_cost.LaneBandwidths measured at the first switch to fast (CUDA)
         self.mode = "exact"
         self._lane_step = False  # the current step is a decode step the lane serves
         self._fast_decode_tokens = 0  # decode tokens computed in fast mode (for lane experts/token)
@@ -122,6 +133,14 @@ class LaneExperts(ExpertBackend):
             self.lane = CpuLane(store.layout, swiglu_limit=self.inner.swiglu_limit, act_dtype=store.dtype,
                                 **self.lane_config.kwargs())
             self.handoff = self.inner.lane_handoff(self.lane)
+            if torch.device(self.lane_config.device).type == "cuda":  # the cost model's split, measured
+                from tiermoe.moe.lane_cost import measure
+
+                self.bandwidths = measure(self.lane, torch.device(store.device))
+                self.handoff.set_share(self.bandwidths.share)
+                log.info("CPU lane: %s; the lane takes %.0f %% of each layer's misses (at most %d)",
+                         ", ".join(f"{k} {v:.1f} GB/s" for k, v in self.bandwidths.as_dict().items() if k != "share"),
+                         100 * self.bandwidths.share, self.lane.max_experts)
         if self.handoff is not None:
             self.handoff.set_experts(self.lane.max_experts if mode == "fast" else 0)
         self.mode = mode
@@ -182,6 +201,8 @@ class LaneExperts(ExpertBackend):
         if self.lane is not None:
             self.handoff.adjust_counters(c)
             c["cpu_lane"] = self.lane.counters(self._fast_decode_tokens)
+            if self.bandwidths is not None:
+                c["cpu_lane"]["bandwidths"] = self.bandwidths.as_dict()
         return c
 
     def heat(self) -> dict | None:

@@ -17,7 +17,8 @@ reads the router's picks on the device and:
   6. stages the misses it did not admit into shared scratch rows for this step only (when a
      scratch area is configured) and writes `step_table` = ptr_table with those rows;
   fast mode (`cache_step(..., lane=True)` with lane_max > 0): of the misses step 4 did not
-     admit, the lane_max coldest (lowest decayed frequency) go to the CPU lane instead of 6.:
+     admit, the n coldest (lowest decayed frequency) go to the CPU lane instead of 6., n =
+     min(lane_max, round(misses * lane_share / 1024)) (the cost model's split, moe/lane_cost.py):
      listed in lane_ids, not staged, their step_table rows at an all-zero record (they add
      exactly 0 on the device). Admissions are those of exact mode: the cache adapts alike;
 
@@ -48,6 +49,7 @@ Contract of the tables (`ExpertCache` owns them, one per layer):
   smark/saddr int32/int64 [E]  scratch staging marks of the last step (scratch)
   lane_ids    int32 [L]        fast mode: the experts the CPU lane computes this step, -1 padded
   lmark       int32 [E]        fast mode: stamp of the step that last sent the expert to the lane
+  lane_share  int32 [1]        fast mode: the lane's share of a step's misses, 1/1024 units (1024: all)
 
 The scratch area (scratch_base, scratch_slots records) may be shared by all layers of a
 stack: stream order puts each layer's gather after the previous layer's MoE kernel.
@@ -61,13 +63,15 @@ import triton.language as tl
 
 from tiermoe.kernels.cache_policy import DECAY_SHIFT
 
+LANE_SHARE_ONE = 1024  # lane_share of 1: every miss not admitted may go to the lane (up to lane_max)
+
 
 @triton.jit
 def _cache_step_kernel(
     ids_ptr, P, ptr_table_ptr, host_addr_ptr, slot_addr_ptr, slot_expert_ptr, expert_slot_ptr,
     ref_ptr, clock_ptr, emark_ptr, victims_ptr, copy_src_ptr, copy_dst_ptr, n_copy_ptr, stats_ptr, freq_ptr,
     step_table_ptr, smark_ptr, saddr_ptr, scratch_base, SCRATCH, R,
-    S, E, E_TOTAL, ADMIT_MAX, lane_ids_ptr, lmark_ptr, LANE_MAX, LANE_CAP, zero_addr,
+    S, E, E_TOTAL, ADMIT_MAX, lane_ids_ptr, lmark_ptr, lane_share_ptr, LANE_MAX, LANE_CAP, zero_addr,
     FILTER: tl.constexpr, SHIFT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, LANE: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
@@ -157,10 +161,12 @@ def _cache_step_kernel(
     # misses not admitted: staged for this step only in the scratch rows (the gather kernel
     # reads host memory faster than the MoE kernel's in-place reads), else read in place
     rej = miss & (adm == 0)
-    if LANE:  # ---- CPU lane (fast mode): the LANE_MAX coldest misses not admitted, ties in first-pick order
+    if LANE:  # ---- CPU lane (fast mode): the n_lane coldest misses not admitted, ties in first-pick order,
+        # n_lane = the cost model's share of this step's misses (1/1024 units, rounded), at most LANE_MAX
+        n_lane = tl.minimum(LANE_MAX, (n_miss * tl.load(lane_share_ptr) + 512) >> 10)
         fl = tl.load(freq_ptr + ids, mask=rej, other=0, cache_modifier=".cg")
         colder = rej[None, :] & ((fl[None, :] < fl[:, None]) | ((fl[None, :] == fl[:, None]) & earlier))
-        lane = rej & (tl.sum(colder.to(tl.int32), axis=1) < LANE_MAX)
+        lane = rej & (tl.sum(colder.to(tl.int32), axis=1) < n_lane)
         offs_l = tl.arange(0, BLOCK_L)
         tl.store(lane_ids_ptr + offs_l, -1, mask=offs_l < LANE_CAP)
         tl.debug_barrier()
@@ -297,6 +303,9 @@ class ExpertCache:
         self.lane_max = 0  # the owner turns it on (DeviceCacheExperts.set_lane) with a zero record
         self.lane_ids = torch.full((max(1, self.lane_cap),), -1, **i32)
         self.lmark = torch.zeros(e, **i32)
+        # the cost model's share of a step's misses for the lane, in 1/LANE_SHARE_ONE (moe/lane_cost.py);
+        # a device tensor, so a captured decode graph reads the current value
+        self.lane_share = torch.full((1,), LANE_SHARE_ONE, **i32)
         self.zero_addr = 0  # the all-zero record lane rows point at (set by the owner with lane_max)
         # gather kernel launch (2 programs per SM of an H100/H200 by default; the bench tunes it)
         self.gather_programs, self.gather_chunk, self.gather_warps = 264, 16384, 8
@@ -318,6 +327,7 @@ class ExpertCache:
             "step_table",
             "lane_ids",
             "lmark",
+            "lane_share",
         )
         return {n: getattr(self, n) for n in names}
 
@@ -455,6 +465,7 @@ def cache_step(cache: ExpertCache, topk_ids: torch.Tensor, *, lane: bool = False
         cache.admit_max,
         cache.lane_ids,
         cache.lmark,
+        cache.lane_share,
         cache.lane_max,
         cache.lane_cap,
         cache.zero_addr,

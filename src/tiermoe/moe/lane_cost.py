@@ -1,0 +1,124 @@
+"""Fast mode's cost model: how many of a layer's misses the CPU lane takes, from bandwidths measured
+at start-up.
+
+A decode step's misses (picked experts not in device slots) reach the device over PCIe (admitted
+or staged copies, or in-place reads) unless the CPU lane computes them where they sit. Both read
+host memory, and both run at once, so the layer is done when the slower of the two is:
+
+    t(n) = max((m - n) * B / P, n * B / L)    m misses of B weight bytes, n of them on the lane
+
+smallest where both finish together: n = m * L / (P + L). P and L are the rates each gets while
+the other runs: the copy engine and the lane's threads share the host's memory bandwidth, so the
+start-up measurement times a PCIe copy alone, the lane alone, a multi-threaded host read, and
+then the copy and the lane together; the split uses the shared rates (the other rates are kept
+for /stats and the floor model). The share L / (P + L) goes to the device as a per-layer
+tensor (cache_manager's lane_share, read inside captured decode graphs) and to CpuLane.assign on
+the store path; the cap (`--cpu-lane-experts`) still bounds n.
+
+Measured on CUDA only: on a CPU device the "device" path computes on the same cores as the lane,
+and the lane keeps its fixed count per layer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from tiermoe.kernels.layout import expert_layout
+from tiermoe.kernels.reference import make_record
+
+
+@dataclass(frozen=True)
+class LaneBandwidths:
+    """GB/s (1e9 bytes/s) measured at start-up."""
+
+    pcie_gbs: float  # pinned host -> device copies, alone
+    host_gbs: float  # host memory read by the lane's threads, alone
+    lane_gbs: float  # expert weight bytes the lane computes, alone
+    pcie_shared_gbs: float  # copies while the lane computes
+    lane_shared_gbs: float  # the lane while copies run
+
+    @property
+    def share(self) -> float:
+        """The lane's share of a layer's misses: both sides finish together at the shared rates."""
+        total = self.pcie_shared_gbs + self.lane_shared_gbs
+        return self.lane_shared_gbs / total if total > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "share": self.share}
+
+
+def lane_count(misses: int, share: float | None, cap: int) -> int:
+    """Experts of a layer's `misses` the lane takes: round(misses * share), at most `cap` (share
+    None: the fixed cap)."""
+    if share is None:
+        return max(0, int(cap))
+    return max(0, min(int(cap), int(misses * share + 0.5)))
+
+
+def _lane_rate(lane, records: list[torch.Tensor], experts: int, done) -> float:
+    """GB/s of expert weights lane.compute gets through until done(elapsed seconds) (and at least
+    two calls), `experts` records a call, one token each (a decode step's typical lane expert)."""
+    x = torch.randn(1, lane.layout.hidden).to(torch.bfloat16)  # [1, H]
+    weights = torch.full((1, experts), 1.0 / experts)  # [1, experts]
+    n, calls, cursor = len(records), 0, 0
+    t0 = time.perf_counter()
+    while True:
+        picked = [(cursor + e) % n for e in range(experts)]
+        cursor = (cursor + experts) % n
+        lane.compute(0, x, torch.tensor([picked], dtype=torch.int32), weights, {e: records[e] for e in picked})
+        calls += 1
+        elapsed = time.perf_counter() - t0
+        if calls >= 2 and done(elapsed):
+            return calls * experts * lane.weight_bytes / elapsed / 1e9
+
+
+def measure(lane, device: torch.device, records: int = 16, seconds: float = 0.2) -> LaneBandwidths:
+    """Measure the cost model's bandwidths on `device` (CUDA) with `records` random pinned records
+    of the lane's layout; the lane's counters are left as they were."""
+    layout = lane.layout
+    klay = expert_layout(layout.kind, layout.hidden, layout.intermediate, layout.group_size or 0)
+    gen = torch.Generator().manual_seed(0)
+    n = max(2, records)
+    arena = torch.empty(n, layout.length, dtype=torch.uint8).pin_memory()  # [n, R]: one read covers all
+    for r in range(n):
+        arena[r] = make_record(klay, gen)
+    recs = list(arena)  # uint8 [R] each
+    dst = torch.empty(layout.length, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device)
+    saved = replace(lane.c)
+
+    def copies(k: int):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            for i in range(k):
+                dst.copy_(recs[i % len(recs)], non_blocking=True)
+            end.record(stream)
+        return start, end
+
+    def copy_gbs(k: int, events) -> float:
+        events[1].synchronize()
+        return k * layout.length / (events[0].elapsed_time(events[1]) / 1e3) / 1e9
+
+    try:
+        copy_gbs(len(recs), copies(len(recs)))  # first use: pins, allocator, copy engine warm
+        pcie = copy_gbs(len(recs), copies(len(recs)))
+        host = 0.0
+        if lane.pool is not None:
+            lane.pool.read(arena)  # first touch
+            t0 = time.perf_counter()
+            lane.pool.read(arena)
+            host = arena.numel() / (time.perf_counter() - t0) / 1e9
+        lane_alone = _lane_rate(lane, recs, 4, lambda elapsed: elapsed >= seconds)
+        # together: copies of about `seconds` at the lone rate, the lane computing until they end
+        k = max(len(recs), int(pcie * 1e9 * seconds / layout.length))
+        events = copies(k)
+        lane_shared = _lane_rate(lane, recs, 4, lambda elapsed: events[1].query())
+        pcie_shared = copy_gbs(k, events)
+    finally:
+        torch.cuda.synchronize(device)
+        lane.c = saved
+    return LaneBandwidths(pcie, host, lane_alone, pcie_shared, lane_shared)
