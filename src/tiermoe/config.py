@@ -35,6 +35,7 @@ class EngineArgs:
     """The engine flags as a user gives them (`tiermoe serve`, `generate`, `eval`, `bench`)."""
 
     model: str | None = None  # None: the embedded default model
+    revision: str | None = None  # a Hugging Face repo id's branch, tag or commit (model_source.py)
     device: str | None = None  # None/"auto": cuda when available
     dtype: str | None = "auto"  # auto: the checkpoint's
     max_model_len: int | None = None  # None: the model's context

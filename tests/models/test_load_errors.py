@@ -38,7 +38,7 @@ def _edit_config(path, **fields):
 
 
 def test_missing_directory(tmp_path):
-    _assert_one_line_error(_generate(tmp_path / "nope"), "nope", "no such file")
+    _assert_one_line_error(_generate(tmp_path / "nope"), "nope", "does not exist")  # model_source.resolve_model
 
 
 def test_missing_config(ckpt):

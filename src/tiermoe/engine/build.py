@@ -33,7 +33,10 @@ def add_engine_args(p, model_positional: bool = False) -> None:
     """Flags shared by every command that runs a model."""
     if not model_positional:
         p.add_argument("--model", default=None,
-                       help="Hugging Face checkpoint directory or packed store (default: the embedded model)")
+                       help="checkpoint directory, packed store, .gguf file or Hugging Face repo id org/model "
+                            "(default: the embedded model)")
+    p.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a Hugging Face repo id MODEL (default: main)")
     p.add_argument("--device", default=DEFAULTS.device, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=DEFAULTS.dtype, help="auto (checkpoint dtype), bfloat16, float16, float32")
     add_sizing_args(p)

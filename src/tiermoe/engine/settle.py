@@ -1,5 +1,8 @@
 """settle_config: the one function that turns the flags (EngineArgs) into an EngineConfig.
 
+MODEL is made a local directory first (model_source.resolve_model: a Hub repo id is fetched, a
+GGUF file imported once); everything after works on that directory.
+
 Every "auto" of the engine is decided here, once, before anything is loaded: the device, the
 dtype (the checkpoint's), the context length, the step token budget, decode attention and
 graphs, and for a packed store which expert backend serves (store-torch, store-triton or
@@ -51,12 +54,9 @@ def settle_config(args: EngineArgs) -> EngineConfig:
     """The engine's configuration for these flags, every "auto" settled (module doc)."""
     from tiermoe.models.loader import checkpoint_dtype, load_spec, parse_dtype
 
-    if args.model is None:
-        from tiermoe.default_model import ensure_default_model
+    from tiermoe.model_source import resolve_model
 
-        path = Path(ensure_default_model())
-    else:
-        path = Path(args.model)
+    path = resolve_model(args.model, revision=args.revision)
     spec = load_spec(path)
     device = resolve_device(args.device)
     dtype = parse_dtype(args.dtype, default=checkpoint_dtype(spec.hf_config))
