@@ -43,3 +43,16 @@ def test_corrupt_record_read_at_run_time(store, tmp_path):
         assert r.stderr.splitlines()[-1].startswith("tiermoe: error: ") and "checksum mismatch" in r.stderr
         assert f"tiermoe verify {bad}" in r.stderr
 
+
+
+def test_store_without_its_manifest(store, tmp_path):
+    half = tmp_path / "half"
+    half.mkdir()
+    for f in store.iterdir():
+        if f.name not in ("store.lock", "manifest.json"):
+            (half / f.name).write_bytes(f.read_bytes())
+    r = _generate(half)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"tiermoe: error: {half}: packed expert store without its manifest.json (its pack did not finish, or the "
+        "file was removed); run the same `tiermoe pack` command again to finish it"]
