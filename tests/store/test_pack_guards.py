@@ -125,3 +125,19 @@ def test_an_open_store_holds_its_lock_until_closed(tmp_path):
         with pytest.raises(UserError, match=f"in use \\(held by pid {os.getpid()}\\)"):
             pack(tmp_path / "src", tmp_path / "st", **QUIET)
     pack(tmp_path / "src", tmp_path / "st", **QUIET)
+
+
+def test_a_filesystem_without_flock_is_said_not_fatal(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    make_checkpoint(tmp_path / "src")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    said = []
+    pack(tmp_path / "src", tmp_path / "st", progress=False, log=said.append)
+    assert any("cannot be locked here (No locks available)" in s for s in said), said
+    with ExpertStore.open(tmp_path / "st", host_expert_gb=0, reader_threads=1) as st:  # served without the lock
+        assert st.fetch(0, [1])

@@ -26,9 +26,10 @@ LOCK_NAME = "store.lock"
 class StoreLock:
     """An open lock file holding a shared or exclusive flock; `release()` (or exit) drops it."""
 
-    def __init__(self, fd: int, path: Path):
+    def __init__(self, fd: int, path: Path, unavailable: str | None = None):
         self._fd = fd
         self.path = path
+        self.unavailable = unavailable  # why the filesystem took no lock (the lock then holds nothing)
 
     @classmethod
     def shared(cls, root: str | os.PathLike) -> "StoreLock":
@@ -49,6 +50,9 @@ class StoreLock:
             os.close(fd)
             raise UserError(f"{root}: `tiermoe pack` is writing this store ({_who(path)}); "
                             "wait for it to finish") from None
+        except OSError:  # a filesystem without flock (some network ones): serve without the lock
+            os.close(fd)
+            return cls(-1, path)
         return cls(fd, path)
 
     @classmethod
@@ -65,6 +69,9 @@ class StoreLock:
             os.close(fd)
             raise UserError(f"{root}: the store is in use ({_who(path)}); stop it before packing into "
                             "this directory, or pack into another one") from None
+        except OSError as exc:  # a filesystem without flock: pack goes on, saying it could not check
+            os.close(fd)
+            return cls(-1, path, unavailable=exc.strerror or str(exc))
         return cls(fd, path)
 
     def release(self) -> None:

@@ -345,6 +345,9 @@ def pack(
     check_target(out, fingerprint)
     out.mkdir(parents=True, exist_ok=True)
     lock = StoreLock.exclusive(out)
+    if lock.unavailable:
+        log(f"note: {lock.path} cannot be locked here ({lock.unavailable}): a process using this store would "
+            "not be noticed")
     try:
         return _pack_locked(ck, out, layout, fingerprint, shard_bytes=shard_bytes, direct_io=direct_io,
                             progress=progress, log=log, device=device)
