@@ -58,11 +58,10 @@ class EngineArgs:
     prefill_borrow_slots: bool | None = None  # None: on
     stage_misses: bool = True  # device cache: stage misses it does not admit (False: read in place)
     mode: str = "exact"
-    cpu_lane_experts: int = 4
+    cpu_lane_experts: int | None = None  # None: top_k x 4 beside a GPU (the cost model splits), 4 on a CPU
     cpu_lane_max_tokens: int = 16
     cpu_lane_threads: int | None = None  # None: every torch thread on CUDA, half on a CPU device
     cpu_lane_workers: int = 1
-    cpu_lane_cache_gb: float = 1.0
     cpu_lane_disk: bool | None = None  # None: where it pays (moe/cpu_lane.lane_reads_disk)
     # routing replay and recording (benchmarking)
     routing_replay: str | None = None
@@ -110,18 +109,17 @@ class StoreConfig:
 class LaneConfig:
     """The CPU lane of fast mode (moe/cpu_lane.CpuLane), every value settled."""
 
-    max_experts: int = DEFAULTS.cpu_lane_experts  # per MoE layer and decode step
+    max_experts: int = 4  # per MoE layer and decode step (beside a GPU: the cost model's cap)
     max_tokens: int = DEFAULTS.cpu_lane_max_tokens  # decode steps with more tokens run without the lane
     threads: int = 1
     workers: int = DEFAULTS.cpu_lane_workers
-    cache_bytes: int = int(DEFAULTS.cpu_lane_cache_gb * 2**30)  # repacked experts kept
     disk: bool = False  # also compute experts that are only on disk
     device: str = "cpu"
 
     def kwargs(self) -> dict[str, Any]:
         """CpuLane's keyword arguments."""
         return {"max_experts": self.max_experts, "max_tokens": self.max_tokens, "threads": self.threads,
-                "workers": self.workers, "cache_bytes": self.cache_bytes, "disk": self.disk, "device": self.device}
+                "workers": self.workers, "disk": self.disk, "device": self.device}
 
 
 @dataclass(frozen=True)

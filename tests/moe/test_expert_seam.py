@@ -20,7 +20,6 @@ from tiermoe.errors import UserError
 from tiermoe.moe.experts import ExpertBackend, ResidentExperts, combine_experts
 
 SRC = Path(tiermoe.__file__).parent
-GIB = 2**30
 
 
 def _sources(*packages: str) -> list[Path]:
@@ -136,8 +135,8 @@ def test_settle_config_decides_every_auto_once(tiny_dir, tmp_path_factory):
                                                                             "expert_kernel": "torch"})
     experts = cfg.experts
     assert experts.backend == "store-torch" and experts.mode == "fast" and experts.device_cache is None
-    assert experts.lane == LaneConfig(max_experts=4, max_tokens=16, threads=1, workers=1, cache_bytes=GIB,
-                                      disk=True, device="cpu")  # int4 on a CPU device: disk-only experts too
+    assert experts.lane == LaneConfig(max_experts=4, max_tokens=16, threads=1, workers=1, disk=True,
+                                      device="cpu")  # the lane computes disk-only experts too (no repack)
     assert experts.store.policy == "lfu" and experts.store.direct_io and experts.store.dtype == torch.bfloat16
     with pytest.raises(UserError, match="--cpu-lane-"):
         engine_config(str(store), device="cpu", options={"cpu_lane_workers": -1})

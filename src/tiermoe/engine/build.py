@@ -111,10 +111,9 @@ def add_store_args(p, with_mode: bool = True) -> None:
         g.add_argument("--mode", choices=("exact", "fast"), default=DEFAULTS.mode,
                        help="exact: bit-identical (default); fast: the CPU lane computes cold experts")
     g.add_argument("--cpu-lane-experts", type=int, default=DEFAULTS.cpu_lane_experts,
-                   help=f"most experts per layer the CPU lane computes (default {DEFAULTS.cpu_lane_experts})")
+                   help="most experts per layer the CPU lane computes; beside a GPU the cost model measures "
+                        "bandwidths at start and takes fewer (default: top_k x 4 beside a GPU, 4 on a CPU)")
     g.add_argument("--cpu-lane-threads", type=int, default=None, help="torch threads of the CPU lane")
-    g.add_argument("--cpu-lane-cache-gb", type=float, default=DEFAULTS.cpu_lane_cache_gb,
-                   help=f"GiB for repacked lane experts (default {DEFAULTS.cpu_lane_cache_gb:g})")
 
 
 def engine_config(model: str | None = None, *, device: str | None = None, dtype: str | None = None,

@@ -83,7 +83,7 @@ def settle_config(args: EngineArgs) -> EngineConfig:
         decode_graphs=not args.enforce_eager and device != "cpu", experts=experts, routing=routing)
 
 
-def settle_lane(args: EngineArgs, device: str, record_layout, dtype: torch.dtype) -> LaneConfig:
+def settle_lane(args: EngineArgs, device: str, record_layout, dtype: torch.dtype, top_k: int) -> LaneConfig:
     """The CPU lane's settings (flags --cpu-lane-*): threads default to every torch thread on a
     CUDA device and half of them on a CPU device (the device path computes on the same cores)."""
     import torch
@@ -93,14 +93,16 @@ def settle_lane(args: EngineArgs, device: str, record_layout, dtype: torch.dtype
     threads = args.cpu_lane_threads
     if threads is None:
         threads = torch.get_num_threads() if str(device).startswith("cuda") else max(1, torch.get_num_threads() // 2)
-    lane = LaneConfig(max_experts=int(args.cpu_lane_experts),
+    max_experts = args.cpu_lane_experts
+    if max_experts is None:  # beside a GPU the cost model (moe/lane_cost.py) takes fewer: room for a C4 step
+        max_experts = top_k * 4 if str(device).startswith("cuda") else 4
+    lane = LaneConfig(max_experts=int(max_experts),
                       max_tokens=int(args.cpu_lane_max_tokens or DEFAULTS.cpu_lane_max_tokens),
                       threads=int(threads), workers=int(args.cpu_lane_workers or DEFAULTS.cpu_lane_workers),
-                      cache_bytes=int(float(args.cpu_lane_cache_gb) * GIB),
                       disk=lane_reads_disk(record_layout, dtype, device) if args.cpu_lane_disk is None
                       else bool(args.cpu_lane_disk), device=str(device))
-    if lane.max_experts < 0 or lane.threads < 1 or lane.workers < 1 or lane.cache_bytes < 0:
-        raise UserError("--cpu-lane-*: expert count and cache size must be >= 0, threads and workers >= 1")
+    if lane.max_experts < 0 or lane.threads < 1 or lane.workers < 1:
+        raise UserError("--cpu-lane-*: expert count must be >= 0, threads and workers >= 1")
     return lane
 
 
@@ -121,7 +123,7 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
     if staging is not None and not 0 <= staging < float("inf"):
         raise UserError(f"--prefill-staging-gb must be a size >= 0, got {staging}")
     manifest = load_manifest(path)
-    lane = settle_lane(args, device, manifest.layout, dtype)
+    lane = settle_lane(args, device, manifest.layout, dtype, config_top_k(manifest.config))
     kernel = choose_expert_kernel(args.expert_kernel, SimpleNamespace(layout=manifest.layout, dtype=dtype, path=path),
                                   device)
     store = StoreConfig(path=path, device=device, dtype=dtype, gpu_expert_gb=args.gpu_expert_gb,

@@ -108,14 +108,12 @@ class CpuLane:
 
     isa: the most the compiled kernel may use ("avx512bf16", "avx512", "avx2", "scalar";
     benchmarks compare them). device: the engine's device; pin (None: on a CUDA device) pins the
-    lane's threads to physical cores (moe/lane_kernel.py). cache_bytes: unused (the lane converts
-    no record, so it keeps none).
+    lane's threads to physical cores (moe/lane_kernel.py).
     """
 
     def __init__(self, layout: RecordLayout, *, max_experts: int = LaneConfig.max_experts,
                  max_tokens: int = LaneConfig.max_tokens, threads: int | None = None,
-                 workers: int = LaneConfig.workers, cache_bytes: int = 0, disk: bool | None = None,
-                 swiglu_limit: float | None = None,
+                 workers: int = LaneConfig.workers, disk: bool | None = None, swiglu_limit: float | None = None,
                  act_dtype: torch.dtype = torch.bfloat16, device: str = "cpu", isa: str = "avx512bf16",
                  pin: bool | None = None):
         from tiermoe.moe.lane_kernel import lane_pool
