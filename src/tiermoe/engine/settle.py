@@ -110,7 +110,7 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
     """Which backend serves the packed store at `path` (moe/backends.py), and its settings."""
     from tiermoe.moe.backends import choose_expert_kernel
     from tiermoe.moe.device_cache import prefill_plan, split_budget
-    from tiermoe.store.planner import config_top_k, inclusive_host_plan
+    from tiermoe.store.planner import config_top_k, inclusive_host_plan, key_rates
     from tiermoe.store.records import load_manifest
 
     mode = args.mode or "exact"
@@ -143,7 +143,11 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
     record = manifest.layout.length
     store = replace(store, gpu_expert_gb=0.0, host_expert_gb=(len(manifest.records) + 0.5) * record / GIB)
     experts = [manifest.experts_per_layer[layer] for layer in manifest.moe_layers]
-    _, per_layer = split_budget(slots, experts, config_top_k(manifest.config), max_num_seqs, args.stage_misses)
+    top_k = config_top_k(manifest.config)
+    rates, _, _ = key_rates(manifest, args.expert_stats, top_k)  # the split the device cache will make
+    by_record = {(r.layer, r.expert): rates[r.index] for r in manifest.records}
+    layer_rates = [[by_record[(layer, e)] for e in range(n)] for layer, n in zip(manifest.moe_layers, experts)]
+    _, per_layer = split_budget(slots, experts, top_k, max_num_seqs, args.stage_misses, layer_rates)
     rows, buffers = prefill_plan(experts, per_layer, None if staging is None else int(staging * GIB // record), None)
     if args.expert_policy:
         log.info("--expert-policy %s: the device cache decides its slots itself (CLOCK with frequency admission)",

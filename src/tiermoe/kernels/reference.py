@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from tiermoe.kernels.cache_policy import DECAY_SHIFT
 from tiermoe.kernels.layout import ExpertLayout
 
 # ----------------------------------------------------------------------------- records
@@ -192,7 +193,7 @@ def cache_step_ref(
     topk_ids: torch.Tensor,
     admit_max: int,
     admission_filter: bool = True,
-    decay_shift: int = 8,
+    decay_shift: int = DECAY_SHIFT,
     scratch: tuple[int, int, int] = (0, 0, 0),
     lane: tuple[int, int] = (0, 0),
 ) -> dict[str, torch.Tensor]:
