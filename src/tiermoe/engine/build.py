@@ -23,6 +23,7 @@ from tiermoe.engine.settle import is_packed_store as is_packed_store
 from tiermoe.engine.settle import resolve_device as resolve_device
 from tiermoe.engine.settle import settle_config
 from tiermoe.errors import UserError
+from tiermoe.store.formats import STATS_FORMAT
 
 log = logging.getLogger("tiermoe.engine")
 
@@ -90,7 +91,9 @@ def add_store_args(p, with_mode: bool = True) -> None:
                    help="GiB of (pinned) host RAM for the warm tier (default: the memory limit minus a margin)")
     g.add_argument("--expert-policy", choices=("lru", "lfu", "clock", "static"), default=None,
                    help="the store's slot replacement policy (default lfu; the device cache decides its own)")
-    g.add_argument("--expert-stats", default=None, help="routing statistics file for the cache warm start")
+    g.add_argument("--expert-stats", default=None, metavar="FILE",
+                   help=f"routing statistics that choose the experts loaded into the tiers at start: {STATS_FORMAT} "
+                        "(default: experts in record order)")
     g.add_argument("--no-direct-io", action="store_true", help="allow a filesystem without O_DIRECT")
     g.add_argument("--expert-kernel", choices=("auto", "torch", "triton"), default=None,
                    help="routed-expert compute: auto (Triton on CUDA when the store allows it), torch, triton "
