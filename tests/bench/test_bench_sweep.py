@@ -215,6 +215,23 @@ def test_prompt_sizing_survives_a_server_that_refuses_long_texts():
     assert source == "tokenize" and abs(n - 4096) <= 82 and n == 3 * len(text.split())
 
 
+def test_prompt_sizing_reaches_the_target_when_words_are_many_tokens():
+    """A tokenizer that spends one token per character cannot be hit within one token by whole
+    words (a word is ~7 tokens); the character bisection must land within the tolerance (2 %, at least one token) for any seed."""
+    import asyncio
+    import random
+
+    from tiermoe.bench.prompts import sized_random_text
+
+    async def count(text: str) -> int | None:
+        return len(text)
+
+    for seed in range(20):
+        for target in (64, 256, 1000):
+            text, n, source = asyncio.run(sized_random_text(random.Random(seed), target, count))
+            assert source == "tokenize" and n == len(text) and abs(n - target) <= max(1, 0.02 * target), (seed, target, n)
+
+
 def test_decode_prompts_random_words_are_another_mix(right_url, tmp_path, capsys):
     """--decode-prompts random asks each stream to continue 60 seeded random words (other routed
     experts than story requests): longer prompts, recorded in the config, same seed same words."""

@@ -78,13 +78,17 @@ async def sized_random_text(
     """Random text of about `n_tokens` tokens: (text, token count, "tokenize" | "estimate").
 
     With a counting function (the server's /tokenize) the word count is rescaled until the
-    text is within `tolerance` of the target (at most five rounds); otherwise the length comes
-    from the chars-per-token estimate.
+    text is within `tolerance` of the target (at most five rounds). A tokenizer that spends
+    several tokens on a word can keep whole-word texts outside the tolerance, so the last step
+    bisects the character length of a text known to be too long. Without a counting function the
+    length comes from the chars-per-token estimate.
     """
     words = max(1, round(n_tokens / 1.4))
     seed = rng.getrandbits(64)
+    allowed = max(1, tolerance * n_tokens)
     counted: int | None = None
     text = ""
+    longest: tuple[str, int] | None = None  # a counted text with more tokens than the target
     rounds = halvings = 0
     while rounds < 5:
         text = random_text(random.Random(seed), words)  # same words, different length
@@ -97,10 +101,19 @@ async def sized_random_text(
                 continue
             break
         rounds += 1
-        if abs(counted - n_tokens) <= max(1, tolerance * n_tokens):
+        if abs(counted - n_tokens) <= allowed:
             return text, counted, "tokenize"
+        if counted > n_tokens and (longest is None or counted < longest[1]):
+            longest = (text, counted)
         words = max(1, round(words * n_tokens / max(counted, 1)))
-    if counted is not None:
+    if count is not None and counted is not None:
+        if longest is None:  # every count fell short: one longer text gives the bisection its top
+            long_text = random_text(random.Random(seed), 2 * words + 2)
+            long_count = await count(long_text)
+            if long_count is not None and long_count > n_tokens:
+                longest = (long_text, long_count)
+        if longest is not None:
+            return await _bisect_characters(longest[0], n_tokens, count)
         return text, counted, "tokenize"
     # No tokenizer on the server: size by the character estimate.
     words = max(1, round(n_tokens * CHARS_PER_TOKEN_ESTIMATE / 6.2))
@@ -108,6 +121,29 @@ async def sized_random_text(
     scale = n_tokens * CHARS_PER_TOKEN_ESTIMATE / max(len(text), 1)
     text = random_text(random.Random(seed), max(1, round(words * scale)))
     return text, estimate_tokens(text), "estimate"
+
+
+async def _bisect_characters(long_text: str, n_tokens: int, count: CountFn) -> tuple[str, int, str]:
+    """The prefix of `long_text` whose token count is nearest `n_tokens` (a prefix's count grows
+    with its length, give or take a merge at the cut): about log2(len) counting calls."""
+    best_text, best_count = long_text, await count(long_text)
+    lo, hi = 1, len(long_text)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        prefix = long_text[:mid].rstrip() or long_text[:mid]
+        counted = await count(prefix)
+        if counted is None:
+            hi = mid - 1
+            continue
+        if best_count is None or abs(counted - n_tokens) < abs(best_count - n_tokens):
+            best_text, best_count = prefix, counted
+        if counted == n_tokens:
+            break
+        if counted < n_tokens:
+            lo = mid + 1
+        else:
+            hi = mid - 1
+    return best_text, best_count if best_count is not None else estimate_tokens(best_text), "tokenize"
 
 
 _FILLER_SENTENCES = (
