@@ -14,7 +14,17 @@ def test_glm_int4_layout_numbers():
     assert lay.weight_bytes == 3 * 4096 * 2048 // 2 + (4096 * 32 + 4096 * 16) * 2
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8", "bf16"])
+def test_glm_int3_layout_numbers():
+    """GLM-5.3-Flash expert at int3 G 128: 3/8 byte a weight plus the same scales as int4."""
+    lay = expert_layout("int3", 4096, 2048, 128)
+    assert (lay.gate_up_q, lay.gate_up_s) == (0, 4096 * 4096 * 3 // 8)
+    assert lay.down_q == 4096 * 4096 * 3 // 8 + 4096 * 32 * 2
+    assert lay.down_s == lay.down_q + 4096 * 2048 * 3 // 8
+    assert lay.weight_bytes == 3 * 4096 * 2048 * 3 // 8 + (4096 * 32 + 4096 * 16) * 2
+    assert lay.length == 9_830_400 and lay.bits == 3  # 24 % fewer bytes than int4 (12,976,128)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8", "int3", "bf16"])
 def test_layout_matches_store(kind):
     records = pytest.importorskip("tiermoe.store.records")
     store_lay = records.RecordLayout.build(kind, 256, 128, 64 if kind != "bf16" else None)
@@ -22,7 +32,7 @@ def test_layout_matches_store(kind):
     assert lay == expert_layout(kind, 256, 128, 64)
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int3"])
 def test_twin_dequant_matches_store_quant(kind):
     records = pytest.importorskip("tiermoe.store.records")
     h, i, g = 64, 32, 16

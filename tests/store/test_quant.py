@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tiermoe.store.quant import dequantize_groupwise, quantize_groupwise, unpack_int4
+from tiermoe.store.quant import dequantize_groupwise, pack_int3, quantize_groupwise, unpack_int3, unpack_int4
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -46,7 +46,9 @@ def test_rejects_bad_shapes():
     with pytest.raises(ValueError):
         quantize_groupwise(torch.zeros(4, 10), 4, 4)
     with pytest.raises(ValueError):
-        quantize_groupwise(torch.zeros(4, 8), 3, 4)
+        quantize_groupwise(torch.zeros(4, 8), 5, 4)
+    with pytest.raises(ValueError):  # int3 needs K a multiple of 8
+        quantize_groupwise(torch.zeros(4, 12), 3, 4)
     with pytest.raises(ValueError):
         quantize_groupwise(torch.zeros(4, 9), 8, 3)
 
@@ -56,3 +58,46 @@ def test_quantize_leaves_input_alone():
     before = w.clone()
     quantize_groupwise(w, 4, 8)
     assert torch.equal(w, before)
+
+
+def test_int3_bit_planes_match_spec():
+    """Stored u = q + 4: low two bits of column k at byte k // 4, bits 2 (k % 4); the high bit
+    at byte K/4 + k // 8, bit k % 8 (docs/store-format.md)."""
+    u = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 7, 6, 5, 4, 3, 2, 1, 0]], dtype=torch.uint8)  # K = 16
+    p = pack_int3(u)
+    assert p.shape == (1, 6)
+    lo = [(int(a) & 3) | ((int(b) & 3) << 2) | ((int(c) & 3) << 4) | ((int(d) & 3) << 6)
+          for a, b, c, d in u[0].view(4, 4).tolist()]
+    hi = [sum(((int(v) >> 2) & 1) << j for j, v in enumerate(row)) for row in u[0].view(2, 8).tolist()]
+    assert p[0].tolist() == lo + hi
+    assert unpack_int3(p).tolist() == [[v - 4 for v in u[0].tolist()]]
+
+
+def test_int3_signed_scale_maps_the_peak_to_minus_four():
+    """The largest-magnitude weight of a group lands on -4 (either sign), so int3 uses all eight
+    levels; the rest are at most half a step off unless they clamp."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 128, generator=g) * 0.05
+    q, s = quantize_groupwise(w, 3, 32)
+    assert q.shape == (64, 48) and s.shape == (64, 4) and s.dtype == torch.bfloat16
+    codes = unpack_int3(q).view(64, 4, 32)
+    peak = w.abs().view(64, 4, 32).argmax(-1, keepdim=True)
+    assert torch.all(codes.gather(-1, peak) == -4)
+    back = dequantize_groupwise(q, s, 3, 32, torch.float32)
+    step = s.float().abs().repeat_interleave(32, dim=1)
+    err = (back - w).abs()
+    clamped = (unpack_int3(q) == 3) | (unpack_int3(q) == -4)  # the scale search may clip the ends
+    assert torch.all((err <= 0.5 * step * 1.02 + 1e-7) | clamped)
+    rel = (back - w).norm() / w.norm()
+    q4, s4 = quantize_groupwise(w, 4, 32)
+    rel4 = (dequantize_groupwise(q4, s4, 4, 32, torch.float32) - w).norm() / w.norm()
+    assert rel4 < rel < 2.5 * rel4  # int3 loses about a bit against int4, no more
+
+
+def test_int3_zero_group_and_round_trip_of_codes():
+    w = torch.zeros(2, 16)
+    w[1, :8] = torch.tensor([-4.0, 3.0, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0])
+    q, s = quantize_groupwise(w, 3, 8)
+    assert s.float().tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    assert unpack_int3(q)[1, :8].tolist() == [-4, 3, 2, 1, 0, -1, -2, -3]
+    assert dequantize_groupwise(q, s, 3, 8, torch.float32)[1, :8].tolist() == w[1, :8].tolist()

@@ -10,7 +10,7 @@ def _expert(i=32, h=64, dtype=torch.bfloat16, seed=0):
     return tuple((torch.randn(*s, generator=g) * 0.1).to(dtype) for s in ((i, h), (i, h), (h, i)))
 
 
-@pytest.mark.parametrize("kind", ["bf16", "fp16", "fp32", "int8", "int4"])
+@pytest.mark.parametrize("kind", ["bf16", "fp16", "fp32", "int8", "int4", "int3"])
 def test_layout_alignment(kind):
     lay = RecordLayout.build(kind, 64, 96, 32)
     assert lay.length % RECORD_ALIGN == 0
@@ -36,19 +36,22 @@ def test_bf16_record_decodes_as_views():
     assert gu32.dtype == torch.float32 and torch.equal(gu32, gu.float())
 
 
-def test_int4_record_dequantizes():
-    lay = RecordLayout.build("int4", 64, 32, 16)
+@pytest.mark.parametrize("kind, tol", [("int4", 0.1), ("int3", 0.2)])
+def test_int_record_dequantizes(kind, tol):
+    lay = RecordLayout.build(kind, 64, 32, 16)
     gate, up, down = _expert()
     gu, dn = decode_record(lay, encode_expert(lay, gate, up, down), torch.float32)
     ref = torch.cat([gate, up]).float()
-    assert (gu - ref).abs().max() < 0.1 * ref.abs().max()
-    assert (dn - down.float()).abs().max() < 0.1 * down.float().abs().max()
+    assert (gu - ref).abs().max() < tol * ref.abs().max()
+    assert (dn - down.float()).abs().max() < tol * down.float().abs().max()
 
 
 def test_layout_rejects_bad_group():
     with pytest.raises(UserError, match="group-size"):
         RecordLayout.build("int4", 64, 32, 48)
     with pytest.raises(UserError, match="unknown quantization"):
-        RecordLayout.build("int3", 64, 32, 16)
+        RecordLayout.build("int2", 64, 32, 16)
+    with pytest.raises(UserError, match="multiple of 8"):
+        RecordLayout.build("int3", 64, 36, 4)
     with pytest.raises(UserError, match="shape"):
         encode_expert(RecordLayout.build("bf16", 64, 32), *_expert(i=16))

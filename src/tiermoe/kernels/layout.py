@@ -5,8 +5,9 @@ one contiguous record, identical in every tier, so a pointer-table entry (one in
 is enough for a kernel to find every section:
 
   bf16 record:        gate_up [2I, H] | down [H, I]
-  int4 / int8 record: gate_up_q [2I, H/2 | H] | gate_up_s [2I, H/G] bf16
-                      | down_q [H, I/2 | I]   | down_s [H, I/G] bf16
+  int3 / int4 / int8 record: gate_up_q [2I, 3H/8 | H/2 | H] | gate_up_s [2I, H/G] bf16
+                             | down_q [H, 3I/8 | I/2 | I]     | down_s [H, I/G] bf16
+  (int3 rows: K/4 bytes of low-two-bit plane, then K/8 bytes of high-bit plane; store/quant.py)
 
 Every section starts 256-byte aligned, the record length is a multiple of 4096. This module
 re-derives the offsets from those rules instead of importing the store, because `kernels/`
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 
 SECTION_ALIGN = 256
 RECORD_ALIGN = 4096
-KINDS = ("bf16", "int4", "int8")
+KINDS = ("bf16", "int4", "int8", "int3")
+_BITS = {"int3": 3, "int4": 4, "int8": 8}
 
 
 def _align(n: int, a: int) -> int:
@@ -34,7 +36,7 @@ class ExpertLayout:
     hold the offsets of the bf16 `gate_up`/`down` matrices.
     """
 
-    kind: str  # "bf16" | "int4" | "int8"
+    kind: str  # "bf16" | "int4" | "int8" | "int3"
     hidden: int  # H
     inter: int  # I
     group_size: int  # G (0 for bf16)
@@ -46,7 +48,7 @@ class ExpertLayout:
 
     @property
     def bits(self) -> int:
-        return {"int4": 4, "int8": 8}.get(self.kind, 16)
+        return _BITS.get(self.kind, 16)
 
     @property
     def weight_bytes(self) -> int:
@@ -54,8 +56,7 @@ class ExpertLayout:
         h, i = self.hidden, self.inter
         if self.kind == "bf16":
             return 3 * h * i * 2
-        per = 2 if self.kind == "int4" else 1
-        return 3 * h * i // per + (2 * i * (h // self.group_size) + h * (i // self.group_size)) * 2
+        return 3 * h * i * self.bits // 8 + (2 * i * (h // self.group_size) + h * (i // self.group_size)) * 2
 
 
 def expert_layout(kind: str, hidden: int, inter: int, group_size: int = 128) -> ExpertLayout:
@@ -74,8 +75,10 @@ def expert_layout(kind: str, hidden: int, inter: int, group_size: int = 128) -> 
     g = int(group_size)
     if g <= 0 or g % 2 or h % g or i % g:
         raise ValueError(f"group_size {g} must be even and divide hidden {h} and inter {i}")
-    div = 2 if kind == "int4" else 1
-    sizes = [2 * i * h // div, 2 * i * (h // g) * 2, h * i // div, h * (i // g) * 2]
+    if kind == "int3" and (h % 8 or i % 8):
+        raise ValueError(f"int3 records need hidden {h} and inter {i} to be multiples of 8")
+    bits = _BITS[kind]
+    sizes = [2 * i * h * bits // 8, 2 * i * (h // g) * 2, h * i * bits // 8, h * (i // g) * 2]
     offs, off = [], 0
     for s in sizes:
         off = _align(off, SECTION_ALIGN)

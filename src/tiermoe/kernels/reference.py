@@ -36,6 +36,16 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack(((p & 0xF) - 8, (p >> 4) - 8), dim=-1).reshape(packed.shape[0], -1)
 
 
+def unpack_int3(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, 3K/8] (low-two-bit plane [N, K/4], then high-bit plane [N, K/8]; stored q + 4)
+    -> int32 [N, K] in -4..3."""
+    n, k = packed.shape[0], packed.shape[1] * 8 // 3
+    p = packed.to(torch.int32)
+    lo = torch.stack([(p[:, : k // 4] >> (2 * j)) & 3 for j in range(4)], dim=-1).reshape(n, k)
+    hi = torch.stack([(p[:, k // 4 :] >> j) & 1 for j in range(8)], dim=-1).reshape(n, k)
+    return lo + 4 * hi - 4
+
+
 def dequant_matrix(rec: torch.Tensor, layout: ExpertLayout, which: str, dtype: torch.dtype = torch.bfloat16
                    ) -> torch.Tensor:
     """One weight matrix of a record, dequantized to `dtype` (bf16: W' of the kernels; fp32: the
@@ -48,6 +58,8 @@ def dequant_matrix(rec: torch.Tensor, layout: ExpertLayout, which: str, dtype: t
         return _section(rec, q_off, n * k * 2).view(torch.bfloat16).view(n, k)
     if layout.kind == "int4":
         q = unpack_int4(_section(rec, q_off, n * k // 2).view(n, k // 2))  # [N, K]
+    elif layout.kind == "int3":
+        q = unpack_int3(_section(rec, q_off, n * k * 3 // 8).view(n, k * 3 // 8))  # [N, K]
     else:
         q = _section(rec, q_off, n * k).view(torch.int8).view(n, k).to(torch.int32)
     s = _section(rec, s_off, n * (k // g) * 2).view(torch.bfloat16).view(n, k // g)  # [N, K/G]
@@ -58,7 +70,7 @@ def dequant_matrix(rec: torch.Tensor, layout: ExpertLayout, which: str, dtype: t
 def make_record(layout: ExpertLayout, gen: torch.Generator | None = None, scale: float | None = None) -> torch.Tensor:
     """A random but valid record (uint8 [layout.length]) for tests and benchmarks.
 
-    Quantized: uniform nibbles/int8 with positive bf16 scales around `scale` (default chosen
+    Quantized: uniform codes (int3/int4/int8) with positive bf16 scales around `scale` (default chosen
     so a unit-variance input gives roughly unit-variance outputs). bf16: normal weights.
     """
     h, i, g = layout.hidden, layout.inter, layout.group_size
@@ -70,8 +82,8 @@ def make_record(layout: ExpertLayout, gen: torch.Generator | None = None, scale:
             _section(rec, q_off, n * k * 2).view(torch.bfloat16).copy_(w.reshape(-1).to(torch.bfloat16))
             continue
         s_off = layout.gate_up_s if which == "gate_up" else layout.down_s
-        qbytes = n * k // 2 if layout.kind == "int4" else n * k
-        qstd = 4.6 if layout.kind == "int4" else 73.0
+        qbytes = n * k * layout.bits // 8
+        qstd = {"int3": 2.3, "int4": 4.6}.get(layout.kind, 73.0)  # std of uniform stored codes
         _section(rec, q_off, qbytes).copy_(torch.randint(0, 256, (qbytes,), dtype=torch.uint8, generator=gen))
         base = scale or 1.0 / (qstd * k**0.5)
         s = base * (0.5 + torch.rand(n * (k // g), generator=gen))

