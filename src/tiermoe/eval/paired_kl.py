@@ -1,11 +1,16 @@
-"""`tiermoe eval paired-kl --model STORE`: how far fast mode (CPU lane on) is from exact mode.
+"""`tiermoe eval paired-kl --model STORE`: how far fast mode (CPU lane on) is from exact mode, or
+(with `--reference REF`) how far one store is from another (e.g. int3 records from bf16 ones).
 
-Same process, same store, same tokens: each prompt is first greedy-decoded with the lane off
-(exact mode), recording the logits of every generated position; then the SAME token sequence
-is teacher-forced with the lane on, one decode step per token (the lane only serves decode
-steps), and the logits at the same positions are compared: mean and max KL(exact || fast),
-top-1 agreement. Both runs compute every generated position in a single-token decode step;
-prompts are prefilled identically in both (prefill never uses the lane).
+Same tokens on both sides: each prompt is first greedy-decoded by the reference (exact mode of
+the same store, or the store REF), recording the logits of every generated position; then the
+SAME token sequence is teacher-forced through the compared side (fast mode of the same store,
+or STORE in exact mode), one decode step per token (the lane only serves decode steps), and
+the logits at the same positions are compared: mean and max KL(reference || compared), top-1
+agreement. Both runs compute every generated position in a single-token decode step; prompts
+are prefilled identically in both (prefill never uses the lane).
+
+Two stores are compared one after the other in the same process (the reference's engine is
+closed before the compared one is built), so the pair needs the memory of the larger alone.
 """
 
 from __future__ import annotations
@@ -25,8 +30,12 @@ from tiermoe.scheduler.request import Request
 
 def register_paired_kl(sub) -> None:
     """Add `paired-kl` to the `tiermoe eval` subcommands."""
-    p = sub.add_parser("paired-kl", help="fast mode (CPU lane) vs exact mode on the same tokens of a packed store")
+    p = sub.add_parser("paired-kl", help="fast mode (CPU lane) vs exact mode on the same tokens of a packed store, "
+                                         "or a store vs a reference store (--reference)")
     p.add_argument("--model", required=True, help="packed store directory")
+    p.add_argument("--reference", default=None, metavar="STORE",
+                   help="a reference store of the same model (e.g. packed with --quant bf16): compare --model's "
+                        "exact mode with it instead of fast mode with exact mode")
     p.add_argument("--tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
     p.add_argument("--prompts", nargs="+", default=None, metavar="TEXT",
                    help="prompt texts (default: a fixed set of 4)")
@@ -44,6 +53,14 @@ def _paired_kl(args) -> int:
     if args.tokens < 1:
         raise UserError("--tokens must be at least 1")
     # the namespace holds every store flag add_store_args gave this command (the rest is ignored)
+    if args.reference is not None:
+        result = run_paired_kl_stores(args.model, args.reference, device=resolve_device(args.device),
+                                      dtype=args.dtype, tokens=args.tokens, texts=args.prompts, options=args)
+        print(f"paired KL of {args.model} against {args.reference} over {result['positions']} positions: "
+              f"mean {result['kl_mean']:.3g}, max {result['kl_max']:.3g}, top-1 agreement {result['top1']:.4f}; "
+              f"expert bytes {result['record_bytes']:,} vs {result['reference_record_bytes']:,} a record")
+        print(json.dumps(result))
+        return 0
     result = run_paired_kl(args.model, device=resolve_device(args.device), dtype=args.dtype, tokens=args.tokens,
                            texts=args.prompts, options=args)
     lane = result["cpu_lane"]
@@ -139,3 +156,49 @@ def run_paired_kl(store: str, *, device: str = "cpu", dtype: str = "auto", token
             "dtype": str(engine.model.dtype).replace("torch.", ""), "prompts": len(prompts),
             "tokens_per_prompt": tokens, **result, "exact_s": round(t1 - t0, 3), "fast_s": round(t2 - t1, 3),
             "cpu_lane": counters.get("cpu_lane", {})}
+
+
+def run_paired_kl_stores(store: str, reference: str, *, device: str = "cpu", dtype: str = "auto",
+                         tokens: int = 64, texts: list[str] | None = None,
+                         options: Mapping[str, Any] | Namespace | None = None) -> dict:
+    """The reference store greedy-decodes, `store` is teacher-forced on the same tokens; both in
+    exact mode. Metrics dict with both stores' record kinds and bytes."""
+    import torch
+
+    from pathlib import Path
+
+    from tiermoe.engine.build import build_engine, engine_config, is_packed_store
+    from tiermoe.eval.parity import compare
+    from tiermoe.store.records import load_manifest
+
+    for path in (store, reference):
+        if not is_packed_store(Path(path)):
+            raise UserError(f"{path}: not a packed store (needs manifest.json and experts.bin; see tiermoe pack)")
+    flags = {**(vars(options) if isinstance(options, Namespace) else dict(options or {})), "mode": "exact"}
+    mine, theirs = load_manifest(store), load_manifest(reference)
+    if mine.moe_layers != theirs.moe_layers or mine.experts_per_layer != theirs.experts_per_layer:
+        raise UserError(f"{store} and {reference} hold different experts (MoE layers or experts per layer differ)")
+
+    def run(path: str, forced: list[list[int]] | None) -> tuple[list[list[int]], list[torch.Tensor], float]:
+        engine = build_engine(engine_config(path, device=device, dtype=dtype, max_num_seqs=1, options=flags))
+        try:
+            prompts = prompt_ids(engine.tokenizer, texts or EVAL_TEXTS)
+            longest = max(len(p) for p in prompts) + tokens
+            if longest > engine.max_model_len:
+                raise UserError(f"--tokens {tokens}: prompt plus tokens need a context of {longest}, "
+                                f"the model has {engine.max_model_len}")
+            t0 = time.perf_counter()
+            outs = [decode_logits(engine, p, tokens, forced=None if forced is None else forced[n])
+                    for n, p in enumerate(prompts)]
+            return [t for t, _ in outs], [lg for _, lg in outs], time.perf_counter() - t0
+        finally:
+            engine.runner.experts.close()
+
+    ref_tokens, ref_logits, ref_s = run(reference, None)
+    _, logits, s = run(store, ref_tokens)
+    result = compare(torch.cat(ref_logits), torch.cat(logits))
+    return {"store": str(store), "reference": str(reference), "device": device, "dtype": dtype,
+            "prompts": len(ref_tokens), "tokens_per_prompt": tokens, **result,
+            "kind": mine.layout.kind, "group_size": mine.layout.group_size, "record_bytes": mine.layout.length,
+            "reference_kind": theirs.layout.kind, "reference_record_bytes": theirs.layout.length,
+            "reference_s": round(ref_s, 3), "store_s": round(s, 3)}
