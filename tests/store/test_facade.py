@@ -74,10 +74,11 @@ def test_bf16_fetch_bit_identical_across_tiers(packed_bf16):
                 assert torch.equal(a[e][0], b[e][0]) and torch.equal(a[e][1], b[e][1]), (name, e)
 
 
-def test_int4_fetch_identical_across_tiers(tmp_path):
+@pytest.mark.parametrize("quant", ["int4", "int3"])
+def test_int_fetch_identical_across_tiers(tmp_path, quant):
     make_checkpoint(tmp_path / "src")
-    pack(tmp_path / "src", tmp_path / "st", quant="int4", group_size=16, progress=False, log=lambda s: None)
-    rec4 = 4096 / GIB
+    pack(tmp_path / "src", tmp_path / "st", quant=quant, group_size=16, progress=False, log=lambda s: None)
+    rec4 = 4096 / GIB  # one int4 or int3 record of the tiny checkpoint
     trace = _trace(seed=3, steps=6)
     ref, _ = _run(tmp_path / "st", trace, gpu_expert_gb=16 * rec4, host_expert_gb=0)
     for cfg in (dict(gpu_expert_gb=0, host_expert_gb=2 * rec4), dict(gpu_expert_gb=rec4 * 3, host_expert_gb=rec4 * 3)):

@@ -29,6 +29,13 @@ def test_group_sizes_that_divide_the_shapes():
         choose_group_size(576, 128, 128)
     with pytest.raises(UserError, match="use --quant bf16"):
         choose_group_size(63, 21, None)
+    # int3 prefers 64 (pack_checks.PREFERRED_GROUP_SIZE) and needs shapes that are multiples of 8
+    assert choose_group_size(4096, 2048, None, "int3") == 64
+    assert choose_group_size(4096, 2048, None, "int4") == choose_group_size(4096, 2048, None, "int8") == 128
+    assert choose_group_size(4096, 2048, 128, "int3") == 128
+    assert choose_group_size(96, 48, None, "int3") == 16
+    with pytest.raises(UserError, match="int3 needs hidden_size 36 and expert intermediate size 12 to be multiples"):
+        choose_group_size(36, 12, None, "int3")
 
 
 def test_pack_picks_a_group_size_when_none_is_given(tmp_path, capsys):
@@ -37,6 +44,16 @@ def test_pack_picks_a_group_size_when_none_is_given(tmp_path, capsys):
     assert "(int4, group size 16)" in capsys.readouterr().out
     m = load_manifest(tmp_path / "st")
     assert m.layout.group_size == 16 and m.data["quantization"]["group_size"] == 16
+
+
+def test_pack_int3_refuses_shapes_before_reading(tmp_path, capsys):
+    """int3 rows are bit planes of whole bytes: a hidden size that is not a multiple of 8 is refused
+    from config.json alone, in one line (exit 2)."""
+    make_checkpoint(tmp_path / "src", hidden=36, inter=12, experts=2)
+    assert main(["pack", str(tmp_path / "src"), str(tmp_path / "st"), "--quant", "int3", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--quant int3 needs hidden_size 36" in err and "Traceback" not in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "st").exists()
 
 
 def test_wrong_group_size_is_one_line_before_torch_is_imported(tmp_path):

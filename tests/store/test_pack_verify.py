@@ -46,13 +46,15 @@ def test_pack_bf16_round_trip_is_exact(tmp_path, style):
         assert (tmp_path / "st" / name).read_bytes() == (tmp_path / "src" / name).read_bytes()
 
 
-@pytest.mark.parametrize("quant,tol", [("int8", 0.01), ("int4", 0.16)])
+@pytest.mark.parametrize("quant,tol", [("int8", 0.01), ("int4", 0.16), ("int3", 0.3)])
 def test_pack_quantized_error_bound(tmp_path, quant, tol):
     t = make_checkpoint(tmp_path / "src")
     pack(tmp_path / "src", tmp_path / "st", quant=quant, group_size=16, **QUIET)
     m = load_manifest(tmp_path / "st")
     assert m.data["quantization"] == {"kind": quant, "group_size": 16}
-    assert m.layout.length == (4096 if quant == "int4" else 8192)  # vs 12288 bytes as bf16
+    assert m.layout.length == (8192 if quant == "int8" else 4096)  # vs 12288 bytes as bf16
+    if quant == "int3":  # 3K/8 bytes of bit planes per row (docs/store-format.md)
+        assert m.layout.section("gate_up_q").shape == (64, 24) and m.layout.section("down_q").shape == (64, 12)
     for (L, e), (gu, dn) in _fetch_all(tmp_path / "st", torch.float32).items():
         gate, up, down = expert_weights(t, L, e)
         for got, ref in ((gu, torch.cat([gate, up]).float()), (dn, down.float())):

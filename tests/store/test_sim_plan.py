@@ -86,10 +86,37 @@ def test_plan_for_store_and_checkpoint(packed_bf16, tmp_path, capsys):
     # an unpacked checkpoint is planned from its headers
     assert main(["plan", str(store.parent / "src"), "--quant", "int4", "--group-size", "16", "--host-expert-gb", "0"]) == 0
     assert "16 experts of 4.00 KiB" in capsys.readouterr().out
+    # int3 is planned with its own record length (and group size 32 picked: 64 does not divide I=32)
+    from tiermoe.store.records import RecordLayout
+
+    assert main(["plan", str(store.parent / "src"), "--quant", "int3", "--host-expert-gb", "0"]) == 0
+    assert f"16 experts of {RecordLayout.build('int3', 64, 32, 32).length / 1024:.2f} KiB" in capsys.readouterr().out
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"layers.0.mlp": [1, 2]}))
     assert main(["plan", str(store), "--stats", str(bad)]) == 2
     assert "lists 2 experts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind,group,record", [("int4", 128, 12_976_128), ("int3", 128, 9_830_400),
+                                                ("int3", 64, 10_223_616)])
+def test_plan_uses_the_record_length_of_the_kind(tmp_path, kind, group, record):
+    """GLM-5.3-Flash's expert (H 4096, I 2048) as each kind: the plan sizes tiers, and its decode bound
+    reads bytes, by that kind's record length (docs/store-format.md)."""
+    from tiermoe.store.records import FORMAT_VERSION, Manifest, RecordLayout
+
+    layout = RecordLayout.build(kind, 4096, 2048, group)
+    assert layout.length == record
+    layers, experts = [1, 2], 288
+    data = {"format_version": FORMAT_VERSION, "dense_bytes": 0, "dtype": "bfloat16",
+            "model_config": {"hidden_size": 4096, "num_experts_per_tok": 8, "tie_word_embeddings": True},
+            "moe_layers": layers, "experts_per_layer": {str(L): experts for L in layers}, "layouts": [layout.to_json()],
+            "records": [{"layer": L, "expert": e, "offset": (i * experts + e) * record, "length": record, "sha256": ""}
+                        for i, L in enumerate(layers) for e in range(experts)]}
+    plan = build_plan(Manifest(data, tmp_path), device="cpu", gpu_expert_gb=0, host_expert_gb=100 * record / 2**30,
+                      cpu_threads=16)
+    assert plan.record_bytes == record and plan.n_host == 100 and plan.n_disk == 2 * experts - 100
+    assert f"{2 * experts} experts of {record / 2**20:.2f} MiB" in plan.table()
+    assert plan.floor_s["disk"] == pytest.approx(plan.hits_per_token["disk"] * record / 1.6e9)
 
 
 def test_sim_device_cache_policy_between_the_bounds():

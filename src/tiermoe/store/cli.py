@@ -18,19 +18,20 @@ def _pack(args: argparse.Namespace) -> int:
 
 def _pack_prechecks(args: argparse.Namespace) -> None:
     """What can be refused in a second, before torch is imported or a GGUF file converted: a
-    --group-size that does not divide the shapes (from config.json or the GGUF header), an OUT
-    that holds other files, an OUT whose store a running process is reading."""
+    --group-size that does not divide the shapes, or no group size that would, or int3 shapes
+    that are not multiples of 8 (from config.json or the GGUF header), an OUT that holds other
+    files, an OUT whose store a running process is reading."""
     from tiermoe.store.lock import LOCK_NAME, StoreLock
     from tiermoe.store.pack_checks import INT_QUANTS, check_target, choose_group_size, source_shapes
 
     if args.shard_size_gb is not None and not args.shard_size_gb > 0:
         raise UserError("--shard-size-gb must be > 0")
-    if args.quant in INT_QUANTS and args.group_size is not None:
+    if args.quant in INT_QUANTS:
         shapes = source_shapes(args.src)
         if shapes is not None:
-            choose_group_size(*shapes, args.group_size)
+            choose_group_size(*shapes, args.group_size, args.quant)
     elif args.group_size is not None:
-        print(f"note: --group-size applies to int8/int4 only; {args.quant} ignores it", file=sys.stderr)
+        print(f"note: --group-size applies to int8/int4/int3 only; {args.quant} ignores it", file=sys.stderr)
         args.group_size = None
     check_target(args.out)
     if (Path(args.out) / LOCK_NAME).is_file():
@@ -90,7 +91,7 @@ def _plan_manifest(model: str, quant: str, group_size: int | None):
 
     ck = Checkpoint(root)  # headers only
     if quant in INT_QUANTS:
-        group_size = choose_group_size(ck.hidden, ck.intermediate, group_size)
+        group_size = choose_group_size(ck.hidden, ck.intermediate, group_size, quant)
     layout = RecordLayout.build(quant, ck.hidden, ck.intermediate, group_size)
     keys = ck.expert_keys()
     data = {
@@ -132,7 +133,7 @@ def _sim(args: argparse.Namespace) -> int:
 
 # Mirrors store.records.QUANT_KINDS; spelled out so building the CLI parser imports no torch
 # (a test checks the two agree).
-QUANT_CHOICES = ("bf16", "fp16", "fp32", "int8", "int4")
+QUANT_CHOICES = ("bf16", "fp16", "fp32", "int8", "int4", "int3")
 
 
 def _pack_gguf(args: argparse.Namespace) -> int:
@@ -176,10 +177,14 @@ def register(subparsers) -> None:
                     "other process uses the store in OUT, pack refuses to write there.")
     p.add_argument("src", help="checkpoint directory (config.json + *.safetensors) or a .gguf file")
     p.add_argument("out", help="output store directory (new, empty, or an unfinished pack to resume)")
-    p.add_argument("--quant", choices=QUANT_CHOICES, default="bf16", help="routed-expert storage format")
+    p.add_argument("--quant", choices=QUANT_CHOICES, default="bf16",
+                   help="routed-expert storage format: bf16/fp16/fp32 as is, or group-wise int8, int4 or int3 "
+                        "(8, 4 or 3 bits per weight plus one bf16 scale per group; docs/store-format.md)")
     p.add_argument("--group-size", type=int, default=None,
-                   help="int8/int4: input columns sharing one scale; it must divide the hidden size and the "
-                        "experts' intermediate size (default: the largest of 128, 64, 32, 16 that does)")
+                   help="int8/int4/int3: input columns sharing one scale; it must divide the hidden size and the "
+                        "experts' intermediate size (default: the largest of 128, 64, 32, 16 that does; for int3 "
+                        "the largest of 64, 32, 16). A Q3_K GGUF packed with --quant int3 --group-size 16 keeps its "
+                        "16-weight sub-blocks' scales")
     p.add_argument("--shard-size-gb", type=float, default=2.0, help="size of the non-expert safetensors shards, GB")
     p.add_argument("--no-direct-io", action="store_true",
                    help="buffered writes and reads instead of O_DIRECT (filesystems without it, e.g. tmpfs)")
@@ -219,7 +224,7 @@ def register(subparsers) -> None:
     p.add_argument("--quant", choices=QUANT_CHOICES, default="bf16",
                    help="for an unpacked checkpoint: the format to plan for")
     p.add_argument("--group-size", type=int, default=None,
-                   help="for an unpacked checkpoint and int8/int4: as `tiermoe pack --group-size`")
+                   help="for an unpacked checkpoint and int8/int4/int3: as `tiermoe pack --group-size`")
     p.set_defaults(handler=_plan)
 
     p = subparsers.add_parser(

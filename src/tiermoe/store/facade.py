@@ -11,7 +11,7 @@ entry of the RAM arena ("host", pinned on CUDA machines), or only in experts.bin
 Validity of returned tensors: for float stores, tensors of an expert held in slots (or in host
 on a CPU device) are views into that tier's entry, valid until a later fetch() evicts it: use
 them before the next fetch() (the MoE layer does), or clone. Other experts come back as fresh
-tensors; int4/int8 stores dequantize into fresh tensors on every fetch (plain-torch path).
+tensors; int8/int4/int3 stores dequantize into fresh tensors on every fetch (plain-torch path).
 
 Exactness: tier moves copy record bytes verbatim and float records decode as views, so a bf16
 store returns bit-identical tensors whichever tier an expert came from. Integrity: every record

@@ -61,7 +61,7 @@ class PackResult:
     rewritten: int  # records rewritten after a failed read-back
     direct_io: bool
     notes: list[str]
-    group_size: int | None = None  # int8/int4: the group size used (picked when none was given)
+    group_size: int | None = None  # int8/int4/int3: the group size used (picked when none was given)
 
 
 class Journal:
@@ -326,9 +326,14 @@ def pack(
 ) -> PackResult:
     """Pack checkpoint `src` into store directory `out` (see module docstring).
 
-    `group_size` (int8/int4): None picks the largest that divides the shapes, up to 128.
-    `device` runs int8/int4 quantization there ("auto": CUDA when available, else CPU); the
-    result is bit-identical either way (the same IEEE fp32 divide and round-half-even).
+    `group_size` (int8/int4/int3): None picks the largest that divides the shapes, up to 128
+    (int3: 64; pack_checks.PREFERRED_GROUP_SIZE).
+    `device` runs the quantization there ("auto": CUDA when available, else CPU). int8/int4
+    give bit-identical records either way (the same IEEE fp32 divide and round-half-even).
+    int3's scale search (quant.py) is about 15x int4's work, so the GPU matters most there; it
+    compares summed squared errors, and the devices sum in different orders, so a near-tie
+    between two candidate scales may resolve differently: either record is a valid int3 record
+    of the same weights, each checksummed as written.
     `source` stands for `src` in the resume fingerprint where `src` is itself a temporary
     conversion (a GGUF import): it names what the checkpoint was made from.
     """
@@ -339,7 +344,7 @@ def pack(
     if out.resolve() == ck.root.resolve():
         raise UserError(f"{out}: OUT must differ from SRC")
     if quant in INT_KINDS:
-        group_size = choose_group_size(ck.hidden, ck.intermediate, group_size)
+        group_size = choose_group_size(ck.hidden, ck.intermediate, group_size, quant)
     layout = RecordLayout.build(quant, ck.hidden, ck.intermediate, group_size)
     fingerprint = _fingerprint(ck, layout, shard_bytes, source)
     check_target(out, fingerprint)
