@@ -131,8 +131,12 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
                         stats_file=args.expert_stats, direct_io=not args.no_direct_io)
     slots, why_not = inclusive_host_plan(manifest, device=device, gpu_expert_gb=args.gpu_expert_gb,
                                          host_expert_gb=args.host_expert_gb)
-    if kernel != "triton":
-        why_not = why_not or "the Triton expert kernel is not in use"
+    if kernel != "triton" and not why_not:
+        # say why the torch path serves on a GPU (a record kind or shape the kernel does not take)
+        from tiermoe.moe.backends import triton_unsupported
+
+        reason = triton_unsupported(manifest.layout, dtype, device)
+        why_not = "the Triton expert kernel is not in use" + (f": it cannot serve {reason}" if reason else "")
     if wanted == "on" and why_not:
         raise UserError(f"--device-cache on: {why_not}")
     if wanted == "off" or why_not:
