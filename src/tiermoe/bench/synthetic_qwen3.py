@@ -1,8 +1,9 @@
-"""A random-weight Qwen3-MoE model written directly in 4-bit form for tiermoe and llama.cpp.
+"""A random-weight Qwen3-MoE model written directly in 4-bit (or 3-bit) form for tiermoe and llama.cpp.
 
 `tiermoe bench make-qwen3moe OUT` writes the same weights twice: a packed int4 store
 (OUT/store, docs/store-format.md) and a GGUF with Q4_0 experts (OUT/model.gguf, llama.cpp's
-`qwen3moe`), so the two engines can be compared on one model. The default shape is
+`qwen3moe`), so the two engines can be compared on one model; with `--quant int3`, an int3
+store and a GGUF with Q3_K experts. The default shape is
 Qwen3-235B-A22B's per layer (hidden 4096, 128 routed experts of intermediate 1536, top-8,
 64 query / 4 KV heads of 128) with fewer layers; the vocabulary is the project's small
 byte-level BPE tokenizer (tiny_tokenizer), carried in both formats.
@@ -13,6 +14,10 @@ to each format without rounding: ours is group-wise symmetric int4 (q in -8..7, 
 group of G = 32 by default), Q4_0 is 32-weight blocks with an fp16 scale and q + 8 nibbles.
 Every scale is m * 2^e with m in 8..15, exact in bf16 and fp16, and |q * m| < 128, so each
 dequantized weight is exact in fp32, bf16 and fp16: both engines see bit-identical experts.
+int3 is the same with q in -4..3 (our bit planes, quant.py) against Q3_K's 256-weight blocks,
+whose 16-weight sub-blocks hold each group's scale as d * (sc - 32) with a power-of-two d
+(synthetic_gguf.to_q3_k); its groups must be multiples of 16 and, for the GGUF, the hidden and
+intermediate sizes multiples of 256.
 Non-expert weights are bf16 in both (norms and routers F32-stored bf16 values in the GGUF).
 
 Output rows of the LM head for special tokens and for tokens that are not valid UTF-8 on
@@ -40,6 +45,9 @@ from tiermoe.errors import UserError
 STORE_DIR = "store"
 GGUF_FILE = "model.gguf"
 FORMATS = ("store", "gguf")
+QUANTS = ("int4", "int3")
+CODE_RMS = {"int4": 4.61, "int3": 2.35}  # root mean square of uniform codes: -8..7, -4..3
+DEFAULT_GROUP = {"int4": 32, "int3": 64}  # Q4_0's block (equal bytes); pack's int3 default
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,7 @@ class SyntheticSpec:
     kv_heads: int = 4
     head_dim: int = 128
     group_size: int = 32
+    quant: str = "int4"  # expert kind: int4 (GGUF Q4_0) or int3 (GGUF Q3_K)
     vocab: int = 0  # filled from the tokenizer
     dense_intermediate: int = 12288  # config field only (every layer is MoE)
     max_position: int = 40960
@@ -62,7 +71,7 @@ class SyntheticSpec:
     rms_eps: float = 1e-6
     seed: int = 0
 
-    def check(self) -> None:
+    def check(self, formats=FORMATS) -> None:
         for name in ("layers", "hidden", "experts", "moe_intermediate", "top_k", "heads", "kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive")
@@ -71,22 +80,34 @@ class SyntheticSpec:
         if self.heads % self.kv_heads:
             raise UserError(f"--heads {self.heads} is not a multiple of --kv-heads {self.kv_heads}")
         g = self.group_size
-        if g % 32 or self.hidden % g or self.moe_intermediate % g:
+        if self.quant not in QUANTS:
+            raise UserError(f"--quant {self.quant!r}: choose one of {', '.join(QUANTS)}")
+        if self.quant == "int4" and (g % 32 or self.hidden % g or self.moe_intermediate % g):
             raise UserError(
                 f"--group-size {g}: must be a multiple of 32 (Q4_0's block) dividing hidden and intermediate"
+            )
+        if self.quant == "int3" and (g <= 0 or g % 16 or self.hidden % g or self.moe_intermediate % g):
+            raise UserError(
+                f"--group-size {g}: must be a multiple of 16 (Q3_K's sub-block) dividing hidden and intermediate"
+            )
+        if self.quant == "int3" and "gguf" in formats and (self.hidden % 256 or self.moe_intermediate % 256):
+            raise UserError(
+                f"--quant int3 with a GGUF: hidden {self.hidden} and intermediate {self.moe_intermediate} must be "
+                "multiples of 256 (Q3_K's block; or --formats store)"
             )
 
 
 def store_bytes_per_expert(spec: SyntheticSpec) -> int:
     from tiermoe.store.records import RecordLayout
 
-    return RecordLayout.build("int4", spec.hidden, spec.moe_intermediate, spec.group_size).length
+    return RecordLayout.build(spec.quant, spec.hidden, spec.moe_intermediate, spec.group_size).length
 
 
 def gguf_bytes_per_expert(spec: SyntheticSpec) -> int:
-    from tiermoe.bench.synthetic_gguf import q4_0_bytes_per_expert
+    from tiermoe.bench.synthetic_gguf import q3_k_bytes_per_expert, q4_0_bytes_per_expert
 
-    return q4_0_bytes_per_expert(spec.hidden, spec.moe_intermediate)
+    per = q3_k_bytes_per_expert if spec.quant == "int3" else q4_0_bytes_per_expert
+    return per(spec.hidden, spec.moe_intermediate)
 
 
 def _dense_params(spec: SyntheticSpec) -> int:
@@ -130,27 +151,35 @@ def _normal(spec, key, shape, std, device, mean=0.0):
     return x.mul_(std).add_(mean).to(torch.bfloat16).cpu()
 
 
-def _scale_exponent(k: int) -> int:
-    """e with codes (std ~4.6) * m/8 (mean ~1.44) * 2^e ~ 1/sqrt(k): fan-in scaled weights."""
-    return round(math.log2(1.0 / (math.sqrt(k) * 4.61 * 1.44)))
+def _scale_exponent(k: int, code_rms: float = CODE_RMS["int4"]) -> int:
+    """e with codes (rms ~4.6 for int4, ~2.3 for int3) * m/8 (mean ~1.44) * 2^e ~ 1/sqrt(k):
+    fan-in scaled weights."""
+    return round(math.log2(1.0 / (math.sqrt(k) * code_rms * 1.44)))
 
 
 def expert_codes(spec: SyntheticSpec, layer: int, device) -> dict:
-    """One layer's experts as our int4 sections, on the CPU.
+    """One layer's experts as our int4 (or int3) sections, on the CPU.
 
-    {proj: (q uint8 [E, N, K/2], s bf16 [E, N, K/G])} for proj in gate, up ([I, H]) and
-    down ([H, I]). Codes are uniform random nibbles; scales are m * 2^(e-3), m in 8..15.
+    {proj: (q uint8 [E, N, K/2] (int3: [E, N, 3K/8]), s bf16 [E, N, K/G])} for proj in gate, up
+    ([I, H]) and down ([H, I]). Codes are uniform random bytes (every byte is valid nibbles or
+    bit planes); scales are m * 2^(e-3), m in 8..15.
     """
     import torch
 
+    from tiermoe.store.quant import packed_cols
+
     e, h, i, g = spec.experts, spec.hidden, spec.moe_intermediate, spec.group_size
+    bits = 3 if spec.quant == "int3" else 4
     out = {}
     for proj, (n, k) in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
         gen = _generator(spec, f"experts/{layer}/{proj}", device)
-        words = torch.randint(-(2**63), 2**63 - 1, (e * n * k // 16,), generator=gen, device=device, dtype=torch.int64)
-        q = words.view(torch.uint8).view(e, n, k // 2)
+        cols = packed_cols(k, bits)
+        nbytes = e * n * cols
+        words = torch.randint(-(2**63), 2**63 - 1, (-(-nbytes // 8),), generator=gen, device=device,
+                              dtype=torch.int64)
+        q = words.view(torch.uint8)[:nbytes].view(e, n, cols)
         m = torch.randint(8, 16, (e, n, k // g), generator=gen, device=device, dtype=torch.int32)
-        s = (m.to(torch.float32) * 2.0 ** (_scale_exponent(k) - 3)).to(torch.bfloat16)
+        s = (m.to(torch.float32) * 2.0 ** (_scale_exponent(k, CODE_RMS[spec.quant]) - 3)).to(torch.bfloat16)
         out[proj] = (q.cpu(), s.cpu())
     return out
 
@@ -290,7 +319,7 @@ def make_synthetic(
         raise UserError(f"--formats: choose from {', '.join(FORMATS)}")
     tok = build_tokenizer()
     spec = replace(spec, vocab=len(tok))
-    spec.check()
+    spec.check(formats)
     out = Path(out)
     targets = {"store": out / STORE_DIR, "gguf": out / GGUF_FILE}
     partial = {f: t.with_name(t.name + ".partial") for f, t in targets.items()}
@@ -313,7 +342,7 @@ def make_synthetic(
     t0 = time.monotonic()
     pool = ThreadPoolExecutor(max_workers=max(2, min(16, torch.get_num_threads())))
     digest = _Digest(pool)
-    name = f"qwen3moe-synthetic-L{spec.layers}"
+    name = f"qwen3moe-synthetic-L{spec.layers}" + ("-int3" if spec.quant == "int3" else "")
     sinks = {}
     if "store" in formats:
         sinks["store"] = StoreSink(partial["store"], spec, config, tok, pool)
@@ -336,7 +365,7 @@ def make_synthetic(
             if "store" in sinks:
                 sinks["store"].write_experts(layer, codes)
             if "gguf" in sinks:
-                _gguf_experts(sinks["gguf"], layer, codes, dev)
+                _gguf_experts(sinks["gguf"], layer, codes, dev, spec.quant)
         for sink in sinks.values():
             sink.close()
     except BaseException:
@@ -366,20 +395,22 @@ def make_synthetic(
     return summary
 
 
-def _gguf_experts(sink, layer: int, codes: dict, dev) -> None:
-    """Three Q4_0 stacks [E, N, K/32*18] from our codes (converted on `dev`)."""
-    from tiermoe.bench.synthetic_gguf import to_q4_0
+def _gguf_experts(sink, layer: int, codes: dict, dev, quant: str = "int4") -> None:
+    """Three Q4_0 stacks [E, N, K/32*18] (int3: Q3_K, [E, N, K/256*110]) from our codes (converted on `dev`)."""
+    from tiermoe.bench.synthetic_gguf import to_q3_k, to_q4_0
 
+    convert = to_q3_k if quant == "int3" else to_q4_0
     for proj in ("gate", "up", "down"):
         q, s = codes[proj]
-        blocks = to_q4_0(q.to(dev), s.to(dev)).cpu()
+        blocks = convert(q.to(dev), s.to(dev)).cpu()
         sink.write(f"blk.{layer}.ffn_{proj}_exps.weight", blocks.numpy())
 
 
 # ----------------------------------------------------------------------------- CLI
 def register(sub) -> None:
     d = SyntheticSpec()
-    p = sub.add_parser("make-qwen3moe", help="random-weight Qwen3-MoE as an int4 store and a Q4_0 GGUF (same weights)")
+    p = sub.add_parser("make-qwen3moe",
+                       help="random-weight Qwen3-MoE as an int4 store and a Q4_0 GGUF (same weights; or int3 and Q3_K)")
     p.add_argument("out", help="output directory (gets store/, model.gguf, synthetic-*.json)")
     p.add_argument("--layers", type=int, default=d.layers, help="decoder layers (all MoE)")
     p.add_argument("--hidden", type=int, default=d.hidden, help="hidden size")
@@ -392,11 +423,13 @@ def register(sub) -> None:
     p.add_argument(
         "--group-size",
         type=int,
-        default=d.group_size,
-        help="int4 group size of the store (32 = Q4_0's block, equal bytes; 64/128 share a scale across blocks)",
+        default=None,
+        help="group size of the store: int4 default 32 (Q4_0's block, equal bytes; 64/128 share a scale across "
+        "blocks); int3 default 64 (pack's; multiples of 16, Q3_K's sub-block; 32 is closest to Q3_K's bytes)",
     )
     p.add_argument("--max-position", type=int, default=d.max_position, help="context length of the config")
-    p.add_argument("--quant", choices=("int4",), default="int4", help="expert format (int4 store / Q4_0 GGUF)")
+    p.add_argument("--quant", choices=QUANTS, default="int4",
+                   help="expert format: int4 (int4 store / Q4_0 GGUF) or int3 (int3 store / Q3_K GGUF)")
     p.add_argument("--formats", default=",".join(FORMATS), help="store, gguf or both (default both)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the random weights")
     p.add_argument("--device", default="auto", help="where codes are drawn and converted: auto, cpu, cuda")
@@ -421,7 +454,8 @@ def _spec_from_args(a) -> SyntheticSpec:
         heads=a.heads,
         kv_heads=a.kv_heads,
         head_dim=a.head_dim,
-        group_size=a.group_size,
+        group_size=a.group_size or DEFAULT_GROUP[a.quant],
+        quant=a.quant,
         max_position=a.max_position,
         seed=a.seed,
     )
@@ -434,7 +468,7 @@ def _run_make(args) -> int:
         from tiermoe.models.tiny_tokenizer import build_tokenizer
 
         spec = replace(spec, vocab=len(build_tokenizer()))
-        spec.check()
+        spec.check(formats)
         print(json.dumps(sizes(spec), indent=1))
         return 0
     make_synthetic(args.out, spec, formats, device=args.device, force=args.force)

@@ -1,6 +1,6 @@
-"""Packed-store side of the synthetic Qwen3-MoE model (docs/store-format.md, int4 records).
+"""Packed-store side of the synthetic Qwen3-MoE model (docs/store-format.md, int4 or int3 records).
 
-The generator already holds each expert as our int4 sections (packed codes + bf16 scales), so
+The generator already holds each expert as our int4 (or int3) sections (packed codes + bf16 scales), so
 a record is assembled by copying them into the layout's sections (`RecordLayout` and
 `section_view`, the same code `tiermoe pack` writes through): no float weights, no
 re-quantization. A layer's 128 records are built in one buffer, hashed in parallel, written
@@ -38,18 +38,20 @@ def _section(layout: RecordLayout, recs: torch.Tensor, name: str) -> torch.Tenso
 
 
 def build_records(layout: RecordLayout, codes: dict) -> torch.Tensor:
-    """uint8 [E, length]: one int4 record per expert from {proj: (q [E, N, K/2], s [E, N, K/G])}."""
+    """uint8 [E, length]: one record per expert from {proj: (q [E, N, K/2 | 3K/8], s [E, N, K/G])}
+    (int4 | int3, the layout's kind)."""
     gq, gs = codes["gate"]
     uq, us = codes["up"]
     dq, ds = codes["down"]
     e, i = gq.shape[0], layout.intermediate
     recs = torch.zeros(e, layout.length, dtype=torch.uint8)
-    gu_q, gu_s = _section(layout, recs, "gate_up_q"), _section(layout, recs, "gate_up_s")  # [E, 2I, H/2], [E, 2I, H/G]
+    gu_q = _section(layout, recs, "gate_up_q")  # [E, 2I, H/2 | 3H/8]
+    gu_s = _section(layout, recs, "gate_up_s")  # [E, 2I, H/G]
     gu_q[:, :i].copy_(gq)
     gu_q[:, i:].copy_(uq)
     gu_s[:, :i].copy_(gs)
     gu_s[:, i:].copy_(us)
-    _section(layout, recs, "down_q").copy_(dq)  # [E, H, I/2]
+    _section(layout, recs, "down_q").copy_(dq)  # [E, H, I/2 | 3I/8]
     _section(layout, recs, "down_s").copy_(ds)  # [E, H, I/G]
     return recs
 
@@ -61,7 +63,7 @@ class StoreSink:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.spec, self.config, self.pool = spec, config, pool
-        self.layout = RecordLayout.build("int4", spec.hidden, spec.moe_intermediate, spec.group_size)
+        self.layout = RecordLayout.build(spec.quant, spec.hidden, spec.moe_intermediate, spec.group_size)
         assert self.layout.length % RECORD_ALIGN == 0
         self.records: list[dict] = []
         self._f = open(self.root / EXPERTS_NAME, "wb")
@@ -94,7 +96,7 @@ class StoreSink:
         manifest = {
             "format_version": FORMAT_VERSION,
             "model_config": self.config,
-            "quantization": {"kind": "int4", "group_size": self.layout.group_size},
+            "quantization": {"kind": self.layout.kind, "group_size": self.layout.group_size},
             "dtype": "bfloat16",
             "source_dtype": "bfloat16",
             "num_layers": spec.layers,
