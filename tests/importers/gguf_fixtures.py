@@ -26,15 +26,23 @@ TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab
 
 
 def write_gguf(path: Path, arch: str, *, tied: bool = True, seed: int = 0, extra_tensors: dict | None = None,
-               tokenizer=None, sampling: dict | None = None) -> dict:
+               tokenizer=None, sampling: dict | None = None, config: dict | None = None,
+               raw_tensors: dict | None = None) -> dict:
     """Write a tiny random GGUF of `arch` (llama, qwen2, qwen3, qwen3moe); returns the HF-layout
     weights it encodes (Q/K before llama.cpp's permutation), keyed by GGUF tensor name.
     `tokenizer` (e.g. the tiny ChatML one): written into the file, the vocabulary sized to it, so
     the imported checkpoint can be served. `sampling`: llama.cpp's recommended-sampling metadata
-    (`general.sampling.<key>`, e.g. {"temp": 0.6, "top_k": 20})."""
+    (`general.sampling.<key>`, e.g. {"temp": 0.6, "top_k": 20}). `config`: TINY's shapes to change
+    (e.g. {"hidden": 256}). `raw_tensors`: {GGUF name: (uint8 block bytes, GGMLQuantizationType)}
+    written as they are in place of the random F32 tensor of that name (a quantized tensor the
+    gguf package cannot quantize itself, e.g. Q3_K); the returned weights hold their dequantized
+    values."""
     import gguf
+    from gguf.quants import dequantize
 
-    c = TINY if tokenizer is None else {**TINY, "vocab": len(tokenizer)}
+    c = {**TINY, **(config or {})}
+    if tokenizer is not None:
+        c["vocab"] = len(tokenizer)
     rng = np.random.default_rng(seed)
     rand = lambda *shape, s=0.08: (rng.standard_normal(shape) * s).astype(np.float32)  # noqa: E731
     h, q_out, kv_out = c["hidden"], c["heads"] * c["head_dim"], c["kv_heads"] * c["head_dim"]
@@ -92,6 +100,11 @@ def write_gguf(path: Path, arch: str, *, tied: bool = True, seed: int = 0, extra
         w.add_expert_used_count(c["used"])
         w.add_expert_feed_forward_length(c["expert_ffn"])
     for name, t in tensors.items():
+        if name in (raw_tensors or {}):
+            blocks, qtype = raw_tensors[name]
+            w.add_tensor(name, np.ascontiguousarray(blocks), raw_dtype=qtype)
+            tensors[name] = np.asarray(dequantize(blocks, qtype), dtype=np.float32).reshape(t.shape)
+            continue
         stored = t
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             stored = llama_cpp_permute(t, c["heads"] if ".attn_q." in name else c["kv_heads"])

@@ -24,6 +24,8 @@ def test_import_gguf_command(tmp_path, capsys):
     assert _run(["import-gguf", str(src), str(tmp_path / "out"), "--experts-per-layer", "4", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
     assert "glm4_moe from qwen3 GGUF, float32" in out and "exact" in out
+    assert "experts from 6 F32 tensors (dequantized)" in out and "Q3_K" not in out
+    assert json.loads((tmp_path / "out" / "tiermoe_import.json").read_text())["expert_source_types"] == {"F32": 6}
     assert json.loads((tmp_path / "out" / "config.json").read_text())["use_qk_norm"] is True
 
 

@@ -28,6 +28,11 @@ def _handle(args: argparse.Namespace) -> int:
             f" {moe['shared_slices']} slices per layer; top_k {moe['top_k']}"
             + (" (exact: equals the dense model)" if moe["exact"] else f"; calibration {moe.get('calibration')}")
         )
+    types = prov.get("expert_source_types") or {}
+    if types:
+        print("  experts from " + ", ".join(f"{n} {t}" for t, n in sorted(types.items())) + " tensors (dequantized)"
+              + (f"; `tiermoe pack {out} STORE --quant int3 --group-size 16` re-quantizes Q3_K nearly losslessly"
+                 if "Q3_K" in types else ""))
     return 0
 
 

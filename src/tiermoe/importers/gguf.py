@@ -132,6 +132,22 @@ class GGUFFile:
     def unused_tensors(self) -> list[str]:
         return [n for n in self._tensors if n not in self._used]
 
+    def expert_source_types(self) -> dict[str, int]:
+        """{GGML type name: tensors} of the MLP weights that become routed experts (the stacked
+        `ffn_*_exps` of a MoE file, else the dense `ffn_gate/up/down`). What `tiermoe pack` tells
+        the user about re-quantizing them: Q3_K sub-blocks fit --quant int3 --group-size 16."""
+        import re
+
+        pat = re.compile(r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight")
+        names = [n for n in self._tensors if pat.fullmatch(n)]
+        if not names:
+            names = [n for n in self._tensors if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.weight", n)]
+        counts: dict[str, int] = {}
+        for n in names:
+            kind = self._tensors[n].tensor_type.name
+            counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation (same as transformers' `_reverse_permute_weights`).
@@ -255,6 +271,9 @@ def gguf_to_hf(
                 "source_bytes": g.path.stat().st_size,
                 "source_architecture": g.arch,
                 "source_name": g.get("general.name", None),
+                # informational (absent from older imports, so no CONVERTER_VERSION bump): the
+                # GGML types of the tensors the routed experts come from
+                "expert_source_types": g.expert_source_types(),
                 "dtype": config["dtype"],
                 "tokenizer": tok_info is not None,
                 "seconds": round(time.monotonic() - t0, 2),

@@ -159,10 +159,27 @@ def _pack_gguf(args: argparse.Namespace) -> int:
     try:
         print(f"importing {src} ...", file=sys.stderr)
         gguf_to_hf(src, tmp / "hf")
+        _note_q3_k(tmp / "hf", args)
         args.src = str(tmp / "hf")
         return _pack_checkpoint(args, source)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _note_q3_k(imported: Path, args: argparse.Namespace) -> None:
+    """One note when the GGUF's experts are (partly) Q3_K and the pack is not int3 with group size
+    16, the format that keeps their codes (docs/store-format.md, "Q3_K sources")."""
+    import json
+
+    try:
+        types = json.loads((imported / "tiermoe_import.json").read_text()).get("expert_source_types") or {}
+    except (OSError, ValueError):
+        return
+    q3, total = types.get("Q3_K", 0), sum(types.values())
+    if q3 and not (args.quant == "int3" and args.group_size == 16):
+        print(f"note: {q3} of the GGUF's {total} expert tensors are Q3_K; --quant int3 --group-size 16 gives each of "
+              "their 16-weight sub-blocks its own scale and re-quantizes them nearly losslessly "
+              "(docs/store-format.md, Q3_K sources)", file=sys.stderr)
 
 
 def register(subparsers) -> None:
@@ -183,8 +200,8 @@ def register(subparsers) -> None:
     p.add_argument("--group-size", type=int, default=None,
                    help="int8/int4/int3: input columns sharing one scale; it must divide the hidden size and the "
                         "experts' intermediate size (default: the largest of 128, 64, 32, 16 that does; for int3 "
-                        "the largest of 64, 32, 16). A Q3_K GGUF packed with --quant int3 --group-size 16 keeps its "
-                        "16-weight sub-blocks' scales")
+                        "the largest of 64, 32, 16). --quant int3 --group-size 16 re-quantizes a GGUF's Q3_K experts "
+                        "nearly losslessly (one group per 16-weight sub-block; docs/store-format.md)")
     p.add_argument("--shard-size-gb", type=float, default=2.0, help="size of the non-expert safetensors shards, GB")
     p.add_argument("--no-direct-io", action="store_true",
                    help="buffered writes and reads instead of O_DIRECT (filesystems without it, e.g. tmpfs)")
