@@ -43,16 +43,32 @@ def test_pack_verify_serve_round_trip(int3_store, capsys):
     assert experts["record_bytes"] == 4096 and experts["disk"]["reads"] > 0  # no host tier: every pick read
 
 
-def test_fast_mode_serves_int3(int3_store):
-    args = [str(int3_store), "--device", "cpu", "--max-model-len", "256", "--mode", "fast", "--cpu-lane-threads", "1",
-            "--served-model-name", "tiny-int3", "--log-level", "warning"]
-    with CliServer(args, {}) as server:
-        assert server.returncode is None, server.stderr
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        r = client.chat.completions.create(model="tiny-int3", messages=MESSAGES, max_tokens=6, temperature=0,
-                                           extra_body={"ignore_eos": True})
-        assert r.usage.completion_tokens == 6
+@pytest.mark.parametrize("lane_reads_int3", [True, False])
+def test_fast_mode_serves_int3(int3_store, monkeypatch, lane_reads_int3):
+    """Fast mode in-process (the same engine and app `tiermoe serve --mode fast` builds), over HTTP:
+    with the CPU lane's compiled kernel as it is, and with int3 taken from the kinds it reads, when
+    the lane must fall back to its plain-torch twin."""
+    from testkit.servers import ServerThread
+
+    from tiermoe.engine.async_engine import AsyncEngine
+    from tiermoe.engine.build import build_engine_core
+    from tiermoe.moe import cpu_lane
+    from tiermoe.server.app import create_app
+
+    if not lane_reads_int3:
+        monkeypatch.setattr(cpu_lane, "NATIVE_KINDS", {k: v for k, v in cpu_lane.NATIVE_KINDS.items() if k != "int3"})
+
+    core = build_engine_core(str(int3_store), device="cpu", dtype="bfloat16", max_model_len=256, max_num_seqs=1,
+                             options={"mode": "fast", "cpu_lane_threads": 1})
+    with ServerThread(create_app(AsyncEngine(core), served_model_name="tiny-int3", max_model_len=256)) as server:
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
+                       json={"model": "tiny-int3", "messages": MESSAGES, "max_tokens": 6, "temperature": 0,
+                             "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6, r.text
         experts = httpx.get(server.url + "/stats", timeout=30).json()["engine"]["experts"]
     lane = experts["cpu_lane"]
     assert experts["mode"] == "fast" and lane["decode_experts"] > 0
-    assert lane["kernel"] == "torch" or lane["kernel"].startswith("native-")
+    if lane_reads_int3:
+        assert lane["kernel"] == "torch" or lane["kernel"].startswith("native-")
+    else:
+        assert lane["kernel"] == "torch" and lane["repacks"] == lane["decode_experts"]  # the twin decodes records
