@@ -220,3 +220,107 @@ def test_int4_values_without_int_to_float_conversion(device):
     want = torch.arange(256, dtype=torch.int32, device=device)
     assert torch.equal(lo, ((want & 15) - 8).float()) and torch.equal(hi, ((want >> 4) - 8).float())
     assert torch.equal(i8, s.float())
+
+
+# ----------------------------------------------------------------------------- int3
+
+H3, I3 = 128, 64  # int3 block tiles take K >= 64 (four phase dots of K >= 16): I = 32 is too narrow
+
+
+def _setup_int3(device, group, seed=0):
+    """int3 records of H3 x I3 with signed scales (the quantizer's scale may be negative): every
+    other scale of make_record's positive ones negated."""
+    gen = torch.Generator().manual_seed(seed)
+    lay = expert_layout("int3", H3, I3, group)
+    recs = []
+    for _ in range(E):
+        rec = R.make_record(lay, gen)
+        for off, n in ((lay.gate_up_s, 2 * I3 * H3 // group), (lay.down_s, H3 * I3 // group)):
+            s = rec[off : off + 2 * n].view(torch.bfloat16)
+            s[::2] = -s[::2]
+        recs.append(rec)
+    recs = torch.stack(recs).to(device)  # [E, R]
+    table = torch.tensor([recs[e].data_ptr() for e in range(E)], dtype=torch.int64, device=device)
+    x_gen = torch.Generator().manual_seed(seed + 100)
+    return lay, recs, table, x_gen
+
+
+def _batch_int3(tokens, gen, device):
+    x = torch.randn(tokens, H3, generator=gen).to(torch.bfloat16).to(device)  # [T, H]
+    return x, _picks(tokens, gen).to(device), torch.rand(tokens, K, generator=gen).to(device)
+
+
+@pytest.mark.parametrize("group,tokens", [(32, 1), (32, 20), (64, 4)])
+def test_int3_block_kernel_matches_twin(group, tokens, device):
+    """The block kernel on int3 records: default tiles of K 64, i.e. two scale groups of 32 (Q4_0's
+    block) per tile, each phase row taking its group's scale, or one group of 64; decode (one
+    block per expert) and prefill (the torch block plan) sizes; a SwiGLU limit clamps as in the twin."""
+    lay, recs, table, gen = _setup_int3(device, group)
+    assert all(F.default_config(lay, tokens)[s]["BK"] == 64 for s in ("gate_up", "down"))
+    x, ids, w = _batch_int3(tokens, gen, device)
+    for limit in (None, 0.5) if tokens == 4 else (None,):
+        out = F.fused_moe(x, ids, w, table, lay, swiglu_limit=limit)
+        ref = R.fused_moe_ref(x, ids, w, recs, lay, swiglu_limit=limit)
+        assert out.shape == (tokens, H3) and torch.isfinite(out.float()).all()
+        assert _rel(out, ref) < 2e-2
+        assert (out.float() - ref.float()).abs().max().item() < 0.05 * ref.float().abs().max().item()
+
+
+@pytest.mark.parametrize("group,bk,tokens", [(32, 64, 2), (64, 32, 1)])
+def test_int3_gemv_decode_path_matches_twin(group, bk, tokens, device):
+    """The matrix-vector path on int3 records (eight phases of 16-bit low-plane words and
+    high-plane bytes), K tiles spanning two scale groups and within one: the twin's function and
+    the block kernel's to rounding, both accumulator forms, with and without a SwiGLU limit."""
+    lay, recs, table, gen = _setup_int3(device, group, seed=1)
+    x, ids, w = _batch_int3(tokens, gen, device)
+    cfg = _gemv_config(lay, 32, bk)
+    for limit in (None, 0.5):
+        out = F.fused_moe(x, ids, w, table, lay, config=cfg, swiglu_limit=limit)
+        ref = R.fused_moe_ref(x, ids, w, recs, lay, swiglu_limit=limit)
+        assert torch.isfinite(out.float()).all() and _rel(out, ref) < 2e-2
+        assert _rel(out, F.fused_moe(x, ids, w, table, lay, swiglu_limit=limit)) < 1e-2
+
+
+def test_int3_configs_rejected_where_the_kernels_cannot_run():
+    """Block tiles of K below 64 (a phase dot below 16), tiles spanning groups whose size is not a
+    multiple of 4 (one scale per low-plane byte); matrix-vector words of 8 columns whose 16-bit
+    loads would be misaligned (K not a multiple of 16) or would straddle a group."""
+    lay = expert_layout("int3", H3, I3, 32)
+    cfg = F.default_config(lay, 1)
+    with pytest.raises(ValueError, match="BK=32 is below 64"):
+        F._check_config(lay, {**cfg, "down": {**cfg["down"], "BK": 32}}, 1)
+    tiny_groups = expert_layout("int3", H3, I3, 2)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        F._check_config(tiny_groups, F.default_config(tiny_groups, 1), 1)
+    from tiermoe.kernels.triton.moe_gemv import check_gemv_config
+
+    gemv = {"BN": 8, "BK": 8, "num_warps": 4, "num_stages": 2}
+    check_gemv_config(expert_layout("int3", H3, I3, 8), {"gate_up": gemv, "down": gemv})
+    with pytest.raises(ValueError, match="int3 needs"):  # K = 72: rows of 27 bytes
+        check_gemv_config(expert_layout("int3", H3, 72, 8), {"gate_up": gemv, "down": gemv})
+    with pytest.raises(ValueError, match="int3 needs"):  # a 16-column tile over groups of 4
+        check_gemv_config(expert_layout("int3", H3, I3, 4), {"gate_up": {**gemv, "BK": 16}, "down": gemv})
+
+
+def test_int3_values_without_int_to_float_conversion(device):
+    """int3_value in both tile forms the kernels use: a low-plane byte with its high nibble
+    (positions 0..3, block kernel) and a 16-bit low-plane word with a high-plane byte (positions
+    0..7, matrix-vector kernel): exactly the stored code minus 4, for every bit pattern."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def values(lo_ptr, hi_ptr, out_ptr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        lo = tl.load(lo_ptr + offs)
+        hi = tl.load(hi_ptr + offs)
+        for c in tl.static_range(8):
+            tl.store(out_ptr + c * BLOCK + offs, C.int3_value(lo, hi, c))
+
+    n = 1 << 16
+    lo = torch.arange(n, dtype=torch.int32)  # every 16-bit low-plane word
+    hi = (lo * 40503 >> 5) & 255  # high-plane bytes varying independently of lo
+    out = torch.empty(8, n, dtype=torch.float32, device=device)
+    values[(1,)](lo.to(device), hi.to(device), out, BLOCK=n)
+    want = torch.stack([((lo >> (2 * c)) & 3) + 4 * ((hi >> c) & 1) - 4 for c in range(8)]).float()
+    assert torch.equal(out.cpu(), want)

@@ -29,7 +29,7 @@ from tiermoe.moe.experts import ExpertBackend
 log = logging.getLogger("tiermoe.moe")
 
 T = TypeVar("T")
-SUPPORTED_KINDS = ("bf16", "int4", "int8")  # records the fused kernel reads
+SUPPORTED_KINDS = ("bf16", "int4", "int8", "int3")  # records the fused kernel reads
 
 
 class Registry(Generic[T]):

@@ -1,4 +1,4 @@
-"""Triton helpers both MoE kernels use: typed pointers into an expert record, exact int4/int8
+"""Triton helpers both MoE kernels use: typed pointers into an expert record, exact int3/int4/int8
 weight values.
 
 They live here, not in fused_moe.py, so that imports run one way: fused_moe.py (the block
@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-KIND_ID = {"bf16": 0, "int4": 1, "int8": 2}  # the KIND constexpr of the kernels
+KIND_ID = {"bf16": 0, "int4": 1, "int8": 2, "int3": 3}  # the KIND constexpr of the kernels
 
 
 @triton.jit
@@ -29,11 +29,24 @@ def int8_value(q):
 
 
 @triton.jit
+def int3_value(lo, hi, C: tl.constexpr):
+    """float32 (u - 4) of the int3 weight at position C of each element, exactly, without an
+    int -> float conversion (as int4_value): lo holds the low two bits of positions 0, 1, ... at
+    bits 2 * C, hi their high bits at bit C (int32 either; the record's two bit planes as loaded).
+
+    The kernels pass C in 0..3 with lo = one low-plane byte and hi = its high-plane nibble, or C
+    in 0..7 with lo = two consecutive low-plane bytes as one little-endian word and hi = one
+    high-plane byte: the same function either way, so one helper serves both tile forms."""
+    u = ((lo >> (2 * C)) & 3) | ((hi << 2 >> C) & 4)
+    return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388612.0
+
+
+@triton.jit
 def record_pointers(base, Q_OFF: tl.constexpr, S_OFF: tl.constexpr, KIND: tl.constexpr):
     """Typed pointers to one matrix of the record at address `base` and to its bf16 scales."""
     if KIND == 0:
         wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.bfloat16)), 16)
-    elif KIND == 1:
+    elif KIND == 1 or KIND == 3:  # int4 nibbles, int3 bit planes: bytes
         wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.uint8)), 16)
     else:
         wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.int8)), 16)

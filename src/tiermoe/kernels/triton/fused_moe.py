@@ -19,10 +19,12 @@ Pipeline (all launches are fixed-shape and sync-free, so a decode step can be gr
   3. _moe_gemm_kernel, not gated: down projection per pair, times the routing weight (fp32).
   4. _sum_pairs_kernel: out[t] = bf16(sum over k in pick order) - deterministic, no atomics.
 
-int4/int8 weights are dequantized in registers exactly like reference.dequant_matrix
+int3/int4/int8 weights are dequantized in registers exactly like reference.dequant_matrix
 (bf16(float32(q) * float32(scale))) and multiplied with bf16 tensor-core dots (fp32 accum).
 int4 nibbles are consumed as an even and an odd half-tile (low nibble = even column), so no
-interleave is needed: the activations are split instead.
+interleave is needed: the activations are split instead. int3 likewise: a tile of BK columns is
+four phase tiles [BK/4, BN] (phase r = columns 4j + r, all in low-plane byte j at bits 2r, their
+high bits in high-plane byte j // 2 at bit 4 * (j % 2) + r), each dotted with its activation phase.
 
 Launch configurations (BLOCK_M/N/K, warps, stages) come from configs.json, keyed by device
 name, record shape and a token bucket; `tiermoe bench tune-moe` (or `moe-gpu --tune`) regenerates them. A
@@ -42,7 +44,7 @@ import triton
 import triton.language as tl
 
 from tiermoe.kernels.layout import ExpertLayout
-from tiermoe.kernels.triton.common import KIND_ID, int4_value, int8_value, record_pointers
+from tiermoe.kernels.triton.common import KIND_ID, int3_value, int4_value, int8_value, record_pointers
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CONFIG_PATH = Path(__file__).with_name("configs.json")
@@ -80,6 +82,37 @@ def _scales_per_tile(s_ptrs, k0, G: tl.constexpr):
 
 
 @triton.jit
+def _dot(acc, a, w, DOT_F32: tl.constexpr):
+    """acc + a @ w (fp32 accumulation); DOT_F32: in fp32, for the interpreter."""
+    if DOT_F32:
+        acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
+    else:
+        acc += tl.dot(a, w)
+    return acc
+
+
+@triton.jit
+def _split4(a, BM: tl.constexpr, BK: tl.constexpr):
+    """Activation tile a [BM, BK] -> its four phases [BM, BK/4] (phase r: columns 4j + r)."""
+    even, odd = tl.split(tl.reshape(a, (BM, BK // 4, 2, 2)))  # [BM, BK/4, 2]: columns 4j + 2p (+ 1)
+    a0, a2 = tl.split(even)
+    a1, a3 = tl.split(odd)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _int3_dot(acc, a0, a1, a2, a3, lo, hi, s, DOT_F32: tl.constexpr):
+    """acc + the four phase dots of one int3 tile: lo [BK/4, BN] low-plane bytes (row j: columns
+    4j .. 4j + 3), hi [BK/4, BN] their high bits at bits 0..3 (int32), s [1 or BK/4, BN] fp32
+    scales; each weight dequantized to bf16(q * scale) as in reference.dequant_matrix."""
+    acc = _dot(acc, a0, (int3_value(lo, hi, 0) * s).to(tl.bfloat16), DOT_F32)
+    acc = _dot(acc, a1, (int3_value(lo, hi, 1) * s).to(tl.bfloat16), DOT_F32)
+    acc = _dot(acc, a2, (int3_value(lo, hi, 2) * s).to(tl.bfloat16), DOT_F32)
+    acc = _dot(acc, a3, (int3_value(lo, hi, 3) * s).to(tl.bfloat16), DOT_F32)
+    return acc
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr,  # [rows, KD] bf16: x (row = pair // A_DIV) or act (row = pair)
     out_ptr,  # GATED: act [P, N] bf16; else y [P, N] fp32
@@ -95,7 +128,7 @@ def _moe_gemm_kernel(
     N: tl.constexpr,  # output rows of one matrix (I when GATED, else H)
     KD: tl.constexpr,  # reduction dim
     G: tl.constexpr,  # group size (quantized kinds)
-    KIND: tl.constexpr,  # 0 bf16, 1 int4, 2 int8
+    KIND: tl.constexpr,  # 0 bf16, 1 int4, 2 int8, 3 int3
     GATED: tl.constexpr,
     CLAMP: tl.constexpr,
     BM: tl.constexpr,
@@ -124,6 +157,15 @@ def _moe_gemm_kernel(
         w_ptrs = wp + offs_kh[:, None] + offs_n[None, :] * (KD // 2)  # [BK/2, BN], k contiguous
         w_step: tl.constexpr = BK // 2
         w_up: tl.constexpr = N * (KD // 2)
+    elif KIND == 3:
+        row3: tl.constexpr = 3 * KD // 8  # bytes of one stored row: low plane KD/4, high plane KD/8
+        offs_kq = tl.arange(0, BK // 4)
+        w_ptrs = wp + offs_kq[:, None] + offs_n[None, :] * row3  # [BK/4, BN] low-plane bytes, k contiguous
+        # [BK/4, BN]: high-plane byte j // 2 for low byte j (each loaded twice), its nibble j % 2 taken below
+        h_ptrs = wp + KD // 4 + (offs_kq // 2)[:, None] + offs_n[None, :] * row3
+        h_shift = 4 * (offs_kq % 2)[:, None]  # [BK/4, 1]
+        w_step: tl.constexpr = BK // 4
+        w_up: tl.constexpr = N * row3
     else:
         w_ptrs = wp + offs_k[:, None] + offs_n[None, :] * KD  # [BK, BN]
         w_step: tl.constexpr = BK
@@ -155,6 +197,16 @@ def _moe_gemm_kernel(
                 else:
                     acc_u += tl.dot(a_even, w_lo)
                     acc_u += tl.dot(a_odd, w_hi)
+        elif KIND == 3:
+            a0, a1, a2, a3 = _split4(a, BM, BK)  # [BM, BK/4] each
+            # one scale per 4 columns (the config check keeps G % 4 == 0 when a tile spans groups)
+            s = _scales(s_ptrs, k0, 4 * offs_kq, G, BK)  # [1 or BK/4, BN]
+            hi = tl.load(h_ptrs).to(tl.int32) >> h_shift  # [BK/4, BN]
+            acc = _int3_dot(acc, a0, a1, a2, a3, tl.load(w_ptrs).to(tl.int32), hi, s, DOT_F32)
+            if GATED:
+                s = _scales(s_ptrs + s_up, k0, 4 * offs_kq, G, BK)
+                hi = tl.load(h_ptrs + w_up).to(tl.int32) >> h_shift
+                acc_u = _int3_dot(acc_u, a0, a1, a2, a3, tl.load(w_ptrs + w_up).to(tl.int32), hi, s, DOT_F32)
         else:
             if KIND == 0:
                 w = tl.load(w_ptrs)  # [BK, BN] bf16
@@ -177,6 +229,8 @@ def _moe_gemm_kernel(
                     acc_u += tl.dot(a, w)
         a_ptrs += BK
         w_ptrs += w_step
+        if KIND == 3:
+            h_ptrs += BK // 8
     out_offs = pairs.to(tl.int64)[:, None] * N + offs_n[None, :]
     if GATED:
         if CLAMP:
@@ -334,8 +388,9 @@ def get_config(layout: ExpertLayout, tokens: int, device: torch.device | None = 
 
 
 def _min_block_k(layout: ExpertLayout) -> int:
-    """tl.dot needs K >= 16 on the GPU; int4 tiles split K into two nibble halves of BK / 2."""
-    return 32 if layout.kind == "int4" else 16
+    """tl.dot needs K >= 16 on the GPU; int4 tiles split K into two nibble halves of BK / 2, int3
+    tiles into four phases of BK / 4."""
+    return {"int4": 32, "int3": 64}.get(layout.kind, 16)
 
 
 def _check_config(layout: ExpertLayout, cfg: dict, tokens: int) -> None:
@@ -358,6 +413,11 @@ def _check_config_fields(layout: ExpertLayout, cfg: dict) -> None:
             )
         if layout.kind != "bf16" and layout.group_size % c["BK"] and c["BK"] % layout.group_size:
             raise ValueError(f"{stage}: BK={c['BK']} and the group size {layout.group_size} must divide one another")
+        if layout.kind == "int3" and (c["BK"] % 8 or (c["BK"] > layout.group_size and layout.group_size % 4)):
+            raise ValueError(
+                f"{stage}: int3 needs BK={c['BK']} a multiple of 8 and, for tiles spanning several groups, "
+                f"a group size ({layout.group_size}) that is a multiple of 4 (one scale per low-plane byte)"
+            )
     if cfg["gate_up"]["BM"] != cfg["down"]["BM"]:
         raise ValueError("gate_up and down must share BM (one block plan)")
     if "gemv" in cfg:

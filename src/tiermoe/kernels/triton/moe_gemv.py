@@ -8,6 +8,8 @@ Here each program takes one pick p (expert e = ptr_table row ids[p]) and BLOCK_N
 streams those rows' weights once along K (k contiguous in the record, so every load is a run
 of contiguous bytes), multiplies them with the pick's activation row in fp32 registers and
 reduces once at the end. No block plan (moe_align) is needed: the pick order is the grid.
+int3 rows are read as words of 8 columns (two low-plane bytes as one 16-bit load, one high-plane
+byte), so both planes stream as contiguous runs; the activation row is split into 8 phases.
 
 Numerics, as in the block kernel and kernels/reference.py: each weight is dequantized to
 bf16(float32(q) * float32(scale)), products and sums are fp32, act = bf16(silu(g) * u), the
@@ -31,7 +33,7 @@ import triton
 import triton.language as tl
 
 from tiermoe.kernels.layout import ExpertLayout
-from tiermoe.kernels.triton.common import KIND_ID, int4_value, int8_value, record_pointers
+from tiermoe.kernels.triton.common import KIND_ID, int3_value, int4_value, int8_value, record_pointers
 
 
 @triton.jit
@@ -52,10 +54,52 @@ def _dequant_nk(qf, s_row, k0, BN: tl.constexpr, C: tl.constexpr, G: tl.constexp
 
 
 @triton.jit
+def _scales_nk(s_row, k0, BN: tl.constexpr, C: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
+    """fp32 scales of an n-major tile [BN, C] whose C columns cover K columns k0 .. k0 + BK in
+    order (each column within one group): [BN, C] for a tile spanning BK / G groups (loaded as
+    [BN, BK / G] runs, repeated over each group's C * G / BK columns), else [BN, 1].
+
+    Loaded once for a tile that several phase tiles share (int3's eight), where `_dequant_nk`
+    would load them once per phase."""
+    if BK > G:
+        s = _scales_nk_groups(s_row, k0, BN, C, G, BK)
+    else:
+        s = tl.load(s_row + k0 // G).to(tl.float32)[:, None]
+    return s
+
+
+@triton.jit
+def _scales_nk_groups(s_row, k0, BN: tl.constexpr, C: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
+    """[BN, C] fp32: each tile column's group scale (a tile spanning BK / G groups)."""
+    s = tl.load(s_row[:, None] + (k0 // G + tl.arange(0, BK // G))[None, :]).to(tl.float32)  # [BN, BK/G]
+    return tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BK // G, C * G // BK)), (BN, C))
+
+
+@triton.jit
+def _split8(x, BK: tl.constexpr):
+    """Activation row x [BK] -> its eight phases [BK/8] (phase c: columns 8m + c)."""
+    r0, r1 = tl.split(tl.reshape(x, (BK // 8, 2, 2, 2)))  # [BK/8, 2, 2]: columns 8m + 4p + 2q (+ 1)
+    q00, q01 = tl.split(r0)  # [BK/8, 2]: columns 8m + 4p (+ 2)
+    q10, q11 = tl.split(r1)  # columns 8m + 4p + 1 (+ 2)
+    x0, x4 = tl.split(q00)
+    x2, x6 = tl.split(q01)
+    x1, x5 = tl.split(q10)
+    x3, x7 = tl.split(q11)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _int3_phase(lo, hi, s, C: tl.constexpr):
+    """bf16(q * scale) as fp32 of phase C (columns 8m + C) of an int3 tile of words (int32)."""
+    return (int3_value(lo, hi, C) * s).to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
 def _dot_rows(wp, sp, a_ptr, offs_n, k0, KD: tl.constexpr, G: tl.constexpr, KIND: tl.constexpr,
               BN: tl.constexpr, BK: tl.constexpr):
-    """[BN, BK or BK/2] fp32 products of one K tile: rows offs_n of the matrix at wp (scales at
-    sp) times the activation row at a_ptr (columns k0 .. k0 + BK)."""
+    """[BN, BK] fp32 products of one K tile ([BN, BK/2] for int4, [BN, BK/8] for int3: one
+    column a byte or word): rows offs_n of the matrix at wp (scales at sp) times the activation
+    row at a_ptr (columns k0 .. k0 + BK)."""
     n64 = offs_n.to(tl.int64)
     x = tl.load(a_ptr + k0 + tl.arange(0, BK)).to(tl.float32)  # [BK], one contiguous run
     if KIND == 1:  # int4: low nibble = even column
@@ -66,6 +110,21 @@ def _dot_rows(wp, sp, a_ptr, offs_n, k0, KD: tl.constexpr, G: tl.constexpr, KIND
         w_lo = _dequant_nk(int4_value(q & 15), s_row, k0, BN, BK // 2, G, BK)
         w_hi = _dequant_nk(int4_value(q >> 4), s_row, k0, BN, BK // 2, G, BK)
         prod = w_lo * x_even[None, :] + w_hi * x_odd[None, :]
+    elif KIND == 3:
+        # int3: tile column m covers columns 8m .. 8m + 7: low-plane bytes 2m and 2m + 1 loaded as
+        # one little-endian 16-bit word (low bits of column 8m + c at bits 2c), high-plane byte m
+        # (high bit at bit c); both runs contiguous. check_gemv_config keeps them aligned.
+        row3: tl.constexpr = 3 * KD // 8  # bytes of one stored row
+        offs_w = tl.arange(0, BK // 8)
+        lo_p = wp.to(tl.pointer_type(tl.uint16)) + n64[:, None] * (row3 // 2) + (k0 // 8 + offs_w)[None, :]
+        lo = tl.load(lo_p).to(tl.int32)  # [BN, BK/8]
+        hi = tl.load(wp + n64[:, None] * row3 + (KD // 4 + k0 // 8 + offs_w)[None, :]).to(tl.int32)  # [BN, BK/8]
+        s = _scales_nk(sp + n64 * (KD // G), k0, BN, BK // 8, G, BK)  # [BN, BK/8 or 1]
+        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(x, BK)  # [BK/8] each
+        prod = _int3_phase(lo, hi, s, 0) * x0[None, :] + _int3_phase(lo, hi, s, 1) * x1[None, :]
+        prod += _int3_phase(lo, hi, s, 2) * x2[None, :] + _int3_phase(lo, hi, s, 3) * x3[None, :]
+        prod += _int3_phase(lo, hi, s, 4) * x4[None, :] + _int3_phase(lo, hi, s, 5) * x5[None, :]
+        prod += _int3_phase(lo, hi, s, 6) * x6[None, :] + _int3_phase(lo, hi, s, 7) * x7[None, :]
     else:
         w_offs = n64[:, None] * KD + (k0 + tl.arange(0, BK))[None, :]  # [BN, BK] elements
         if KIND == 0:
@@ -90,13 +149,13 @@ def _moe_gemv_kernel(
     N: tl.constexpr,  # output rows of one matrix (I when GATED, else H)
     KD: tl.constexpr,  # reduction dim
     G: tl.constexpr,  # group size (quantized kinds)
-    KIND: tl.constexpr,  # 0 bf16, 1 int4, 2 int8
+    KIND: tl.constexpr,  # 0 bf16, 1 int4, 2 int8, 3 int3
     GATED: tl.constexpr,
     CLAMP: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
-    KW: tl.constexpr,  # accumulator width: a tile's (BK // 2 for int4, else BK; reduced once at
-    # the end: fewer reductions, more registers) or 1 (each tile reduced into [BN, 1] as it comes)
+    KW: tl.constexpr,  # accumulator width: a tile's (BK // 2 for int4, BK // 8 for int3, else BK; reduced
+    # once at the end: fewer reductions, more registers) or 1 (each tile reduced into [BN, 1] as it comes)
 ):
     p = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
@@ -108,6 +167,8 @@ def _moe_gemv_kernel(
         up_w = N * KD  # elements
     elif KIND == 1:
         up_w = N * (KD // 2)  # bytes
+    elif KIND == 3:
+        up_w = N * (3 * KD // 8)  # bytes
     else:
         up_w = N * KD
     up_s = N * (KD // G)
@@ -141,7 +202,11 @@ def _moe_gemv_kernel(
 
 def check_gemv_config(layout: ExpertLayout, cfg: dict) -> None:
     """BN must divide each stage's rows, BK its reduction dim; BK and the group size must
-    divide one another (quantized kinds); int4 needs BK >= 2; "acc" is "tile" (default) or "row"."""
+    divide one another (quantized kinds); int4 needs BK >= 2; "acc" is "tile" (default) or "row".
+
+    int3 reads a tile as words of 8 columns (two low-plane bytes as one 16-bit load, one
+    high-plane byte): BK a multiple of 8, the reduction dim of 16 (so every row's 16-bit loads are
+    aligned) and, for tiles spanning several groups, a group size that is a multiple of 8."""
     for stage, (n, kd) in (("gate_up", (layout.inter, layout.hidden)), ("down", (layout.hidden, layout.inter))):
         c = cfg[stage]
         if c.get("acc", "tile") not in ("tile", "row"):
@@ -151,6 +216,12 @@ def check_gemv_config(layout: ExpertLayout, cfg: dict) -> None:
         if layout.kind != "bf16" and layout.group_size % c["BK"] and c["BK"] % layout.group_size:
             raise ValueError(
                 f"gemv {stage}: BK={c['BK']} and the group size {layout.group_size} must divide one another"
+            )
+        g = layout.group_size
+        if layout.kind == "int3" and (c["BK"] % 8 or kd % 16 or (c["BK"] > g and g % 8)):
+            raise ValueError(
+                f"gemv {stage}: int3 needs BK={c['BK']} a multiple of 8, K={kd} a multiple of 16 and, for "
+                f"tiles spanning several groups, a group size ({g}) that is a multiple of 8"
             )
 
 
@@ -197,7 +268,7 @@ def moe_projections_gemv(
             CLAMP=gated and swiglu_limit is not None,
             BN=c["BN"],
             BK=c["BK"],
-            KW=1 if c.get("acc") == "row" else c["BK"] // 2 if kind == 1 else c["BK"],
+            KW=1 if c.get("acc") == "row" else c["BK"] // {1: 2, 3: 8}.get(kind, 1),
             num_warps=c["num_warps"],
             num_stages=c["num_stages"],
         )
