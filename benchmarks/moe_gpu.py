@@ -33,6 +33,7 @@ from tiermoe.bench.real_routing import REAL_STATS
 
 GLM = dict(hidden=4096, inter=2048, experts=288, top_k=8, group=128)
 TINY = dict(hidden=64, inter=32, experts=16, top_k=4, group=32)
+TINY_INT3 = dict(TINY, hidden=128, inter=64)  # int3 block tiles take K >= 64 (four phase dots of K >= 16)
 
 
 def register(bench_subparsers) -> None:
@@ -46,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-layers", type=int, default=24, help="upper bound for --layers 0")
     p.add_argument("--host-gib", type=float, default=72.0, help="pinned host RAM for expert records, GiB")
     p.add_argument("--budget", type=float, default=0.11, help="GPU expert slots as a fraction of the experts")
-    p.add_argument("--kind", choices=("int4", "bf16"), default="int4", help="record kind")
+    p.add_argument("--kind", choices=("int4", "int3", "bf16"), default="int4", help="record kind")
     p.add_argument("--batches", default="1,2,4", help="decode batch sizes")
     p.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
     p.add_argument("--warmup", type=int, default=24, help="untimed decode steps before timing (cache settles)")
@@ -150,7 +151,7 @@ def run(args, batches: list[int]) -> dict:
     from tiermoe.kernels.layout import expert_layout
     from tiermoe.kernels.triton import fused_moe as fm
 
-    dims = TINY if args.tiny else GLM
+    dims = (TINY_INT3 if args.kind == "int3" else TINY) if args.tiny else GLM
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = dev.type == "cuda"
     lay = expert_layout(args.kind, dims["hidden"], dims["inter"], dims["group"])

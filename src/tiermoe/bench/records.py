@@ -28,10 +28,11 @@ def random_records(layout: ExpertLayout, n: int, device: torch.device, gen: torc
                 w = torch.randn(m, rows * k, generator=gen, device=device) * k**-0.5
                 part[:, q_off : q_off + rows * k * 2].view(torch.bfloat16).copy_(w)
                 continue
-            qbytes = rows * k // 2 if layout.kind == "int4" else rows * k
+            qbytes = rows * k * layout.bits // 8  # int3: K/4 low-plane + K/8 high-plane bytes a row
             q = torch.randint(0, 256, (m, qbytes), generator=gen, device=device, dtype=torch.uint8)
-            part[:, q_off : q_off + qbytes] = q
-            base = 1.0 / ((4.6 if layout.kind == "int4" else 73.0) * k**0.5)
+            part[:, q_off : q_off + qbytes] = q  # uniform bytes: uniform codes of every kind
+            qstd = {"int3": 2.3, "int4": 4.6}.get(layout.kind, 73.0)  # std of uniform stored codes
+            base = 1.0 / (qstd * k**0.5)
             s = base * (0.5 + torch.rand(m, rows * (k // g), generator=gen, device=device))
             part[:, s_off : s_off + s.shape[1] * 2].view(torch.bfloat16).copy_(s)
     return rec

@@ -8,6 +8,10 @@ given shape in GPU memory (uniform routing) and runs the launch-config search
 shape), then merges the winners into a configs JSON under this GPU's name (default: the
 package's configs.json, which the engine reads). Needs CUDA.
 
+It also prints the weight GB/s of a one-token decode call with the tuned configuration
+(`decode_t1_GBps`; the default configuration's beside it): the figure that compares record kinds,
+e.g. `--kind int3` against `--kind int4` at one shape, with the HBM copy rate as the ceiling.
+
     tiermoe bench tune-moe --hidden 4096 --inter 1536 --experts 128 --top-k 8 --group-size 32
 """
 
@@ -25,8 +29,8 @@ def register(bench_subparsers) -> None:
     p.add_argument("--inter", type=int, required=True, help="intermediate size of one expert")
     p.add_argument("--experts", type=int, default=64, help="experts to build (routing spreads over them)")
     p.add_argument("--top-k", type=int, default=8, help="routed experts per token")
-    p.add_argument("--group-size", type=int, default=128, help="int4/int8 scale group size of the store")
-    p.add_argument("--kind", choices=("int4", "int8", "bf16"), default="int4", help="expert record format")
+    p.add_argument("--group-size", type=int, default=128, help="scale group size of the store (quantized kinds)")
+    p.add_argument("--kind", choices=("int4", "int3", "int8", "bf16"), default="int4", help="expert record format")
     p.add_argument("--prefill-tokens", type=int, default=4096, help="tokens of the prefill bucket's timing")
     p.add_argument("--time-budget", type=float, default=120.0, help="seconds of search")
     p.add_argument("--out", default=None, help="configs JSON to write (default: the package's configs.json)")
@@ -67,6 +71,7 @@ def _handler(args: argparse.Namespace) -> int:
                 "configs": cfgs,
                 "decode_s": report["decode_s"],
                 "prefill_s": report["prefill_s"],
+                "decode_t1_GBps": report["decode_t1_GBps"],
                 "default": report["default"],
                 "gemv_vs_block_s": report["trials"].get("gemv_vs_block"),
                 "written": out,

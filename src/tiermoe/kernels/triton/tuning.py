@@ -17,18 +17,20 @@ from pathlib import Path
 import torch
 
 from tiermoe.kernels.layout import ExpertLayout
-from tiermoe.kernels.triton.fused_moe import CONFIG_PATH, default_config, fused_moe, shape_key
+from tiermoe.kernels.triton.fused_moe import CONFIG_PATH, _check_config, default_config, fused_moe, shape_key
+from tiermoe.kernels.triton.moe_gemv import check_gemv_config
 
 
 def _decode_candidates(layout: ExpertLayout) -> list[dict]:
     """Most promising first: a deadline cuts the tail."""
     g = layout.group_size or 128
     shapes = [(32, 128, 4, 4), (64, 128, 4, 4), (16, 128, 4, 4), (32, 64, 4, 4), (64, 128, 8, 3), (32, 128, 4, 2)]
-    return [
+    cands = [
         {"BM": 16, "BN": bn, "BK": bk, "num_warps": nw, "num_stages": ns}
         for bn, bk, nw, ns in shapes
         if _fits(layout, bn, bk, g)
     ]
+    return [c for c in cands if _accepted(layout, c)]
 
 
 def _gemv_candidates(layout: ExpertLayout) -> list[dict]:
@@ -47,11 +49,12 @@ def _gemv_candidates(layout: ExpertLayout) -> list[dict]:
         (128, 256, 8, 3, "row"),
         (8, 512, 2, 3, "tile"),
     ]
-    return [
+    cands = [
         {"BN": bn, "BK": bk, "num_warps": nw, "num_stages": ns, "acc": acc}
         for bn, bk, nw, ns, acc in shapes
         if _fits(layout, bn, bk, g)
     ]
+    return [c for c in cands if _accepted(layout, c, gemv=True)]
 
 
 def _fits(layout: ExpertLayout, bn: int, bk: int, g: int) -> bool:
@@ -62,17 +65,31 @@ def _fits(layout: ExpertLayout, bn: int, bk: int, g: int) -> bool:
     return dims_ok and (layout.kind == "bf16" or g % bk == 0 or bk % g == 0)
 
 
+def _accepted(layout: ExpertLayout, cand: dict, gemv: bool = False) -> bool:
+    """Does the kernel's own configuration check take `cand` for both stages? (Kind-specific
+    limits, e.g. int3's K tiles of at least 64, stay in one place: the kernels'.)"""
+    try:
+        if gemv:
+            check_gemv_config(layout, {"gate_up": cand, "down": cand})
+        else:
+            _check_config(layout, {"gate_up": cand, "down": cand}, 1)
+    except ValueError:
+        return False
+    return True
+
+
 def _prefill_candidates(layout: ExpertLayout, bm: int) -> list[dict]:
     shapes = (
         [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3)]
         if bm == 64
         else [(128, 64, 8, 3), (128, 32, 8, 4)]
     )
-    return [
+    cands = [
         {"BM": bm, "BN": bn, "BK": bk, "num_warps": nw, "num_stages": ns}
         for bn, bk, nw, ns in shapes
         if _fits(layout, bn, bk, layout.group_size or 128)
     ]
+    return [c for c in cands if _accepted(layout, c)]
 
 
 def _sample(pop: torch.Tensor, tokens: int, k: int, gen: torch.Generator, shared_row: int):
@@ -108,6 +125,14 @@ def _time_decode(layout, table, pop, k, cfg, tokens, gen, reps=16) -> float:
     b.record()
     torch.cuda.synchronize()
     return a.elapsed_time(b) / 1e3 / (3 * reps)
+
+
+def decode_gbps(layout, table, pop, k, cfg, gen) -> float:
+    """Weight GB/s of one-token decode calls with `cfg`: the weight bytes of the k routed records
+    plus the shared row (k + 1 records, each read whole) over the time per call, align and sum
+    kernels included. Comparable across record kinds: what a kind's kernels make of its fewer
+    bytes, against the HBM copy rate."""
+    return (k + 1) * layout.weight_bytes / _time_decode(layout, table, pop, k, cfg, 1, gen) / 1e9
 
 
 def _time_prefill(layout, table, pop, k, cfg, tokens, gen) -> float:
@@ -188,7 +213,11 @@ def tune(
         log(f"tune decode: the matrix-vector kernel up to {gemv['max_tokens']} tokens: {gemv}")
     out = {"decode": dec, "prefill": pre_best or default_config(layout, max(prefill_tokens, 17))}
     defaults = {"decode_s": report["decode"][0]["s"], "prefill_s": pre_default_t}  # what untuned shapes get
-    return out, {"decode_s": dec_t, "prefill_s": pre_t if pre_best else None, "default": defaults, "trials": report}
+    defaults["decode_t1_GBps"] = decode_gbps(layout, table, pop, top_k, default_config(layout, 1), gen)
+    gbps = decode_gbps(layout, table, pop, top_k, dec, gen)
+    log(f"tune decode: T=1 streams {gbps:.0f} GB/s of weights (default configuration {defaults['decode_t1_GBps']:.0f})")
+    return out, {"decode_s": dec_t, "prefill_s": pre_t if pre_best else None, "decode_t1_GBps": gbps,
+                 "default": defaults, "trials": report}
 
 
 def _tune_gemv(
