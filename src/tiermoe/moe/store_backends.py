@@ -113,9 +113,9 @@ class StoreTorchExperts(StoreBackend):
 
 class StoreTritonExperts(StoreBackend):
     """"store-triton": one fused_moe call per MoE layer and step (see module doc). Needs bf16
-    activations and records of a kind the kernel tiles (moe/backends.SUPPORTED_KINDS); the
-    settling gives any other store, e.g. int3 before the kernel reads it, to StoreTorchExperts
-    (moe/backends.triton_unsupported says why).
+    activations and records of a kind and shape the kernel tiles (moe/backends.SUPPORTED_KINDS
+    and triton_unsupported); the settling gives any other store to StoreTorchExperts and logs
+    why (engine/settle.py).
 
     `combine(..., skip=ids)` leaves out experts another lane computes: their table rows point at
     the all-zero record and their routing weights are zeroed, so they add exactly zero.
