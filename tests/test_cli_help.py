@@ -68,7 +68,7 @@ def test_tiermoe_alone_prints_the_help_and_exits_0():
     (("pack",), "usage: tiermoe pack [options] src out"),
     (("serve", "--port", "x"), "usage: tiermoe serve [options] [MODEL]"),
     (("no-such-command",), "usage: tiermoe [options] COMMAND ..."),
-    (("plan", "st", "--quant", "int3"), "usage: tiermoe plan [options] model"),
+    (("plan", "st", "--quant", "int2"), "usage: tiermoe plan [options] model"),
 ])
 def test_usage_errors_are_two_lines_and_exit_2(argv, usage):
     r = _run(*argv)

@@ -5,9 +5,8 @@ it) and packed; `--quant int3 --group-size 16` gives every 16-weight Q3_K sub-bl
 scale. A sub-block holds codes in -4..3 times one scale d * (sc - 32), and llama.cpp's quantizer
 aims its largest-magnitude weight at -4; our int3 scale search starts at peak / -4, so such a
 sub-block comes back with the same codes and its scale rounded to bf16, the only loss. A
-sub-block whose largest code ended on -3 or +3 gets its peak mapped to -4 instead, which loses
-more (the strict xfail below measures it; a scale candidate with the peak on -3 in quant.py would
-make it pass). The synthetic generator's Q3_K writer (bench/synthetic_gguf.to_q3_k) must decode,
+sub-block whose largest code ended on -3 or +3 is kept by the search's candidate with the peak
+on -3 (its codes negated with its scale). The synthetic generator's Q3_K writer (bench/synthetic_gguf.to_q3_k) must decode,
 through gguf's own dequantizer, to exactly our int3 records' weights.
 """
 
@@ -92,8 +91,6 @@ def test_q3_k_sub_blocks_requantize_within_bf16_rounding():
     assert rel < 0.01
 
 
-@pytest.mark.xfail(strict=True, reason="a sub-block whose largest code is -3 or +3 is re-quantized with its peak on "
-                                      "-4: quant.py's int3 scale search has no candidate with the peak on -3")
 def test_q3_k_sub_blocks_without_minus_four_requantize_within_one_percent():
     g = torch.Generator().manual_seed(1)
     q = _codes(g, 256, 1024, peak_at_minus_four=False)  # about 12 % of sub-blocks hold no -4

@@ -111,7 +111,7 @@ def fused_moe_defaults(rec: Recorder) -> None:
     """Default launch configurations (a device without a tuned entry) of every record kind, at
     decode (1 and 8 tokens: the one-program align kernel at 9 and 72 picks) and prefill sizes.
     int4 with the SwiGLU clamp of GLM models, the others without."""
-    for kind, group in (("bf16", 0), ("int4", 128), ("int8", 128)):
+    for kind, group in (("bf16", 0), ("int4", 128), ("int8", 128), ("int3", 128), ("int3", 32)):
         layout = expert_layout(kind, HIDDEN, INTER, group)
         with rec.tagged(f"fused_moe {kind} G{group} default configs"):
             for tokens in (1, 8, PREFILL_TOKENS):
@@ -131,7 +131,8 @@ def fused_moe_k_tiles_spanning_groups(rec: Recorder) -> None:
 def fused_moe_gemv(rec: Recorder) -> None:
     """The few-token matrix-vector path (moe_gemv.py) for every record kind: K tiles within one
     group (G128) and spanning several (int4 G32), the SwiGLU clamp on int4; 1 and 4 tokens."""
-    for kind, group, bk in (("bf16", 0, 128), ("int4", 128, 128), ("int4", 32, 128), ("int8", 128, 64)):
+    for kind, group, bk in (("bf16", 0, 128), ("int4", 128, 128), ("int4", 32, 128), ("int8", 128, 64),
+                            ("int3", 128, 128), ("int3", 32, 128)):
         layout = expert_layout(kind, HIDDEN, INTER, group)
         gemv = {
             st: {"BN": 32, "BK": bk, "num_warps": 4, "num_stages": 4, "acc": acc}

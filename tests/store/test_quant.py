@@ -74,15 +74,17 @@ def test_int3_bit_planes_match_spec():
 
 
 def test_int3_signed_scale_maps_the_peak_to_minus_four():
-    """The largest-magnitude weight of a group lands on -4 (either sign), so int3 uses all eight
-    levels; the rest are at most half a step off unless they clamp."""
+    """The largest-magnitude weight of a group lands on -4 (either sign; or on -3 where the scale
+    search found that better), so int3 uses all eight levels; the rest are at most half a step
+    off unless they clamp."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(64, 128, generator=g) * 0.05
     q, s = quantize_groupwise(w, 3, 32)
     assert q.shape == (64, 48) and s.shape == (64, 4) and s.dtype == torch.bfloat16
     codes = unpack_int3(q).view(64, 4, 32)
     peak = w.abs().view(64, 4, 32).argmax(-1, keepdim=True)
-    assert torch.all(codes.gather(-1, peak) == -4)
+    at_peak = codes.gather(-1, peak)
+    assert torch.all((at_peak == -4) | (at_peak == -3)) and (at_peak == -4).float().mean() > 0.5
     back = dequantize_groupwise(q, s, 3, 32, torch.float32)
     step = s.float().abs().repeat_interleave(32, dim=1)
     err = (back - w).abs()

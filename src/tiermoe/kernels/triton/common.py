@@ -43,12 +43,17 @@ def int3_value(lo, hi, C: tl.constexpr):
 
 @triton.jit
 def record_pointers(base, Q_OFF: tl.constexpr, S_OFF: tl.constexpr, KIND: tl.constexpr):
-    """Typed pointers to one matrix of the record at address `base` and to its bf16 scales."""
+    """Typed pointers to one matrix of the record at address `base` and to its bf16 scales.
+
+    The 16-byte alignment hint goes on the record's base pointer, before the section offset is
+    added: records are 4096-aligned and offsets (constexpr multiples of 256) keep that, which the
+    compiler can then see. A hint on base + offset is lost for any nonzero offset, and every load
+    of the down projection and of the scales came out unvectorized (byte loads)."""
     if KIND == 0:
-        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.bfloat16)), 16)
+        wp = tl.multiple_of(base.to(tl.pointer_type(tl.bfloat16)), 16) + Q_OFF // 2
     elif KIND == 1 or KIND == 3:  # int4 nibbles, int3 bit planes: bytes
-        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.uint8)), 16)
+        wp = tl.multiple_of(base.to(tl.pointer_type(tl.uint8)), 16) + Q_OFF
     else:
-        wp = tl.multiple_of((base + Q_OFF).to(tl.pointer_type(tl.int8)), 16)
-    sp = tl.multiple_of((base + S_OFF).to(tl.pointer_type(tl.bfloat16)), 16)
+        wp = tl.multiple_of(base.to(tl.pointer_type(tl.int8)), 16) + Q_OFF
+    sp = tl.multiple_of(base.to(tl.pointer_type(tl.bfloat16)), 16) + S_OFF // 2
     return wp, sp
