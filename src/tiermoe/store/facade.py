@@ -49,10 +49,12 @@ class ExpertStore:
                  lock: StoreLock | None = None):
         self._lock = lock  # released by close()
         self.manifest = manifest
-        self.layout = manifest.layout
+        self.layout = manifest.layout  # every record's, or a mixed store's hot experts' (layouts[0])
+        self.layouts = manifest.layouts
         self.device = device
         self.dtype = dtype
-        self.record_bytes = self.layout.length
+        self.record_bytes = manifest.record_bytes  # a tier entry: the longest record
+        self._length = [r.length for r in manifest.records]  # bytes of each key's own record
         self._cuda = device.type == "cuda"
         self._events = HostEvents(self._cuda)
         self._reader_threads = reader_threads
@@ -126,7 +128,7 @@ class ExpertStore:
         def finish(item) -> None:
             k, tier, dst, fut, staged = item
             fut.result()
-            self.c.disk_bytes += self.record_bytes
+            self.c.disk_bytes += self._length[k]
             if staged is not None:
                 dst.copy_(staged, non_blocking=True)
                 self._events.record(staged)
@@ -245,7 +247,13 @@ class ExpertStore:
     def fetch(self, layer: int, expert_ids: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """{expert id: (gate_up [2I, H], down [H, I])} on the store's device in its dtype."""
         records = self.fetch_records(layer, expert_ids)
-        return {e: decode_record(self.layout, buf, self.dtype) for e, buf in records.items()}
+        base = self._base[layer]
+        return {e: decode_record(self.layouts[self.manifest.records[base + e].layout], buf, self.dtype)
+                for e, buf in records.items()}
+
+    def layout_ids(self, layer: int) -> list[int]:
+        """Index into `layouts` of each routed expert of `layer` (expert-id order)."""
+        return self.manifest.layout_ids(layer)
 
     def fetch_records(self, layer: int, expert_ids: list[int]) -> dict[int, torch.Tensor]:
         """{expert id: raw record bytes, uint8 [record_bytes] on the device} (see records.py)."""
@@ -317,8 +325,8 @@ class ExpertStore:
                         self._staging.put(buf)
                         raise
                     staged = buf
-                    self.c.disk_bytes += self.record_bytes
-                    self.c.moved(self.record_bytes)
+                    self.c.disk_bytes += self._length[k]
+                    self.c.moved(self._length[k])
                 acc = self.residency.access(k, protect)
                 self.c.use(acc.served, k)
                 out[e] = self._execute(acc, staged, in_place)
@@ -366,8 +374,8 @@ class ExpertStore:
                 else:
                     buf = self._staging.get()
                     fut = self._reader.submit(self.manifest.records[k], buf)
-                self.c.disk_bytes += self.record_bytes
-                self.c.moved(self.record_bytes)
+                self.c.disk_bytes += self._length[k]
+                self.c.moved(self._length[k])
             self.residency.slots.touch(k)
             self.residency.host.touch(k)
             self.c.use(tier, k)
@@ -436,7 +444,7 @@ class ExpertStore:
             if self.device.type == "cpu":
                 return src
             if in_place and self._host_readable(he):
-                self.c.moved(self.record_bytes)  # the kernel reads it over PCIe
+                self.c.moved(self._length[k])  # the kernel reads it over PCIe
                 return src
             self.c.host.bytes_out += self.record_bytes
             return self._to_device(src)
@@ -458,7 +466,7 @@ class ExpertStore:
                 if self.device.type == "cpu":
                     return dst
                 if in_place and self._host_readable(e):
-                    self.c.moved(self.record_bytes)
+                    self.c.moved(self._length[k])
                     return dst
                 return self._to_device(dst)
             if self.device.type == "cpu":

@@ -8,8 +8,11 @@ between tiers is a single contiguous copy and decoding is a view:
 
 Every section starts 256-byte aligned inside the record, the record length is padded to a
 multiple of 4096, and records sit at 4096-aligned offsets of experts.bin, which is what
-O_DIRECT needs. All records of a store share one `RecordLayout`; the manifest lists it once
-under "layouts" and each record refers to it by index.
+O_DIRECT needs. The manifest lists the store's `RecordLayout`s once under "layouts" and each
+record refers to its own by index: one layout for a store of one kind, two for a mixed store
+(`pack --cold-quant`: the most-picked experts in the first layout's kind, the rest in the
+second's). Records then differ in length; a tier entry (a GPU slot, a host RAM entry) holds the
+longest, `Manifest.record_bytes`.
 """
 
 from __future__ import annotations
@@ -267,7 +270,26 @@ class Manifest:
 
     @property
     def layout(self) -> RecordLayout:
+        """The first layout: every record's in a store of one kind, the hot experts' in a mixed one."""
         return self.layouts[0]
+
+    @property
+    def mixed(self) -> bool:
+        """True when records use more than one layout (pack --cold-quant)."""
+        return len(self.layouts) > 1
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of a tier entry: the longest record layout."""
+        return max(lay.length for lay in self.layouts)
+
+    def layout_of(self, rec: RecordInfo) -> RecordLayout:
+        return self.layouts[rec.layout]
+
+    def layout_ids(self, layer: int) -> list[int]:
+        """Layout index of each routed expert of `layer`, in expert-id order (0 for all but the cold
+        experts of a mixed store)."""
+        return [self._by_key[(layer, e)].layout for e in range(self.experts_per_layer[layer])]
 
     @property
     def experts_path(self) -> Path:
