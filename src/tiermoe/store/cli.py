@@ -33,6 +33,15 @@ def _pack_prechecks(args: argparse.Namespace) -> None:
     elif args.group_size is not None:
         print(f"note: --group-size applies to int8/int4/int3 only; {args.quant} ignores it", file=sys.stderr)
         args.group_size = None
+    if args.cold_quant is not None:
+        from tiermoe.store.pack_checks import check_cold_args
+
+        check_cold_args(args.quant, args.cold_quant, args.expert_stats, args.hot_share)
+        shapes = source_shapes(args.src) if args.cold_quant in INT_QUANTS else None
+        if shapes is not None:
+            choose_group_size(*shapes, args.cold_group_size, args.cold_quant)
+    elif args.expert_stats is not None or args.cold_group_size is not None:
+        raise UserError("--expert-stats and --cold-group-size choose and shape the cold experts: give --cold-quant too")
     check_target(args.out)
     if (Path(args.out) / LOCK_NAME).is_file():
         StoreLock.exclusive(args.out).release()
@@ -43,11 +52,16 @@ def _pack_checkpoint(args: argparse.Namespace, source: str | None = None) -> int
 
     res = pack(args.src, args.out, quant=args.quant, group_size=args.group_size,
                shard_bytes=int(args.shard_size_gb * 1e9), direct_io=not args.no_direct_io, progress=not args.quiet,
-               log=lambda s: print(s, file=sys.stderr), source=source)
+               log=lambda s: print(s, file=sys.stderr), source=source, cold_quant=args.cold_quant,
+               cold_group_size=args.cold_group_size, hot_share=args.hot_share, expert_stats=args.expert_stats)
     for note in res.notes:
         print(f"note: {note}", file=sys.stderr)
     resumed = res.records - res.written
     kind = args.quant if res.group_size is None else f"{args.quant}, group size {res.group_size}"
+    if args.cold_quant is not None:
+        hot, cold = res.layout_counts
+        cold_kind = args.cold_quant if res.cold_group_size is None else f"{args.cold_quant} G{res.cold_group_size}"
+        kind += f"; {hot} hot experts, {cold} cold ones {cold_kind}"
     print(f"packed {res.records} expert records into {res.out} ({kind}); "
           f"{res.written} written, {resumed} resumed, all read back and checksummed")
     return 0
@@ -202,6 +216,15 @@ def register(subparsers) -> None:
                         "experts' intermediate size (default: the largest of 128, 64, 32, 16 that does; for int3 "
                         "the largest of 64, 32, 16). --quant int3 --group-size 16 re-quantizes a GGUF's Q3_K experts "
                         "nearly losslessly (one group per 16-weight sub-block; docs/store-format.md)")
+    p.add_argument("--cold-quant", choices=QUANT_CHOICES, default=None,
+                   help="mixed precision: pack the experts that --expert-stats shows picked least in this kind (e.g. "
+                        "--quant int4 --cold-quant int3): fewer bytes for the experts that are mostly read on a miss")
+    p.add_argument("--cold-group-size", type=int, default=None, help="--cold-quant's group size (default as --group-size)")
+    p.add_argument("--hot-share", type=float, default=0.6,
+                   help="with --cold-quant: per layer, the most-picked experts that together take this share of the "
+                        "layer's picks stay --quant (default 0.6: a quarter of GLM-5.3-Flash's experts)")
+    p.add_argument("--expert-stats", default=None, metavar="FILE",
+                   help=f"with --cold-quant: the routing statistics that rank the experts: {STATS_FORMAT}")
     p.add_argument("--shard-size-gb", type=float, default=2.0, help="size of the non-expert safetensors shards, GB")
     p.add_argument("--no-direct-io", action="store_true",
                    help="buffered writes and reads instead of O_DIRECT (filesystems without it, e.g. tmpfs)")

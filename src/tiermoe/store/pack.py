@@ -34,7 +34,8 @@ from tiermoe.errors import UserError
 from tiermoe.store.catalog import Checkpoint, itemsize, text_config
 from tiermoe.store.disk import O_DIRECT, DiskReader, aligned_buffer, probe_direct_io
 from tiermoe.store.lock import StoreLock
-from tiermoe.store.pack_checks import JOURNAL_NAME, check_target, choose_group_size
+from tiermoe.store.mixed import RecordPlan, mixed_plan
+from tiermoe.store.pack_checks import JOURNAL_NAME, check_cold_args, check_target, choose_group_size
 from tiermoe.store.records import (
     EXPERTS_NAME,
     FORMAT_VERSION,
@@ -62,6 +63,8 @@ class PackResult:
     direct_io: bool
     notes: list[str]
     group_size: int | None = None  # int8/int4/int3: the group size used (picked when none was given)
+    layout_counts: list[int] | None = None  # records per layout (two entries for a mixed store)
+    cold_group_size: int | None = None  # mixed stores: the cold kind's group size
 
 
 class Journal:
@@ -110,12 +113,15 @@ class Journal:
         self._f.close()
 
 
-def _fingerprint(ck: Checkpoint, layout: RecordLayout, shard_bytes: int, source: str | None = None) -> str:
+def _fingerprint(ck: Checkpoint, plan: RecordPlan, shard_bytes: int, source: str | None = None) -> str:
     """What a resumed pack must share with the first run: the source (its directory, files, sizes
     and mtimes, or the caller's `source` description), the record layout and the shard size."""
     files = [(f, (ck.root / f).stat().st_size, (ck.root / f).stat().st_mtime_ns) for f in ck.files]
     src = source or [str(ck.root.resolve()), files]
-    blob = json.dumps([src, layout.to_json(), len(ck.experts), shard_bytes, FORMAT_VERSION], sort_keys=True)
+    layouts = [lay.to_json() for lay in plan.layouts]
+    which = hashlib.sha256(bytes(plan.layout_of)).hexdigest() if len(plan.layouts) > 1 else None
+    blob = json.dumps([src, layouts[0] if which is None else [layouts, which], len(ck.experts), shard_bytes,
+                       FORMAT_VERSION], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -160,13 +166,13 @@ class _RecordFile:
         os.close(self.fd)
 
 
-def _write_records(ck, layout, keys, todo, rf: _RecordFile, journal: Journal, bar, shas: dict[int, str],
+def _write_records(ck, plan: RecordPlan, keys, todo, rf: _RecordFile, journal: Journal, bar, shas: dict[int, str],
                    device: torch.device | None = None) -> None:
     """Encode (main thread) and write + hash + journal (writer thread) the records in `todo`."""
     n_buf = 4
     free: queue.Queue = queue.Queue()
     for _ in range(n_buf):
-        free.put(aligned_buffer(layout.length))
+        free.put(aligned_buffer(plan.entry_bytes))
     work: queue.Queue = queue.Queue(maxsize=n_buf)
     failure: list[BaseException] = []
 
@@ -180,13 +186,14 @@ def _write_records(ck, layout, keys, todo, rf: _RecordFile, journal: Journal, ba
             idx, buf = item
             try:
                 if not failure:
-                    view = memoryview(buf.numpy())
+                    length = plan.layout(idx).length
+                    view = memoryview(buf.numpy())[:length]
                     sha = hashlib.sha256(view).hexdigest()
-                    rf.write(view, idx * layout.length)
+                    rf.write(view, plan.offsets[idx])
                     shas[idx] = sha
                     pending.append((idx, sha))
-                    since_sync += layout.length
-                    bar.update(layout.length)
+                    since_sync += length
+                    bar.update(length)
                     if since_sync >= SYNC_BYTES:
                         rf.sync()
                         journal.add_records(pending)
@@ -210,7 +217,7 @@ def _write_records(ck, layout, keys, todo, rf: _RecordFile, journal: Journal, ba
             if device is not None:  # quantize on the GPU: same IEEE ops, same bits, much faster
                 gate, up, down = (x.to(device, non_blocking=True) for x in (gate, up, down))
             buf = free.get()
-            encode_expert(layout, gate, up, down, out=buf)
+            encode_expert(plan.layout(idx), gate, up, down, out=buf)
             work.put((idx, buf))
     finally:
         work.put(None)
@@ -225,7 +232,7 @@ def _read_back(path: Path, infos: list[RecordInfo], direct: bool, threads: int =
     if not infos:
         return bad
     with DiskReader(path, direct=direct, threads=threads) as reader:
-        bufs = [aligned_buffer(infos[0].length) for _ in range(threads * 2)]
+        bufs = [aligned_buffer(max(r.length for r in infos)) for _ in range(threads * 2)]
         window: list[tuple[RecordInfo, object]] = []
         for n, rec in enumerate(infos):
             if len(window) == len(bufs):
@@ -323,6 +330,10 @@ def pack(
     log: Callable[[str], None] = print,
     device: str | None = "auto",
     source: str | None = None,
+    cold_quant: str | None = None,
+    cold_group_size: int | None = None,
+    hot_share: float = 0.6,
+    expert_stats: str | os.PathLike | None = None,
 ) -> PackResult:
     """Pack checkpoint `src` into store directory `out` (see module docstring).
 
@@ -336,6 +347,8 @@ def pack(
     of the same weights, each checksummed as written.
     `source` stands for `src` in the resume fingerprint where `src` is itself a temporary
     conversion (a GGUF import): it names what the checkpoint was made from.
+    `cold_quant` (with `expert_stats`) makes a mixed store: per layer, the most-picked experts
+    holding `hot_share` of the picks stay `quant`, the rest are packed `cold_quant` (mixed.py).
     """
     if quant not in QUANT_KINDS:
         raise UserError(f"--quant {quant!r}: choose one of {', '.join(QUANT_KINDS)}")
@@ -346,7 +359,18 @@ def pack(
     if quant in INT_KINDS:
         group_size = choose_group_size(ck.hidden, ck.intermediate, group_size, quant)
     layout = RecordLayout.build(quant, ck.hidden, ck.intermediate, group_size)
-    fingerprint = _fingerprint(ck, layout, shard_bytes, source)
+    keys = ck.expert_keys()
+    if cold_quant is None:
+        plan = RecordPlan.uniform(layout, len(keys))
+    else:
+        if cold_quant not in QUANT_KINDS:
+            raise UserError(f"--cold-quant {cold_quant!r}: choose one of {', '.join(QUANT_KINDS)}")
+        check_cold_args(quant, cold_quant, None if expert_stats is None else str(expert_stats), hot_share)
+        if cold_quant in INT_KINDS:
+            cold_group_size = choose_group_size(ck.hidden, ck.intermediate, cold_group_size, cold_quant)
+        cold = RecordLayout.build(cold_quant, ck.hidden, ck.intermediate, cold_group_size)
+        plan = mixed_plan(keys, ck.experts_per_layer, layout, cold, str(expert_stats), hot_share, log)
+    fingerprint = _fingerprint(ck, plan, shard_bytes, source)
     check_target(out, fingerprint)
     out.mkdir(parents=True, exist_ok=True)
     lock = StoreLock.exclusive(out)
@@ -354,19 +378,20 @@ def pack(
         log(f"note: {lock.path} cannot be locked here ({lock.unavailable}): a process using this store would "
             "not be noticed")
     try:
-        return _pack_locked(ck, out, layout, fingerprint, shard_bytes=shard_bytes, direct_io=direct_io,
+        return _pack_locked(ck, out, plan, fingerprint, shard_bytes=shard_bytes, direct_io=direct_io,
                             progress=progress, log=log, device=device)
     finally:
         lock.release()
         ck.close()
 
 
-def _pack_locked(ck: Checkpoint, out: Path, layout: RecordLayout, fingerprint: str, *, shard_bytes: int,
+def _pack_locked(ck: Checkpoint, out: Path, plan: RecordPlan, fingerprint: str, *, shard_bytes: int,
                  direct_io: bool, progress: bool, log: Callable[[str], None], device: str | None) -> PackResult:
     """The pack itself, with OUT checked and locked."""
+    layout = plan.layouts[0]
     quant = layout.kind
     qdev = None
-    if layout.bits and device not in (None, "cpu"):
+    if any(lay.bits for lay in plan.layouts) and device not in (None, "cpu"):
         if device == "auto":
             qdev = torch.device("cuda") if torch.cuda.is_available() else None
         else:
@@ -380,29 +405,29 @@ def _pack_locked(ck: Checkpoint, out: Path, layout: RecordLayout, fingerprint: s
     if shas:
         log(f"resuming: {len(shas)} of {len(keys)} records already written")
     path = out / EXPERTS_NAME
-    _check_space(out, path, len(keys) * layout.length + ck.dense_nbytes())
-    rf = _RecordFile(path, len(keys) * layout.length, direct_io, notes)
-    bar = tqdm(total=len(keys) * layout.length, initial=len(shas) * layout.length, unit="B", unit_scale=True,
+    _check_space(out, path, plan.total + ck.dense_nbytes())
+    rf = _RecordFile(path, plan.total, direct_io, notes)
+    bar = tqdm(total=plan.total, initial=sum(plan.layout(i).length for i in shas), unit="B", unit_scale=True,
                unit_divisor=1024, desc="experts", disable=not progress)
     try:
-        _write_records(ck, layout, keys, todo, rf, journal, bar, shas, qdev)
+        _write_records(ck, plan, keys, todo, rf, journal, bar, shas, qdev)
     finally:
         bar.close()
         rf.close()
     read_direct = direct_io and probe_direct_io(path) is None
     if direct_io and not read_direct:
         notes.append("O_DIRECT reads unavailable; read-back used buffered reads after dropping the page cache")
-    infos = [RecordInfo(i, l, e, i * layout.length, layout.length, shas[i], 0) for i, (l, e) in enumerate(keys)]
+    infos = _infos(plan, keys, shas)
     bad = _read_back(path, infos, read_direct)
     rewritten = len(bad)
     if bad:
         log(f"{len(bad)} record(s) failed read-back; rewriting them")
-        rf = _RecordFile(path, len(keys) * layout.length, direct_io, notes)
+        rf = _RecordFile(path, plan.total, direct_io, notes)
         try:
-            _write_records(ck, layout, keys, [r.index for r in bad], rf, journal, tqdm(disable=True), shas, qdev)
+            _write_records(ck, plan, keys, [r.index for r in bad], rf, journal, tqdm(disable=True), shas, qdev)
         finally:
             rf.close()
-        infos = [RecordInfo(i, l, e, i * layout.length, layout.length, shas[i], 0) for i, (l, e) in enumerate(keys)]
+        infos = _infos(plan, keys, shas)
         still = _read_back(path, [infos[r.index] for r in bad], read_direct)
         if still:
             raise UserError(f"{path}: {still[0].name()} does not read back as written (failing disk?)")
@@ -415,7 +440,7 @@ def _pack_locked(ck: Checkpoint, out: Path, layout: RecordLayout, fingerprint: s
     manifest = {
         "format_version": FORMAT_VERSION,
         "model_config": cfg,
-        "quantization": {"kind": quant, "group_size": layout.group_size},
+        "quantization": _quantization(plan),
         "dtype": dtype_name(FLOAT_KINDS[quant]) if quant in FLOAT_KINDS else dtype_name(ck.source_dtype),
         "source_dtype": dtype_name(ck.source_dtype),
         "num_layers": int(tc.get("num_hidden_layers", max(ck.layers) + 1)),
@@ -424,7 +449,7 @@ def _pack_locked(ck: Checkpoint, out: Path, layout: RecordLayout, fingerprint: s
         "expert_prefixes": {str(k): v for k, v in sorted(ck.prefixes.items())},
         "experts_file": EXPERTS_NAME,
         "record_align": 4096,
-        "layouts": [layout.to_json()],
+        "layouts": [lay.to_json() for lay in plan.layouts],
         "records": [
             {
                 "layer": r.layer,
@@ -432,11 +457,31 @@ def _pack_locked(ck: Checkpoint, out: Path, layout: RecordLayout, fingerprint: s
                 "offset": r.offset,
                 "length": r.length,
                 "sha256": r.sha256,
-                "layout": 0,
+                "layout": r.layout,
             }
             for r in infos
         ],
         "dense": dense,
     }
     write_manifest(out, manifest)
-    return PackResult(out, len(keys), len(todo), rewritten, rf.direct, notes, layout.group_size)
+    cold_group = plan.layouts[1].group_size if len(plan.layouts) > 1 else None
+    return PackResult(out, len(keys), len(todo), rewritten, rf.direct, notes, layout.group_size, plan.counts(),
+                      cold_group)
+
+
+def _infos(plan: RecordPlan, keys: list[tuple[int, int]], shas: dict[int, str]) -> list[RecordInfo]:
+    return [RecordInfo(i, l, e, plan.offsets[i], plan.layout(i).length, shas[i], plan.layout_of[i])
+            for i, (l, e) in enumerate(keys)]
+
+
+def _quantization(plan: RecordPlan) -> dict:
+    """manifest["quantization"]: the kind (and for a mixed store the cold kind, the hot share and the
+    statistics file that chose the hot experts)."""
+    hot = plan.layouts[0]
+    q = {"kind": hot.kind, "group_size": hot.group_size}
+    if len(plan.layouts) > 1:
+        cold = plan.layouts[1]
+        q.update(cold_kind=cold.kind, cold_group_size=cold.group_size, hot_share=plan.hot_share,
+                 expert_stats=plan.stats_name, records_per_layout=plan.counts())
+    return q
+

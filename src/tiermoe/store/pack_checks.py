@@ -129,3 +129,16 @@ def incomplete_store(root: str | os.PathLike) -> str | None:
         return (f"{root}: packed expert store without its {MANIFEST_NAME}; run `tiermoe pack` into this "
                 "directory again")
     return None
+
+
+def check_cold_args(quant: str, cold_quant: str, expert_stats: str | None, hot_share: float) -> None:
+    """pack --cold-quant: a kind other than --quant, statistics that exist, a share in [0, 1]."""
+    if cold_quant == quant:
+        raise UserError(f"--cold-quant {cold_quant} is --quant itself; leave it out for a store of one kind")
+    if expert_stats is None:
+        raise UserError("--cold-quant needs --expert-stats FILE: the routing statistics that say which experts are "
+                        "picked most (they stay at --quant)")
+    if not os.path.isfile(expert_stats):
+        raise UserError(f"--expert-stats {expert_stats}: no such file")
+    if not 0.0 <= hot_share <= 1.0:
+        raise UserError(f"--hot-share {hot_share}: give a share of picks between 0 and 1")
