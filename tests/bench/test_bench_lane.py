@@ -1,5 +1,6 @@
 """`bench lane`: one table row per (kind, threads, tokens) beside the host read GB/s of the same
-run, the JSON result, records from a packed store, and one-line errors for bad input."""
+run, int3 (and the other kinds) beside int4, the JSON result, records from a packed store, and
+one-line errors for bad input."""
 
 from __future__ import annotations
 
@@ -26,14 +27,33 @@ def test_table_and_json(tmp_path, capsys):
     assert "lane GB/s" in text and text.count("int4 ") == 2
 
 
-def test_records_from_a_store(tiny_dir, tmp_path_factory, capsys):
+def test_int3_beside_int4(tmp_path, capsys):
+    out = tmp_path / "lane.json"
+    rc, text = run_bench(["lane", *TINY, "--kinds", "int4,int3", "--threads", "1", "--tokens", "1,2",
+                          "--out", str(out)], capsys)
+    assert rc == 0, text
+    r = load(out)
+    assert [(row["kind"], row["tokens"]) for row in r["rows"]] == [("int4", 1), ("int4", 2), ("int3", 1), ("int3", 2)]
+    assert all(row["kernel"].startswith(("native-", "torch")) and row["gbs"] > 0 for row in r["rows"])
+    rows = {(row["kind"], row["tokens"]): row for row in r["rows"]}
+    assert [(v["kind"], v["threads"], v["tokens"]) for v in r["versus_int4"]] == [("int3", 1, 1), ("int3", 1, 2)]
+    for v in r["versus_int4"]:
+        mine, base = rows[("int3", v["tokens"])], rows[("int4", v["tokens"])]
+        assert v["ms_per_expert"] == mine["ms_per_expert"] and v["int4_ms_per_expert"] == base["ms_per_expert"]
+        assert v["ms_ratio"] == pytest.approx(mine["ms_per_expert"] / base["ms_per_expert"])
+        assert v["share_of_host"] == mine["share_of_host"] and v["int4_share_of_host"] == base["share_of_host"]
+    assert "ms vs int4" in text and text.count("int3 ") == 4  # two table rows, two comparison rows
+
+
+@pytest.mark.parametrize("quant", ["int8", "int3"])
+def test_records_from_a_store(tiny_dir, tmp_path_factory, capsys, quant):
     from testkit.stores import pack_tiny
 
-    store = pack_tiny(tiny_dir, tmp_path_factory, "glm4_moe", quant="int8", group_size=32)[1]
+    store = pack_tiny(tiny_dir, tmp_path_factory, "glm4_moe", quant=quant, group_size=32)[1]
     rc, text = run_bench(["lane", "--store", str(store), "--threads", "1", "--tokens", "2", "--seconds", "0.02",
                           "--experts", "2"], capsys)
     assert rc == 0, text
-    assert "int8 " in text
+    assert f"{quant} " in text
 
 
 @pytest.mark.parametrize("argv,msg", [(["--kinds", "fp8"], "--kinds"), (["--threads", "0"], "--threads"),

@@ -1,5 +1,5 @@
 """The CPU lane's compiled kernel against its plain-torch twin (reference.lane_experts_ref), for
-int4, int8 and bf16 records, every instruction set this CPU runs, 1..8 tokens per expert, bf16
+int4, int3, int8 and bf16 records, every instruction set this CPU runs, 1..8 tokens per expert, bf16
 and fp32 numerics, the SwiGLU limit, and any thread count (rows split over threads: same bits).
 Skipped, with the reason, where no C++ compiler can build it."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tiermoe.kernels.cpu import native
-from tiermoe.kernels.layout import expert_layout
+from tiermoe.kernels.layout import ExpertLayout, expert_layout
 from tiermoe.kernels.reference import lane_experts_ref, make_record
 
 ISAS = ("scalar", "avx2", "avx512", "avx512bf16")
@@ -23,10 +23,21 @@ def lib(tmp_path_factory):
         pytest.skip(f"no compiled lane kernel here: {exc}")
 
 
+def _flip_signs(rec, layout, gen):
+    """Negate a random half of a record's scales (uint8 [R], in place): the store's int3 scales are signed."""
+    h, i, g = layout.hidden, layout.inter, layout.group_size
+    for off, n in ((layout.gate_up_s, 2 * i * (h // g)), (layout.down_s, h * (i // g))):
+        s = rec[off : off + 2 * n].view(torch.int16)  # bf16 bits [n]
+        s ^= (torch.rand(n, generator=gen) < 0.5).to(torch.int16) << 15
+
+
 def _case(kind, hidden, inter, group, n_exp, tokens, seed):
     layout = expert_layout(kind, hidden, inter, group)
     gen = torch.Generator().manual_seed(seed)
     records = [make_record(layout, gen) for _ in range(n_exp)]
+    if kind == "int3":
+        for rec in records:
+            _flip_signs(rec, layout, gen)
     x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).float()  # [T, H] bf16 values
     # expert e serves a subset of the tokens (always at least one), each with its weight
     tok_idx = [torch.randperm(tokens, generator=gen)[: 1 + (e * 3) % tokens].sort().values for e in range(n_exp)]
@@ -42,15 +53,23 @@ def _run(pool, layout, records, x, tok_idx, tok_w, round_bf16, limit):
     return out
 
 
-@pytest.mark.parametrize("kind,group", [("int4", 32), ("int4", 128), ("int4", 16), ("int8", 32), ("int8", 64),
-                                        ("int8", 8), ("bf16", 0)])
+# (kind, G, hidden, inter). G = 128 with inter 256: whole blocks of the int4 bf16 dot path. int3: G = 32 and
+# 128; 64 (pack's default for int3) with a 192-column row, whose 6 vectors of bf16 dot products do not fill
+# the 4 accumulators evenly; 16 (GGUF Q3_K's sub-blocks: the fp32 vector path); G = 8 and rows of 72 and 40
+# columns (the scalar path). Three experts, then five for int3.
+CASES = [("int4", 32, 256, 128), ("int4", 128, 256, 256), ("int4", 16, 256, 128), ("int8", 32, 256, 128),
+         ("int8", 64, 256, 128), ("int8", 8, 256, 128), ("bf16", 0, 256, 128), ("int3", 32, 256, 128),
+         ("int3", 128, 256, 256), ("int3", 64, 256, 192), ("int3", 16, 256, 128), ("int3", 8, 72, 40)]
+
+
+@pytest.mark.parametrize("kind,group,hidden,inter", CASES)
 @pytest.mark.parametrize("isa", ISAS)
-def test_kernel_equals_twin(lib, kind, group, isa):
-    hidden, inter = (256, 128) if group != 128 else (256, 256)  # int4 G=128: the bf16 dot path's blocks
+def test_kernel_equals_twin(lib, kind, group, hidden, inter, isa):
     pool = native.LanePool(lib, threads=3, isa=isa)
+    n_exp = 5 if kind == "int3" else 3
     try:
         for tokens, round_bf16, limit in ((1, True, None), (3, True, 0.5), (8, False, None), (5, False, 1.0)):
-            layout, records, x, idx, w = _case(kind, hidden, inter, group, 3, tokens, seed=tokens)
+            layout, records, x, idx, w = _case(kind, hidden, inter, group, n_exp, tokens, seed=tokens)
             got = _run(pool, layout, records, x, idx, w, round_bf16, limit)
             want = lane_experts_ref(x, records, idx, w, layout, round_bf16, limit)
             err = float((got - want).abs().max() / want.abs().max())
@@ -59,8 +78,9 @@ def test_kernel_equals_twin(lib, kind, group, isa):
         pool.close()
 
 
-def test_thread_count_does_not_change_the_bits(lib):
-    layout, records, x, idx, w = _case("int4", 512, 256, 64, 4, 6, seed=3)
+@pytest.mark.parametrize("kind", ["int4", "int3"])
+def test_thread_count_does_not_change_the_bits(lib, kind):
+    layout, records, x, idx, w = _case(kind, 512, 256, 64, 4, 6, seed=3)
     outs = []
     for threads in (1, 2, 5):
         pool = native.LanePool(lib, threads=threads)
@@ -87,6 +107,20 @@ def test_output_is_added_to_and_bad_jobs_are_refused(lib):
         with pytest.raises(ValueError):
             pool.run(layout, [r.data_ptr() for r in records], off, torch.cat(idx).long(), torch.cat(w).float(), x, out,
                      True, None)
+    finally:
+        pool.close()
+
+
+def test_int3_rows_of_partial_bytes_are_refused(lib):
+    """int3 planes hold whole bytes of 4 (8) columns: a row of 36 columns is no record the kernel reads."""
+    layout = ExpertLayout("int3", 36, 20, 4, 0, 1024, 2048, 3072, 4096)  # offsets: never read
+    rec = torch.zeros(layout.length, dtype=torch.uint8)
+    pool = native.LanePool(lib, threads=1)
+    try:
+        with pytest.raises(RuntimeError, match="lane kernel failed"):
+            pool.run(layout, [rec.data_ptr()], torch.tensor([0, 1], dtype=torch.int32),
+                     torch.zeros(1, dtype=torch.int32), torch.ones(1), torch.ones(1, 36), torch.zeros(1, 36), True,
+                     None)
     finally:
         pool.close()
 

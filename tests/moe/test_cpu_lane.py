@@ -1,4 +1,4 @@
-"""The CPU lane: its output against its plain-torch twin for int4, int8 and bf16 records (and the
+"""The CPU lane: its output against its plain-torch twin for int4, int3, int8 and bf16 records (and the
 exact path's expert for the other kinds), no conversion per expert use on the compiled kernel,
 the cost model's order, and what happens without a compiler."""
 
@@ -40,14 +40,17 @@ def _routing(tokens, n):
     return ids, torch.tensor([[0.7, 0.3]] * tokens)  # [T, 2]
 
 
-@pytest.mark.parametrize("kind,g", [("int4", 32), ("int4", 16), ("int8", 32), ("bf16", None)])
+# int3 records come from the store's quantizer (signed scales); G = 128 needs a larger expert
+@pytest.mark.parametrize("kind,g", [("int4", 32), ("int4", 16), ("int8", 32), ("bf16", None), ("int3", 32),
+                                    ("int3", 128), ("int3", 16)])
 @pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("limit", [None, 0.5])
 def test_lane_equals_its_plain_torch_twin(kind, g, act, limit):
     """compute() (the compiled kernel where it builds) against lane_experts_ref on the same records."""
-    layout, recs = _records(kind, g)
-    klay = expert_layout(kind, 64, 32, g or 0)
-    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(7)).to(act)  # [T, H]
+    hidden, inter = (256, 128) if g == 128 else (64, 32)
+    layout, recs = _records(kind, g, hidden, inter)
+    klay = expert_layout(kind, hidden, inter, g or 0)
+    x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(7)).to(act)  # [T, H]
     ids, w = _routing(5, 3)
     lane = CpuLane(layout, threads=2, act_dtype=act, swiglu_limit=limit)
     try:
@@ -58,7 +61,7 @@ def test_lane_equals_its_plain_torch_twin(kind, g, act, limit):
     rows = [torch.where((ids == e).any(1))[0] for e in range(3)]
     weights = [w[r][ids[r] == e] for e, r in enumerate(rows)]
     want = lane_experts_ref(x.float(), list(recs.values()), rows, weights, klay, act == torch.bfloat16, limit)
-    assert got.dtype == torch.float32 and got.shape == (5, 64)
+    assert got.dtype == torch.float32 and got.shape == (5, hidden)
     assert _rel(got, want) < (2e-3 if act == torch.bfloat16 else 1e-5)
     assert c["kernel"] == ("native-" if NATIVE else "torch") + (lane.pool.isa if NATIVE else "")
     assert c["experts"] == 3 and c["repacks"] == (0 if NATIVE else 3) and c["weight_bytes"] == 3 * klay.weight_bytes
@@ -81,8 +84,9 @@ def test_lane_close_to_the_exact_path_expert(kind):
 
 
 @pytest.mark.skipif(not NATIVE, reason="no compiled lane kernel here")
-def test_thread_counts_and_instruction_sets_agree():
-    layout, recs = _records("int4", 32, hidden=128, inter=64, n=4)
+@pytest.mark.parametrize("kind", ["int4", "int3"])
+def test_thread_counts_and_instruction_sets_agree(kind):
+    layout, recs = _records(kind, 32, hidden=128, inter=64, n=4)
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1)).bfloat16()
     ids, w = _routing(3, 4)
     outs = {}

@@ -2,14 +2,17 @@
 
 Fast mode pays off only when the CPU lane reads expert weights at close to the host's memory
 bandwidth (issue 20). This measures both in one run, on the same records: for each record kind
-(int4, int8, bf16), thread count and token count T it times `CpuLane.compute` (the entry point
+(int4, int3, int8, bf16), thread count and token count T it times `CpuLane.compute` (the entry point
 the device cache's mailbox calls) on `--experts` experts per call, every one routed by all T
 tokens, cycling through a pool of records larger than the CPU caches so every call reads RAM;
 and, per thread count, a multi-threaded read of the same pool (by the lane's own thread pool where
 the compiled kernel is built, else by torch's threads). Weight GB/s counts the bytes of
-the records' weight and scale sections (ExpertLayout.weight_bytes) per expert computed.
+the records' weight and scale sections (ExpertLayout.weight_bytes) per expert computed. Every kind
+beside int4 is then compared with int4 at the same threads and tokens (ms per expert, GB/s, share
+of the host read): int3 reads 3/8 of a byte per weight against int4's 1/2, so where the lane runs
+at the host's read rate an int3 expert takes about 3/4 of an int4 one.
 
-    tiermoe bench lane [--hidden 4096 --inter 2048 --group-size 128] [--kinds int4,int8,bf16]
+    tiermoe bench lane [--hidden 4096 --inter 2048 --group-size 128] [--kinds int4,int3,int8,bf16]
                        [--threads 1,2,4,8] [--tokens 1,2,4,8] [--store STORE] [--out lane.json]
 
 `--store` takes the records (kind and shape too) from a packed store instead of random ones.
@@ -23,7 +26,7 @@ import time
 
 from tiermoe.errors import UserError
 
-KIND_CHOICES = ("int4", "int8", "bf16")
+KIND_CHOICES = ("int4", "int3", "int8", "bf16")
 
 
 def register(bench_subparsers) -> None:
@@ -31,7 +34,7 @@ def register(bench_subparsers) -> None:
                                                  "beside the host read GB/s")
     p.add_argument("--hidden", type=int, default=4096, help="hidden size H (default: GLM-5.3-Flash's MoE)")
     p.add_argument("--inter", type=int, default=2048, help="expert intermediate size I")
-    p.add_argument("--group-size", type=int, default=128, help="scale group of int4/int8 records")
+    p.add_argument("--group-size", type=int, default=128, help="scale group of int4/int3/int8 records")
     p.add_argument("--kinds", default=",".join(KIND_CHOICES), help="record kinds, e.g. int4,bf16")
     p.add_argument("--threads", default=None, help="lane thread counts (default 1,2,4,.. up to the usable cores)")
     p.add_argument("--tokens", default="1,2,4,8", help="tokens routed to every expert of a call")
@@ -206,13 +209,45 @@ def run_lane_bench(args) -> dict:
                 cell.update(kind=layout.kind, host_read_gbs=host[t], share_of_host=cell["gbs"] / host[t])
                 rows.append(cell)
                 print(_row_line(cell), flush=True)
+    versus = compare_with_int4(rows)
+    if versus:
+        print(VERSUS_HEADER, flush=True)
+        for v in versus:
+            print(_versus_line(v), flush=True)
     layout = pools[0][0]
     return {"shape": {"hidden": layout.hidden, "inter": layout.intermediate, "group_size": layout.group_size},
             "store": args.store, "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
-            "host_read_gbs": {str(t): g for t, g in host.items()}, "rows": rows}
+            "host_read_gbs": {str(t): g for t, g in host.items()}, "rows": rows, "versus_int4": versus}
+
+
+def compare_with_int4(rows: list[dict]) -> list[dict]:
+    """Each non-int4 row beside the int4 row of the same threads and tokens: ms per expert, weight GB/s and
+    share of the host read of both, and the ratio of the ms (below 1: faster per expert than int4)."""
+    int4 = {(r["threads"], r["tokens"]): r for r in rows if r["kind"] == "int4"}
+    out = []
+    for r in rows:
+        base = int4.get((r["threads"], r["tokens"]))
+        if r["kind"] == "int4" or base is None:
+            continue
+        out.append({"kind": r["kind"], "threads": r["threads"], "tokens": r["tokens"],
+                    "ms_per_expert": r["ms_per_expert"], "int4_ms_per_expert": base["ms_per_expert"],
+                    "ms_ratio": r["ms_per_expert"] / base["ms_per_expert"], "gbs": r["gbs"], "int4_gbs": base["gbs"],
+                    "share_of_host": r["share_of_host"], "int4_share_of_host": base["share_of_host"]})
+    return out
 
 
 HEADER = "kind  threads  tokens   lane GB/s  ms/expert  host read GB/s  lane/host  repacks/expert  kernel"
+
+
+VERSUS_HEADER = (f"\n{'kind':<5} {'threads':>7} {'tokens':>7} {'ms/expert (int4)':>18} {'lane GB/s (int4)':>18} "
+                 f"{'lane/host (int4)':>17} {'ms vs int4':>11}")
+
+
+def _versus_line(v: dict) -> str:
+    ms = f"{v['ms_per_expert']:.3f} ({v['int4_ms_per_expert']:.3f})"
+    gbs = f"{v['gbs']:.2f} ({v['int4_gbs']:.2f})"
+    share = f"{v['share_of_host']:.0%} ({v['int4_share_of_host']:.0%})"
+    return f"{v['kind']:<5} {v['threads']:>7} {v['tokens']:>7} {ms:>18} {gbs:>18} {share:>17} {v['ms_ratio']:>10.2f}x"
 
 
 def _row_line(r: dict) -> str:

@@ -8,12 +8,13 @@ device computes the rest. The lane's partial sum (fp32) is added to the device r
 No second copy of the weights, no conversion per use: the compiled kernel
 (kernels/cpu/lane_kernel.cpp, through moe/lane_kernel.py) reads the host tier's record bytes in
 place (ExpertStore.lane_records holds them so no concurrent fetch evicts them) in the store's own
-layout (int4 nibbles or int8 with bf16 group scales, bf16), with the GPU kernels' numerics for a
-bf16 model (W' = bf16(q * scale), act rounded to bf16 once, fp32 sums) and fp32 products for
-an fp32 one. One pool of threads splits each layer's experts by rows, so one expert uses them
-all. Where the kernel cannot be built (no C++ compiler) or the records are fp16/fp32, the lane
-computes with plain torch (kernels.reference.lane_experts_ref, or the float weights): the same
-function, far slower, and each use materializes the weights (counted as `repacks`).
+layout (int4 nibbles, int3 bit planes or int8, with bf16 group scales; bf16), with the GPU
+kernels' numerics for a bf16 model (W' = bf16(q * scale), act rounded to bf16 once, fp32 sums)
+and fp32 products for an fp32 one. One pool of threads splits each layer's experts by rows, so
+one expert uses them all. Where the kernel cannot be built (no C++ compiler) or the records are
+fp16/fp32, the lane computes with plain torch (kernels.reference.lane_experts_ref, or the float
+weights): the same function, far slower, and each use materializes the weights (counted as
+`repacks`).
 
 Not bit-exact against exact mode: the lane sums in another order and the partial sums meet in
 fp32, which is why it is only on in `--mode fast`.

@@ -1,6 +1,14 @@
 // Dot products of expert-record weight rows with fp32 inputs, for the CPU lane kernel (lane_kernel.cpp):
 // a portable scalar version and AVX-512 / AVX2 versions compiled for those targets only (chosen at run
 // time). Weights are dequantized as the GPU kernels do: W' = bf16(float32(q) * float32(scale)).
+//
+// int3 rows (store/quant.py) are two bit planes: K/4 bytes of 2-bit low fields (column k at byte k / 4,
+// bits 2 * (k % 4)), then K/8 bytes of high bits (column k at byte K/4 + k / 8, bit k % 8); q = low +
+// 4 * high - 4. The vector paths read them in natural column order (no input reordering): a per-lane
+// shift of a broadcast word of each plane puts a column's low field in its lane's bits 0-1 and its high
+// bit one position up, a ternary-logic op merges the two, and one permute looks the index up in the
+// group's table of bf16(q * scale). The table repeats each group of 4 entries, so the bits above a
+// lane's field (the next columns' fields) need no masking.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -10,7 +18,8 @@
 #define TM_X86 1
 #endif
 
-enum { KIND_BF16 = 0, KIND_INT4 = 1, KIND_INT8 = 2, ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3 };
+enum { KIND_BF16 = 0, KIND_INT4 = 1, KIND_INT8 = 2, KIND_INT3 = 3 };  // kernels/cpu/native.py KINDS
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3 };
 
 namespace {
 
@@ -41,7 +50,8 @@ inline uint16_t bf16_bits(float f) {  // f holds a bf16 value already (rounded):
   return uint16_t(u >> 16);
 }
 
-// One weight matrix of a record: row r starts at q + r * row_bytes; scales at s + r * (K / G).
+// One weight matrix of a record: row r starts at q + r * row_bytes; scales at s + r * (K / G). int3: the
+// row's high-bit plane starts K / 4 bytes into the row.
 struct Mat {
   const uint8_t* q;
   const uint16_t* s;
@@ -60,6 +70,17 @@ void dot_scalar(const Mat& m, const int* rows, const float* const* x, int kind, 
       const uint16_t* w = reinterpret_cast<const uint16_t*>(q);
       for (int k = 0; k < m.K; ++k)
         for (int t = 0; t < NT; ++t) acc[t] += bf16_to_f32(w[k]) * x[t][k];
+    } else if (kind == KIND_INT3) {
+      const uint16_t* s = m.s + int64_t(rows[r]) * (m.K / m.G);
+      const uint8_t* hi = q + m.K / 4;
+      for (int g = 0, k0 = 0; k0 < m.K; ++g, k0 += m.G) {
+        float sc = bf16_to_f32(s[g]), lut[8];
+        for (int v = 0; v < 8; ++v) lut[v] = rnd ? round_bf16(float(v - 4) * sc) : float(v - 4) * sc;
+        for (int k = k0; k < k0 + m.G; ++k) {
+          float w = lut[((q[k >> 2] >> ((k & 3) * 2)) & 3) | (((hi[k >> 3] >> (k & 7)) & 1) << 2)];
+          for (int t = 0; t < NT; ++t) acc[t] += w * x[t][k];
+        }
+      }
     } else {
       const uint16_t* s = m.s + int64_t(rows[r]) * (m.K / m.G);
       for (int g = 0, k0 = 0; k0 < m.K; ++g, k0 += m.G) {
@@ -107,8 +128,78 @@ inline __m512 w_bf16(const uint8_t* q, int c) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
+// 16 int3 weights of a row from column c (c % 16 == 0), in column order. tbl: the group's 16-entry table,
+// entries 0-7 for a clear high bit (q = low - 4), 8-15 for a set one (q = low), each 4 levels repeated;
+// lane b gets column c + b's low field in bits 0-1 (shift by lsh = 2b) and its high bit in bit 3 (the
+// high bits shifted left by 3, then right by hsh = b); sel: 8 in every lane.
+inline __m512 w_int3(const uint8_t* lo, const uint8_t* hi, int c, __m512 tbl, __m512i lsh, __m512i hsh, __m512i sel) {
+  uint32_t lw;
+  uint16_t hw;
+  std::memcpy(&lw, lo + (c >> 2), 4);
+  std::memcpy(&hw, hi + (c >> 3), 2);
+  __m512i idx = _mm512_srlv_epi32(_mm512_set1_epi32(int(lw)), lsh);
+  __m512i h = _mm512_srlv_epi32(_mm512_set1_epi32(int(hw) << 3), hsh);
+  return _mm512_permutexvar_ps(_mm512_ternarylogic_epi32(sel, h, idx, 0xCA), tbl);  // bit 3 from h
+}
+
+// int3 rows, G % 16 == 0, K % 16 == 0. The row's vectors take turns on A accumulators per token (4 for
+// one token: a row alone has too few FMA chains to hide their latency; 2 otherwise, for registers), the
+// tables are rebuilt where a group starts, and each 16th vector prefetches the same columns two rows on
+// (rows a later call reads; past the matrix end a prefetch is a no-op): int3's extra arithmetic per
+// byte leaves the core fewer loads in flight than int4 has, and without it the lane's int3 reads ran at
+// two thirds of int4's bytes per second.
+template <int R, int NT>
+void dot_int3(const Mat& m, const int* rows, const float* const* x, bool rnd, float res[][4]) {
+  constexpr int A = NT == 1 ? 4 : 2;
+  const __m512 levels = _mm512_setr_ps(-4, -3, -2, -1, -4, -3, -2, -1, 0, 1, 2, 3, 0, 1, 2, 3);
+  const __m512i lsh = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i hsh = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i sel = _mm512_set1_epi32(8);
+  __m512 acc[R][NT][A], tbl[R];
+  const uint8_t *q[R], *hi[R];
+  const uint16_t* s[R];
+  for (int r = 0; r < R; ++r) {
+    q[r] = m.q + rows[r] * m.row_bytes, hi[r] = q[r] + m.K / 4, s[r] = m.s + int64_t(rows[r]) * (m.K / m.G);
+    for (int t = 0; t < NT; ++t)
+      for (int i = 0; i < A; ++i) acc[r][t][i] = _mm512_setzero_ps();
+  }
+  const int nv = m.K / 16, per = m.G / 16;  // vectors in a row, in a group
+  int g = 0, left = 0;                      // the next group, and the vectors left in the current one
+  auto step = [&](int v, int i) {           // vector v on accumulator i
+    if (left == 0) {
+      for (int r = 0; r < R; ++r) {
+        tbl[r] = _mm512_mul_ps(levels, _mm512_set1_ps(bf16_to_f32(s[r][g])));
+        if (rnd) tbl[r] = round16(tbl[r]);
+      }
+      ++g, left = per;
+    }
+    --left;
+    const int c = 16 * v;
+    if ((v & 15) == 0)
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(q[r] + 2 * m.row_bytes + (c >> 2)), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(hi[r] + 2 * m.row_bytes + (c >> 3)), _MM_HINT_T0);
+      }
+    for (int r = 0; r < R; ++r) {
+      __m512 w = w_int3(q[r], hi[r], c, tbl[r], lsh, hsh, sel);
+      for (int t = 0; t < NT; ++t) acc[r][t][i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x[t] + c), acc[r][t][i]);
+    }
+  };
+  int v = 0;
+  for (; v + A <= nv; v += A)
+    for (int i = 0; i < A; ++i) step(v + i, i);
+  for (; v < nv; ++v) step(v, 0);
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) {
+      __m512 sum = acc[r][t][0];
+      for (int i = 1; i < A; ++i) sum = _mm512_add_ps(sum, acc[r][t][i]);
+      res[r][t] = _mm512_reduce_add_ps(sum);
+    }
+}
+
 template <int R, int NT>
 void dot(const Mat& m, const int* rows, const float* const* x, int kind, bool rnd, float res[][4]) {
+  if (kind == KIND_INT3) return dot_int3<R, NT>(m, rows, x, rnd, res);
   __m512 a0[R][NT], a1[R][NT];  // two accumulators per (row, token): independent FMA chains
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) a0[r][t] = a1[r][t] = _mm512_setzero_ps();
@@ -214,6 +305,26 @@ inline __m256 w_bf16(const uint8_t* q, int c) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
 }
 
+// 16 int3 weights of a row from column c (c % 16 == 0), in column order, as w0 (columns c..c+7) and w1:
+// an 8-entry table (q = -4..3 times the scale) indexed by low field | high bit << 2. The high bits are
+// broadcast shifted left by 2, so a right shift by the lane's column puts its bit at bit 2.
+inline void w_int3(const uint8_t* lo, const uint8_t* hi, int c, __m256 tbl, __m256& w0, __m256& w1) {
+  uint32_t lw;
+  uint16_t hw;
+  std::memcpy(&lw, lo + (c >> 2), 4);
+  std::memcpy(&hw, hi + (c >> 3), 2);
+  const __m256i three = _mm256_set1_epi32(3), four = _mm256_set1_epi32(4);
+  __m256i l = _mm256_set1_epi32(int(lw)), h = _mm256_set1_epi32(int(hw) << 2);
+  __m256i i0 = _mm256_or_si256(
+      _mm256_and_si256(_mm256_srlv_epi32(l, _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)), three),
+      _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), four));
+  __m256i i1 = _mm256_or_si256(
+      _mm256_and_si256(_mm256_srlv_epi32(l, _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30)), three),
+      _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)), four));
+  w0 = _mm256_permutevar8x32_ps(tbl, i0);
+  w1 = _mm256_permutevar8x32_ps(tbl, i1);
+}
+
 template <int R, int NT>
 void dot(const Mat& m, const int* rows, const float* const* x, int kind, bool rnd, float res[][4]) {
   __m256 a0[R][NT], a1[R][NT];
@@ -254,6 +365,26 @@ void dot(const Mat& m, const int* rows, const float* const* x, int kind, bool rn
         }
       }
     }
+  } else if (kind == KIND_INT3) {  // natural column order, G % 16 == 0
+    const __m256 levels = _mm256_setr_ps(-4, -3, -2, -1, 0, 1, 2, 3);
+    const uint8_t* hi[R];
+    for (int r = 0; r < R; ++r) hi[r] = q[r] + m.K / 4;
+    for (int g = 0, k0 = 0; k0 < m.K; ++g, k0 += m.G) {
+      __m256 tbl[R];
+      for (int r = 0; r < R; ++r) {
+        tbl[r] = _mm256_mul_ps(levels, _mm256_set1_ps(bf16_to_f32(s[r][g])));
+        if (rnd) tbl[r] = round8(tbl[r]);
+      }
+      for (int c = k0; c < k0 + m.G; c += 16)
+        for (int r = 0; r < R; ++r) {
+          __m256 w0, w1;
+          w_int3(q[r], hi[r], c, tbl[r], w0, w1);
+          for (int t = 0; t < NT; ++t) {
+            a0[r][t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[t] + c), a0[r][t]);
+            a1[r][t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[t] + c + 8), a1[r][t]);
+          }
+        }
+    }
   } else if (kind == KIND_INT8) {  // G % 16 == 0
     for (int g = 0, k0 = 0; k0 < m.K; ++g, k0 += m.G) {
       __m256 sv[R];
@@ -284,10 +415,95 @@ void dot(const Mat& m, const int* rows, const float* const* x, int kind, bool rn
 }  // namespace avx2
 #pragma GCC pop_options
 
+// int3 with bf16 dot products (see avx512bf16 below), in a namespace of its own because it needs
+// AVX512-VBMI: vpmultishiftqb takes the 2-bit field of 32 columns out of one broadcast 8-byte word of the
+// low plane in a single instruction (Sapphire Rapids and Zen 4 have it, Cooper Lake does not: there the
+// kernel runs int3 on the fp32 AVX-512 path). Kept apart so that no other path is compiled for VBMI.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,f16c")
+namespace avx512vbmi {
+
+// 32 int3 weights of a row from column c (c % 32 == 0) as bf16, in column order. tbl: the group's 32-entry
+// bf16 table, entries 0-15 for a clear high bit (q = low - 4), 16-31 for a set one (q = low), each 4
+// levels repeated; lctl / hctl: multishift offsets that put column c + w's low field in bits 0-1 of word w
+// (bit 2w of the low plane's 8 bytes) and its high bit in bit 4 (bit w of the high plane's 4 bytes,
+// rotated); sel: 0x10 in every word. Vector instructions only: moving the high bits through a mask
+// register costs a general-register-to-mask move where the compiler chooses one, slow on some CPUs.
+inline __m512i w_int3(const uint8_t* lo, const uint8_t* hi, int c, __m512i tbl, __m512i lctl, __m512i hctl,
+                      __m512i sel) {
+  int64_t lw;
+  int32_t hw;
+  std::memcpy(&lw, lo + (c >> 2), 8);
+  std::memcpy(&hw, hi + (c >> 3), 4);
+  __m512i idx = _mm512_multishift_epi64_epi8(lctl, _mm512_set1_epi64(lw));
+  __m512i h = _mm512_multishift_epi64_epi8(hctl, _mm512_set1_epi32(hw));
+  return _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(sel, h, idx, 0xCA), tbl);  // bit 4 from h
+}
+
+// int3 rows, G % 32 == 0, K % 32 == 0, bf16 inputs; accumulators, tables and prefetches as avx512::dot_int3.
+template <int R, int NT>
+void dot_int3(const Mat& m, const int* rows, const uint16_t* const* x, float res[][4]) {
+  constexpr int A = NT == 1 ? 4 : 2;
+  const __m512 lv0 = _mm512_setr_ps(-4, -3, -2, -1, -4, -3, -2, -1, -4, -3, -2, -1, -4, -3, -2, -1);
+  const __m512 lv1 = _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+  alignas(64) uint8_t lo_offs[64], hi_offs[64];
+  for (int w = 0; w < 32; ++w) {
+    lo_offs[2 * w] = uint8_t(2 * w), hi_offs[2 * w] = uint8_t((w - 4) & 63);
+    lo_offs[2 * w + 1] = hi_offs[2 * w + 1] = 0;
+  }
+  const __m512i lctl = _mm512_load_si512(lo_offs), hctl = _mm512_load_si512(hi_offs), sel = _mm512_set1_epi16(0x10);
+  __m512 acc[R][NT][A];
+  __m512i tbl[R];
+  const uint8_t *q[R], *hi[R];
+  const uint16_t* s[R];
+  for (int r = 0; r < R; ++r) {
+    q[r] = m.q + rows[r] * m.row_bytes, hi[r] = q[r] + m.K / 4, s[r] = m.s + int64_t(rows[r]) * (m.K / m.G);
+    for (int t = 0; t < NT; ++t)
+      for (int i = 0; i < A; ++i) acc[r][t][i] = _mm512_setzero_ps();
+  }
+  const int nv = m.K / 32, per = m.G / 32;
+  int g = 0, left = 0;
+  auto step = [&](int v, int i) {
+    if (left == 0) {
+      for (int r = 0; r < R; ++r) {
+        __m512 sv = _mm512_set1_ps(bf16_to_f32(s[r][g]));
+        tbl[r] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(lv1, sv), _mm512_mul_ps(lv0, sv));
+      }
+      ++g, left = per;
+    }
+    --left;
+    const int c = 32 * v;
+    if ((v & 7) == 0)
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(q[r] + 2 * m.row_bytes + (c >> 2)), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(hi[r] + 2 * m.row_bytes + (c >> 3)), _MM_HINT_T0);
+      }
+    __m512bh xv[NT];
+    for (int t = 0; t < NT; ++t) xv[t] = (__m512bh)_mm512_loadu_si512(x[t] + c);
+    for (int r = 0; r < R; ++r) {
+      __m512bh w = (__m512bh)w_int3(q[r], hi[r], c, tbl[r], lctl, hctl, sel);
+      for (int t = 0; t < NT; ++t) acc[r][t][i] = _mm512_dpbf16_ps(acc[r][t][i], w, xv[t]);
+    }
+  };
+  int v = 0;
+  for (; v + A <= nv; v += A)
+    for (int i = 0; i < A; ++i) step(v + i, i);
+  for (; v < nv; ++v) step(v, 0);
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) {
+      __m512 sum = acc[r][t][0];
+      for (int i = 1; i < A; ++i) sum = _mm512_add_ps(sum, acc[r][t][i]);
+      res[r][t] = _mm512_reduce_add_ps(sum);
+    }
+}
+
+}  // namespace avx512vbmi
+#pragma GCC pop_options
+
 // bf16 numerics on CPUs with AVX512-BF16 (Sapphire Rapids, Zen 4): weights W' = bf16(q * scale)
 // and inputs already bf16, so one vdpbf16ps multiplies 32 pairs exactly and sums them in fp32, half
 // the instructions of the fp32 path per weight. Inputs: bf16 bits, int4 in perm64 order, else
-// natural. int4 needs G % 64 == 0, int8 G % 32 == 0, bf16 K % 32 == 0.
+// natural. int4 needs G % 64 == 0, int8 and int3 G % 32 == 0, bf16 K % 32 == 0; int3 also VBMI.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 namespace avx512bf16 {
@@ -305,6 +521,7 @@ inline __m512i w_int8(const uint8_t* q, int c, __m512 sv) {  // 32 weights bf16(
 
 template <int R, int NT>
 void dot(const Mat& m, const int* rows, const uint16_t* const* x, int kind, float res[][4]) {
+  if (kind == KIND_INT3) return avx512vbmi::dot_int3<R, NT>(m, rows, x, res);  // a call: another target
   __m512 a0[R][NT], a1[R][NT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) a0[r][t] = a1[r][t] = _mm512_setzero_ps();

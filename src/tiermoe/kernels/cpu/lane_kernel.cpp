@@ -2,8 +2,8 @@
 //
 // Why a kernel of our own: torch's CPU int4/int8 kernels want their own weight layouts, so the lane
 // used to repack every record on use, which cost far more than the matrix-vector products. This
-// reads the records as the store and the GPU kernels lay them out (int4 nibbles with bf16 group
-// scales, int8 with bf16 group scales, bf16) and computes with the GPU kernels' numerics:
+// reads the records as the store and the GPU kernels lay them out (int4 nibbles, int3 bit planes or
+// int8, each with bf16 group scales; bf16) and computes with the GPU kernels' numerics:
 //   W' = bf16(float32(q) * float32(scale)) (int records; round_bf16 = 0 keeps the fp32 product)
 //   g, u = x W'^T (fp32 sums); act = bf16(silu(min(g, L)) * clamp(u, -L, L)); y = act Wd'^T
 //   out[token] += w * y, experts in the order given (ascending ids), fp32.
@@ -27,7 +27,7 @@
 
 #include "lane_dot.h"
 
-enum { TM_ABI = 4 };
+enum { TM_ABI = 5 };
 
 struct TmLaneJob {  // read through ctypes (kernels/cpu/native.py)
   int32_t kind, hidden, inter, group;
@@ -48,7 +48,7 @@ namespace {
 inline Mat matrix(const TmLaneJob& j, int e, bool down) {
   const uint8_t* base = reinterpret_cast<const uint8_t*>(j.rec[e]);
   int K = down ? j.inter : j.hidden;
-  int per = j.kind == KIND_INT4 ? K / 2 : (j.kind == KIND_INT8 ? K : 2 * K);
+  int per = j.kind == KIND_INT4 ? K / 2 : j.kind == KIND_INT3 ? 3 * K / 8 : j.kind == KIND_INT8 ? K : 2 * K;
   const uint8_t* sb = base + (down ? j.dn_s : j.gu_s);
   const uint16_t* s = j.kind == KIND_BF16 ? nullptr : reinterpret_cast<const uint16_t*>(sb);
   return Mat{base + (down ? j.dn_q : j.gu_q), s, per, K, j.group};
@@ -87,6 +87,15 @@ int detect_isa() {
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
 #endif
   return ISA_SCALAR;
+}
+
+bool has_vbmi() {  // the bf16 int3 path's vpmultishiftqb (avx512vbmi::dot_int3)
+#if TM_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vbmi");
+#else
+  return false;
+#endif
 }
 
 inline void cpu_relax() {
@@ -336,19 +345,23 @@ int32_t tm_pool_isa(void* pool) { return static_cast<Pool*>(pool)->isa; }
 int32_t tm_lane_run(void* pool, const TmLaneJob* job) {
   Pool& p = *static_cast<Pool*>(pool);
   const TmLaneJob& j = *job;
-  if (j.kind < KIND_BF16 || j.kind > KIND_INT8 || j.hidden <= 0 || j.inter <= 0 || j.n_exp < 0 || j.n_tok < 0)
+  if (j.kind < KIND_BF16 || j.kind > KIND_INT3 || j.hidden <= 0 || j.inter <= 0 || j.n_exp < 0 || j.n_tok < 0)
     return -1;
   if (j.kind != KIND_BF16 && (j.group <= 0 || j.hidden % j.group || j.inter % j.group || j.group % 2)) return -1;
+  if (j.kind == KIND_INT3 && (j.hidden % 8 || j.inter % 8)) return -1;  // whole bytes of each bit plane
   for (int e = 0; e < j.n_exp; ++e)
     if (!j.rec[e] || j.tok_off[e + 1] < j.tok_off[e]) return -1;
   if (j.n_exp == 0) return 0;
   std::lock_guard<std::mutex> lock(p.job);
-  // vector paths need whole blocks: 32 columns (int4; 64 for bf16 dot products) or 16 (int8: 32)
+  // vector paths need whole blocks in a group: 32 columns (int4; 64 for bf16 dot products) or 16 (int8 and
+  // int3; 32 for bf16 dot products)
   int isa = p.isa;
   if (isa == ISA_AVX512BF16 && (!j.round_bf16 || j.hidden % 64 || j.inter % 64 ||
-                                (j.kind == KIND_INT4 && j.group % 64) || (j.kind == KIND_INT8 && j.group % 32)))
+                                (j.kind == KIND_INT4 && j.group % 64) ||
+                                ((j.kind == KIND_INT8 || j.kind == KIND_INT3) && j.group % 32) ||
+                                (j.kind == KIND_INT3 && !has_vbmi())))
     isa = ISA_AVX512;  // bf16 dot products give bf16 numerics only
-  bool ok = j.kind == KIND_INT4 ? j.group % 32 == 0 : (j.kind == KIND_INT8 ? j.group % 16 == 0 : true);
+  bool ok = j.kind == KIND_INT4 ? j.group % 32 == 0 : (j.kind == KIND_BF16 || j.group % 16 == 0);
   if (!ok || j.hidden % 16 || j.inter % 16) isa = ISA_SCALAR;
   int perm = j.kind != KIND_INT4 || isa == ISA_SCALAR ? 0 : (isa == ISA_AVX512BF16 ? 64 : 32);
   Ctx c{&j, &p, isa, perm, j.round_bf16 != 0, j.x, nullptr};

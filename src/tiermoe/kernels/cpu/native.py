@@ -29,10 +29,10 @@ import torch
 
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCES = ("lane_kernel.cpp", "lane_dot.h")
-ABI = 4  # TM_ABI of lane_kernel.cpp: a library of another ABI is rebuilt
+ABI = 5  # TM_ABI of lane_kernel.cpp: a library of another ABI is rebuilt
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 ISA_NAMES = ("scalar", "avx2", "avx512", "avx512bf16")
-KINDS = {"bf16": 0, "int4": 1, "int8": 2}  # record kinds the kernel reads
+KINDS = {"bf16": 0, "int4": 1, "int8": 2, "int3": 3}  # record kinds the kernel reads (KIND_* of lane_dot.h)
 
 
 class NativeUnavailable(RuntimeError):
