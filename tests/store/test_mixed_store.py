@@ -123,3 +123,20 @@ def test_stats_for_another_model_are_refused(tiny_dir, tmp_path):
     with pytest.raises(UserError, match="lists 3 experts"):
         pack(str(tiny_dir("glm4_moe", "bfloat16")), str(tmp_path / "o"), quant="int4", group_size=32,
              cold_quant="int3", expert_stats=str(bad), progress=False, log=lambda _: None)
+
+
+def test_plan_counts_each_read_at_its_own_length(mixed, stats_file, capsys):
+    """The plan says how the store is mixed, and its bound reads each record at its own length (the
+    tiny model's int4 and int3 records both pad to 4096 bytes, so the weighting is checked on
+    its own: cold picks count at their length's share of a tier entry)."""
+    from tiermoe.store.planner import expected_hits
+
+    m = load_manifest(mixed)
+    assert main(["plan", str(mixed), "--stats", str(stats_file), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    n_cold = sum(1 for r in m.records if r.layout)
+    assert f"mixed store: {len(m.records) - n_cold} hot int4 records" in out and f"{n_cold} cold int3" in out
+    rates = {r.index: 1.0 + (r.expert == 0) for r in m.records}
+    weight = {r.index: 0.75 if r.layout else 1.0 for r in m.records}  # a GLM-5.3 int3 G64 record is 0.79 int4's
+    plain, weighted = expected_hits(rates, 0, len(rates)), expected_hits(rates, 0, len(rates), weight)
+    assert weighted["host"] < plain["host"] and weighted["slots"] == plain["slots"] == 0

@@ -144,7 +144,7 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
         return ExpertsConfig(backend=f"store-{kernel}", store=store, mode=mode, lane=lane)
     # Every expert in the (pinned) host tier, sized exactly (the check above found room; free
     # memory read twice could differ); the device cache owns the GPU budget.
-    record = manifest.layout.length
+    record = manifest.record_bytes  # a host entry: the longest record (mixed stores)
     store = replace(store, gpu_expert_gb=0.0, host_expert_gb=(len(manifest.records) + 0.5) * record / GIB)
     experts = [manifest.experts_per_layer[layer] for layer in manifest.moe_layers]
     top_k = config_top_k(manifest.config)

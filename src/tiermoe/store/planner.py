@@ -191,7 +191,7 @@ def inclusive_host_plan(manifest, *, device: str, gpu_expert_gb: float | None,
     dev = torch.device(device)
     if dev.type != "cuda" and not env.TRITON_INTERPRET.get():
         return 0, f"device {dev.type}: the device cache runs on CUDA"
-    rec, total = manifest.layout.length, len(manifest.records)
+    rec, total = manifest.record_bytes, len(manifest.records)
     n_slots, _, _ = size_tiers(record_bytes=rec, total_experts=total, device=dev, gpu_expert_gb=gpu_expert_gb,
                                host_expert_gb=0.0)
     _, n_host, _ = size_tiers(record_bytes=rec, total_experts=total, device=dev, gpu_expert_gb=0.0,
@@ -263,13 +263,17 @@ def pick_rates(stats: Mapping[int, list[float]], top_k: int, smoothing: float = 
     return rates
 
 
-def expected_hits(rates: Mapping[int, float], n_slots: int, n_host: int) -> dict[str, float]:
-    """Static placement by popularity: hottest keys in slots, next in host, rest on disk."""
+def expected_hits(rates: Mapping[int, float], n_slots: int, n_host: int,
+                  weight: Mapping[int, float] | None = None) -> dict[str, float]:
+    """Static placement by popularity: hottest keys in slots, next in host, rest on disk.
+
+    With `weight` (a key's record length over the tier entry's, for a mixed store) each pick
+    counts at its weight: the result is then in entry-sized record reads, which is what the floor
+    model multiplies by the entry length."""
     order = sorted(rates, key=lambda k: (-rates[k], k))
-    slot_keys, host_keys = order[:n_slots], order[n_slots : n_slots + n_host]
-    s = sum(rates[k] for k in slot_keys)
-    h = sum(rates[k] for k in host_keys)
-    return {"slots": s, "host": h, "disk": sum(rates.values()) - s - h}
+    w = weight or {}
+    tiers = {"slots": order[:n_slots], "host": order[n_slots : n_slots + n_host], "disk": order[n_slots + n_host :]}
+    return {t: sum(rates[k] * w.get(k, 1.0) for k in keys) for t, keys in tiers.items()}
 
 
 def decode_floor_s(record_bytes: int, hits: Mapping[str, float], device: str, *, top_k: int = 8,
@@ -391,7 +395,7 @@ def build_plan(
     """The tier plan of a store (parsed manifest) on this machine; reads no expert data.
     `cpu_threads`: the torch threads decode will run with (default: torch's current count)."""
     dev = torch.device(device)
-    rec = manifest.layout.length
+    rec = manifest.record_bytes  # a tier entry: the longest record
     total = len(manifest.records)
     n_slots, n_host, notes = size_tiers(
         record_bytes=rec,
@@ -405,9 +409,18 @@ def build_plan(
     top_k = config_top_k(manifest.config)
     rates, source, more = key_rates(manifest, stats_file, top_k)
     hits = expected_hits(rates, n_slots, n_host)
+    # a mixed store's reads are each record's own length: the floor gets picks weighted by length
+    read_hits = (expected_hits(rates, n_slots, n_host, {r.index: r.length / rec for r in manifest.records})
+                 if manifest.mixed else hits)
+    if manifest.mixed:
+        hot, cold = manifest.layouts[0], manifest.layouts[1]
+        n_cold = sum(1 for r in manifest.records if r.layout)
+        more = [*more, f"mixed store: {total - n_cold} hot {hot.kind} records of {fmt_bytes(hot.length)}, {n_cold} cold "
+                       f"{cold.kind} ones of {fmt_bytes(cold.length)}; tier entries hold the larger; the bound counts "
+                       "each read at its record's own length"]
     threads = max(1, cpu_threads or torch.get_num_threads())
     dense = dense_bytes_per_token(manifest)
-    floor = decode_floor_s(rec, hits, str(dev), top_k=top_k, moe_layers=len(manifest.moe_layers), dense_bytes=dense,
-                           cpu_threads=threads)
+    floor = decode_floor_s(rec, read_hits, str(dev), top_k=top_k, moe_layers=len(manifest.moe_layers),
+                           dense_bytes=dense, cpu_threads=threads)
     return TierPlan(str(dev), rec, total, n_slots, n_host, top_k, len(manifest.moe_layers), notes + more, hits, floor,
                     source, dense, threads)
