@@ -40,16 +40,18 @@ def stats_file(tiny_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mixed(tiny_dir, tmp_path_factory, stats_file):
-    return pack_tiny(tiny_dir, tmp_path_factory, "glm4_moe", dtype="bfloat16", quant="int4", group_size=32,
-                     cold_quant="int3", expert_stats=str(stats_file), hot_share=0.6)[1]
+    """bf16 hot experts (12,288-byte records) and int3 cold ones (4,096): the tiny model's int4 and
+    int3 records both pad to 4,096 bytes, so bf16 makes the records differ in length."""
+    return pack_tiny(tiny_dir, tmp_path_factory, "glm4_moe", dtype="bfloat16", quant="bf16",
+                     cold_quant="int3", cold_group_size=32, expert_stats=str(stats_file), hot_share=0.6)[1]
 
 
 def test_mixed_manifest_layouts_offsets_and_verify(mixed, capsys):
     m = load_manifest(mixed)
-    assert m.mixed and [lay.kind for lay in m.layouts] == ["int4", "int3"]
-    assert m.record_bytes == m.layouts[0].length >= m.layouts[1].length
+    assert m.mixed and [lay.kind for lay in m.layouts] == ["bf16", "int3"]
+    assert m.record_bytes == m.layouts[0].length == 12288 and m.layouts[1].length == 4096
     q = m.data["quantization"]
-    assert q["cold_kind"] == "int3" and q["hot_share"] == 0.6 and q["expert_stats"] == "stats.json"
+    assert q["cold_kind"] == "int3" and q["cold_group_size"] == 32 and q["hot_share"] == 0.6 and q["expert_stats"] == "stats.json"
     for layer in m.moe_layers:
         assert m.layout_ids(layer) == [0, 0, 1, 1, 1, 1, 1, 1]  # 40 + 20 of 100 picks reach 0.6
     off = 0
@@ -126,17 +128,16 @@ def test_stats_for_another_model_are_refused(tiny_dir, tmp_path):
 
 
 def test_plan_counts_each_read_at_its_own_length(mixed, stats_file, capsys):
-    """The plan says how the store is mixed, and its bound reads each record at its own length (the
-    tiny model's int4 and int3 records both pad to 4096 bytes, so the weighting is checked on
-    its own: cold picks count at their length's share of a tier entry)."""
+    """The plan says how the store is mixed, and its bound reads each record at its own length: cold
+    picks count at their length's share of a tier entry."""
     from tiermoe.store.planner import expected_hits
 
     m = load_manifest(mixed)
     assert main(["plan", str(mixed), "--stats", str(stats_file), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     n_cold = sum(1 for r in m.records if r.layout)
-    assert f"mixed store: {len(m.records) - n_cold} hot int4 records" in out and f"{n_cold} cold int3" in out
+    assert f"mixed store: {len(m.records) - n_cold} hot bf16 records" in out and f"{n_cold} cold int3" in out
     rates = {r.index: 1.0 + (r.expert == 0) for r in m.records}
-    weight = {r.index: 0.75 if r.layout else 1.0 for r in m.records}  # a GLM-5.3 int3 G64 record is 0.79 int4's
+    weight = {r.index: r.length / m.record_bytes for r in m.records}
     plain, weighted = expected_hits(rates, 0, len(rates)), expected_hits(rates, 0, len(rates), weight)
     assert weighted["host"] < plain["host"] and weighted["slots"] == plain["slots"] == 0
