@@ -28,11 +28,13 @@ def test_table_and_json(tmp_path, capsys):
 
 
 def test_int3_beside_int4(tmp_path, capsys):
+    """Two rounds (--repeat): still one row per cell, the fastest round's, and int3 compared with int4."""
     out = tmp_path / "lane.json"
-    rc, text = run_bench(["lane", *TINY, "--kinds", "int4,int3", "--threads", "1", "--tokens", "1,2",
+    rc, text = run_bench(["lane", *TINY, "--kinds", "int4,int3", "--threads", "1", "--tokens", "1,2", "--repeat", "2",
                           "--out", str(out)], capsys)
     assert rc == 0, text
     r = load(out)
+    assert r["repeat"] == 2
     assert [(row["kind"], row["tokens"]) for row in r["rows"]] == [("int4", 1), ("int4", 2), ("int3", 1), ("int3", 2)]
     assert all(row["kernel"].startswith(("native-", "torch")) and row["gbs"] > 0 for row in r["rows"])
     rows = {(row["kind"], row["tokens"]): row for row in r["rows"]}
@@ -57,7 +59,8 @@ def test_records_from_a_store(tiny_dir, tmp_path_factory, capsys, quant):
 
 
 @pytest.mark.parametrize("argv,msg", [(["--kinds", "fp8"], "--kinds"), (["--threads", "0"], "--threads"),
-                                      (["--tokens", "x"], "--tokens"), (["--inter", "30"], "group-size")])
+                                      (["--tokens", "x"], "--tokens"), (["--inter", "30"], "group-size"),
+                                      (["--repeat", "0"], "--repeat")])
 def test_bad_input_is_one_line_exit_2(argv, msg, capsys):
     rc, text = run_bench(["lane", *TINY, *argv], capsys)
     assert rc == 2 and msg in text

@@ -13,7 +13,7 @@ of the host read): int3 reads 3/8 of a byte per weight against int4's 1/2, so wh
 at the host's read rate an int3 expert takes about 3/4 of an int4 one.
 
     tiermoe bench lane [--hidden 4096 --inter 2048 --group-size 128] [--kinds int4,int3,int8,bf16]
-                       [--threads 1,2,4,8] [--tokens 1,2,4,8] [--store STORE] [--out lane.json]
+                       [--threads 1,2,4,8] [--tokens 1,2,4,8] [--repeat N] [--store STORE] [--out lane.json]
 
 `--store` takes the records (kind and shape too) from a packed store instead of random ones.
 """
@@ -41,6 +41,9 @@ def register(bench_subparsers) -> None:
     p.add_argument("--experts", type=int, default=4, help="experts per lane call (one MoE layer's share)")
     p.add_argument("--pool-gb", type=float, default=1.0, help="GiB of records cycled through, per kind")
     p.add_argument("--seconds", type=float, default=0.5, help="time per measurement")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds over every cell (kinds interleaved), each cell keeping its fastest round: on a host "
+                        "other work shares, one round's cells of one kind can all meet a busy spell")
     p.add_argument("--store", default=None, help="packed store to take records (kind, shape) from")
     p.add_argument("--isa", choices=("avx512bf16", "avx512", "avx2", "scalar"), default="avx512bf16",
                    help="most the compiled kernel may use (default: the best this CPU has)")
@@ -77,8 +80,8 @@ def _check(args) -> tuple[list[str], list[int], list[int]]:
         raise UserError(f"--kinds: unknown kind(s) {bad}; choose from {', '.join(KIND_CHOICES)}")
     threads = _ints(args.threads, "--threads") if args.threads else default_threads()
     tokens = _ints(args.tokens, "--tokens")
-    if args.experts < 1 or args.pool_gb <= 0 or args.seconds <= 0:
-        raise UserError("--experts, --pool-gb and --seconds must be > 0")
+    if args.experts < 1 or args.pool_gb <= 0 or args.seconds <= 0 or args.repeat < 1:
+        raise UserError("--experts, --pool-gb, --seconds and --repeat must be > 0")
     if args.hidden < 1 or args.inter < 1 or args.group_size < 1:
         raise UserError("--hidden, --inter and --group-size must be >= 1")
     return kinds, threads, tokens
@@ -201,14 +204,22 @@ def run_lane_bench(args) -> dict:
     host = {}
     for t in threads:
         host[t] = max(host_read_gbs(p, t, args.seconds, not args.no_pin) for _, p in pools)
-    rows = []
-    for layout, pool in pools:
-        for t in threads:
-            for n_tok in tokens:
-                cell = lane_cell(layout, pool, t, n_tok, args.experts, args.seconds, args.isa, not args.no_pin)
-                cell.update(kind=layout.kind, host_read_gbs=host[t], share_of_host=cell["gbs"] / host[t])
-                rows.append(cell)
-                print(_row_line(cell), flush=True)
+    best: dict[tuple, dict] = {}  # (pool, threads, tokens) -> the fastest round's cell
+    for rnd in range(args.repeat):
+        for i, (layout, pool) in enumerate(pools):
+            for t in threads:
+                for n_tok in tokens:
+                    cell = lane_cell(layout, pool, t, n_tok, args.experts, args.seconds, args.isa, not args.no_pin)
+                    cell.update(kind=layout.kind, host_read_gbs=host[t], share_of_host=cell["gbs"] / host[t])
+                    key = (i, t, n_tok)
+                    if key not in best or cell["ms_per_expert"] < best[key]["ms_per_expert"]:
+                        best[key] = cell
+                    if args.repeat == 1:
+                        print(_row_line(cell), flush=True)
+    rows = list(best.values())  # pool, threads, tokens order
+    if args.repeat > 1:
+        for cell in rows:
+            print(_row_line(cell), flush=True)
     versus = compare_with_int4(rows)
     if versus:
         print(VERSUS_HEADER, flush=True)
@@ -217,7 +228,8 @@ def run_lane_bench(args) -> dict:
     layout = pools[0][0]
     return {"shape": {"hidden": layout.hidden, "inter": layout.intermediate, "group_size": layout.group_size},
             "store": args.store, "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
-            "host_read_gbs": {str(t): g for t, g in host.items()}, "rows": rows, "versus_int4": versus}
+            "host_read_gbs": {str(t): g for t, g in host.items()}, "repeat": args.repeat, "rows": rows,
+            "versus_int4": versus}
 
 
 def compare_with_int4(rows: list[dict]) -> list[dict]:

@@ -51,12 +51,14 @@ inline uint16_t bf16_bits(float f) {  // f holds a bf16 value already (rounded):
 }
 
 // One weight matrix of a record: row r starts at q + r * row_bytes; scales at s + r * (K / G). int3: the
-// row's high-bit plane starts K / 4 bytes into the row.
+// row's high-bit plane starts K / 4 bytes into the row. ahead: the rows two on from the ones computed are
+// the caller's next ones (not another thread's), so paths that prefetch may fetch them.
 struct Mat {
   const uint8_t* q;
   const uint16_t* s;
   int64_t row_bytes;
   int K, G;
+  bool ahead = false;
 };
 
 // R rows times NT input rows: res[r][t] = sum_k W'[row r, k] * x[t][k]. Scales are walked group by
@@ -130,30 +132,31 @@ inline __m512 w_bf16(const uint8_t* q, int c) {
 
 // 16 int3 weights of a row from column c (c % 16 == 0), in column order. tbl: the group's 16-entry table,
 // entries 0-7 for a clear high bit (q = low - 4), 8-15 for a set one (q = low), each 4 levels repeated;
-// lane b gets column c + b's low field in bits 0-1 (shift by lsh = 2b) and its high bit in bit 3 (the
-// high bits shifted left by 3, then right by hsh = b); sel: 8 in every lane.
-inline __m512 w_int3(const uint8_t* lo, const uint8_t* hi, int c, __m512 tbl, __m512i lsh, __m512i hsh, __m512i sel) {
-  uint32_t lw;
-  uint16_t hw;
+// lane b gets column c + b's low field in bits 0-1 (a shift by lsh = 2b) and its high bit in bit 3 (a
+// rotation by hrot = b - 3); sel: 8 in every lane. The high bits are read as 4 bytes, 2 past this
+// vector's: still inside the record, whose scale sections follow its weight sections.
+inline __m512 w_int3(const uint8_t* lo, const uint8_t* hi, int c, __m512 tbl, __m512i lsh, __m512i hrot,
+                     __m512i sel) {
+  int32_t lw, hw;
   std::memcpy(&lw, lo + (c >> 2), 4);
-  std::memcpy(&hw, hi + (c >> 3), 2);
-  __m512i idx = _mm512_srlv_epi32(_mm512_set1_epi32(int(lw)), lsh);
-  __m512i h = _mm512_srlv_epi32(_mm512_set1_epi32(int(hw) << 3), hsh);
+  std::memcpy(&hw, hi + (c >> 3), 4);
+  __m512i idx = _mm512_srlv_epi32(_mm512_set1_epi32(lw), lsh);
+  __m512i h = _mm512_rorv_epi32(_mm512_set1_epi32(hw), hrot);
   return _mm512_permutexvar_ps(_mm512_ternarylogic_epi32(sel, h, idx, 0xCA), tbl);  // bit 3 from h
 }
 
 // int3 rows, G % 16 == 0, K % 16 == 0. The row's vectors take turns on A accumulators per token (4 for
 // one token: a row alone has too few FMA chains to hide their latency; 2 otherwise, for registers), the
 // tables are rebuilt where a group starts, and each 16th vector prefetches the same columns two rows on
-// (rows a later call reads; past the matrix end a prefetch is a no-op): int3's extra arithmetic per
-// byte leaves the core fewer loads in flight than int4 has, and without it the lane's int3 reads ran at
-// two thirds of int4's bytes per second.
+// (m.ahead: rows this thread reads next): int3's extra arithmetic per byte leaves the core fewer loads
+// in flight than int4 has, and without it the lane's int3 reads ran at two thirds of int4's bytes per
+// second.
 template <int R, int NT>
 void dot_int3(const Mat& m, const int* rows, const float* const* x, bool rnd, float res[][4]) {
   constexpr int A = NT == 1 ? 4 : 2;
   const __m512 levels = _mm512_setr_ps(-4, -3, -2, -1, -4, -3, -2, -1, 0, 1, 2, 3, 0, 1, 2, 3);
   const __m512i lsh = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i hsh = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i hrot = _mm512_setr_epi32(29, 30, 31, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12);
   const __m512i sel = _mm512_set1_epi32(8);
   __m512 acc[R][NT][A], tbl[R];
   const uint8_t *q[R], *hi[R];
@@ -175,13 +178,13 @@ void dot_int3(const Mat& m, const int* rows, const float* const* x, bool rnd, fl
     }
     --left;
     const int c = 16 * v;
-    if ((v & 15) == 0)
+    if (m.ahead && (v & 15) == 0)
       for (int r = 0; r < R; ++r) {
         _mm_prefetch(reinterpret_cast<const char*>(q[r] + 2 * m.row_bytes + (c >> 2)), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(hi[r] + 2 * m.row_bytes + (c >> 3)), _MM_HINT_T0);
       }
     for (int r = 0; r < R; ++r) {
-      __m512 w = w_int3(q[r], hi[r], c, tbl[r], lsh, hsh, sel);
+      __m512 w = w_int3(q[r], hi[r], c, tbl[r], lsh, hrot, sel);
       for (int t = 0; t < NT; ++t) acc[r][t][i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x[t] + c), acc[r][t][i]);
     }
   };
@@ -473,7 +476,7 @@ void dot_int3(const Mat& m, const int* rows, const uint16_t* const* x, float res
     }
     --left;
     const int c = 32 * v;
-    if ((v & 7) == 0)
+    if (m.ahead && (v & 7) == 0)
       for (int r = 0; r < R; ++r) {
         _mm_prefetch(reinterpret_cast<const char*>(q[r] + 2 * m.row_bytes + (c >> 2)), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(hi[r] + 2 * m.row_bytes + (c >> 3)), _MM_HINT_T0);

@@ -244,6 +244,7 @@ void gate_up_t(const Ctx& c, int item) {
     for (int r = j0; r < j1; ++r) {
       int rows[2] = {r, r + j.inter};
       float res[2][4];
+      m.ahead = r + 2 < j1;  // rows of this item (the next item may be another thread's)
       dots(c, m, rows, 2, x, nt, res);
       for (int t = 0; t < nt; ++t) {
         float g = res[0][t], u = res[1][t];
@@ -268,6 +269,7 @@ void down_t(const Ctx& c, int item) {
       for (int h = h0; h < h1; h += 2) {
         int rows[2] = {h, h + 1}, R = h + 1 < h1 ? 2 : 1;
         float res[2][4];
+        m.ahead = h + 3 < h1;
         dots(c, m, rows, R, a, nt, res);
         for (int r = 0; r < R; ++r)
           for (int t = 0; t < nt; ++t)
