@@ -84,7 +84,7 @@ def test_align_torch_path_matches_twin(device):
     gen = torch.Generator().manual_seed(3)
     ids = _picks(6, gen, e=7, k=3).to(device)
     nb = F.nb_max(ids.numel(), 7, 16, 6) + 3  # any nb >= the bound
-    sp, be = F._align_torch(ids, 7, 16, nb)
+    sp, be = C._align_torch(ids, 7, 16, nb)
     sp_ref, be_ref = R.moe_align_ref(ids.cpu(), 16, nb)
     assert torch.equal(sp.cpu(), sp_ref) and torch.equal(be.cpu(), be_ref)
 
@@ -324,3 +324,103 @@ def test_int3_values_without_int_to_float_conversion(device):
     values[(1,)](lo.to(device), hi.to(device), out, BLOCK=n)
     want = torch.stack([((lo >> (2 * c)) & 3) + 4 * ((hi >> c) & 1) - 4 for c in range(8)]).float()
     assert torch.equal(out.cpu(), want)
+
+
+# ----------------------------------------------------------------------------- mixed stores
+
+
+def _setup_mixed(kinds, h, i, seed=0):
+    """A mixed store's layer: E tier entries of the longest layout's length, expert e's record of
+    layout kind_table[e] at the start of its entry and random bytes after it (junk the kernel must
+    never read). kinds: ((kind, group), ...) in layout order; experts alternate 0, 1, 0, 1, ...
+    except that the last two are of layout 0 (so a block's neighbours are of either kind)."""
+    gen = torch.Generator().manual_seed(seed)
+    lays = [expert_layout(kind, h, i, group or 128) for kind, group in kinds]
+    table_kinds = torch.tensor([e % len(lays) if e < E - 2 else 0 for e in range(E)], dtype=torch.int8)
+    length = max(lay.length for lay in lays)
+    entries = torch.randint(0, 256, (E, length), dtype=torch.uint8, generator=gen)  # [E, R]
+    for e in range(E):
+        lay = lays[int(table_kinds[e])]
+        entries[e, : lay.length] = R.make_record(lay, gen)
+    return lays, entries, table_kinds, gen
+
+
+def _addresses(entries, device):
+    return torch.tensor([entries[e].data_ptr() for e in range(E)], dtype=torch.int64, device=device)
+
+
+MIXED = {"int4+int3": ((("int4", 32), ("int3", 32)), 128, 64), "bf16+int4": ((("bf16", 0), ("int4", 32)), H, I)}
+
+
+@pytest.mark.parametrize("mix", list(MIXED))
+@pytest.mark.parametrize("tokens", [1, 20])
+def test_mixed_kinds_match_twin_and_are_exact_across_tiers(mix, tokens, device):
+    """A kind table over records of two layouts: one launch per layout over one block plan (decode:
+    the one-program plan; 20 tokens: the torch plan), each skipping the other's blocks, then one
+    pick-order sum: the twin's function with each record read at its own layout. The same records
+    in a second buffer ('host' beside 'slots'), any mix of addresses: the same bits."""
+    kinds, h, i = MIXED[mix]
+    lays, entries, table_kinds, gen = _setup_mixed(kinds, h, i, seed=tokens)
+    entries, kt = entries.to(device), table_kinds.to(device)
+    x = torch.randn(tokens, h, generator=gen).to(torch.bfloat16).to(device)  # [T, H]
+    ids, w = _picks(tokens, gen).to(device), torch.rand(tokens, K, generator=gen).to(device)
+    slots = _addresses(entries, device)
+    out = F.fused_moe(x, ids, w, slots, lays, kind_table=kt)
+    ref = R.fused_moe_ref(x, ids, w, entries, lays, kinds=table_kinds)
+    assert out.shape == (tokens, h) and torch.isfinite(out.float()).all()
+    assert _rel(out, ref) < 2e-2
+    assert (out.float() - ref.float()).abs().max().item() < 0.05 * ref.float().abs().max().item()
+    host = entries.clone()
+    mixed = slots.clone()
+    mixed[1::3] = _addresses(host, device)[1::3]
+    assert torch.equal(F.fused_moe(x, ids, w, mixed, lays, kind_table=kt.to(torch.int32)), out)
+    assert torch.equal(F.fused_moe(x, ids, w, _addresses(host, device), lays, kind_table=kt), out)
+
+
+def test_mixed_matrix_vector_and_block_kernels_share_a_step(device):
+    """Each layout takes the kernel its own configuration says: the hot int4 experts the
+    matrix-vector kernel (a decode entry with "gemv"), the bf16 ones the block kernel, in one
+    step; the twin's function, with a SwiGLU limit too, and bit-identical across tiers. Both
+    layouts on the matrix-vector kernel as well."""
+    lays, entries, table_kinds, gen = _setup_mixed((("int4", 32), ("bf16", 0)), H, I, seed=3)
+    entries, kt = entries.to(device), table_kinds.to(device)
+    x = torch.randn(3, H, generator=gen).to(torch.bfloat16).to(device)
+    ids, w = _picks(3, gen).to(device), torch.rand(3, K, generator=gen).to(device)
+    both = [_gemv_config(lay, 16, 32) for lay in lays]
+    for cfg in ([both[0], F.default_config(lays[1], 3)], both):
+        for limit in (None, 0.5):
+            out = F.fused_moe(x, ids, w, _addresses(entries, device), lays, config=cfg, kind_table=kt,
+                              swiglu_limit=limit)
+            ref = R.fused_moe_ref(x, ids, w, entries, lays, swiglu_limit=limit, kinds=table_kinds)
+            assert _rel(out, ref) < 2e-2
+        host = entries.clone()  # kept alive: the table holds its addresses
+        moved = F.fused_moe(x, ids, w, _addresses(host, device), lays, config=cfg, kind_table=kt, swiglu_limit=limit)
+        assert torch.equal(moved, out)
+
+
+def test_one_kind_table_is_the_uniform_path(device):
+    """A kind table naming one layout for every expert runs the same kernels as no table (the
+    uniform path): the same bits, block and matrix-vector kernels; a mixed call checks its inputs."""
+    lay, recs, table = _setup("int4", device, seed=4)
+    x, ids, w = _batch(3, 4, device)
+    kt = torch.zeros(E, dtype=torch.int32, device=device)
+    assert torch.equal(F.fused_moe(x, ids, w, table, [lay], kind_table=kt), F.fused_moe(x, ids, w, table, lay))
+    cfg = _gemv_config(lay, 16, 32)
+    assert torch.equal(F.fused_moe(x, ids, w, table, [lay], config=[cfg], kind_table=kt),
+                       F.fused_moe(x, ids, w, table, lay, config=cfg))
+    with pytest.raises(ValueError, match="kind_table"):
+        F.fused_moe(x, ids, w, table, [lay], kind_table=kt.to(torch.int64))
+    with pytest.raises(ValueError, match="different shapes"):
+        F.fused_moe(x, ids, w, table, [lay, expert_layout("int4", H, 2 * I, G)], kind_table=kt)
+
+
+def test_mixed_configs_share_one_block_plan():
+    """Layouts whose own configurations differ in BM run their block launches at the first block
+    layout's BM (one plan); a layout on the matrix-vector kernel does not set it."""
+    lays = [expert_layout("int4", H, I, G), expert_layout("int8", H, I, G)]
+    own = [F.default_config(lay, 20) for lay in lays]
+    own[1] = {st: {**c, "BM": 32} for st, c in own[1].items()}
+    cfgs = F.mixed_configs(lays, 20, None, own)
+    assert [c[st]["BM"] for c in cfgs for st in ("gate_up", "down")] == [own[0]["gate_up"]["BM"]] * 4
+    gemv_first = [_gemv_config(lays[0], 16, 32, max_tokens=32), own[1]]
+    assert all(c["down"]["BM"] == 32 for c in F.mixed_configs(lays, 20, None, gemv_first))

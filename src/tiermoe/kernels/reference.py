@@ -18,6 +18,8 @@ bit-exactness is a property of one kernel across memory tiers, not of kernel vs 
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from tiermoe.kernels.cache_policy import DECAY_SHIFT
@@ -109,20 +111,30 @@ def expert_ref(x: torch.Tensor, rec: torch.Tensor, layout: ExpertLayout,
 
 
 def fused_moe_ref(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, records, layout: ExpertLayout,
-    swiglu_limit: float | None = None,
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, records,
+    layout: ExpertLayout | Sequence[ExpertLayout], swiglu_limit: float | None = None, kinds=None,
 ) -> torch.Tensor:
     """Twin of triton.fused_moe.fused_moe.
 
     x [T, H] bf16; topk_ids [T, K] (indices into `records`); topk_weights [T, K] float;
     records: uint8 [E, R] tensor or a sequence of uint8 records. Returns bf16 [T, H].
+    layout: the ExpertLayout of every record; for a mixed store a sequence of them, with kinds
+    (int [E], the kernel's kind_table) the index of each record's layout, or without kinds one
+    layout per record. A record may be longer than its layout (a shorter kind in a tier entry).
     """
     t, k = topk_ids.shape
-    y = torch.zeros(t, k, layout.hidden, dtype=torch.float32, device=x.device)  # [T, K, H]
+    if isinstance(layout, ExpertLayout):
+        layout_of = lambda e: layout  # noqa: E731
+    elif kinds is not None:
+        kinds = torch.as_tensor(kinds).tolist()
+        layout_of = lambda e: layout[kinds[e]]  # noqa: E731
+    else:
+        layout_of = lambda e: layout[e]  # noqa: E731
+    y = torch.zeros(t, k, layout_of(0).hidden, dtype=torch.float32, device=x.device)  # [T, K, H]
     ids = topk_ids.to(torch.int64)
     for e in torch.unique(ids).tolist():
         rows, cols = (ids == e).nonzero(as_tuple=True)
-        y[rows, cols] = expert_ref(x[rows], records[e], layout, swiglu_limit) * topk_weights[
+        y[rows, cols] = expert_ref(x[rows], records[e], layout_of(e), swiglu_limit) * topk_weights[
             rows, cols
         ].float().unsqueeze(-1)
     out = y[:, 0]

@@ -18,6 +18,10 @@ Pipeline (all launches are fixed-shape and sync-free, so a decode step can be gr
      g = min(g, L), u = clamp(u, -L, L) first).
   3. _moe_gemm_kernel, not gated: down projection per pair, times the routing weight (fp32).
   4. _sum_pairs_kernel: out[t] = bf16(sum over k in pick order) - deterministic, no atomics.
+(moe_align and the sum live in common.py.) A mixed store (`pack --cold-quant`: records of two
+layouts) passes a kind table, each expert's layout index: steps 2-3 run once per layout over the
+one plan, each launch returning early on blocks (or picks) whose expert is of another layout,
+and step 4 runs once, so an expert's result never depends on the tier of any expert.
 
 int3/int4/int8 weights are dequantized in registers exactly like reference.dequant_matrix
 (bf16(float32(q) * float32(scale))) and multiplied with bf16 tensor-core dots (fp32 accum).
@@ -38,13 +42,16 @@ import functools
 import json
 import os
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
 from tiermoe.kernels.layout import ExpertLayout
-from tiermoe.kernels.triton.common import KIND_ID, int3_value, int4_value, int8_value, record_pointers
+from tiermoe.kernels.triton.common import (  # noqa: F401  (moe_align, nb_max: this module's API too)
+    KIND_ID, int3_value, int4_value, int8_value, moe_align, nb_max, record_pointers, sum_pairs,
+)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CONFIG_PATH = Path(__file__).with_name("configs.json")
@@ -119,6 +126,7 @@ def _moe_gemm_kernel(
     sorted_pairs_ptr,  # [NB * BM] int32, P = padding
     block_expert_ptr,  # [NB] int32, -1 = unused block
     ptr_table_ptr,  # [E] int64 record addresses
+    kinds_ptr,  # [E] int8/int32 layout index of each table row (read only when SEL >= 0)
     weights_ptr,  # [P] fp32 routing weights (not GATED)
     P,
     A_DIV,
@@ -135,10 +143,13 @@ def _moe_gemm_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     DOT_F32: tl.constexpr,  # interpreter only: its bf16 dot is unreliable
+    SEL: tl.constexpr,  # -1: every record has this layout; else only blocks whose expert's kinds entry is SEL
 ):
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_b)
+    if SEL >= 0:  # a mixed store: a block of another layout's expert is that launch's
+        e = tl.where(tl.load(kinds_ptr + tl.maximum(e, 0)).to(tl.int32) == SEL, e, -1)
     if e < 0:
         return
     offs_m = pid_b * BM + tl.arange(0, BM)
@@ -243,104 +254,7 @@ def _moe_gemm_kernel(
         tl.store(out_ptr + out_offs, acc * wt[:, None], mask=m_ok[:, None])
 
 
-@triton.jit
-def _sum_pairs_kernel(y_ptr, out_ptr, K: tl.constexpr, H: tl.constexpr, BH: tl.constexpr):
-    """out[t, :] = bf16(y[t*K] + y[t*K+1] + ... ), strictly in pick order."""
-    t = tl.program_id(0)
-    offs = tl.program_id(1) * BH + tl.arange(0, BH)
-    ok = offs < H  # H need not be a multiple of BH (e.g. 2880)
-    acc = tl.load(y_ptr + (t * K).to(tl.int64) * H + offs, mask=ok, other=0.0)
-    for k in tl.static_range(1, K):
-        acc += tl.load(y_ptr + (t * K + k).to(tl.int64) * H + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + t.to(tl.int64) * H + offs, acc.to(tl.bfloat16), mask=ok)
-
-
-@triton.jit
-def _align_small_kernel(
-    ids_ptr, P, sorted_pairs_ptr, block_expert_ptr, NB, BM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_NB: tl.constexpr
-):
-    """One program: canonical block plan when every expert has at most BM picks."""
-    offs = tl.arange(0, BLOCK_P)
-    ok = offs < P
-    ids = tl.load(ids_ptr + offs, mask=ok, other=-1)
-    same = (ids[:, None] == ids[None, :]) & ok[:, None] & ok[None, :]  # [BP, BP]
-    earlier = offs[None, :] < offs[:, None]  # j < i
-    rank = tl.sum((same & earlier).to(tl.int32), axis=1)  # picks of my expert before me
-    first = ok & (rank == 0)
-    first_pos = tl.min(tl.where(same, offs[None, :], BLOCK_P), axis=1)  # my expert's first pick
-    uidx = tl.sum((first[None, :] & (offs[None, :] < first_pos[:, None])).to(tl.int32), axis=1)
-    n_u = tl.sum(first.to(tl.int32), axis=0)
-    offs_nb = tl.arange(0, BLOCK_NB)
-    # fill, then scatter (one CTA: the barrier orders the two phases)
-    for r in tl.static_range(BM):
-        tl.store(sorted_pairs_ptr + offs_nb * BM + r, P, mask=offs_nb < NB)
-    tl.store(block_expert_ptr + offs_nb, -1, mask=(offs_nb >= n_u) & (offs_nb < NB))
-    tl.debug_barrier()
-    tl.store(block_expert_ptr + uidx, ids, mask=first)
-    tl.store(sorted_pairs_ptr + uidx * BM + rank, offs, mask=ok)
-
-
 # ----------------------------------------------------------------------------- host side
-
-
-def nb_max(num_pairs: int, num_experts: int, block_m: int, tokens: int) -> int:
-    """Upper bound on blocks of the plan (fixed, so the plan's shape never depends on data)."""
-    used = min(num_pairs, num_experts)
-    return used if tokens <= block_m else used + num_pairs // block_m
-
-
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block plan of the picks (see reference.moe_align_ref): (sorted_pairs, block_expert).
-
-    topk_ids [T, K] integer rows of the pointer table; a token must not pick an expert twice.
-    No host synchronisation, fixed output shapes: safe inside CUDA graph capture.
-    """
-    t, k = topk_ids.shape
-    p = t * k
-    nb = nb_max(p, num_experts, block_m, t)
-    dev = topk_ids.device
-    if t <= block_m and p <= 256:
-        sorted_pairs = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
-        block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
-        ids = topk_ids.reshape(-1).to(torch.int32)
-        bp = max(16, triton.next_power_of_2(p))
-        _align_small_kernel[(1,)](
-            ids,
-            p,
-            sorted_pairs,
-            block_expert,
-            nb,
-            BM=block_m,
-            BLOCK_P=bp,
-            BLOCK_NB=max(16, triton.next_power_of_2(nb)),
-            num_warps=4 if bp <= 64 else 8,
-        )
-        return sorted_pairs, block_expert
-    return _align_torch(topk_ids, num_experts, block_m, nb)
-
-
-def _align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
-    dev = topk_ids.device
-    ids = topk_ids.reshape(-1).to(torch.int64)  # [P]
-    p = ids.numel()
-    e = num_experts
-    pos = torch.arange(p, device=dev)
-    first = torch.full((e,), p, dtype=torch.int64, device=dev).scatter_reduce_(0, ids, pos, "amin")  # [E]
-    counts = torch.zeros(e, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids))  # [E]
-    nblk = (counts + block_m - 1) // block_m  # [E]
-    order = torch.sort(first, stable=True).indices  # experts by first pick, unused last
-    nblk_sorted = nblk[order]
-    blk_end_sorted = torch.cumsum(nblk_sorted, 0)  # [E]
-    blk_start = torch.empty_like(nblk).scatter_(0, order, blk_end_sorted - nblk_sorted)  # [E]
-    by_id = torch.sort(ids, stable=True).indices  # pairs grouped by expert, ascending
-    grp_start = torch.cumsum(counts, 0) - counts  # [E]
-    rank = torch.empty_like(ids).scatter_(0, by_id, pos - grp_start[ids[by_id]])  # [P]
-    dest = blk_start[ids] * block_m + rank  # [P]
-    sorted_pairs = torch.full((nb * block_m,), p, dtype=torch.int32, device=dev)
-    sorted_pairs.scatter_(0, dest, pos.to(torch.int32))
-    j = torch.searchsorted(blk_end_sorted, torch.arange(nb, device=dev), right=True)  # [NB]
-    block_expert = torch.where(j < e, order[j.clamp(max=e - 1)], -1).to(torch.int32)
-    return sorted_pairs, block_expert
 
 
 @functools.lru_cache(maxsize=None)
@@ -431,11 +345,12 @@ def fused_moe(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     ptr_table: torch.Tensor,
-    layout: ExpertLayout,
+    layout: ExpertLayout | Sequence[ExpertLayout],
     *,
-    config: dict | None = None,
+    config: dict | Sequence[dict | None] | None = None,
     out: torch.Tensor | None = None,
     swiglu_limit: float | None = None,
+    kind_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SwiGLU MoE over pointer-table experts. Returns bf16 [T, H] (written into `out` if given).
 
@@ -445,7 +360,18 @@ def fused_moe(
     aligned (records are 4096-aligned). Shared experts are ordinary entries picked with
     weight 1. No host synchronisation: safe inside CUDA graph capture. swiglu_limit: clamp the
     gate from above and the up projection on both sides at this value before the SwiGLU.
+
+    A mixed store (records of several layouts, `pack --cold-quant`): kind_table int8/int32 [E] on
+    the device holds the index into `layout` (then a sequence, one ExpertLayout per index) of
+    each table row's record, and `config` may be a sequence of one configuration (or None) per
+    layout. Each layout then gets its own launches over the one block plan, skipping the blocks
+    (or picks) of the others' experts on the device; `sum_pairs` stays one launch in pick order.
+    An expert's result so depends only on its own layout's kernel and bytes, never on the tier
+    it sits in. Without kind_table `layout` is every record's and today's single launch runs.
     """
+    if kind_table is not None:
+        return _fused_moe_mixed(x, topk_ids, topk_weights, ptr_table, tuple(layout), kind_table, config, out,
+                                swiglu_limit)
     t, k = topk_ids.shape
     h, i = layout.hidden, layout.inter
     if x.shape != (t, h) or x.dtype != torch.bfloat16:
@@ -459,77 +385,104 @@ def fused_moe(
         from tiermoe.kernels.triton.moe_gemv import moe_projections_gemv
 
         y = moe_projections_gemv(x, topk_ids.reshape(-1).to(torch.int32), w, ptr_table, layout, gemv, k, swiglu_limit)
-        return _sum_pairs(y, t, k, h, out)
+        return sum_pairs(y, t, k, h, out)
     bm = cfg["gate_up"]["BM"]
     p = t * k
-    e = ptr_table.numel()
-    sorted_pairs, block_expert = moe_align(topk_ids, e, bm)
-    nb = block_expert.numel()
+    plan = moe_align(topk_ids, ptr_table.numel(), bm)
     act = torch.empty(p, i, dtype=torch.bfloat16, device=x.device)  # [P, I]
     y = torch.empty(p, h, dtype=torch.float32, device=x.device)  # [P, H]
+    _block_projections(x, act, y, plan, ptr_table, w, layout, cfg, k, swiglu_limit, ptr_table, -1)
+    return sum_pairs(y, t, k, h, out)
+
+
+def _block_projections(x: torch.Tensor, act: torch.Tensor, y: torch.Tensor, plan: tuple[torch.Tensor, torch.Tensor],
+                       ptr_table: torch.Tensor, w: torch.Tensor, layout: ExpertLayout, cfg: dict, k: int,
+                       swiglu_limit: float | None, kinds: torch.Tensor, sel: int) -> None:
+    """The gated and the down launch of the block kernel: act bf16 [P, I] and y fp32 [P, H] rows
+    of the planned picks (plan = moe_align's (sorted_pairs, block_expert)). sel >= 0: only the
+    blocks whose expert has kinds[e] == sel (a mixed store's launches of one layout), else all
+    (kinds is then never read)."""
+    sorted_pairs, block_expert = plan
+    p, nb = act.shape[0], block_expert.numel()
+    h, i = layout.hidden, layout.inter
     kind = KIND_ID[layout.kind]
     g = layout.group_size or 1
-    s_gu = max(layout.gate_up_s, 0)
-    s_dn = max(layout.down_s, 0)
-    c = cfg["gate_up"]
-    _moe_gemm_kernel[(nb, i // c["BN"])](
-        x,
-        act,
-        sorted_pairs,
-        block_expert,
-        ptr_table,
-        w,
-        p,
-        k,
-        float(swiglu_limit or 0.0),
-        Q_OFF=layout.gate_up_q,
-        S_OFF=s_gu,
-        N=i,
-        KD=h,
-        G=g,
-        KIND=kind,
-        GATED=True,
-        CLAMP=swiglu_limit is not None,
-        BM=bm,
-        BN=c["BN"],
-        BK=c["BK"],
-        DOT_F32=_INTERPRET,
-        num_warps=c["num_warps"],
-        num_stages=c["num_stages"],
-    )
-    c = cfg["down"]
-    _moe_gemm_kernel[(nb, h // c["BN"])](
-        act,
-        y,
-        sorted_pairs,
-        block_expert,
-        ptr_table,
-        w,
-        p,
-        1,
-        0.0,
-        Q_OFF=layout.down_q,
-        S_OFF=s_dn,
-        N=h,
-        KD=i,
-        G=g,
-        KIND=kind,
-        GATED=False,
-        CLAMP=False,
-        BM=bm,
-        BN=c["BN"],
-        BK=c["BK"],
-        DOT_F32=_INTERPRET,
-        num_warps=c["num_warps"],
-        num_stages=c["num_stages"],
-    )
-    return _sum_pairs(y, t, k, h, out)
+    for stage, a, out, n, kd, a_div, gated in (("gate_up", x, act, i, h, k, True), ("down", act, y, h, i, 1, False)):
+        c = cfg[stage]
+        q_off, s_off = (layout.gate_up_q, layout.gate_up_s) if gated else (layout.down_q, layout.down_s)
+        _moe_gemm_kernel[(nb, n // c["BN"])](
+            a, out, sorted_pairs, block_expert, ptr_table, kinds, w, p, a_div,
+            float(swiglu_limit or 0.0) if gated else 0.0,
+            Q_OFF=q_off, S_OFF=max(s_off, 0), N=n, KD=kd, G=g, KIND=kind, GATED=gated,
+            CLAMP=gated and swiglu_limit is not None, BM=cfg["gate_up"]["BM"], BN=c["BN"], BK=c["BK"],
+            DOT_F32=_INTERPRET, SEL=sel, num_warps=c["num_warps"], num_stages=c["num_stages"],
+        )
 
 
-def _sum_pairs(y: torch.Tensor, t: int, k: int, h: int, out: torch.Tensor | None) -> torch.Tensor:
-    """out bf16 [T, H] = each token's K rows of y fp32 [T * K, H] summed in pick order."""
-    if out is None:
-        out = torch.empty(t, h, dtype=torch.bfloat16, device=y.device)
-    bh = min(1024, triton.next_power_of_2(h))
-    _sum_pairs_kernel[(t, triton.cdiv(h, bh))](y, out, K=k, H=h, BH=bh)
+def mixed_configs(layouts: Sequence[ExpertLayout], tokens: int, device: torch.device | None = None,
+                  config: dict | Sequence[dict | None] | None = None) -> list[dict]:
+    """The launch configuration of each layout of a mixed store for a step of `tokens` tokens.
+
+    config: None (each layout's tuned or default one), one dict for every layout, or one dict
+    (or None) per layout. The layouts' block launches share one block plan, so every block
+    configuration takes the BM of the first layout that runs the block kernel at this size
+    (BM sets the rows of a block, not any layout's tiling of K or N). Raises ValueError for a
+    configuration a layout's kernels cannot run, or for layouts of different H or I.
+    """
+    if not layouts:
+        raise ValueError("a mixed store needs at least one record layout")
+    shape = (layouts[0].hidden, layouts[0].inter)
+    if any((lay.hidden, lay.inter) != shape for lay in layouts):
+        raise ValueError(f"record layouts of different shapes: {[(lay.hidden, lay.inter) for lay in layouts]}")
+    given = config if isinstance(config, (list, tuple)) else [config] * len(layouts)
+    if len(given) != len(layouts):
+        raise ValueError(f"{len(given)} launch configurations for {len(layouts)} record layouts")
+    cfgs = [c or get_config(lay, tokens, device) for lay, c in zip(layouts, given)]
+    bm = next((c["gate_up"]["BM"] for c in cfgs if not _runs_gemv(c, tokens)), None)
+    out = []
+    for lay, c in zip(layouts, cfgs):
+        if bm is not None:
+            c = {**c, "gate_up": {**c["gate_up"], "BM": bm}, "down": {**c["down"], "BM": bm}}
+        _check_config(lay, c, tokens)
+        out.append(c)
     return out
+
+
+def _runs_gemv(cfg: dict, tokens: int) -> bool:
+    """Does a step of `tokens` tokens take the matrix-vector kernel under this configuration?"""
+    gemv = cfg.get("gemv")
+    return gemv is not None and tokens <= gemv.get("max_tokens", 0)
+
+
+def _fused_moe_mixed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, ptr_table: torch.Tensor,
+                     layouts: tuple[ExpertLayout, ...], kind_table: torch.Tensor,
+                     config: dict | Sequence[dict | None] | None, out: torch.Tensor | None,
+                     swiglu_limit: float | None) -> torch.Tensor:
+    """fused_moe over a mixed store (see there): per layout, its gated and down launches (block or
+    matrix-vector kernel, by its own configuration) write the act and y rows of the picks of its
+    experts only; one pick-order sum at the end. Fixed shapes, no host sync."""
+    t, k = topk_ids.shape
+    h, i = layouts[0].hidden, layouts[0].inter
+    if x.shape != (t, h) or x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bf16 [{t}, {h}], got {x.dtype} {tuple(x.shape)}")
+    if kind_table.shape != ptr_table.shape or kind_table.dtype not in (torch.int8, torch.int32):
+        raise ValueError(f"kind_table must be int8/int32 {tuple(ptr_table.shape)}, got {kind_table.dtype} "
+                         f"{tuple(kind_table.shape)}")
+    cfgs = mixed_configs(layouts, t, x.device, config)
+    x = x.contiguous()
+    w = topk_weights.reshape(-1).to(torch.float32)  # [P]
+    p = t * k
+    act = torch.empty(p, i, dtype=torch.bfloat16, device=x.device)  # [P, I], each row written by its pick's layout
+    y = torch.empty(p, h, dtype=torch.float32, device=x.device)  # [P, H], likewise
+    block = [c for c in cfgs if not _runs_gemv(c, t)]
+    plan = moe_align(topk_ids, ptr_table.numel(), block[0]["gate_up"]["BM"]) if block else None
+    ids = topk_ids.reshape(-1).to(torch.int32) if len(block) < len(cfgs) else None  # [P]
+    for sel, (lay, c) in enumerate(zip(layouts, cfgs)):
+        if _runs_gemv(c, t):
+            from tiermoe.kernels.triton.moe_gemv import moe_projections_gemv
+
+            moe_projections_gemv(x, ids, w, ptr_table, lay, c["gemv"], k, swiglu_limit, kinds=(kind_table, sel),
+                                 act=act, y=y)
+        else:
+            _block_projections(x, act, y, plan, ptr_table, w, lay, c, k, swiglu_limit, kind_table, sel)
+    return sum_pairs(y, t, k, h, out)

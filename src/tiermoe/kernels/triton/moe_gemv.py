@@ -141,6 +141,7 @@ def _moe_gemv_kernel(
     out_ptr,  # GATED: act [P, N] bf16; else y [P, N] fp32
     ids_ptr,  # [P] int32 pointer-table row of each pair
     ptr_table_ptr,  # [E] int64 record addresses
+    kinds_ptr,  # [E] int8/int32 layout index of each table row (read only when SEL >= 0)
     weights_ptr,  # [P] fp32 routing weights (not GATED)
     A_DIV,
     LIMIT,  # SwiGLU clamp (used when CLAMP)
@@ -156,10 +157,14 @@ def _moe_gemv_kernel(
     BK: tl.constexpr,
     KW: tl.constexpr,  # accumulator width: a tile's (BK // 2 for int4, BK // 8 for int3, else BK; reduced
     # once at the end: fewer reductions, more registers) or 1 (each tile reduced into [BN, 1] as it comes)
+    SEL: tl.constexpr,  # -1: every record has this layout; else only picks whose expert's kinds entry is SEL
 ):
     p = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
     e = tl.load(ids_ptr + p)
+    if SEL >= 0:  # a mixed store: a pick of another layout's expert is that launch's
+        if tl.load(kinds_ptr + e).to(tl.int32) != SEL:
+            return
     base = tl.load(ptr_table_ptr + e)
     wp, sp = record_pointers(base, Q_OFF, S_OFF, KIND)
     a_row = a_ptr + (p // A_DIV).to(tl.int64) * KD
@@ -234,19 +239,30 @@ def moe_projections_gemv(
     cfg: dict,
     k: int,
     swiglu_limit: float | None,
+    *,
+    kinds: tuple[torch.Tensor, int] | None = None,
+    act: torch.Tensor | None = None,
+    y: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gated and down projections of every pick: y fp32 [P, H] (routing weight applied).
 
     x [T, H] bf16; ids [P] int32 pointer-table rows (P = T * k, pick order); weights [P] fp32.
     Fixed shapes, no host sync (graph-capturable).
+
+    kinds = (kind table int8/int32 [E] on the device, index): a mixed store's launches of one
+    layout: only the picks whose expert's entry is that index are computed, into their rows of
+    act bf16 [P, I] and y (given by the caller, which runs the other layouts into the other rows).
     """
     check_gemv_config(layout, cfg)
     p = ids.numel()
     h, i = layout.hidden, layout.inter
     kind = KIND_ID[layout.kind]
     g = layout.group_size or 1
-    act = torch.empty(p, i, dtype=torch.bfloat16, device=x.device)  # [P, I]
-    y = torch.empty(p, h, dtype=torch.float32, device=x.device)  # [P, H]
+    kind_table, sel = kinds if kinds is not None else (ptr_table, -1)  # the table is never read at -1
+    if act is None:
+        act = torch.empty(p, i, dtype=torch.bfloat16, device=x.device)  # [P, I]
+    if y is None:
+        y = torch.empty(p, h, dtype=torch.float32, device=x.device)  # [P, H]
     for stage, a, out, n, kd, a_div, gated in (("gate_up", x, act, i, h, k, True), ("down", act, y, h, i, 1, False)):
         c = cfg[stage]
         q_off, s_off = (layout.gate_up_q, layout.gate_up_s) if gated else (layout.down_q, layout.down_s)
@@ -255,6 +271,7 @@ def moe_projections_gemv(
             out,
             ids,
             ptr_table,
+            kind_table,
             weights,
             a_div,
             float(swiglu_limit or 0.0),
@@ -269,6 +286,7 @@ def moe_projections_gemv(
             BN=c["BN"],
             BK=c["BK"],
             KW=1 if c.get("acc") == "row" else c["BK"] // {1: 2, 3: 8}.get(kind, 1),
+            SEL=sel,
             num_warps=c["num_warps"],
             num_stages=c["num_stages"],
         )
