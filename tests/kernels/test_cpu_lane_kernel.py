@@ -55,8 +55,8 @@ def _run(pool, layout, records, x, tok_idx, tok_w, round_bf16, limit):
 
 # (kind, G, hidden, inter). G = 128 with inter 256: whole blocks of the int4 bf16 dot path. int3: G = 32 and
 # 128; 64 (pack's default for int3) with a 192-column row, whose 6 vectors of bf16 dot products do not fill
-# the 4 accumulators evenly; 16 (GGUF Q3_K's sub-blocks: the fp32 vector path); G = 8 and rows of 72 and 40
-# columns (the scalar path). Three experts, then five for int3.
+# the 4 accumulators evenly; 16 (GGUF Q3_K's sub-blocks: two groups a vector of bf16 dot products); G = 8
+# and rows of 72 and 40 columns (the scalar path). Three experts, then five for int3.
 CASES = [("int4", 32, 256, 128), ("int4", 128, 256, 256), ("int4", 16, 256, 128), ("int8", 32, 256, 128),
          ("int8", 64, 256, 128), ("int8", 8, 256, 128), ("bf16", 0, 256, 128), ("int3", 32, 256, 128),
          ("int3", 128, 256, 256), ("int3", 64, 256, 192), ("int3", 16, 256, 128), ("int3", 8, 72, 40)]

@@ -443,9 +443,77 @@ inline __m512i w_int3(const uint8_t* lo, const uint8_t* hi, int c, __m512i tbl, 
   return _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(sel, h, idx, 0xCA), tbl);  // bit 4 from h
 }
 
-// int3 rows, G % 32 == 0, K % 32 == 0, bf16 inputs; accumulators, tables and prefetches as avx512::dot_int3.
+// int3 rows with G = 16 (GGUF Q3_K's sub-blocks), K % 32 == 0: a vector of 32 columns spans two groups.
+// One table serves both: [group a, q = low - 4 | group b, q = low - 4 | a, q = low | b, q = low], 8
+// entries each, built from a scale vector [a x 8 | b x 8] (one broadcast of the two bf16 scales); a
+// second ternary-logic op sets index bit 3 for the second group's lanes. Accumulators and prefetches
+// as dot_int3.
+template <int R, int NT>
+void dot_int3_g16(const Mat& m, const int* rows, const uint16_t* const* x, float res[][4]) {
+  constexpr int A = NT == 1 ? 4 : 2;
+  const __m512 lv0 = _mm512_setr_ps(-4, -3, -2, -1, -4, -3, -2, -1, -4, -3, -2, -1, -4, -3, -2, -1);
+  const __m512 lv1 = _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+  alignas(64) uint8_t lo_offs[64], hi_offs[64];
+  alignas(64) uint16_t second[32];
+  for (int w = 0; w < 32; ++w) {
+    lo_offs[2 * w] = uint8_t(2 * w), hi_offs[2 * w] = uint8_t((w - 4) & 63);
+    lo_offs[2 * w + 1] = hi_offs[2 * w + 1] = 0;
+    second[w] = w < 16 ? 0 : 8;
+  }
+  const __m512i lctl = _mm512_load_si512(lo_offs), hctl = _mm512_load_si512(hi_offs), grp = _mm512_load_si512(second);
+  const __m512i sel_hi = _mm512_set1_epi16(0x10), sel_grp = _mm512_set1_epi16(0x08);
+  const __m512i upper16 = _mm512_set1_epi32(int(0xFFFF0000u));
+  __m512 acc[R][NT][A];
+  const uint8_t *q[R], *hi[R];
+  const uint16_t* s[R];
+  for (int r = 0; r < R; ++r) {
+    q[r] = m.q + rows[r] * m.row_bytes, hi[r] = q[r] + m.K / 4, s[r] = m.s + int64_t(rows[r]) * (m.K / 16);
+    for (int t = 0; t < NT; ++t)
+      for (int i = 0; i < A; ++i) acc[r][t][i] = _mm512_setzero_ps();
+  }
+  auto step = [&](int v, int i) {
+    const int c = 32 * v;
+    if (m.ahead && (v & 7) == 0)
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(q[r] + 2 * m.row_bytes + (c >> 2)), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(hi[r] + 2 * m.row_bytes + (c >> 3)), _MM_HINT_T0);
+      }
+    __m512bh xv[NT];
+    for (int t = 0; t < NT; ++t) xv[t] = (__m512bh)_mm512_loadu_si512(x[t] + c);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair, lw_hi;
+      int64_t lw;
+      std::memcpy(&pair, s[r] + 2 * v, 4);  // bf16 scales of groups 2v (low half) and 2v + 1
+      std::memcpy(&lw, q[r] + (c >> 2), 8);
+      std::memcpy(&lw_hi, hi[r] + (c >> 3), 4);
+      __m512i sp = _mm512_set1_epi32(pair);
+      __m512 sv = _mm512_castsi512_ps(_mm512_mask_slli_epi32(_mm512_and_si512(sp, upper16), 0x00FF, sp, 16));
+      __m512i tbl = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(lv1, sv), _mm512_mul_ps(lv0, sv));
+      __m512i idx = _mm512_multishift_epi64_epi8(lctl, _mm512_set1_epi64(lw));
+      __m512i h = _mm512_multishift_epi64_epi8(hctl, _mm512_set1_epi32(lw_hi));
+      idx = _mm512_ternarylogic_epi32(sel_grp, grp, _mm512_ternarylogic_epi32(sel_hi, h, idx, 0xCA), 0xCA);
+      __m512bh w = (__m512bh)_mm512_permutexvar_epi16(idx, tbl);
+      for (int t = 0; t < NT; ++t) acc[r][t][i] = _mm512_dpbf16_ps(acc[r][t][i], w, xv[t]);
+    }
+  };
+  const int nv = m.K / 32;
+  int v = 0;
+  for (; v + A <= nv; v += A)
+    for (int i = 0; i < A; ++i) step(v + i, i);
+  for (; v < nv; ++v) step(v, 0);
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) {
+      __m512 sum = acc[r][t][0];
+      for (int i = 1; i < A; ++i) sum = _mm512_add_ps(sum, acc[r][t][i]);
+      res[r][t] = _mm512_reduce_add_ps(sum);
+    }
+}
+
+// int3 rows, G % 32 == 0 (or G = 16: dot_int3_g16), K % 32 == 0, bf16 inputs; accumulators, tables and
+// prefetches as avx512::dot_int3.
 template <int R, int NT>
 void dot_int3(const Mat& m, const int* rows, const uint16_t* const* x, float res[][4]) {
+  if (m.G == 16) return dot_int3_g16<R, NT>(m, rows, x, res);
   constexpr int A = NT == 1 ? 4 : 2;
   const __m512 lv0 = _mm512_setr_ps(-4, -3, -2, -1, -4, -3, -2, -1, -4, -3, -2, -1, -4, -3, -2, -1);
   const __m512 lv1 = _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
@@ -506,7 +574,7 @@ void dot_int3(const Mat& m, const int* rows, const uint16_t* const* x, float res
 // bf16 numerics on CPUs with AVX512-BF16 (Sapphire Rapids, Zen 4): weights W' = bf16(q * scale)
 // and inputs already bf16, so one vdpbf16ps multiplies 32 pairs exactly and sums them in fp32, half
 // the instructions of the fp32 path per weight. Inputs: bf16 bits, int4 in perm64 order, else
-// natural. int4 needs G % 64 == 0, int8 and int3 G % 32 == 0, bf16 K % 32 == 0; int3 also VBMI.
+// natural. int4 needs G % 64 == 0, int8 G % 32 == 0, int3 G % 32 == 0 or 16 and VBMI, bf16 K % 32 == 0.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 namespace avx512bf16 {

@@ -356,12 +356,11 @@ int32_t tm_lane_run(void* pool, const TmLaneJob* job) {
   if (j.n_exp == 0) return 0;
   std::lock_guard<std::mutex> lock(p.job);
   // vector paths need whole blocks in a group: 32 columns (int4; 64 for bf16 dot products) or 16 (int8 and
-  // int3; 32 for bf16 dot products)
+  // int3; 32 for bf16 dot products, but for int3 with G = 16, whose vectors take two groups)
   int isa = p.isa;
   if (isa == ISA_AVX512BF16 && (!j.round_bf16 || j.hidden % 64 || j.inter % 64 ||
-                                (j.kind == KIND_INT4 && j.group % 64) ||
-                                ((j.kind == KIND_INT8 || j.kind == KIND_INT3) && j.group % 32) ||
-                                (j.kind == KIND_INT3 && !has_vbmi())))
+                                (j.kind == KIND_INT4 && j.group % 64) || (j.kind == KIND_INT8 && j.group % 32) ||
+                                (j.kind == KIND_INT3 && ((j.group % 32 && j.group != 16) || !has_vbmi()))))
     isa = ISA_AVX512;  // bf16 dot products give bf16 numerics only
   bool ok = j.kind == KIND_INT4 ? j.group % 32 == 0 : (j.kind == KIND_BF16 || j.group % 16 == 0);
   if (!ok || j.hidden % 16 || j.inter % 16) isa = ISA_SCALAR;
