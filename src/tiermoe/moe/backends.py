@@ -133,12 +133,18 @@ def _pow2(n: int) -> bool:
 
 
 def triton_unsupported(record_layout, act_dtype: torch.dtype, device: str | torch.device) -> str | None:
-    """None when the fused Triton kernel can serve records of this layout, else a one-line reason."""
+    """None when the fused Triton kernel can serve records of this layout, else a one-line reason.
+
+    record_layout: a RecordLayout, or a sequence of them (a mixed store's: the kernel serves it
+    when it serves every one of its layouts, each with its own launch configuration, and they
+    share one block plan: the checks run on the configurations `mixed_configs` gives)."""
     dev = torch.device(device)
     if dev.type != "cuda" and not env.TRITON_INTERPRET.get():
         return f"device {dev.type}: the Triton kernels need CUDA (or TRITON_INTERPRET=1)"
-    if record_layout.kind not in SUPPORTED_KINDS:
-        return f"{record_layout.kind} records (the kernel reads {', '.join(SUPPORTED_KINDS)})"
+    layouts = list(record_layout) if isinstance(record_layout, (list, tuple)) else [record_layout]
+    for lay in layouts:
+        if lay.kind not in SUPPORTED_KINDS:
+            return f"{lay.kind} records (the kernel reads {', '.join(SUPPORTED_KINDS)})"
     if act_dtype != torch.bfloat16:
         return f"{str(act_dtype).replace('torch.', '')} activations (the kernel takes bfloat16)"
     try:
@@ -148,22 +154,38 @@ def triton_unsupported(record_layout, act_dtype: torch.dtype, device: str | torc
         from tiermoe.kernels.triton import fused_moe as fm
     except ImportError as exc:
         return f"Triton is not importable ({exc})"
-    try:
-        lay = layout_from(record_layout)
-        for tokens in (1, fm.DECODE_MAX_TOKENS + 1):  # the decode and the prefill bucket
-            cfg = fm.get_config(lay, tokens, dev)
-            fm._check_config(lay, cfg, tokens)
-            stages = [cfg["gate_up"], cfg["down"], *(cfg["gemv"][s] for s in ("gate_up", "down") if "gemv" in cfg)]
-            if not all(_pow2(c[b]) for c in stages for b in ("BN", "BK")) or not _pow2(cfg["gate_up"]["BM"]):
-                raise ValueError(f"block sizes {cfg} are not powers of two")
-    except ValueError as exc:
-        return f"record shape H={record_layout.hidden} I={record_layout.intermediate}: {exc}"
+    for record in layouts:
+        try:
+            lay = layout_from(record)
+            for tokens in (1, fm.DECODE_MAX_TOKENS + 1):  # the decode and the prefill bucket
+                cfg = fm.get_config(lay, tokens, dev)
+                fm._check_config(lay, cfg, tokens)
+                _check_pow2(cfg)
+        except ValueError as exc:
+            kind = f"{record.kind} " if len(layouts) > 1 else ""
+            return f"{kind}record shape H={record.hidden} I={record.intermediate}: {exc}"
+    if len(layouts) > 1:
+        try:
+            lays = [layout_from(record) for record in layouts]
+            for tokens in (1, fm.DECODE_MAX_TOKENS + 1):
+                for cfg in fm.mixed_configs(lays, tokens, dev):
+                    _check_pow2(cfg)
+        except ValueError as exc:
+            return f"mixed record layouts ({'+'.join(lay.kind for lay in layouts)}): {exc}"
     return None
 
 
-def choose_expert_kernel(requested: str | None, store, device: str) -> str:
+def _check_pow2(cfg: dict) -> None:
+    """ValueError unless the block sizes of a launch configuration are powers of two (tl.arange)."""
+    stages = [cfg["gate_up"], cfg["down"], *(cfg["gemv"][s] for s in ("gate_up", "down") if "gemv" in cfg)]
+    if not all(_pow2(c[b]) for c in stages for b in ("BN", "BK")) or not _pow2(cfg["gate_up"]["BM"]):
+        raise ValueError(f"block sizes {cfg} are not powers of two")
+
+
+def choose_expert_kernel(requested: str | None, store, device: str, layouts=None) -> str:
     """'torch' or 'triton' for `--expert-kernel` (else $TIERMOE_EXPERT_KERNEL, else auto); store:
-    anything with the store's `layout`, `dtype` (of the activations) and `path`.
+    anything with the store's `layout`, `dtype` (of the activations) and `path`; layouts: every
+    record layout of the store (a mixed store has several; None: store.layout alone).
 
     auto: Triton on CUDA when the store and dtype are supported, else torch. triton: the Triton
     path, or a UserError saying why it cannot run. On a CPU the kernels run only in Triton's
@@ -175,7 +197,7 @@ def choose_expert_kernel(requested: str | None, store, device: str) -> str:
         raise UserError(f"--expert-kernel {choice!r}: choose one of {', '.join(EXPERT_KERNELS)}")
     if choice == "torch" or (choice == "auto" and torch.device(device).type != "cuda"):
         return "torch"
-    reason = triton_unsupported(store.layout, store.dtype, device)
+    reason = triton_unsupported(store.layout if layouts is None else list(layouts), store.dtype, device)
     if reason is None:
         return "triton"
     if choice == "triton":

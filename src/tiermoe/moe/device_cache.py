@@ -32,6 +32,10 @@ admission decides.
 Exactness: the kernel reads a record's bytes wherever they sit; the tier changes one table
 entry, never the launch configuration or the summation order, so outputs are bit-identical to
 the store-triton backend and across budgets (tests/moe/test_device_cache.py, exact mode).
+A mixed store (`pack --cold-quant`) changes only what a row holds: slots, staging rows and host
+entries are all `store.record_bytes` long (the longest layout; a shorter record at the start of
+its row, copied whole), and each layer's kind table (moe/fused.py, by expert id, so the same in
+every tier) tells the kernel which layout to read each expert's row at.
 
 Fast mode (`lane_forward`, answered by moe/device_lane.py; no host sync either, so it is
 captured in decode graphs too):
@@ -115,8 +119,8 @@ class DeviceCacheExperts(StoreBackend):
         from tiermoe.moe.fused import FusedMoE
 
         super().__init__(store, swiglu_limit, prefetch=False)  # every expert is in host RAM: no disk reads
-        self.fused = FusedMoE(store.layout, config, swiglu_limit)
-        self.layout = self.fused.layout
+        self.fused = FusedMoE.for_store(store, config, swiglu_limit)  # a mixed store: kind tables per layer
+        self.layout = self.fused.layout  # (a mixed store's hot experts'; self.fused.layouts has every one)
         self.top_k = int(top_k)
         self.max_picks = int(max_picks)  # cache steps above this fall back to the canonical table
         dev = store.device
@@ -201,10 +205,10 @@ class DeviceCacheExperts(StoreBackend):
         if x.shape[0] == 0:
             return torch.zeros_like(x)
         if not decode and x.shape[0] >= STAGE_TOKENS and self.prefill_rows:
-            out = self.fused(x, topk_ids, topk_weights, self.prefill.table(layer, topk_ids))
+            out = self.fused(x, topk_ids, topk_weights, self.prefill.table(layer, topk_ids), layer)
             self.prefill.done(layer)
             return out
-        return self.fused(x, topk_ids, topk_weights, self._decode_table(layer, topk_ids, step=decode))
+        return self.fused(x, topk_ids, topk_weights, self._decode_table(layer, topk_ids, step=decode), layer)
 
     def combine(self, layer, x, topk_ids, topk_weights, skip=()):
         if skip:  # the lane's experts are chosen on the device (lane_forward), never passed in
@@ -307,7 +311,7 @@ class DeviceCacheExperts(StoreBackend):
         mailbox.post(slot, x.contiguous(), meta)
         cache.gather()
         on_lane = cache.lmark[topk_ids.long()] == cache.clock[1]  # [T, k] (stamp of this step)
-        out = self.fused(x, topk_ids, topk_weights.masked_fill(on_lane, 0), cache.step_table)
+        out = self.fused(x, topk_ids, topk_weights.masked_fill(on_lane, 0), cache.step_table, layer)
         mailbox.wait_add(slot, out)
         return out
 
@@ -366,7 +370,7 @@ class DeviceCacheExperts(StoreBackend):
                 "prefill_in_place": self.prefill.in_place,
                 "prefill_borrowed_rows": lender.rows if lender else 0, "prefill_loans": lender.loans if lender else 0,
                 "prefill_rows": self.prefill_rows, "prefill_buffers": self.prefill.num_buffers,
-                "prefill_planned_chunks": self.prefill.planned_chunks, "kind": self.layout.kind,
+                "prefill_planned_chunks": self.prefill.planned_chunks, "kind": self.fused.kind_name,
                 **({"mailbox": self.device_lane.counters()} if self.device_lane is not None else {})}
 
     def merge_store_counters(self, c: dict, stats: dict[str, int] | None = None) -> dict:

@@ -114,8 +114,9 @@ class StoreTorchExperts(StoreBackend):
 class StoreTritonExperts(StoreBackend):
     """"store-triton": one fused_moe call per MoE layer and step (see module doc). Needs bf16
     activations and records of a kind and shape the kernel tiles (moe/backends.SUPPORTED_KINDS
-    and triton_unsupported); the settling gives any other store to StoreTorchExperts and logs
-    why (engine/settle.py).
+    and triton_unsupported; a mixed store: every one of its layouts); the settling gives any
+    other store to StoreTorchExperts and logs why (engine/settle.py). A mixed store's layer
+    calls pass that layer's kind table (moe/fused.py): each expert is read at its own layout.
 
     `combine(..., skip=ids)` leaves out experts another lane computes: their table rows point at
     the all-zero record and their routing weights are zeroed, so they add exactly zero.
@@ -128,8 +129,12 @@ class StoreTritonExperts(StoreBackend):
         from tiermoe.moe.fused import FusedMoE
 
         super().__init__(store, swiglu_limit, prefetch)
-        self.fused = FusedMoE(store.layout, config, swiglu_limit)
-        self.layout = self.fused.layout  # the kernel's view of the store's records
+        self.fused = FusedMoE.for_store(store, config, swiglu_limit)  # a mixed store: kind tables per layer
+        self.layout = self.fused.layout  # the kernel's view of the store's records (a mixed store's hot ones)
+        self.layouts = self.fused.layouts
+        # bytes of each expert's own record per layer (an in-place read covers only those)
+        self._lengths = {layer: [store.layouts[i].length for i in store.layout_ids(layer)]
+                         for layer in store.moe_layers}
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = {}  # CUDA only
         self.calls = 0
         self.picks = 0
@@ -153,14 +158,14 @@ class StoreTritonExperts(StoreBackend):
             lane = torch.tensor(sorted(skip), device=topk_ids.device)
             topk_weights = topk_weights.masked_fill(torch.isin(topk_ids, lane), 0)  # [T, k]
         table = self._table(layer, rows, x.device)  # [E] int64; rows nobody picks are never read
-        out = self.fused(x, topk_ids, topk_weights, table)  # [T, H]
+        out = self.fused(x, topk_ids, topk_weights, table, layer)  # [T, H]
         self.store.device_reads_queued(recs.values())
         self.calls += 1
         self.picks += topk_ids.numel()
         if x.device.type == "cuda":
-            host = sum(1 for b in recs.values() if b.device.type == "cpu")
-            self.host_in_place += host
-            self.host_in_place_bytes += host * self.store.record_bytes
+            host = [e for e, b in recs.items() if b.device.type == "cpu"]
+            self.host_in_place += len(host)
+            self.host_in_place_bytes += sum(self._lengths[layer][e] for e in host)
         return out
 
     def _table(self, layer: int, rows: dict[int, int], device: torch.device) -> torch.Tensor:
@@ -190,5 +195,5 @@ class StoreTritonExperts(StoreBackend):
     def counters(self) -> dict | None:
         c = super().counters()
         c["triton"] = {"calls": self.calls, "picks": self.picks, "host_in_place": self.host_in_place,
-                       "host_in_place_bytes": self.host_in_place_bytes, "kind": self.fused.layout.kind}
+                       "host_in_place_bytes": self.host_in_place_bytes, "kind": self.fused.kind_name}
         return c
