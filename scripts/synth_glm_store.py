@@ -1,10 +1,13 @@
 """Write a synthetic packed store with GLM-5.3-Flash's MoE shape, ready for `tiermoe serve`.
 
     python scripts/synth_glm_store.py OUT [--moe-layers 8] [--kind int4] [--device cuda]
+        [--cold-kind int3 [--cold-group 64] [--mixed-share 0.6]]
 
 The model is a glm4_moe checkpoint (one dense layer, then MoE layers of hidden 4096, 288 routed
 experts of intermediate 2048, top-8, one shared expert; 32 attention heads) with random
-fan-in-scaled dense weights and random valid expert records (int4 group 128 or bf16), written
+fan-in-scaled dense weights and random valid expert records (int4 group 128, int3, int8 or
+bf16; with --cold-kind a mixed store as `pack --cold-quant` makes one: per layer the experts
+holding --mixed-share of the real counts' picks in --kind, the rest in --cold-kind), written
 directly in the store format (manifest.json + experts.bin + dense safetensors shards), so no
 multi-GB bf16 checkpoint has to be written and quantized first.
 
@@ -37,6 +40,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from tiermoe.bench.records import random_records  # noqa: E402
 from tiermoe.kernels.layout import expert_layout  # noqa: E402
+from tiermoe.store.mixed import hot_experts  # noqa: E402
 from tiermoe.store.planner import counts_for_model, load_stats  # noqa: E402
 from tiermoe.store.records import EXPERTS_NAME, FORMAT_VERSION, RecordLayout, write_manifest  # noqa: E402
 
@@ -134,35 +138,37 @@ def write_dense(out: Path, tensors: dict[str, torch.Tensor]) -> dict:
     return {"index": "model.safetensors.index.json", "shards": names, "tensors": len(weight_map)}
 
 
-def write_experts(out: Path, a, layers: list[int], device: torch.device, log) -> tuple[RecordLayout, list[dict]]:
-    """experts.bin: layer-major, expert-minor random records; returns (layout, manifest records)."""
-    layout = RecordLayout.build(a.kind, a.hidden, a.inter, a.group if a.kind != "bf16" else None)
-    klay = expert_layout(a.kind, a.hidden, a.inter, a.group)
-    assert klay.length == layout.length
-    rec = layout.length
+def write_experts(out: Path, a, layers: list[int], counts: list[np.ndarray], device: torch.device,
+                  log) -> tuple[list[RecordLayout], list[dict]]:
+    """experts.bin: layer-major, expert-minor random records at their own lengths; returns (layouts,
+    manifest records). A mixed store's layer keeps its most-picked experts (by `counts`) in layout 0."""
+    kinds = [(a.kind, a.group)] + ([(a.cold_kind, a.cold_group)] if a.cold_kind else [])
+    layouts, klays = [], []
+    for kind, group in kinds:
+        layouts.append(RecordLayout.build(kind, a.hidden, a.inter, group if kind != "bf16" else None))
+        klays.append(expert_layout(kind, a.hidden, a.inter, group))
+        assert klays[-1].length == layouts[-1].length
     gen = torch.Generator(device=device).manual_seed(a.seed)
-    records = []
-    chunk = max(1, (512 << 20) // rec)  # records per write (~512 MiB)
+    records, offset = [], 0
+    chunk = max(1, (512 << 20) // max(lay.length for lay in layouts))  # records per write (~512 MiB)
     with open(out / EXPERTS_NAME, "wb") as f, ThreadPoolExecutor(16) as pool:
-        for layer in layers:
+        for layer, c in zip(layers, counts):
+            hot = hot_experts(c.tolist(), a.mixed_share) if a.cold_kind else set(range(a.experts))
+            which = [0 if e in hot else 1 for e in range(a.experts)]
             for e0 in range(0, a.experts, chunk):
                 n = min(chunk, a.experts - e0)
-                buf = random_records(klay, n, device, gen).cpu().numpy()  # [n, R] uint8
-                hashes = [pool.submit(lambda b: hashlib.sha256(b).hexdigest(), buf[j]) for j in range(n)]
-                f.write(memoryview(buf).cast("B"))
-                for j, h in enumerate(hashes):
-                    records.append(
-                        {
-                            "layer": layer,
-                            "expert": e0 + j,
-                            "offset": len(records) * rec,
-                            "length": rec,
-                            "sha256": h.result(),
-                            "layout": 0,
-                        }
-                    )
-            log(f"layer {layer}: {a.experts} records of {rec / 2**20:.2f} MiB")
-    return layout, records
+                bufs = [random_records(k, n, device, gen).cpu().numpy() for k in klays]  # per kind [n, R_k]
+                rows = [bufs[which[e0 + j]][j] for j in range(n)]
+                hashes = [pool.submit(lambda b: hashlib.sha256(b).hexdigest(), r) for r in rows]
+                for j, (r, h) in enumerate(zip(rows, hashes)):
+                    f.write(memoryview(r).cast("B"))
+                    records.append({"layer": layer, "expert": e0 + j, "offset": offset, "length": r.size,
+                                    "sha256": h.result(), "layout": which[e0 + j]})
+                    offset += r.size
+            n_cold = which.count(1)
+            log(f"layer {layer}: {a.experts - n_cold} records of {layouts[0].length / 2**20:.2f} MiB"
+                + (f", {n_cold} of {layouts[1].length / 2**20:.2f} MiB" if n_cold else ""))
+    return layouts, records
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         help="context length of the model (the benchmarks' 4k and 16k prompts must fit)",
     )
     p.add_argument("--group", type=int, default=128)
-    p.add_argument("--kind", choices=("int4", "int8", "bf16"), default="int4")
+    p.add_argument("--kind", choices=("int4", "int8", "int3", "bf16"), default="int4")
+    p.add_argument("--cold-kind", choices=("int4", "int8", "int3", "bf16"), default=None,
+                   help="a mixed store: the experts outside --mixed-share of each layer's picks in this kind")
+    p.add_argument("--cold-group", type=int, default=64, help="--cold-kind's group size")
+    p.add_argument("--mixed-share", type=float, default=0.6, help="pick share kept at --kind (pack's --hot-share)")
     p.add_argument("--hot-share", type=float, default=0.11, help="expert share whose pick share the bias matches")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where records are drawn")
     p.add_argument("--seed", type=int, default=0)
@@ -202,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             4,
             2,
         )
+        a.cold_group = min(a.cold_group, a.group)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "manifest.json").unlink(missing_ok=True)
@@ -225,13 +236,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     dense = write_dense(out, dense_tensors(cfg, biases, torch.Generator().manual_seed(a.seed)))
     log(f"dense: {dense['tensors']} tensors in {len(dense['shards'])} shard(s)")
-    layout, records = write_experts(out, a, layers, torch.device(a.device), log)
+    layouts, records = write_experts(out, a, layers, counts, torch.device(a.device), log)
+    layout = layouts[0]
+    quantization = {"kind": a.kind, "group_size": layout.group_size}
+    if a.cold_kind:
+        quantization.update(cold_kind=a.cold_kind, cold_group_size=layouts[1].group_size, hot_share=a.mixed_share,
+                            expert_stats="expert-stats.json",
+                            records_per_layout=[sum(1 for r in records if r["layout"] == i) for i in (0, 1)])
     write_manifest(
         out,
         {
             "format_version": FORMAT_VERSION,
             "model_config": cfg,
-            "quantization": {"kind": a.kind, "group_size": layout.group_size},
+            "quantization": quantization,
             "dtype": "bfloat16",
             "source_dtype": "bfloat16",
             "num_layers": 1 + a.moe_layers,
@@ -240,19 +257,19 @@ def main(argv: list[str] | None = None) -> int:
             "expert_prefixes": {str(L): f"model.layers.{L}.mlp.experts" for L in layers},
             "experts_file": EXPERTS_NAME,
             "record_align": 4096,
-            "layouts": [layout.to_json()],
+            "layouts": [lay.to_json() for lay in layouts],
             "records": records,
             "dense": dense,
         },
     )
-    total = len(records) * layout.length
+    total = sum(r["length"] for r in records)
     log(
         json.dumps(
             {
                 "store": str(out),
                 "moe_layers": a.moe_layers,
                 "experts": len(records),
-                "record_bytes": layout.length,
+                "record_bytes": max(lay.length for lay in layouts),
                 "expert_gib": round(total / 2**30, 2),
             }
         )
