@@ -367,6 +367,7 @@ def test_mixed_kinds_match_twin_and_are_exact_across_tiers(mix, tokens, device):
     slots = _addresses(entries, device)
     out = F.fused_moe(x, ids, w, slots, lays, kind_table=kt)
     ref = R.fused_moe_ref(x, ids, w, entries, lays, kinds=table_kinds)
+    assert torch.equal(R.fused_moe_ref(x, ids, w, entries, [lays[k] for k in table_kinds.tolist()]), ref)
     assert out.shape == (tokens, h) and torch.isfinite(out.float()).all()
     assert _rel(out, ref) < 2e-2
     assert (out.float() - ref.float()).abs().max().item() < 0.05 * ref.float().abs().max().item()

@@ -20,6 +20,7 @@ import random  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tiermoe.errors import UserError  # noqa: E402
 from tiermoe.kernels import reference as R  # noqa: E402
 from tiermoe.moe.backends import choose_expert_kernel, triton_unsupported  # noqa: E402
 from tiermoe.moe.device_cache import DeviceCacheExperts  # noqa: E402
@@ -162,7 +163,9 @@ def test_mixed_stores_are_served_when_every_layout_is(mixed):
         int3 = RecordLayout.build("int3", st.layout.hidden, st.layout.intermediate, 32)
         reason = triton_unsupported([st.layout, int3], torch.bfloat16, DEVICE)
         assert reason.startswith("int3 record shape H=64 I=32: down: BN=32/BK=64 must divide"), reason
-        assert choose_expert_kernel("auto", st, "cuda" if ON_GPU else DEVICE, layouts=[st.layout, int3]) == "torch"
+        with pytest.raises(UserError, match="cannot serve .*: int3 record shape"):
+            choose_expert_kernel("triton", st, DEVICE, layouts=[st.layout, int3])
+        assert choose_expert_kernel("triton", st, DEVICE) == "triton"  # without layouts: store.layout alone
 
 
 @pytest.mark.slow
