@@ -141,3 +141,15 @@ def test_plan_counts_each_read_at_its_own_length(mixed, stats_file, capsys):
     weight = {r.index: r.length / m.record_bytes for r in m.records}
     plain, weighted = expected_hits(rates, 0, len(rates)), expected_hits(rates, 0, len(rates), weight)
     assert weighted["host"] < plain["host"] and weighted["slots"] == plain["slots"] == 0
+
+
+def test_fast_mode_lane_reads_each_record_at_its_own_layout(mixed):
+    """The CPU lane computes hot (bf16) and cold (int3) experts of one layer, each at its layout:
+    fast mode stays within the lane's rounding of exact mode (a record read at the wrong layout
+    would be garbage)."""
+    from tiermoe.eval.paired_kl import run_paired_kl
+
+    r = run_paired_kl(str(mixed), device="cpu", dtype="bfloat16", tokens=6, texts=["Hello", "Count to five."],
+                      options={"cpu_lane_experts": 4, "cpu_lane_threads": 1})
+    assert r["cpu_lane"]["experts"] > 0 and r["cpu_lane"]["kernel"].startswith("native")
+    assert r["kl_max"] < 1e-2 and r["top1"] >= 0.9

@@ -125,7 +125,7 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
     manifest = load_manifest(path)
     lane = settle_lane(args, device, manifest.layout, dtype, config_top_k(manifest.config))
     kernel = choose_expert_kernel(args.expert_kernel, SimpleNamespace(layout=manifest.layout, dtype=dtype, path=path),
-                                  device)
+                                  device, layouts=manifest.layouts)
     store = StoreConfig(path=path, device=device, dtype=dtype, gpu_expert_gb=args.gpu_expert_gb,
                         host_expert_gb=args.host_expert_gb, policy=args.expert_policy or "lfu",
                         stats_file=args.expert_stats, direct_io=not args.no_direct_io)
@@ -135,7 +135,7 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
         # say why the torch path serves on a GPU (a record kind or shape the kernel does not take)
         from tiermoe.moe.backends import triton_unsupported
 
-        reason = triton_unsupported(manifest.layout, dtype, device)
+        reason = triton_unsupported(manifest.layouts, dtype, device)
         why_not = "the Triton expert kernel is not in use" + (f": it cannot serve {reason}" if reason else "")
     if wanted == "on" and why_not:
         raise UserError(f"--device-cache on: {why_not}")

@@ -16,6 +16,10 @@ fp16/fp32, the lane computes with plain torch (kernels.reference.lane_experts_re
 weights): the same function, far slower, and each use materializes the weights (counted as
 `repacks`).
 
+A mixed store (pack --cold-quant) gives the lane its layouts and each layer's layout index per
+expert: a layer's lane experts are computed one layout after the other (the kernel once per
+layout), each record read at its own layout.
+
 Not bit-exact against exact mode: the lane sums in another order and the partial sums meet in
 fp32, which is why it is only on in `--mode fast`.
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -109,17 +114,23 @@ class CpuLane:
 
     isa: the most the compiled kernel may use ("avx512bf16", "avx512", "avx2", "scalar";
     benchmarks compare them). device: the engine's device; pin (None: on a CUDA device) pins the
-    lane's threads to physical cores (moe/lane_kernel.py).
+    lane's threads to physical cores (moe/lane_kernel.py). A mixed store passes `layouts` (its
+    record layouts, `layout` first) and `layout_ids` ({layer: layout index of each expert id}).
     """
 
     def __init__(self, layout: RecordLayout, *, max_experts: int = LaneConfig.max_experts,
                  max_tokens: int = LaneConfig.max_tokens, threads: int | None = None,
                  workers: int = LaneConfig.workers, disk: bool | None = None, swiglu_limit: float | None = None,
                  act_dtype: torch.dtype = torch.bfloat16, device: str = "cpu", isa: str = "avx512bf16",
-                 pin: bool | None = None):
+                 pin: bool | None = None, layouts: Sequence[RecordLayout] | None = None,
+                 layout_ids: Mapping[int, Sequence[int]] | None = None):
         from tiermoe.moe.lane_kernel import lane_pool
 
         self.layout = layout
+        self.layouts = list(layouts) if layouts else [layout]
+        if self.layouts[0] != layout or (len(self.layouts) > 1 and layout_ids is None):
+            raise ValueError("a mixed lane takes its layouts with `layout` first and each layer's layout ids")
+        self._layout_ids = {int(k): list(v) for k, v in (layout_ids or {}).items()}
         self.act = lane_act_dtype(act_dtype)
         self.round_bf16 = self.act == torch.bfloat16
         self.max_experts = max(0, int(max_experts))
@@ -128,11 +139,15 @@ class CpuLane:
         self.disk = lane_reads_disk(layout, act_dtype, device) if disk is None else bool(disk)
         self.swiglu_limit = swiglu_limit
         self.share: float | None = None  # the cost model's share of a layer's misses (None: max_experts)
-        self.klayout = (expert_layout(layout.kind, layout.hidden, layout.intermediate, layout.group_size or 0)
-                        if layout.kind in NATIVE_KINDS else None)
-        self.weight_bytes = self._weight_bytes()
+        # the compiled kernel's view of each layout (None: a kind it does not read, computed with torch)
+        self.klayouts = [expert_layout(lay.kind, lay.hidden, lay.intermediate, lay.group_size or 0)
+                         if lay.kind in NATIVE_KINDS else None for lay in self.layouts]
+        self.klayout = self.klayouts[0]
+        self._weight_bytes_of = [self._weight_bytes(lay, k) for lay, k in zip(self.layouts, self.klayouts)]
+        self.weight_bytes = self._weight_bytes_of[0]
         pin = torch.device(device).type == "cuda" if pin is None else bool(pin)
-        self.pool = lane_pool(self.threads, pin, isa) if self.klayout is not None else None
+        native = any(k is not None for k in self.klayouts)
+        self.pool = lane_pool(self.threads, pin, isa) if native else None
         self.kernel = f"native-{self.pool.isa}" if self.pool is not None else "torch"
         # the native pool computes a whole layer at once; the torch path splits it over workers
         self.workers = 1 if self.pool is not None else max(1, min(int(workers), self.threads))
@@ -142,10 +157,15 @@ class CpuLane:
         self._exec = ThreadPoolExecutor(self.workers, thread_name_prefix="tiermoe-cpu-lane",
                                         initializer=torch.set_num_threads, initargs=(per_worker,))
 
-    def _weight_bytes(self) -> int:
-        if self.klayout is not None:
-            return self.klayout.weight_bytes
-        return sum(s.nbytes for s in self.layout.sections)
+    @staticmethod
+    def _weight_bytes(layout: RecordLayout, klayout) -> int:
+        if klayout is not None:
+            return klayout.weight_bytes
+        return sum(s.nbytes for s in layout.sections)
+
+    def _layout_index(self, layer: int, expert: int) -> int:
+        ids = self._layout_ids.get(layer)
+        return ids[expert] if ids is not None else 0
 
     def assign(self, store, layer: int, expert_ids: list[int]) -> list[int]:
         """Which of this layer's experts the lane computes (ascending ids).
@@ -223,35 +243,46 @@ class CpuLane:
         for _, _, fut, _, _ in work:
             if fut is not None:
                 fut.result()  # the disk read (sha256-checked) must be done before we read buf
-        for e, buf, _, _, _ in work:
-            if buf.dtype != torch.uint8 or buf.numel() < self.layout.length or not buf.is_contiguous():
-                raise RuntimeError(f"layer {layer} expert {e}: not a readable {self.layout.length}-byte record")
+        groups: dict[int, list] = {}  # layout index -> its work items (ascending ids within each)
+        for item in work:
+            groups.setdefault(self._layout_index(layer, item[0]), []).append(item)
+        for idx, items in groups.items():
+            need = self.layouts[idx].length
+            for e, buf, _, _, _ in items:
+                if buf.dtype != torch.uint8 or buf.numel() < need or not buf.is_contiguous():
+                    raise RuntimeError(f"layer {layer} expert {e}: not a readable {need}-byte record")
         t0 = time.perf_counter()
         xk = x.detach().to(self.act).to(torch.float32).contiguous()  # [T, H]: the values the device path sees
         out = torch.zeros(xk.shape, dtype=torch.float32)  # [T, H]
+        repacks = weight_bytes = 0
         with torch.inference_mode():
-            if self.pool is not None and work:
-                offsets = torch.tensor([0] + [len(t) for _, _, _, t, _ in work]).cumsum(0).to(torch.int32)  # [n+1]
-                rows = torch.cat([t for _, _, _, t, _ in work]).to(torch.int32)  # [m]
-                weights = torch.cat([w for _, _, _, _, w in work]).contiguous()  # [m] fp32
-                self.pool.run(self.klayout, [buf.data_ptr() for _, buf, _, _, _ in work], offsets, rows, weights, xk,
-                              out, self.round_bf16, self.swiglu_limit)
-            else:
-                for _, buf, _, token_idx, weight in work:
-                    self._torch_expert(buf, xk, token_idx, weight, out)
+            for idx in sorted(groups):
+                items, klay = groups[idx], self.klayouts[idx]
+                weight_bytes += self._weight_bytes_of[idx] * len(items)
+                if self.pool is not None and klay is not None:
+                    offsets = torch.tensor([0] + [len(t) for _, _, _, t, _ in items]).cumsum(0).to(torch.int32)
+                    rows = torch.cat([t for _, _, _, t, _ in items]).to(torch.int32)  # [m]
+                    weights = torch.cat([w for _, _, _, _, w in items]).contiguous()  # [m] fp32
+                    self.pool.run(klay, [buf.data_ptr() for _, buf, _, _, _ in items], offsets, rows, weights, xk,
+                                  out, self.round_bf16, self.swiglu_limit)
+                    continue
+                repacks += len(items)
+                for _, buf, _, token_idx, weight in items:
+                    self._torch_expert(idx, buf, xk, token_idx, weight, out)
         with self._count_lock:
             self.c.busy_s += time.perf_counter() - t0
-            self.c.weight_bytes += self.weight_bytes * len(work)
-            self.c.repacks += len(work) if self.pool is None else 0
+            self.c.weight_bytes += weight_bytes
+            self.c.repacks += repacks
         return out
 
-    def _torch_expert(self, buf: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
+    def _torch_expert(self, idx: int, buf: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
                       out: torch.Tensor) -> None:
-        """The plain-torch path: out [T, H] += weight * expert(x[rows]) for one record."""
-        if self.klayout is not None:
-            out += lane_experts_ref(x, [buf], [rows], [weight], self.klayout, self.round_bf16, self.swiglu_limit)
+        """The plain-torch path: out [T, H] += weight * expert(x[rows]) for one record of layout `idx`."""
+        klay = self.klayouts[idx]
+        if klay is not None:
+            out += lane_experts_ref(x, [buf], [rows], [weight], klay, self.round_bf16, self.swiglu_limit)
             return
-        gate_up, down = decode_record(self.layout, buf, torch.float32)  # fp16/fp32 records: [2I, H], [H, I]
+        gate_up, down = decode_record(self.layouts[idx], buf, torch.float32)  # fp16/fp32 records: [2I, H], [H, I]
         gate, up = F.linear(x[rows], gate_up).chunk(2, dim=-1)  # [n, I] each
         if self.swiglu_limit is not None:
             gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(-self.swiglu_limit, self.swiglu_limit)

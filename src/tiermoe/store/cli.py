@@ -219,7 +219,8 @@ def register(subparsers) -> None:
     p.add_argument("--cold-quant", choices=QUANT_CHOICES, default=None,
                    help="mixed precision: pack the experts that --expert-stats shows picked least in this kind (e.g. "
                         "--quant int4 --cold-quant int3): fewer bytes for the experts that are mostly read on a miss")
-    p.add_argument("--cold-group-size", type=int, default=None, help="--cold-quant's group size (default as --group-size)")
+    p.add_argument("--cold-group-size", type=int, default=None,
+                   help="--cold-quant's group size (default as --group-size)")
     p.add_argument("--hot-share", type=float, default=0.6,
                    help="with --cold-quant: per layer, the most-picked experts that together take this share of the "
                         "layer's picks stay --quant (default 0.6: a quarter of GLM-5.3-Flash's experts)")

@@ -29,12 +29,11 @@ from typing import Any
 
 import torch
 
-from tiermoe.errors import UserError
 from tiermoe.store.disk import DiskReader
 from tiermoe.store.lock import StoreLock
-from tiermoe.store.planner import build_plan, key_rates, config_top_k
-from tiermoe.store.policy import POLICIES, top_keys
-from tiermoe.store.records import Manifest, check_experts_file, decode_record, load_manifest
+from tiermoe.store.opening import open_parts
+from tiermoe.store.policy import top_keys
+from tiermoe.store.records import Manifest, decode_record
 from tiermoe.store.residency import Access, Residency
 from tiermoe.store.stats import StoreCounters
 from tiermoe.store.tiers import Arena, HostEvents, StagingPool
@@ -96,18 +95,8 @@ class ExpertStore:
              prefetch_limit: int | None = None) -> "ExpertStore":
         """Open a packed store; sizes tiers (GiB flags or machine defaults) and preloads the
         hottest experts (by `stats_file`, else in record order) into slots, then host."""
-        if policy not in POLICIES:
-            raise UserError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}")
-        m = load_manifest(path)
-        check_experts_file(m)
-        dev = torch.device(device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise UserError(f"device {device!r} requested but CUDA is not available")
-        plan = build_plan(m, device=device, gpu_expert_gb=gpu_expert_gb, host_expert_gb=host_expert_gb,
-                          stats_file=stats_file)
-        for line in plan.table().splitlines():
-            log.info(line)
-        rates, _, _ = key_rates(m, stats_file, config_top_k(m.config))
+        m, dev, plan, rates = open_parts(path, device=device, gpu_expert_gb=gpu_expert_gb,
+                                         host_expert_gb=host_expert_gb, policy=policy, stats_file=stats_file)
         lock = StoreLock.shared(path)
         try:
             return cls(m, device=dev, dtype=dtype or m.dtype, n_slots=plan.n_slots, n_host=plan.n_host,

@@ -415,9 +415,9 @@ def build_plan(
     if manifest.mixed:
         hot, cold = manifest.layouts[0], manifest.layouts[1]
         n_cold = sum(1 for r in manifest.records if r.layout)
-        more = [*more, f"mixed store: {total - n_cold} hot {hot.kind} records of {fmt_bytes(hot.length)}, {n_cold} cold "
-                       f"{cold.kind} ones of {fmt_bytes(cold.length)}; tier entries hold the larger; the bound counts "
-                       "each read at its record's own length"]
+        more = [*more, f"mixed store: {total - n_cold} hot {hot.kind} records of {fmt_bytes(hot.length)}, "
+                       f"{n_cold} cold {cold.kind} ones of {fmt_bytes(cold.length)}; tier entries hold the larger; "
+                       "the bound counts each read at its record's own length"]
     threads = max(1, cpu_threads or torch.get_num_threads())
     dense = dense_bytes_per_token(manifest)
     floor = decode_floor_s(rec, read_hits, str(dev), top_k=top_k, moe_layers=len(manifest.moe_layers),
