@@ -16,6 +16,12 @@
 #              sweep, then `tiermoe bench sweep` (prefill 4k, decode C1 and C4) with /stats before/after
 #   qwen       the Qwen3-235B-shaped side-by-side store of results section 13 (24 layers), after the GLM
 #              store is removed (the disk holds one at a time); serve-qwen as serve-glm
+#   tune-kinds `tiermoe bench tune-moe` on GLM-5.3-Flash's expert shape for int4 G128 and int3 G64
+#              (decode_t1_GBps: the kernels' weight GB/s), TUNE_BUDGET seconds of search each
+#   kinds      per record kind in KINDS (default "int4 int3 mixed": int4 G128, int3 G64, and int4 hot /
+#              int3 cold at pack's default 0.6 pick share), a KIND_LAYERS-layer GLM store (default 12),
+#              served as serve-glm at the same GPU GiB for every kind (BUDGETS times the int4 store's
+#              expert bytes), then removed (the disk holds one store at a time)
 # `start` runs from a copy of the tree in $WORK/tree: each later call re-sends the working tree to the
 # machine, and a server or sweep started while that copy is written found modules missing.
 # Everything lands in $WORK (default $HOME/real-routing); `wait` packs it into $OUT/real-routing.tgz.
@@ -92,6 +98,7 @@ serve_matrix() {  # NAME STORE STATS EXTRA_FLAGS...
   shift 3
   local expert_gb
   expert_gb=$(stat -c %s "$store/experts.bin" | awk '{print $1 / 2^30}')  # every routed expert's record
+  [ -n "${BUDGET_BASE_GB:-}" ] && expert_gb=$BUDGET_BASE_GB  # the same GPU GiB across record kinds
   for budget in $BUDGETS; do
     for mode in $MODES; do
       local tag=$name-$budget-$mode gb
@@ -133,6 +140,40 @@ step_qwen() {
   cp "$WORK/qwen/expert-stats.json" "$WORK/qwen-expert-stats.json"
 }
 
+step_tune_kinds() {
+  local spec kind group
+  for spec in int4:128 int3:64; do
+    kind=${spec%%:*} group=${spec##*:}
+    "$PY" -m tiermoe.cli bench tune-moe --kind "$kind" --group-size "$group" --hidden 4096 --inter 2048 \
+      --experts 288 --top-k 8 --time-budget "${TUNE_BUDGET:-60}" --out "$WORK/tune-$kind.json" \
+      > "$WORK/tune-$kind.log" 2>&1 || log "tune-moe $kind failed: $(tail -2 "$WORK/tune-$kind.log")"
+    log "tune-moe $kind G$group: $(grep -i gbps "$WORK/tune-$kind.log" | tail -2 | tr '\n' ' ')"
+  done
+}
+
+step_kinds() {
+  local n=${KIND_LAYERS:-12} kind flags
+  local base_gb
+  base_gb=$("$PY" -c "print($n * 288 * 12_976_128 / 2**30)")  # the int4 store's expert GiB
+  for kind in ${KINDS:-int4 int3 mixed}; do
+    case $kind in
+      int4) flags="--kind int4" ;;
+      int3) flags="--kind int3 --group 64" ;;
+      mixed) flags="--kind int4 --cold-kind int3 --cold-group 64" ;;
+      *) log "kinds: unknown kind $kind"; continue ;;
+    esac
+    rm -rf "$WORK/glm" "$WORK/kind"
+    log "kinds: $kind store, $n MoE layers"
+    "$PY" scripts/synth_glm_store.py "$WORK/kind" --moe-layers "$n" $flags $GLM_ARGS > "$WORK/kind-$kind.log" 2>&1 \
+      || { log "kinds: $kind store failed: $(tail -3 "$WORK/kind-$kind.log")"; continue; }
+    tail -1 "$WORK/kind-$kind.log"
+    BUDGET_BASE_GB=$base_gb serve_matrix "glm-$kind" "$WORK/kind" "$WORK/kind/expert-stats.json"
+    "$PY" -m tiermoe.cli plan "$WORK/kind" --stats "$WORK/kind/expert-stats.json" \
+      --gpu-expert-gb "$("$PY" -c "print(round($base_gb * ${BUDGETS%% *}, 3))")" > "$WORK/plan-$kind.txt" 2>&1
+    rm -rf "$WORK/kind"
+  done
+}
+
 run_all() {
   mkdir -p "$WORK"
   "$PY" -c "import fastapi, uvicorn, gguf" 2> /dev/null || \
@@ -152,6 +193,8 @@ run_all() {
   want serve-glm && serve_matrix glm-synthetic "$WORK/glm" "$WORK/glm/expert-stats.json"
   want qwen && step_qwen
   want serve-qwen && serve_matrix qwen3moe-synthetic "$WORK/qwen/store" "$WORK/qwen/expert-stats.json"
+  want tune-kinds && step_tune_kinds
+  want kinds && step_kinds
   log "done"
 }
 
@@ -167,7 +210,8 @@ case "${1:-run}" in
     while [ "$(date +%s)" -lt "$end" ] && ! grep -q "\] done$" "$WORK/run.log" 2>/dev/null; do sleep 5; done
     cat "$WORK/run.log"
     if [ -n "${OUT:-}" ]; then
-      tar czf "$OUT/real-routing.tgz" -C "$(dirname "$WORK")" --exclude=glm --exclude=qwen --exclude=tree \
+      tar czf "$OUT/real-routing.tgz" -C "$(dirname "$WORK")" --exclude=glm --exclude=qwen --exclude=kind \
+        --exclude=tree \
         "$(basename "$WORK")"
     fi ;;
   *) echo "usage: $0 start|wait SECS|run" >&2; exit 2 ;;

@@ -137,6 +137,11 @@ def test_plan_counts_each_read_at_its_own_length(mixed, stats_file, capsys):
     out = capsys.readouterr().out
     n_cold = sum(1 for r in m.records if r.layout)
     assert f"mixed store: {len(m.records) - n_cold} hot bf16 records" in out and f"{n_cold} cold int3" in out
+    import re
+
+    picks = int(re.search(r"(\d+) picks per token", out).group(1))
+    kib = float(re.search(r"expert bytes per token: ([\d.]+) KiB", out).group(1))
+    assert 4 * picks < kib < 12 * picks  # between all-cold (4 KiB records) and all-hot (12 KiB)
     rates = {r.index: 1.0 + (r.expert == 0) for r in m.records}
     weight = {r.index: r.length / m.record_bytes for r in m.records}
     plain, weighted = expected_hits(rates, 0, len(rates)), expected_hits(rates, 0, len(rates), weight)

@@ -101,6 +101,7 @@ class TierPlan:
     stats_source: str = "uniform routing"
     dense_bytes: int = 0  # non-expert weight bytes read per decode token
     cpu_threads: int = 1  # torch threads the CPU lanes were sized for
+    read_bytes: dict[str, float] = field(default_factory=dict)  # expert bytes read per token by tier
 
     @property
     def n_disk(self) -> int:
@@ -121,6 +122,10 @@ class TierPlan:
         ]
         for name, n, g, h in rows:
             out.append(f"{name:<20}{n:>9}{g:>10.2f}{h:>12.1f}{(h / picks if picks else 0):>8.1%}")
+        if self.read_bytes:
+            r = self.read_bytes
+            out.append(f"expert bytes per token: {fmt_bytes(sum(r.values()))} (slots {fmt_bytes(r.get('slots', 0))}, "
+                       f"host RAM {fmt_bytes(r.get('host', 0))}, disk {fmt_bytes(r.get('disk', 0))})")
         if self.floor_s:
             out.append(self.bound_line())
         out.extend(f"note: {n}" for n in self.notes)
@@ -423,4 +428,4 @@ def build_plan(
     floor = decode_floor_s(rec, read_hits, str(dev), top_k=top_k, moe_layers=len(manifest.moe_layers),
                            dense_bytes=dense, cpu_threads=threads)
     return TierPlan(str(dev), rec, total, n_slots, n_host, top_k, len(manifest.moe_layers), notes + more, hits, floor,
-                    source, dense, threads)
+                    source, dense, threads, {t: v * rec for t, v in read_hits.items()})
