@@ -18,8 +18,8 @@ tile of K columns reads K/4 + K/8 bytes of each row, and a CPU dot product walks
 scale is signed: the group's largest-magnitude weight maps to -4 (the one level a symmetric
 3-bit code has on one side only), and smaller scales down to 0.5625 of that are tried (the peak
 then clamps at -4), and the scale that puts the peak on -3, keeping the one with the least
-squared error: about 10 % less error on normal and heavy-tailed weights than the peak scale
-alone. The search only chooses the scale; dequantization stays q * scale.
+squared error (what that buys: docs/results.md, int3). The search only chooses the scale;
+dequantization stays q * scale.
 """
 
 from __future__ import annotations
