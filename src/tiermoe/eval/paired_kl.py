@@ -82,6 +82,17 @@ def prompt_ids(tokenizer, texts: list[str]) -> list[list[int]]:
     return out
 
 
+def fitting_prompts(engine, texts: list[str] | None, tokens: int) -> list[list[int]]:
+    """The prompts' token ids (the built-in set when `texts` is None); UserError when a prompt plus
+    `tokens` generated tokens would not fit the model's context."""
+    prompts = prompt_ids(engine.tokenizer, texts or EVAL_TEXTS)
+    longest = max(len(p) for p in prompts) + tokens
+    if longest > engine.max_model_len:
+        raise UserError(f"--tokens {tokens}: prompt plus tokens need a context of {longest}, "
+                        f"the model has {engine.max_model_len}")
+    return prompts
+
+
 def decode_logits(engine, prompt: list[int], n: int, forced: list[int] | None = None,
                   chunk: int = 32) -> tuple[list[int], torch.Tensor]:
     import torch
@@ -136,11 +147,7 @@ def run_paired_kl(store: str, *, device: str = "cpu", dtype: str = "auto", token
         backend.close()
         raise UserError(f"{store}: the model does not serve its experts from the store, nothing to compare")
     try:
-        prompts = prompt_ids(engine.tokenizer, texts or EVAL_TEXTS)
-        longest = max(len(p) for p in prompts) + tokens
-        if longest > engine.max_model_len:
-            raise UserError(f"--tokens {tokens}: prompt plus tokens need a context of {longest}, "
-                            f"the model has {engine.max_model_len}")
+        prompts = fitting_prompts(engine, texts, tokens)
         t0 = time.perf_counter()
         backend.set_mode("exact")
         exact = [decode_logits(engine, p, tokens) for p in prompts]
@@ -182,11 +189,7 @@ def run_paired_kl_stores(store: str, reference: str, *, device: str = "cpu", dty
     def run(path: str, forced: list[list[int]] | None) -> tuple[list[list[int]], list[torch.Tensor], float]:
         engine = build_engine(engine_config(path, device=device, dtype=dtype, max_num_seqs=1, options=flags))
         try:
-            prompts = prompt_ids(engine.tokenizer, texts or EVAL_TEXTS)
-            longest = max(len(p) for p in prompts) + tokens
-            if longest > engine.max_model_len:
-                raise UserError(f"--tokens {tokens}: prompt plus tokens need a context of {longest}, "
-                                f"the model has {engine.max_model_len}")
+            prompts = fitting_prompts(engine, texts, tokens)
             t0 = time.perf_counter()
             outs = [decode_logits(engine, p, tokens, forced=None if forced is None else forced[n])
                     for n, p in enumerate(prompts)]
