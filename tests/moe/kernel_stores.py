@@ -56,3 +56,14 @@ def engine_logits_and_counters(path, prompt: list[int], options: dict) -> tuple[
         return out, be.counters()
     finally:
         be.close()
+
+
+def run_trace(store, backend, trace) -> tuple[list[torch.Tensor], tuple[int, int, int]]:
+    """Each (layer, tokens, seed) of `trace` through `backend` on `store` as one step: the outputs (on
+    the CPU) and the store's (slot hits, host hits, disk reads) after them."""
+    outs = []
+    for layer, tokens, seed in trace:
+        store.begin_step(tokens=tokens, decode=tokens == 1)
+        outs.append(backend.forward(layer, *moe_batch(tokens, seed)).cpu())
+    c = store.counters()
+    return outs, (c["slots"]["hits"], c["host"]["hits"], c["disk"]["reads"])

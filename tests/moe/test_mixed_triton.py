@@ -12,7 +12,8 @@ On CPU (CI) the kernels run through Triton's interpreter, as in test_triton_back
 from __future__ import annotations
 
 # kernel_stores first: on CPU it switches Triton to its interpreter before anything imports Triton
-from kernel_stores import DEVICE, GIB, LAYERS, N_EXPERTS, ON_GPU, engine_logits_and_counters, moe_batch
+from kernel_stores import (DEVICE, GIB, LAYERS, N_EXPERTS, ON_GPU, engine_logits_and_counters, moe_batch,
+                           run_trace)
 
 import json  # noqa: E402
 import random  # noqa: E402
@@ -111,12 +112,7 @@ def test_store_path_bit_identical_across_tier_budgets(mixed):
     for name, cfg in _budgets(rec).items():
         with _open(path, **cfg) as st:
             be = StoreTritonExperts(st)
-            outs = []
-            for layer, tokens, seed in trace:
-                st.begin_step(tokens=tokens, decode=tokens == 1)
-                outs.append(be.forward(layer, *moe_batch(tokens, seed)).cpu())
-            c = st.counters()
-            tiers[name] = (c["slots"]["hits"], c["host"]["hits"], c["disk"]["reads"])
+            outs, tiers[name] = run_trace(st, be, trace)
             if name == "10%":
                 x, ids, w = moe_batch(6, seed=3)
                 picked = ids.flatten().tolist()

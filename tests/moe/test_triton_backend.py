@@ -11,7 +11,7 @@ from __future__ import annotations
 # kernel_stores first: on CPU it switches Triton to its interpreter before anything imports Triton
 from kernel_stores import (
     DEVICE, GIB, LAYERS, N_EXPERTS,
-    ON_GPU, engine_logits_and_counters, moe_batch, tiny_glm4_stores,
+    ON_GPU, engine_logits_and_counters, moe_batch, run_trace, tiny_glm4_stores,
 )
 
 import random  # noqa: E402
@@ -89,12 +89,7 @@ def test_bit_identical_across_tier_budgets(stores, kind):
     for name, cfg in _budgets(rec).items():
         with _open(path, **cfg) as st:
             be = StoreTritonExperts(st)
-            outs = []
-            for layer, tokens, seed in trace:
-                st.begin_step(tokens=tokens, decode=tokens == 1)
-                outs.append(be.forward(layer, *moe_batch(tokens, seed)).cpu())
-            c = st.counters()
-            tiers[name] = (c["slots"]["hits"], c["host"]["hits"], c["disk"]["reads"])
+            outs, tiers[name] = run_trace(st, be, trace)
             if ON_GPU and name == "0% host":
                 assert be.counters()["triton"]["host_in_place"] > 0  # zero-copy reads of pinned host entries
         results[name] = outs
