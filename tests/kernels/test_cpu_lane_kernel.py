@@ -53,13 +53,17 @@ def _run(pool, layout, records, x, tok_idx, tok_w, round_bf16, limit):
     return out
 
 
-# (kind, G, hidden, inter). G = 128 with inter 256: whole blocks of the int4 bf16 dot path. int3: G = 32 and
-# 128; 64 (pack's default for int3) with a 192-column row, whose 6 vectors of bf16 dot products do not fill
-# the 4 accumulators evenly; 16 (GGUF Q3_K's sub-blocks: two groups a vector of bf16 dot products); G = 8
-# and rows of 72 and 40 columns (the scalar path). Three experts, then five for int3.
-CASES = [("int4", 32, 256, 128), ("int4", 128, 256, 256), ("int4", 16, 256, 128), ("int8", 32, 256, 128),
-         ("int8", 64, 256, 128), ("int8", 8, 256, 128), ("bf16", 0, 256, 128), ("int3", 32, 256, 128),
-         ("int3", 128, 256, 256), ("int3", 64, 256, 192), ("int3", 16, 256, 128), ("int3", 8, 72, 40)]
+# (kind, G, hidden, inter). G = 128 with inter 256: whole blocks of the int4 bf16 dot path. Rows whose steps
+# do not fill the accumulators evenly (4 at one token on the bf16 dot paths): int4 G = 64 and int8 G = 32 with
+# 192-column down rows (3 steps of 64 columns, 6 of 32); int8 G = 48 (the fp32 paths: 16-column steps
+# alternating across groups of 3). int3: G = 32 and 128; 64 (pack's default for int3) with a 192-column
+# row, whose 6 vectors of bf16 dot products do not fill the 4 accumulators evenly; 16 (GGUF Q3_K's
+# sub-blocks: two groups a vector of bf16 dot products); G = 8 and rows of 72 and 40 columns (the scalar
+# path). Three experts, then five for int3.
+CASES = [("int4", 32, 256, 128), ("int4", 128, 256, 256), ("int4", 16, 256, 128), ("int4", 64, 256, 192),
+         ("int8", 32, 256, 128), ("int8", 64, 256, 128), ("int8", 8, 256, 128), ("int8", 32, 256, 192),
+         ("int8", 48, 192, 96), ("bf16", 0, 256, 128), ("int3", 32, 256, 128), ("int3", 128, 256, 256),
+         ("int3", 64, 256, 192), ("int3", 16, 256, 128), ("int3", 8, 72, 40)]
 
 
 @pytest.mark.parametrize("kind,group,hidden,inter", CASES)
