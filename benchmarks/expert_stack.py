@@ -50,6 +50,7 @@ class HostPools:
 
     def __init__(self, layout: ExpertLayout, pools: list[torch.Tensor], device: torch.device) -> None:
         self.layout, self.pools, self.device = layout, pools, torch.device(device)
+        self.layouts = [layout]  # records of one kind (a store may hold two: mixed precision)
         self.record_bytes = layout.length
         self.num_experts = pools[0].shape[0]
         self.moe_layers = list(range(len(pools)))
@@ -60,6 +61,9 @@ class HostPools:
 
     def key(self, layer: int, expert: int) -> int:
         return layer * self.num_experts + expert
+
+    def layout_ids(self, layer: int) -> list[int]:
+        return [0] * self.num_experts
 
     def begin_step(self, tokens: int = 1, decode: bool = True) -> None:
         """A store counts its steps here; the pools keep no step accounting."""
