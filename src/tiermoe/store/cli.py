@@ -220,7 +220,8 @@ def register(subparsers) -> None:
                    help="mixed precision: pack the experts that --expert-stats shows picked least in this kind (e.g. "
                         "--quant int4 --cold-quant int3): fewer bytes for the experts that are mostly read on a miss")
     p.add_argument("--cold-group-size", type=int, default=None,
-                   help="--cold-quant's group size (default as --group-size)")
+                   help="--cold-quant's group size (default: picked for that kind as --group-size's default is, "
+                        "e.g. 64 for int3 where it divides the shapes)")
     p.add_argument("--hot-share", type=float, default=0.6,
                    help="with --cold-quant: per layer, the most-picked experts that together take this share of the "
                         "layer's picks stay --quant (default 0.6: a quarter of GLM-5.3-Flash's experts)")
