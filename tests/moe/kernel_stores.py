@@ -1,4 +1,4 @@
-"""Shared by the Triton-backed MoE tests (test_triton_backend.py, test_device_cache.py).
+"""Shared by the Triton-backed MoE tests (test_triton_backend.py, test_mixed_triton.py, test_device_cache.py).
 
 Import it before anything that imports Triton: on CPU (CI) it switches Triton to its
 interpreter, with CPU tensors standing in for device memory; TIERMOE_KERNEL_TESTS_ON_GPU=1 runs
@@ -67,3 +67,30 @@ def run_trace(store, backend, trace) -> tuple[list[torch.Tensor], tuple[int, int
         outs.append(backend.forward(layer, *moe_batch(tokens, seed)).cpu())
     c = store.counters()
     return outs, (c["slots"]["hits"], c["host"]["hits"], c["disk"]["reads"])
+
+
+def open_store(path, **kw):
+    """An ExpertStore on the tests' device; on a GPU, once its host arena is pinned (zero-copy reads
+    need that, and a background thread pins it)."""
+    from tiermoe.store.facade import ExpertStore
+
+    st = ExpertStore.open(path, device=DEVICE, dtype=torch.bfloat16, reader_threads=2, **kw)
+    if ON_GPU and st._host.n:
+        assert st.wait_pinned()
+    return st
+
+
+def tier_budgets(rec: int) -> dict[str, dict]:
+    """Tier configurations as GiB flags (rec: a tier entry's bytes): every expert in slots, ~10 % in
+    slots, host only, disk only."""
+    return {
+        "100%": dict(gpu_expert_gb=N_EXPERTS * rec / GIB, host_expert_gb=0),
+        "10%": dict(gpu_expert_gb=2 * rec / GIB, host_expert_gb=3 * rec / GIB),
+        "0% host": dict(gpu_expert_gb=0, host_expert_gb=N_EXPERTS * rec / GIB),
+        "0% disk": dict(gpu_expert_gb=0, host_expert_gb=0),
+    }
+
+
+def rel_err(a, b) -> float:
+    """Relative Frobenius error of a against b."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()

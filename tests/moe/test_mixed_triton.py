@@ -12,8 +12,8 @@ On CPU (CI) the kernels run through Triton's interpreter, as in test_triton_back
 from __future__ import annotations
 
 # kernel_stores first: on CPU it switches Triton to its interpreter before anything imports Triton
-from kernel_stores import (DEVICE, GIB, LAYERS, N_EXPERTS, ON_GPU, engine_logits_and_counters, moe_batch,
-                           run_trace)
+from kernel_stores import (DEVICE, GIB, LAYERS, N_EXPERTS, engine_logits_and_counters, moe_batch, open_store,
+                           rel_err, run_trace, tier_budgets)
 
 import json  # noqa: E402
 import random  # noqa: E402
@@ -27,7 +27,6 @@ from tiermoe.moe.backends import choose_expert_kernel, triton_unsupported  # noq
 from tiermoe.moe.device_cache import DeviceCacheExperts  # noqa: E402
 from tiermoe.moe.experts import combine_experts  # noqa: E402
 from tiermoe.moe.store_backends import StoreTritonExperts  # noqa: E402
-from tiermoe.store.facade import ExpertStore  # noqa: E402
 from tiermoe.store.records import RecordLayout  # noqa: E402
 
 HOT = [0, 0, 1, 1, 1, 1, 1, 1]  # layout index of experts 0..7 in every MoE layer (40 + 20 of 100 picks: 0.6)
@@ -50,27 +49,6 @@ def mixed(tiny_dir, tmp_path_factory):
     return dst, 12288
 
 
-def _open(path, **kw) -> ExpertStore:
-    st = ExpertStore.open(path, device=DEVICE, dtype=torch.bfloat16, reader_threads=2, **kw)
-    if ON_GPU and st._host.n:
-        assert st.wait_pinned()
-    return st
-
-
-def _budgets(rec: int) -> dict[str, dict]:
-    """Tier configurations as GiB flags: every expert in slots, ~10 %, host only, disk only."""
-    return {
-        "100%": dict(gpu_expert_gb=N_EXPERTS * rec / GIB, host_expert_gb=0),
-        "10%": dict(gpu_expert_gb=2 * rec / GIB, host_expert_gb=3 * rec / GIB),
-        "0% host": dict(gpu_expert_gb=0, host_expert_gb=N_EXPERTS * rec / GIB),
-        "0% disk": dict(gpu_expert_gb=0, host_expert_gb=0),
-    }
-
-
-def _rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def _trace(n: int = 3) -> list[tuple[int, int, int]]:
     """(layer, tokens, seed) calls: decode steps of 1-3 tokens and a 17-token prefill."""
     rnd = random.Random(1)
@@ -82,7 +60,7 @@ def test_store_path_reads_each_record_at_its_own_layout(mixed):
     matches the twin over the same tier entries (each read at its own layout) and the torch path
     (records decoded at their own layouts), at decode and prefill shapes."""
     path, rec = mixed
-    with _open(path, **_budgets(rec)["10%"]) as st:
+    with open_store(path, **tier_budgets(rec)["10%"]) as st:
         assert st.record_bytes == rec and [lay.kind for lay in st.layouts] == ["bf16", "int4"]
         be = StoreTritonExperts(st)
         assert {layer: be.fused.kinds[layer].tolist() for layer in LAYERS} == {layer: HOT for layer in LAYERS}
@@ -94,23 +72,23 @@ def test_store_path_reads_each_record_at_its_own_layout(mixed):
             entries = torch.stack([recs[e].to(DEVICE) for e in range(8)])
             twin = R.fused_moe_ref(x, ids, w, entries, be.layouts, kinds=st.layout_ids(1))
             torch_path = combine_experts(x, ids, w, lambda e: st.fetch(1, e))
-            assert _rel(out, twin) < 2e-2, tokens
-            assert _rel(out, torch_path) < 3e-2, tokens
+            assert rel_err(out, twin) < 2e-2, tokens
+            assert rel_err(out, torch_path) < 3e-2, tokens
         # reading every record at the hot layout is another function: the kind tables matter
         x, ids, w = moe_batch(4, seed=9)
         entries = torch.stack([st.fetch_records(1, list(range(8)))[e].to(DEVICE) for e in range(8)])
         wrong = R.fused_moe_ref(x, ids, w, entries, be.layout)
-        assert not _rel(be.forward(1, x, ids, w), wrong) < 0.1  # int4 bytes read as bf16: far off, or NaN
+        assert not rel_err(be.forward(1, x, ids, w), wrong) < 0.1  # int4 bytes read as bf16: far off, or NaN
 
 
-def test_store_path_bit_identical_across_tier_budgets(mixed):
+def test_store_path_bit_identical_across_tiertier_budgets(mixed):
     """The same trace gives the same bits with experts in slots, host entries read in place or
     disk reads; skipped (lane) experts point at an all-zero tier entry and add exact zeros."""
     path, rec = mixed
     trace = _trace()
     results, tiers = {}, {}
-    for name, cfg in _budgets(rec).items():
-        with _open(path, **cfg) as st:
+    for name, cfg in tier_budgets(rec).items():
+        with open_store(path, **cfg) as st:
             be = StoreTritonExperts(st)
             outs, tiers[name] = run_trace(st, be, trace)
             if name == "10%":
@@ -126,18 +104,18 @@ def test_store_path_bit_identical_across_tier_budgets(mixed):
     assert tiers["100%"][0] > 0 and tiers["0% host"][1] > 0 and tiers["0% disk"][2] > 0
 
 
-def test_device_cache_bit_identical_to_store_path_and_across_budgets(mixed):
+def test_device_cache_bit_identical_to_store_path_and_acrosstier_budgets(mixed):
     """The device cache over the mixed store (host entries of the longest record, slots and
     staging rows too) with 8, 2 and 0 slots per layer, decode steps, a short prefill and a
     70-token prefill chunk staged into HBM rows: the store-managed path's bits."""
     path, rec = mixed
     trace = _trace(2) + [(layer, 70, 5) for layer in LAYERS]
     all_host = dict(gpu_expert_gb=0, host_expert_gb=N_EXPERTS * rec / GIB)
-    with _open(path, **all_host) as st:
+    with open_store(path, **all_host) as st:
         be = StoreTritonExperts(st)
         ref = [be.forward(layer, *moe_batch(t, seed)).cpu() for layer, t, seed in trace]
     for slots in (2 * 8, 2 * 2 + 2, 0):
-        with _open(path, **all_host) as st:
+        with open_store(path, **all_host) as st:
             dc = DeviceCacheExperts(st, slots, rates={}, top_k=2, max_tokens=1)
             assert dc.scratch.shape[1] == dc.arena.shape[1] == rec
             got = [dc.forward(layer, *moe_batch(t, seed), decode=t < 17).cpu() for layer, t, seed in trace]
@@ -153,7 +131,7 @@ def test_mixed_stores_are_served_when_every_layout_is(mixed):
     kernel serves each of them (bf16 + int4 here), refused with the layout that is not (int3
     cold records at I = 32: a block tile of K 64 does not divide it)."""
     path, rec = mixed
-    with _open(path, gpu_expert_gb=0, host_expert_gb=0) as st:
+    with open_store(path, gpu_expert_gb=0, host_expert_gb=0) as st:
         assert triton_unsupported(st.layouts, torch.bfloat16, DEVICE) is None
         assert choose_expert_kernel("triton", st, DEVICE, layouts=st.layouts) == "triton"
         int3 = RecordLayout.build("int3", st.layout.hidden, st.layout.intermediate, 32)
@@ -165,7 +143,7 @@ def test_mixed_stores_are_served_when_every_layout_is(mixed):
 
 
 @pytest.mark.slow
-def test_engine_logits_of_a_mixed_store_across_budgets(mixed):
+def test_engine_logits_of_a_mixed_store_acrosstier_budgets(mixed):
     """The real engine on the mixed store: logits bit-identical through the store-managed Triton
     path (every expert in slots, or read from disk) and the device cache (4 slots); close to
     the torch path, which decodes each record at its own layout."""

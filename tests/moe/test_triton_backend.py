@@ -10,12 +10,11 @@ from __future__ import annotations
 
 # kernel_stores first: on CPU it switches Triton to its interpreter before anything imports Triton
 from kernel_stores import (
-    DEVICE, GIB, LAYERS, N_EXPERTS,
-    ON_GPU, engine_logits_and_counters, moe_batch, run_trace, tiny_glm4_stores,
+    DEVICE, LAYERS, ON_GPU, engine_logits_and_counters, moe_batch, open_store, rel_err, run_trace, tier_budgets,
+    tiny_glm4_stores,
 )
 
 import random  # noqa: E402
-import time  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -25,17 +24,6 @@ from tiermoe.kernels import reference as R  # noqa: E402
 from tiermoe.moe.backends import choose_expert_kernel, triton_unsupported  # noqa: E402
 from tiermoe.moe.experts import combine_experts  # noqa: E402
 from tiermoe.moe.store_backends import StoreTorchExperts, StoreTritonExperts  # noqa: E402
-from tiermoe.store.facade import ExpertStore  # noqa: E402
-
-
-def _budgets(rec: int) -> dict[str, dict]:
-    """Tier configurations as GiB flags: 100 %, ~10 % of the experts in slots, 0 %."""
-    return {
-        "100%": dict(gpu_expert_gb=N_EXPERTS * rec / GIB, host_expert_gb=0),
-        "10%": dict(gpu_expert_gb=2 * rec / GIB, host_expert_gb=3 * rec / GIB),
-        "0% host": dict(gpu_expert_gb=0, host_expert_gb=N_EXPERTS * rec / GIB),
-        "0% disk": dict(gpu_expert_gb=0, host_expert_gb=0),
-    }
 
 
 @pytest.fixture(scope="module")
@@ -43,27 +31,12 @@ def stores(tiny_dir, tmp_path_factory):
     return tiny_glm4_stores(tiny_dir, tmp_path_factory, "triton")
 
 
-def _open(path, **kw) -> ExpertStore:
-    st = ExpertStore.open(path, device=DEVICE, dtype=torch.bfloat16, reader_threads=2, **kw)
-    if ON_GPU and st._host.n:  # zero-copy needs the host arena pinned (a background thread)
-        deadline = time.time() + 10
-        while st._host.pinned_chunks < len(st._host._chunks) and time.time() < deadline:
-            time.sleep(0.02)
-    return st
-
-
-
-
-def _rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 @pytest.mark.parametrize("kind", ["int4", "bf16"])
 def test_backend_matches_twins(stores, kind):
     """Against the kernel's plain-torch twin over the same record bytes (and the engine's torch
     path: dequantized tensors through combine_experts), for decode and prefill shapes."""
     path, rec = stores[kind]
-    with _open(path, **_budgets(rec)["10%"]) as st:
+    with open_store(path, **tier_budgets(rec)["10%"]) as st:
         be = StoreTritonExperts(st)
         for tokens in (1, 5, 20):
             x, ids, w = moe_batch(tokens, seed=tokens)
@@ -73,21 +46,21 @@ def test_backend_matches_twins(stores, kind):
             torch_path = combine_experts(x, ids, w, lambda e: st.fetch(1, e))
             assert out.shape == (tokens, 64) and out.dtype == torch.bfloat16
             # the interpreter rounds fp32 -> bf16 toward zero (GPUs round to nearest), hence 2e-2
-            assert _rel(out, twin) < 2e-2, tokens
-            assert _rel(out, torch_path) < 3e-2, tokens
+            assert rel_err(out, twin) < 2e-2, tokens
+            assert rel_err(out, torch_path) < 3e-2, tokens
         assert be.counters()["triton"]["calls"] == 3
 
 
 @pytest.mark.parametrize("kind", ["int4", "bf16"])
-def test_bit_identical_across_tier_budgets(stores, kind):
+def test_bit_identical_across_tiertier_budgets(stores, kind):
     """The same trace of MoE calls (decode and prefill shapes, both layers) gives the same
     bits whether experts sit in slots, host entries (read in place) or come from disk."""
     path, rec = stores[kind]
     rnd = random.Random(0)
     trace = [(layer, rnd.choice((1, 3, 17)), rnd.randrange(1000)) for _ in range(3) for layer in LAYERS]
     results, tiers = {}, {}
-    for name, cfg in _budgets(rec).items():
-        with _open(path, **cfg) as st:
+    for name, cfg in tier_budgets(rec).items():
+        with open_store(path, **cfg) as st:
             be = StoreTritonExperts(st)
             outs, tiers[name] = run_trace(st, be, trace)
             if ON_GPU and name == "0% host":
@@ -105,7 +78,7 @@ def test_skipped_experts_add_exact_zero(stores):
     """combine(skip=S) (the CPU lane computes S) equals the full call with S's routing weights
     zeroed, bit for bit, and the zero record is never confused with a real one."""
     path, rec = stores["int4"]
-    with _open(path, **_budgets(rec)["10%"]) as st:
+    with open_store(path, **tier_budgets(rec)["10%"]) as st:
         be = StoreTritonExperts(st)
         x, ids, w = moe_batch(6, seed=3)
         skip = {int(ids[0, 0]), int(ids[2, 1])}
@@ -119,7 +92,7 @@ def test_skipped_experts_add_exact_zero(stores):
 
 def test_selection_rules(stores, monkeypatch):
     path, rec = stores["int4"]
-    with _open(path, gpu_expert_gb=0, host_expert_gb=0) as st:
+    with open_store(path, gpu_expert_gb=0, host_expert_gb=0) as st:
         store_layout = st.layout
         assert triton_unsupported(st.layout, torch.bfloat16, DEVICE) is None
         assert "bfloat16" in triton_unsupported(st.layout, torch.float32, DEVICE)
@@ -172,14 +145,14 @@ def test_swiglu_clamp_keeps_triton_and_matches_torch(stores):
     x, ids, w = moe_batch(3, seed=1)
     outs = {}
     for name, kernel, limit in (("triton", "triton", 0.02), ("torch", "torch", 0.02), ("free", "triton", None)):
-        with _open(path, gpu_expert_gb=0, host_expert_gb=0) as st:
+        with open_store(path, gpu_expert_gb=0, host_expert_gb=0) as st:
             backend = (StoreTritonExperts if kernel == "triton" else StoreTorchExperts)(st, prefetch=False)
             backend.attach([Layer(1, limit), Layer(2, limit)])
             if kernel == "triton":
                 assert backend.fused.swiglu_limit == limit
             outs[name] = backend.forward(1, x, ids, w)
-    assert _rel(outs["triton"], outs["torch"]) < 3e-2
-    assert _rel(outs["free"], outs["torch"]) > 0.1
+    assert rel_err(outs["triton"], outs["torch"]) < 3e-2
+    assert rel_err(outs["free"], outs["torch"]) > 0.1
 
 
 @pytest.mark.slow
@@ -195,7 +168,7 @@ def test_engine_logits_through_triton_backend(stores):
     def logits(options: dict) -> tuple[torch.Tensor, dict]:
         return engine_logits_and_counters(path, prompt, options)
 
-    budgets = _budgets(rec)
+    budgets = tier_budgets(rec)
     ref, c = logits({"expert_kernel": "triton", **budgets["100%"]})
     assert c["expert_kernel"] == "triton" and c["triton"]["calls"] == 2 * (1 + len(prompt))
     for name in ("10%", "0% disk"):
