@@ -135,6 +135,16 @@ inline __m512 w_bf16(const uint8_t* q, int c) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
+// step(v, i) for v = 0..nv-1, accumulator i = v % A within whole rounds of A, then 0 for the rest: the
+// loop every AVX-512 dot product runs over its vectors (A independent accumulators hide FMA latency).
+template <int A, class Step>
+inline void over_vectors(int nv, Step&& step) {
+  int v = 0;
+  for (; v + A <= nv; v += A)
+    for (int i = 0; i < A; ++i) step(v + i, i);
+  for (; v < nv; ++v) step(v, 0);
+}
+
 template <int R, int NT, int A>  // res[r][t] = the sum of row r's accumulators of token t, in order
 inline void reduce(__m512 (&acc)[R][NT][A], float res[][4]) {
   for (int r = 0; r < R; ++r)
@@ -203,10 +213,7 @@ void dot_int3(const Mat& m, const int* rows, const float* const* x, bool rnd, fl
       for (int t = 0; t < NT; ++t) acc[r][t][i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x[t] + c), acc[r][t][i]);
     }
   };
-  int v = 0;
-  for (; v + A <= nv; v += A)
-    for (int i = 0; i < A; ++i) step(v + i, i);
-  for (; v < nv; ++v) step(v, 0);
+  over_vectors<A>(nv, step);
   reduce<R, NT, A>(acc, res);
 }
 
@@ -534,10 +541,7 @@ void dot_int3_g16(const Mat& m, const int* rows, const uint16_t* const* x, float
     }
   };
   const int nv = m.K / 32;
-  int v = 0;
-  for (; v + A <= nv; v += A)
-    for (int i = 0; i < A; ++i) step(v + i, i);
-  for (; v < nv; ++v) step(v, 0);
+  avx512::over_vectors<A>(nv, step);
   avx512::reduce<R, NT, A>(acc, res);
 }
 
@@ -588,10 +592,7 @@ void dot_int3(const Mat& m, const int* rows, const uint16_t* const* x, float res
       for (int t = 0; t < NT; ++t) acc[r][t][i] = _mm512_dpbf16_ps(acc[r][t][i], w, xv[t]);
     }
   };
-  int v = 0;
-  for (; v + A <= nv; v += A)
-    for (int i = 0; i < A; ++i) step(v + i, i);
-  for (; v < nv; ++v) step(v, 0);
+  avx512::over_vectors<A>(nv, step);
   avx512::reduce<R, NT, A>(acc, res);
 }
 
@@ -697,10 +698,7 @@ void dot_int8(const Mat& m, const int* rows, const uint16_t* const* x, float res
       for (int t = 0; t < NT; ++t) acc[r][t][i] = dp(acc[r][t][i], w, x[t] + c);
     }
   };
-  int v = 0;
-  for (; v + A <= nv; v += A)
-    for (int i = 0; i < A; ++i) step(v + i, i);
-  for (; v < nv; ++v) step(v, 0);
+  avx512::over_vectors<A>(nv, step);
   avx512::reduce<R, NT, A>(acc, res);
 }
 
