@@ -51,7 +51,8 @@ def test_mixed_manifest_layouts_offsets_and_verify(mixed, capsys):
     assert m.mixed and [lay.kind for lay in m.layouts] == ["bf16", "int3"]
     assert m.record_bytes == m.layouts[0].length == 12288 and m.layouts[1].length == 4096
     q = m.data["quantization"]
-    assert q["cold_kind"] == "int3" and q["cold_group_size"] == 32 and q["hot_share"] == 0.6 and q["expert_stats"] == "stats.json"
+    assert q["cold_kind"] == "int3" and q["cold_group_size"] == 32 and q["hot_share"] == 0.6
+    assert q["expert_stats"] == "stats.json"
     for layer in m.moe_layers:
         assert m.layout_ids(layer) == [0, 0, 1, 1, 1, 1, 1, 1]  # 40 + 20 of 100 picks reach 0.6
     off = 0
@@ -108,6 +109,7 @@ def test_mixed_store_bit_identical_across_tiers(mixed):
     (["--cold-quant", "int3", "--expert-stats", "missing.json"], "no such file"),
     (["--cold-quant", "int3", "--expert-stats", "S", "--hot-share", "1.5"], "between 0 and 1"),
     (["--expert-stats", "S"], "give --cold-quant too"),
+    (["--cold-quant", "int3", "--cold-group-size", "3", "--expert-stats", "S"], "--cold-group-size 3 does not divide"),
 ])
 def test_pack_cold_quant_refusals(tiny_dir, tmp_path, stats_file, capsys, extra, message):
     extra = [str(stats_file) if a == "S" else a for a in extra]

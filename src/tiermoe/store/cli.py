@@ -39,7 +39,7 @@ def _pack_prechecks(args: argparse.Namespace) -> None:
         check_cold_args(args.quant, args.cold_quant, args.expert_stats, args.hot_share)
         shapes = source_shapes(args.src) if args.cold_quant in INT_QUANTS else None
         if shapes is not None:
-            choose_group_size(*shapes, args.cold_group_size, args.cold_quant)
+            choose_group_size(*shapes, args.cold_group_size, args.cold_quant, "--cold-group-size")
     elif args.expert_stats is not None or args.cold_group_size is not None:
         raise UserError("--expert-stats and --cold-group-size choose and shape the cold experts: give --cold-quant too")
     check_target(args.out)

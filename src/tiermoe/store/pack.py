@@ -367,7 +367,8 @@ def pack(
             raise UserError(f"--cold-quant {cold_quant!r}: choose one of {', '.join(QUANT_KINDS)}")
         check_cold_args(quant, cold_quant, None if expert_stats is None else str(expert_stats), hot_share)
         if cold_quant in INT_KINDS:
-            cold_group_size = choose_group_size(ck.hidden, ck.intermediate, cold_group_size, cold_quant)
+            cold_group_size = choose_group_size(ck.hidden, ck.intermediate, cold_group_size, cold_quant,
+                                                flag="--cold-group-size")
         cold = RecordLayout.build(cold_quant, ck.hidden, ck.intermediate, cold_group_size)
         plan = mixed_plan(keys, ck.experts_per_layer, layout, cold, str(expert_stats), hot_share, log)
     fingerprint = _fingerprint(ck, plan, shard_bytes, source)

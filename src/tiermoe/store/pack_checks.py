@@ -37,7 +37,8 @@ def working_group_sizes(hidden: int, intermediate: int) -> list[int]:
             and intermediate % g == 0][:4]
 
 
-def choose_group_size(hidden: int, intermediate: int, given: int | None, quant: str = "int4") -> int:
+def choose_group_size(hidden: int, intermediate: int, given: int | None, quant: str = "int4",
+                      flag: str = "--group-size") -> int:
     """`given` when it divides both shapes, else UserError listing the sizes that would; with
     none given, the largest working size up to PREFERRED_GROUP_SIZE[quant]. int3 also needs
     both shapes to be multiples of 8 (a row's high-bit plane is whole bytes)."""
@@ -49,11 +50,11 @@ def choose_group_size(hidden: int, intermediate: int, given: int | None, quant: 
         if given > 0 and given % 2 == 0 and hidden % given == 0 and intermediate % given == 0:
             return given
         if not sizes:
-            raise UserError(f"--group-size {given}: no group size divides {shapes}; {quant} needs even shapes "
+            raise UserError(f"{flag} {given}: no group size divides {shapes}; {quant} needs even shapes "
                             "(use --quant bf16)")
         listed = ", ".join(str(g) for g in sizes)
-        raise UserError(f"--group-size {given} does not divide {shapes}; these would: {listed} "
-                        "(or leave --group-size out to pick one)")
+        raise UserError(f"{flag} {given} does not divide {shapes}; these would: {listed} "
+                        f"(or leave {flag} out to pick one)")
     if not sizes:
         raise UserError(f"no {quant} group size divides {shapes} (use --quant bf16)")
     preferred = PREFERRED_GROUP_SIZE.get(quant, 128)
