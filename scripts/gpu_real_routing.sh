@@ -6,11 +6,18 @@
 #   scripts/gpu_real_routing.sh run        # the same in the foreground
 #
 # Steps (RUN_STEPS, any subset in this order; default "pcie glm serve-glm"):
+#   sbs        scripts/llamacpp_side_by_side.sh all (docs/side-by-side.md; its knobs as environment, SBS_*
+#              SBS_MAX_TOKENS for its MAX_TOKENS, default 256), state in $WORK/sbs; its model files are removed after it (the disk and /dev/shm
+#              hold one model at a time). Carry .peer/carry and .peer/carry-bin too.
 #   pcie       pinned host -> GPU copy GB/s (the PCIe lane of the floor)
+#   lane       `tiermoe bench lane` on GLM-5.3-Flash's expert shape: the CPU lane's GB/s per record kind
+#              beside the host read GB/s of the same threads (issue: lane >= 60 % of host read)
 #   tests      scripts/gpu_test_suite.sh (the GPU test suite, one summary line), beside the store build
 #   glm        scripts/synth_glm_store.py: GLM-5.3-Flash MoE shape, as many MoE layers as disk and RAM
 #              hold (at least 12; GLM_LAYERS overrides), written with the real statistics beside it
-#   serve-glm  per budget in BUDGETS (share of expert bytes on the GPU) and mode in MODES: tiermoe serve
+#   serve-glm  per budget in BUDGETS (share of expert bytes on the GPU) and mode in MODES (or the pairs in
+#              CELLS, e.g. "0.11:exact 0.11:fast 0.33:exact", instead of every budget with every mode; KIND_CELLS
+#              likewise for the kinds step): tiermoe serve
 #              with --routing-replay (picks drawn from the real per-layer statistics) and --expert-stats
 #              on the same file (the warm start a user of the real model gives it), a short warm-up
 #              sweep, then `tiermoe bench sweep` (prefill 4k, decode C1 and C4) with /stats before/after
@@ -82,6 +89,19 @@ print(max(12, int(min(disk, ram) // layer)))
 PY
 }
 
+step_sbs() {  # the llama.cpp side-by-side (its own script), then its model files removed
+  log "side-by-side with llama.cpp: REPLAY=${REPLAY:-1} TIERMOE_MODES=${TIERMOE_MODES:-exact fast}"
+  SBS_DIR=$WORK/sbs OUT= MAX_TOKENS=${SBS_MAX_TOKENS:-256} bash scripts/llamacpp_side_by_side.sh all > "$WORK/sbs-run.log" 2>&1
+  grep -E "^\[sbs|^  \[" "$WORK/sbs-run.log" | tail -40
+  rm -rf "$WORK/sbs/model" /dev/shm/sbs-model "$WORK/sbs/llama.cpp" "$WORK/sbs/llama-build" "$WORK/sbs/site"
+}
+
+step_lane() {
+  "$PY" -m tiermoe.cli bench lane --pool-gb 1.5 --seconds 0.3 --repeat 2 --threads "${LANE_THREADS:-8,16}" \
+    --tokens 1,4 --out "$WORK/lane.json" > "$WORK/lane.log" 2>&1 || log "bench lane failed: $(tail -2 "$WORK/lane.log")"
+  log "lane:"; cat "$WORK/lane.log"
+}
+
 step_glm() {
   local n=${GLM_LAYERS:-$(glm_layers)}
   [ -f "$WORK/glm/manifest.json" ] && n=$("$PY" -c "import json,sys
@@ -99,8 +119,12 @@ serve_matrix() {  # NAME STORE STATS EXTRA_FLAGS...
   local expert_gb
   expert_gb=$(stat -c %s "$store/experts.bin" | awk '{print $1 / 2^30}')  # every routed expert's record
   [ -n "${BUDGET_BASE_GB:-}" ] && expert_gb=$BUDGET_BASE_GB  # the same GPU GiB across record kinds
-  for budget in $BUDGETS; do
-    for mode in $MODES; do
+  local cells=${CELLS:-} budget mode cell
+  if [ -z "$cells" ]; then
+    for budget in $BUDGETS; do for mode in $MODES; do cells="$cells $budget:$mode"; done; done
+  fi
+  for cell in $cells; do
+      budget=${cell%%:*} mode=${cell##*:}
       local tag=$name-$budget-$mode gb
       gb=$("$PY" -c "print(round($expert_gb * $budget, 3))")
       local tokens=$MAX_TOKENS
@@ -127,7 +151,6 @@ serve_matrix() {  # NAME STORE STATS EXTRA_FLAGS...
       get http://127.0.0.1:8121/stats > "$WORK/stats-$tag.json"
       grep -E "prefill|decode" "$WORK/sweep-$tag.log" | sed "s/^/  $tag: /"
       kill $pid; wait $pid 2>/dev/null
-    done
   done
 }
 
@@ -167,7 +190,7 @@ step_kinds() {
     "$PY" scripts/synth_glm_store.py "$WORK/kind" --moe-layers "$n" $flags $GLM_ARGS > "$WORK/kind-$kind.log" 2>&1 \
       || { log "kinds: $kind store failed: $(tail -3 "$WORK/kind-$kind.log")"; continue; }
     tail -1 "$WORK/kind-$kind.log"
-    BUDGET_BASE_GB=$base_gb serve_matrix "glm-$kind" "$WORK/kind" "$WORK/kind/expert-stats.json"
+    BUDGET_BASE_GB=$base_gb CELLS=${KIND_CELLS:-${CELLS:-}} serve_matrix "glm-$kind" "$WORK/kind" "$WORK/kind/expert-stats.json"
     "$PY" -m tiermoe.cli plan "$WORK/kind" --stats "$WORK/kind/expert-stats.json" \
       --gpu-expert-gb "$("$PY" -c "print(round($base_gb * ${BUDGETS%% *}, 3))")" > "$WORK/plan-$kind.txt" 2>&1
     rm -rf "$WORK/kind"
@@ -182,7 +205,9 @@ run_all() {
   local versions
   versions=$("$PY" -c 'import torch, triton; print(torch.__version__, triton.__version__)')
   log "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}, $versions"
+  want sbs && step_sbs
   want pcie && step_pcie
+  want lane && step_lane
   local tests_pid=""
   if want tests; then  # beside the store build (its timings are not figures; the build is disk-bound)
     OUT=$WORK/gpu-tests bash scripts/gpu_test_suite.sh > "$WORK/gpu-tests.log" 2>&1 &
@@ -211,7 +236,7 @@ case "${1:-run}" in
     cat "$WORK/run.log"
     if [ -n "${OUT:-}" ]; then
       tar czf "$OUT/real-routing.tgz" -C "$(dirname "$WORK")" --exclude=glm --exclude=qwen --exclude=kind \
-        --exclude=tree \
+        --exclude=tree --exclude=sbs/model --exclude=sbs/llama-build --exclude=sbs/llama.cpp --exclude=sbs/site \
         "$(basename "$WORK")"
     fi ;;
   *) echo "usage: $0 start|wait SECS|run" >&2; exit 2 ;;

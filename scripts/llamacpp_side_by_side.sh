@@ -339,14 +339,16 @@ mix_check() {  # mix_check LABEL URL BENCH...: the same decode sweep on story re
   done
 }
 
-run_tiermoe() {  # run_tiermoe MODE[@VARIANT]  (storepath: --device-cache off; eager: --enforce-eager)
-  local mode=${1%%@*} variant="" port=8101 gpu_gb host_gb dio="" vargs=""
+run_tiermoe() {  # run_tiermoe MODE[@VARIANT]  (storepath: --device-cache off; eager: --enforce-eager;
+  #                                          own: the model's own routing even when REPLAY=1)
+  local mode=${1%%@*} variant="" port=8101 gpu_gb host_gb dio="" vargs="" replay=$REPLAY
   [ "$1" != "$mode" ] && variant=${1#*@}
   case "$variant" in
     "") ;;
     storepath) vargs="--device-cache off" ;;
     eager) vargs="--enforce-eager" ;;
-    *) log "unknown tiermoe variant '$variant' (known: storepath, eager)"; return 0 ;;
+    own) replay=0 ;;
+    *) log "unknown tiermoe variant '$variant' (known: storepath, eager, own)"; return 0 ;;
   esac
   local label=tiermoe-$mode${variant:+-$variant}
   [ -d "$STORE_DIR/store" ] || die "no store in $STORE_DIR (phase model-store)"
@@ -357,7 +359,7 @@ run_tiermoe() {  # run_tiermoe MODE[@VARIANT]  (storepath: --device-cache off; e
   local cmd=("$PY" -m tiermoe.cli serve "$STORE_DIR/store" --host 127.0.0.1 --port $port --served-model-name "$NAME"
     --max-model-len "$CTX" --max-num-seqs "$NP" --max-num-batched-tokens "$UBATCH" --gpu-expert-gb "$gpu_gb"
     --host-expert-gb "$host_gb" --mode "$mode" --cpu-lane-threads "$THREADS" $dio $vargs $TIERMOE_EXTRA_ARGS)
-  [ "$REPLAY" = 1 ] && cmd+=(--routing-replay "$STORE_DIR/expert-stats.json" \
+  [ "$replay" = 1 ] && cmd+=(--routing-replay "$STORE_DIR/expert-stats.json" \
     --expert-stats "$STORE_DIR/expert-stats.json")  # the same statistics warm-start the slot cache
   echo "tiermoe ${cmd[*]:3}" > "$RES/cmd-$label.txt"
   log "$label: --gpu-expert-gb $gpu_gb --host-expert-gb $host_gb"

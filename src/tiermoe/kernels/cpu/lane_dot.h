@@ -137,8 +137,9 @@ inline __m512 w_bf16(const uint8_t* q, int c) {
 
 // step(v, i) for v = 0..nv-1, accumulator i = v % A within whole rounds of A, then 0 for the rest: the
 // loop every AVX-512 dot product runs over its vectors (A independent accumulators hide FMA latency).
+// Forced inline: called out of line, the step lambda cannot keep the accumulators in registers.
 template <int A, class Step>
-inline void over_vectors(int nv, Step&& step) {
+__attribute__((always_inline)) inline void over_vectors(int nv, Step&& step) {
   int v = 0;
   for (; v + A <= nv; v += A)
     for (int i = 0; i < A; ++i) step(v + i, i);
