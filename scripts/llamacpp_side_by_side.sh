@@ -144,8 +144,10 @@ phase_setup() {
   [ -f "$RES/env.json" ] || $PY "$ROOT/scripts/sbs/probe.py" "$RES/env.json" --threads "$THREADS" \
     --host-gib "${PROBE_HOST_GIB:-8}" > "$LOGS/probe.log" 2>&1 \
     || log "probe failed (see logs/probe.log)"
-  git -C "$ROOT" rev-parse HEAD > "$RES/tiermoe-commit.txt" 2>/dev/null \
-    || cp "$CARRY/tiermoe-commit.txt" "$RES/" 2>/dev/null || echo unknown > "$RES/tiermoe-commit.txt"
+  # COMMIT (set by whoever started the run from a tree without .git) before the one `prepare` noted
+  if [ -n "${COMMIT:-}" ]; then echo "$COMMIT" > "$RES/tiermoe-commit.txt"
+  else git -C "$ROOT" rev-parse HEAD > "$RES/tiermoe-commit.txt" 2>/dev/null \
+    || cp "$CARRY/tiermoe-commit.txt" "$RES/" 2>/dev/null || echo unknown > "$RES/tiermoe-commit.txt"; fi
   plan_layout
 }
 
