@@ -55,7 +55,7 @@ def main() -> int:
         src = write_tiny("glm4_moe", Path(tmp) / "src", dtype="bfloat16")
         pack(str(src), str(Path(tmp) / "store"), quant="int4", group_size=32, progress=False, log=lambda _: None)
         options = {"expert_kernel": "triton", "gpu_expert_gb": 4 * RECORD / GIB, "host_expert_gb": 16 * RECORD / GIB,
-                   "mode": "fast", "cpu_lane_experts": 2, "cpu_lane_threads": 2}
+                   "mode": "fast", "cpu_lane_experts": 2, "cpu_lane_share": 1.0, "cpu_lane_threads": 2}
         eng = build_engine_core(str(Path(tmp) / "store"), device=args.device, dtype="bfloat16", max_num_seqs=2,
                                 max_model_len=args.tokens + 64, options=options)
         try:

@@ -59,6 +59,7 @@ class EngineArgs:
     stage_misses: bool = True  # device cache: stage misses it does not admit (False: read in place)
     mode: str = "exact"
     cpu_lane_experts: int | None = None  # None: top_k x 4 beside a GPU (the cost model splits), 4 on a CPU
+    cpu_lane_share: float | None = None  # beside a GPU: share of a layer's misses for the lane (None: measured)
     cpu_lane_max_tokens: int = 16
     cpu_lane_threads: int | None = None  # None: every torch thread on CUDA, half on a CPU device
     cpu_lane_workers: int = 1
@@ -91,6 +92,21 @@ class EngineArgs:
 DEFAULTS = EngineArgs()
 
 
+def lane_share(value: float | str | None) -> float | None:
+    """`--cpu-lane-share` as given (a number, its text, "auto" or None) -> the share, None for
+    "auto" (the cost model measures it beside a GPU). One check for the CLI parser and for options
+    given as a dict, so both refuse the same values; ValueError says what is wrong."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    try:
+        share = float(value)
+    except (TypeError, ValueError, OverflowError):
+        share = float("nan")
+    if not 0.0 <= share <= 1.0:  # nan too
+        raise ValueError(f"{value!r} is not auto or a number from 0 to 1")
+    return share
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """A packed expert store and its tier budgets (store/facade.ExpertStore.open)."""
@@ -110,6 +126,7 @@ class LaneConfig:
     """The CPU lane of fast mode (moe/cpu_lane.CpuLane), every value settled."""
 
     max_experts: int = 4  # per MoE layer and decode step (beside a GPU: the cost model's cap)
+    share: float | None = None  # beside a GPU: the lane's fixed share of a layer's misses (None: measured at start)
     max_tokens: int = DEFAULTS.cpu_lane_max_tokens  # decode steps with more tokens run without the lane
     threads: int = 1
     workers: int = DEFAULTS.cpu_lane_workers

@@ -17,7 +17,7 @@ import math
 from argparse import Namespace
 from typing import Any, Mapping
 
-from tiermoe.config import DEFAULTS, EngineArgs, EngineConfig
+from tiermoe.config import DEFAULTS, EngineArgs, EngineConfig, lane_share
 from tiermoe.config import PAGE_SIZE as PAGE_SIZE
 from tiermoe.engine.settle import is_packed_store as is_packed_store
 from tiermoe.engine.settle import resolve_device as resolve_device
@@ -116,7 +116,19 @@ def add_store_args(p, with_mode: bool = True) -> None:
     g.add_argument("--cpu-lane-experts", type=int, default=DEFAULTS.cpu_lane_experts,
                    help="most experts per layer the CPU lane computes; beside a GPU the cost model measures "
                         "bandwidths at start and takes fewer (default: top_k x 4 beside a GPU, 4 on a CPU)")
+    g.add_argument("--cpu-lane-share", type=_lane_share_arg, default=DEFAULTS.cpu_lane_share, metavar="auto|SHARE",
+                   help="beside a GPU, the share (0 to 1) of each layer's misses the CPU lane computes, at most "
+                        "--cpu-lane-experts, instead of the one the cost model measures at start (default: auto, "
+                        "measured); on a CPU device the lane takes its fixed count")
     g.add_argument("--cpu-lane-threads", type=int, default=None, help="torch threads of the CPU lane")
+
+
+def _lane_share_arg(text: str) -> float | None:
+    """--cpu-lane-share's value: refused while parsing, as a usage error naming the flag."""
+    try:
+        return lane_share(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def engine_config(model: str | None = None, *, device: str | None = None, dtype: str | None = None,

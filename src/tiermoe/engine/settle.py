@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from tiermoe.config import (
     DECODE_ATTENTION_CHOICES, DEFAULTS, DEVICE_CACHE_CHOICES, MODES, DeviceCacheConfig, EngineArgs, EngineConfig,
-    ExpertsConfig, LaneConfig, RoutingConfig, StoreConfig,
+    ExpertsConfig, LaneConfig, RoutingConfig, StoreConfig, lane_share,
 )
 from tiermoe.errors import UserError
 
@@ -85,7 +85,9 @@ def settle_config(args: EngineArgs) -> EngineConfig:
 
 def settle_lane(args: EngineArgs, device: str, record_layout, dtype: torch.dtype, top_k: int) -> LaneConfig:
     """The CPU lane's settings (flags --cpu-lane-*): threads default to every torch thread on a
-    CUDA device and half of them on a CPU device (the device path computes on the same cores)."""
+    CUDA device and half of them on a CPU device (the device path computes on the same cores).
+    A given share replaces the cost model's measured one beside a GPU; on a CPU device the lane
+    keeps its fixed count (the cost model has nothing to split there), so the share is unused."""
     import torch
 
     from tiermoe.moe.cpu_lane import lane_reads_disk
@@ -96,7 +98,13 @@ def settle_lane(args: EngineArgs, device: str, record_layout, dtype: torch.dtype
     max_experts = args.cpu_lane_experts
     if max_experts is None:  # beside a GPU the cost model (moe/lane_cost.py) takes fewer: room for a C4 step
         max_experts = top_k * 4 if str(device).startswith("cuda") else 4
-    lane = LaneConfig(max_experts=int(max_experts),
+    try:
+        share = lane_share(args.cpu_lane_share)
+    except ValueError as exc:
+        raise UserError(f"--cpu-lane-share: {exc}") from None
+    if share is not None and not str(device).startswith("cuda"):
+        log.info("--cpu-lane-share %g: unused on a CPU device (the lane takes its fixed count)", share)
+    lane = LaneConfig(max_experts=int(max_experts), share=share,
                       max_tokens=int(args.cpu_lane_max_tokens or DEFAULTS.cpu_lane_max_tokens),
                       threads=int(threads), workers=int(args.cpu_lane_workers or DEFAULTS.cpu_lane_workers),
                       disk=lane_reads_disk(record_layout, dtype, device) if args.cpu_lane_disk is None

@@ -64,8 +64,10 @@ class DeviceLane(LaneHandoff):
         self.dc.set_lane(experts)
 
     def set_share(self, share: float | None) -> None:
-        """The cache step gives the lane this share of each step's misses (up to set_experts')."""
+        """The cache step gives the lane this share of each step's misses (up to set_experts');
+        the lane keeps it only for /stats (the kernel picks its experts here)."""
         self.dc.set_lane_share(share)
+        self.lane.share = share
 
     def begin(self) -> None:
         """A step that may hand work to the lane starts: the server polls until `check`. The

@@ -117,7 +117,7 @@ class LaneExperts(ExpertBackend):
         self.inner, self.lane_config = inner, lane
         self.lane = None  # CpuLane
         self.handoff: LaneHandoff | None = None
-        self.bandwidths = None  # lane_cost.LaneBandwidths measured at the first switch to fast (CUDA)
+        self.bandwidths = None  # lane_cost.LaneBandwidths measured at the first switch to fast (CUDA, share auto)
         self.mode = "exact"
         self._lane_step = False  # the current step is a decode step the lane serves
         self._fast_decode_tokens = 0  # decode tokens computed in fast mode (for lane experts/token)
@@ -135,18 +135,29 @@ class LaneExperts(ExpertBackend):
             self.lane = CpuLane(store.layout, swiglu_limit=self.inner.swiglu_limit, act_dtype=store.dtype,
                                 layouts=store.layouts, layout_ids=ids, **self.lane_config.kwargs())
             self.handoff = self.inner.lane_handoff(self.lane)
-            if torch.device(self.lane_config.device).type == "cuda":  # the cost model's split, measured
-                from tiermoe.moe.lane_cost import measure
-
-                self.bandwidths = measure(self.lane, torch.device(store.device))
-                self.handoff.set_share(self.bandwidths.share)
-                log.info("CPU lane: %s; the lane takes %.0f %% of each layer's misses (at most %d)",
-                         ", ".join(f"{k} {v:.1f} GB/s" for k, v in self.bandwidths.as_dict().items() if k != "share"),
-                         100 * self.bandwidths.share, self.lane.max_experts)
+            if torch.device(self.lane_config.device).type == "cuda":  # the cost model's split
+                self.handoff.set_share(self._share(torch.device(store.device)))
         if self.handoff is not None:
             self.handoff.set_experts(self.lane.max_experts if mode == "fast" else 0)
         self.mode = mode
         self._lane_step = False
+
+    def _share(self, device: torch.device) -> float:
+        """The lane's share of each layer's misses beside a GPU: --cpu-lane-share when given (no
+        start-up measurement: a fixed split for reproducible runs, or for tiny models whose
+        measured share rounds to no expert), else the cost model's, measured on `device` now."""
+        share = self.lane_config.share
+        if share is not None:
+            log.info("CPU lane: --cpu-lane-share: the lane takes %.0f %% of each layer's misses (at most %d)",
+                     100 * share, self.lane.max_experts)
+            return share
+        from tiermoe.moe.lane_cost import measure
+
+        self.bandwidths = measure(self.lane, device)
+        log.info("CPU lane: %s; the lane takes %.0f %% of each layer's misses (at most %d)",
+                 ", ".join(f"{k} {v:.1f} GB/s" for k, v in self.bandwidths.as_dict().items() if k != "share"),
+                 100 * self.bandwidths.share, self.lane.max_experts)
+        return self.bandwidths.share
 
     @property
     def store(self):

@@ -16,7 +16,8 @@ tensor (cache_manager's lane_share, read inside captured decode graphs) and to C
 the store path; the cap (`--cpu-lane-experts`) still bounds n.
 
 Measured on CUDA only: on a CPU device the "device" path computes on the same cores as the lane,
-and the lane keeps its fixed count per layer.
+and the lane keeps its fixed count per layer. `--cpu-lane-share S` skips the measurement and
+gives the lane the fixed share S instead (the same per-layer tensor, the same cap).
 """
 
 from __future__ import annotations

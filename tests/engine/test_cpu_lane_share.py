@@ -1,0 +1,124 @@
+"""`--cpu-lane-share auto|SHARE`: the CPU lane's share of each layer's misses beside a GPU, fixed
+instead of measured by the cost model at start-up (moe/lane_cost.py). On CI (no GPU) the CUDA
+branch of LaneExperts.set_mode is reached through a lane configured for "cuda" over a CPU store:
+the branch reads only the lane's configuration, and measure() is replaced so that it cannot run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+from testkit.stores import pack_tiny
+
+from tiermoe.cli import build_parser
+from tiermoe.config import lane_share
+from tiermoe.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def store(tiny_dir, tmp_path_factory):
+    # fp32 checkpoint: 2 MoE layers x 8 experts, top-2; int4 records the lane's kernel reads
+    return pack_tiny(tiny_dir, tmp_path_factory, "glm4_moe", quant="int4", group_size=32)[1]
+
+
+@pytest.fixture
+def no_measurement(monkeypatch):
+    from tiermoe.moe import lane_cost
+
+    def measure(*_, **__):
+        raise AssertionError("the cost model measured although a share was given")
+
+    monkeypatch.setattr(lane_cost, "measure", measure)
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "hi"], ["serve", "m"]])
+def test_the_flag_parses_auto_and_a_share(argv):
+    parser = build_parser()
+    assert parser.parse_args(argv).cpu_lane_share is None  # the default: auto
+    assert parser.parse_args([*argv, "--cpu-lane-share", "auto"]).cpu_lane_share is None
+    assert parser.parse_args([*argv, "--cpu-lane-share", "0.5"]).cpu_lane_share == 0.5
+    assert parser.parse_args([*argv, "--cpu-lane-share", "1"]).cpu_lane_share == 1.0
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, "half", "nan", "inf", "", [0.5]])
+def test_one_check_refuses_what_is_not_a_share(value):
+    with pytest.raises(ValueError, match=r"is not auto or a number from 0 to 1$"):
+        lane_share(value)
+    assert lane_share(0) == 0.0 and lane_share("AUTO") is None and lane_share(None) is None
+
+
+@pytest.mark.parametrize("value", ["-0.1", "1.5", "half"])
+def test_generate_refuses_a_bad_share_in_one_line_and_exit_2(tiny_dir, value):
+    r = subprocess.run([sys.executable, "-m", "tiermoe.cli", "generate", "--model", str(tiny_dir("qwen3_moe")),
+                        "--prompt", "hi", "--cpu-lane-share", value], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    usage, error = r.stderr.splitlines()  # refused while parsing: the short usage line, then the one error line
+    assert usage.startswith("usage: tiermoe generate")
+    assert error == (f"tiermoe generate: error: argument --cpu-lane-share: {value!r} is not auto or a number from "
+                     "0 to 1 (see `tiermoe generate --help`)")
+
+
+def test_options_settle_the_share_into_the_lane_config(store):
+    from tiermoe.engine.build import engine_config
+
+    def lane(**options):
+        return engine_config(str(store), device="cpu", options={"mode": "fast", **options}).experts.lane
+
+    assert lane().share is None and lane(cpu_lane_share="auto").share is None
+    assert lane(cpu_lane_share=0.5).share == 0.5 and lane(cpu_lane_share="0.25").share == 0.25
+    with pytest.raises(UserError, match=r"^--cpu-lane-share: 2\.0 is not auto or a number from 0 to 1$"):
+        lane(cpu_lane_share=2.0)
+
+
+def test_on_a_cpu_device_the_lane_keeps_its_fixed_count(store, no_measurement):
+    """The cost model does not run on a CPU device, and a given share does not cut the count."""
+    from tiermoe.engine.build import build_engine_core
+    from tiermoe.eval.paired_kl import decode_logits, prompt_ids
+
+    eng = build_engine_core(str(store), device="cpu", dtype="bfloat16", max_num_seqs=1,
+                            options={"mode": "fast", "cpu_lane_share": 0.5, "cpu_lane_threads": 1})
+    be = eng.model.expert_backend
+    try:
+        decode_logits(eng, prompt_ids(eng.tokenizer, ["Hello there"])[0], 4)
+        lane = be.counters()["cpu_lane"]
+    finally:
+        be.close()
+    assert be.bandwidths is None and lane["share"] is None and "bandwidths" not in lane
+    # every pick of the 2 MoE layers (top-2) misses the empty CPU slot tier, and the lane takes all 4
+    assert lane["per_decode_token"] == pytest.approx(4.0)
+
+
+def _lane_beside_a_gpu(store, **options):
+    """The store backend on the CPU with the lane configured as beside a GPU (module doc)."""
+    from tiermoe.engine.build import engine_config
+    from tiermoe.moe.backends import open_expert_backend
+
+    experts = engine_config(str(store), device="cpu", options={"mode": "fast", "cpu_lane_threads": 1,
+                                                               **options}).experts
+    return open_expert_backend(replace(experts, lane=replace(experts.lane, device="cuda")))
+
+
+def test_beside_a_gpu_a_given_share_replaces_the_measurement(store, no_measurement):
+    be = _lane_beside_a_gpu(store, cpu_lane_share=0.25)
+    try:
+        lane = be.counters()["cpu_lane"]
+        assert be.bandwidths is None and "bandwidths" not in lane
+        assert be.lane.share == lane["share"] == 0.25  # what CpuLane.assign splits by, and what /stats shows
+    finally:
+        be.close()
+
+
+def test_beside_a_gpu_auto_measures_the_share(store, monkeypatch):
+    from tiermoe.moe import lane_cost
+
+    measured = lane_cost.LaneBandwidths(pcie_gbs=8, host_gbs=40, lane_gbs=4, pcie_shared_gbs=6, lane_shared_gbs=2)
+    monkeypatch.setattr(lane_cost, "measure", lambda lane, device: measured)
+    be = _lane_beside_a_gpu(store)
+    try:
+        lane = be.counters()["cpu_lane"]
+        assert be.bandwidths == measured and lane["bandwidths"]["share"] == 0.25
+        assert be.lane.share == lane["share"] == 0.25
+    finally:
+        be.close()
