@@ -122,3 +122,56 @@ def test_beside_a_gpu_auto_measures_the_share(store, monkeypatch):
         assert be.lane.share == lane["share"] == 0.25
     finally:
         be.close()
+
+
+def test_service_share_moves_halfway_to_the_rate_in_service():
+    from tiermoe.moe.lane_cost import ServiceShare
+
+    tuner = ServiceShare(pcie_gbs=50.0, share=0.5, window_bytes=10**9)
+    assert tuner.update(busy_s=0.01, weight_bytes=10**9 - 1) is None  # the window is not full yet
+    # 2 GB in 0.1 s: 20 GB/s in service -> target 20 / 70; halfway from 0.5
+    assert tuner.update(busy_s=0.1, weight_bytes=2 * 10**9) == pytest.approx(0.5 + (20 / 70 - 0.5) / 2)
+    assert tuner.service_gbs == pytest.approx(20.0) and tuner.updates == 1
+    share = tuner.share
+    # the next window at 20 GB/s as well moves it on; once within min_step of the target it stays
+    while (new := tuner.update(busy_s=tuner._busy_s + 0.1, weight_bytes=tuner._bytes + 2 * 10**9)) is not None:
+        assert abs(new - 20 / 70) < abs(share - 20 / 70)
+        share = new
+    assert abs(tuner.share - 20 / 70) < 2 * tuner.min_step
+    assert tuner.as_dict()["service_gbs"] == pytest.approx(20.0)
+
+
+def test_beside_a_gpu_the_measured_share_follows_the_lane_in_service(store, monkeypatch):
+    """A decode step whose lane work fills the window moves the share toward lane / (pcie + lane)
+    at the rate the lane reached (the tiny records' rate is far under the start-up figure's)."""
+    import torch
+
+    from tiermoe.moe import lane_cost
+
+    measured = lane_cost.LaneBandwidths(pcie_gbs=8, host_gbs=40, lane_gbs=20, pcie_shared_gbs=6, lane_shared_gbs=18)
+    monkeypatch.setattr(lane_cost, "measure", lambda lane, device: measured)
+    be = _lane_beside_a_gpu(store)
+    try:
+        assert be.lane.share == 0.75 and be.service.share == 0.75
+        be.service.window_bytes = 1
+        layer = be.store.manifest.moe_layers[0]
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(1, be.store.layout.hidden, generator=g).to(torch.bfloat16)  # [1, H]
+        ids, w = torch.tensor([[1, 5]]), torch.tensor([[0.6, 0.4]])  # [1, k] picks and weights
+        be.begin_step(tokens=1, decode=True)
+        be.forward(layer, x, ids, w)
+        be.end_step()
+        service = be.counters()["cpu_lane"]["service"]
+        lane_gbs = service["service_gbs"]
+        assert service["updates"] == 1 and lane_gbs > 0
+        assert be.lane.share == service["share"] == pytest.approx(0.75 + (lane_gbs / (6 + lane_gbs) - 0.75) / 2)
+    finally:
+        be.close()
+
+
+def test_a_given_share_is_not_tuned_in_service(store, no_measurement):
+    be = _lane_beside_a_gpu(store, cpu_lane_share=0.25)
+    try:
+        assert be.service is None and "service" not in be.counters()["cpu_lane"]
+    finally:
+        be.close()

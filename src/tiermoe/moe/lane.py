@@ -118,6 +118,7 @@ class LaneExperts(ExpertBackend):
         self.lane = None  # CpuLane
         self.handoff: LaneHandoff | None = None
         self.bandwidths = None  # lane_cost.LaneBandwidths measured at the first switch to fast (CUDA, share auto)
+        self.service = None  # lane_cost.ServiceShare: the measured share kept up with the lane's service rate
         self.mode = "exact"
         self._lane_step = False  # the current step is a decode step the lane serves
         self._fast_decode_tokens = 0  # decode tokens computed in fast mode (for lane experts/token)
@@ -151,9 +152,10 @@ class LaneExperts(ExpertBackend):
             log.info("CPU lane: --cpu-lane-share: the lane takes %.0f %% of each layer's misses (at most %d)",
                      100 * share, self.lane.max_experts)
             return share
-        from tiermoe.moe.lane_cost import measure
+        from tiermoe.moe.lane_cost import ServiceShare, measure
 
         self.bandwidths = measure(self.lane, device)
+        self.service = ServiceShare(pcie_gbs=self.bandwidths.pcie_shared_gbs, share=self.bandwidths.share)
         log.info("CPU lane: %s; the lane takes %.0f %% of each layer's misses (at most %d)",
                  ", ".join(f"{k} {v:.1f} GB/s" for k, v in self.bandwidths.as_dict().items() if k != "share"),
                  100 * self.bandwidths.share, self.lane.max_experts)
@@ -186,6 +188,10 @@ class LaneExperts(ExpertBackend):
         self.inner.end_step()
         if self._lane_step:
             self.handoff.check()
+            if self.service is not None:  # the share follows the lane's rate in service
+                share = self.service.update(self.lane.c.busy_s, self.lane.c.weight_bytes)
+                if share is not None:
+                    self.handoff.set_share(share)
 
     def graph_unsupported(self) -> str | None:
         return self.inner.graph_unsupported()
@@ -216,6 +222,8 @@ class LaneExperts(ExpertBackend):
             c["cpu_lane"] = self.lane.counters(self._fast_decode_tokens)
             if self.bandwidths is not None:
                 c["cpu_lane"]["bandwidths"] = self.bandwidths.as_dict()
+            if self.service is not None:
+                c["cpu_lane"]["service"] = self.service.as_dict()
         return c
 
     def heat(self) -> dict | None:

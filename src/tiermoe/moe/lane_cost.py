@@ -13,7 +13,9 @@ start-up measurement times a PCIe copy alone, the lane alone, a multi-threaded h
 then the copy and the lane together; the split uses the shared rates (the other rates are kept
 for /stats and the floor model). The share L / (P + L) goes to the device as a per-layer
 tensor (cache_manager's lane_share, read inside captured decode graphs) and to CpuLane.assign on
-the store path; the cap (`--cpu-lane-experts`) still bounds n.
+the store path; the cap (`--cpu-lane-experts`) still bounds n. In service the lane's own rate
+replaces the start-up L (ServiceShare), since the lane then shares its cores and memory with the
+engine.
 
 Measured on CUDA only: on a CPU device the "device" path computes on the same cores as the lane,
 and the lane keeps its fixed count per layer. `--cpu-lane-share S` skips the measurement and
@@ -49,6 +51,46 @@ class LaneBandwidths:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "share": self.share}
+
+
+@dataclass
+class ServiceShare:
+    """The share re-derived from the rate the lane reaches in service.
+
+    The start-up figures time the lane on a few records while nothing else runs; in service it
+    shares the cores with the engine and the server and reads records spread over all of host
+    memory, and it can run at a fraction of that rate. A share set too high makes the lane the
+    slower side of every layer. So after each
+    `window_bytes` of lane work the share moves halfway to lane / (pcie + lane) with the lane's
+    service rate (weight bytes per busy second over the window) and the start-up PCIe rate beside
+    the lane; a change under `min_step` is not applied (each one is a device write)."""
+
+    pcie_gbs: float  # copies while the lane computes (LaneBandwidths.pcie_shared_gbs)
+    share: float  # the share in force
+    window_bytes: int = 1 << 30
+    min_step: float = 0.01
+    service_gbs: float | None = None  # the last window's lane rate
+    updates: int = 0
+    _busy_s: float = 0.0
+    _bytes: int = 0
+
+    def update(self, busy_s: float, weight_bytes: int) -> float | None:
+        """The lane's cumulative busy seconds and weight bytes now -> the new share, or None to keep it."""
+        done, busy = weight_bytes - self._bytes, busy_s - self._busy_s
+        if done < self.window_bytes or busy <= 0:
+            return None
+        self._busy_s, self._bytes = busy_s, weight_bytes
+        self.service_gbs = done / busy / 1e9
+        target = self.service_gbs / (self.pcie_gbs + self.service_gbs) if self.pcie_gbs > 0 else 1.0
+        new = self.share + (target - self.share) / 2
+        if abs(new - self.share) < self.min_step:
+            return None
+        self.share, self.updates = new, self.updates + 1
+        return new
+
+    def as_dict(self) -> dict:
+        return {"share": self.share, "service_gbs": self.service_gbs, "updates": self.updates,
+                "window_bytes": self.window_bytes}
 
 
 def lane_count(misses: int, share: float | None, cap: int) -> int:
