@@ -23,6 +23,9 @@
 #              sweep, then `tiermoe bench sweep` (prefill 4k, decode C1 and C4) with /stats before/after
 #   qwen       the Qwen3-235B-shaped side-by-side store of results section 13 (24 layers), after the GLM
 #              store is removed (the disk holds one at a time); serve-qwen as serve-glm
+#   fidelity   `tiermoe eval paired-kl` fast vs exact on a tiny glm4_moe (bf16) packed as int4, int3, int8 and
+#              bf16 (group 32), the lane given every miss it may take (--cpu-lane-share 1: the cost model gives
+#              tiny records none); FID_ARGS adds flags (e.g. "--device cpu" for a dry run)
 #   tune-kinds `tiermoe bench tune-moe` on GLM-5.3-Flash's expert shape for int4 G128 and int3 G64
 #              (decode_t1_GBps: the kernels' weight GB/s), TUNE_BUDGET seconds of search each
 #   kinds      per record kind in KINDS (default "int4 int3 mixed": int4 G128, int3 G64, and int4 hot /
@@ -163,6 +166,22 @@ step_qwen() {
   cp "$WORK/qwen/expert-stats.json" "$WORK/qwen-expert-stats.json"
 }
 
+step_fidelity() {
+  local d=$WORK/fidelity q
+  mkdir -p "$d"
+  "$PY" -m tiermoe.cli tiny glm4_moe "$d/src" --dtype bfloat16 > "$d/tiny.log" 2>&1 || { log "tiny failed"; return 1; }
+  for q in int4 int3 int8 bf16; do
+    local g=()
+    [ "$q" != bf16 ] && g=(--group-size 32)
+    "$PY" -m tiermoe.cli pack "$d/src" "$d/$q" --quant "$q" "${g[@]}" > "$d/pack-$q.log" 2>&1 \
+      || { log "pack $q failed: $(tail -2 "$d/pack-$q.log")"; continue; }
+    "$PY" -m tiermoe.cli eval paired-kl --model "$d/$q" --dtype bfloat16 --cpu-lane-share 1 --cpu-lane-experts 4 \
+      ${FID_ARGS:-} > "$WORK/paired-kl-$q.txt" 2>&1 || log "paired-kl $q failed: $(tail -2 "$WORK/paired-kl-$q.txt")"
+    log "paired-kl fast vs exact, $q: $(grep -m1 "paired KL" "$WORK/paired-kl-$q.txt")"
+  done
+  rm -rf "$d"
+}
+
 step_tune_kinds() {
   local spec kind group
   for spec in int4:128 int3:64; do
@@ -218,6 +237,7 @@ run_all() {
   want serve-glm && serve_matrix glm-synthetic "$WORK/glm" "$WORK/glm/expert-stats.json"
   want qwen && step_qwen
   want serve-qwen && serve_matrix qwen3moe-synthetic "$WORK/qwen/store" "$WORK/qwen/expert-stats.json"
+  want fidelity && step_fidelity
   want tune-kinds && step_tune_kinds
   want kinds && step_kinds
   log "done"
