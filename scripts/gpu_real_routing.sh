@@ -16,7 +16,8 @@
 #   glm        scripts/synth_glm_store.py: GLM-5.3-Flash MoE shape, as many MoE layers as disk and RAM
 #              hold (at least 12; GLM_LAYERS overrides), written with the real statistics beside it
 #   serve-glm  per budget in BUDGETS (share of expert bytes on the GPU) and mode in MODES (or the pairs in
-#              CELLS, e.g. "0.11:exact 0.11:fast 0.33:exact", instead of every budget with every mode; KIND_CELLS
+#              CELLS, e.g. "0.11:exact 0.11:fast 0.11:fast:--cpu-lane-threads+14", instead of every budget with
+#              every mode; a third field adds serve flags, + for a space, and names the run; KIND_CELLS
 #              likewise for the kinds step): tiermoe serve
 #              with --routing-replay (picks drawn from the real per-layer statistics) and --expert-stats
 #              on the same file (the warm start a user of the real model gives it), a short warm-up
@@ -126,34 +127,35 @@ serve_matrix() {  # NAME STORE STATS EXTRA_FLAGS...
   if [ -z "$cells" ]; then
     for budget in $BUDGETS; do for mode in $MODES; do cells="$cells $budget:$mode"; done; done
   fi
-  for cell in $cells; do
-      budget=${cell%%:*} mode=${cell##*:}
-      local tag=$name-$budget-$mode gb
-      gb=$("$PY" -c "print(round($expert_gb * $budget, 3))")
-      local tokens=$MAX_TOKENS
-      [ "$mode" = fast ] && tokens=$FAST_MAX_TOKENS
-      log "$tag: serve (--gpu-expert-gb $gb of $expert_gb GiB of experts, --mode $mode, replay $stats)"
-      "$PY" -m tiermoe.cli serve "$store" --host 127.0.0.1 --port 8121 --served-model-name "$name" \
-        --max-model-len "$MAX_MODEL_LEN" --max-num-seqs 4 --max-num-batched-tokens 4096 --dtype bfloat16 \
-        --gpu-expert-gb "$gb" --mode "$mode" --routing-replay "$stats" --expert-stats "$stats" $SERVE_ARGS "$@" \
-        > "$WORK/server-$tag.log" 2>&1 &
-      local pid=$! ok=0
-      for _ in $(seq 1 200); do
-        get http://127.0.0.1:8121/health > /dev/null 2>&1 && { ok=1; break; }
-        kill -0 $pid 2>/dev/null || break
-        sleep 2
-      done
-      if [ $ok = 0 ]; then log "$tag: server did not start: $(tail -3 "$WORK/server-$tag.log")"; kill $pid; continue; fi
-      local sweep=("$PY" -m tiermoe.cli bench sweep --url http://127.0.0.1:8121 --model "$name" \
-        --prefill-sizes "$PREFILL" \
-        --reps 1 --concurrency 1,4 --long-prompt 0)
-      timeout 200 "${sweep[@]}" --max-tokens 16 --seed 7 > "$WORK/warmup-$tag.log" 2>&1
-      get http://127.0.0.1:8121/stats > "$WORK/stats-before-$tag.json"
-      timeout 400 "${sweep[@]}" --max-tokens "$tokens" --seed 1 --out "$WORK/sweep-$tag.json" > "$WORK/sweep-$tag.log" \
-        2>&1
-      get http://127.0.0.1:8121/stats > "$WORK/stats-$tag.json"
-      grep -E "prefill|decode" "$WORK/sweep-$tag.log" | sed "s/^/  $tag: /"
-      kill $pid; wait $pid 2>/dev/null
+  for cell in $cells; do  # BUDGET:MODE[:FLAGS], FLAGS more serve flags with + for spaces (--cpu-lane-threads+14)
+    IFS=: read -r budget mode extra <<< "$cell"
+    local tag=$name-$budget-$mode gb flags=()
+    [ -n "$extra" ] && { tag=$tag-$(echo "$extra" | tr -c 'A-Za-z0-9.\n' '_' | sed 's/^_*//'); read -ra flags <<< "${extra//+/ }"; }
+    gb=$("$PY" -c "print(round($expert_gb * $budget, 3))")
+    local tokens=$MAX_TOKENS
+    [ "$mode" = fast ] && tokens=$FAST_MAX_TOKENS
+    log "$tag: serve (--gpu-expert-gb $gb of $expert_gb GiB of experts, --mode $mode ${flags[*]}, replay $stats)"
+    "$PY" -m tiermoe.cli serve "$store" --host 127.0.0.1 --port 8121 --served-model-name "$name" \
+      --max-model-len "$MAX_MODEL_LEN" --max-num-seqs 4 --max-num-batched-tokens 4096 --dtype bfloat16 \
+      --gpu-expert-gb "$gb" --mode "$mode" --routing-replay "$stats" --expert-stats "$stats" $SERVE_ARGS "$@" \
+      "${flags[@]}" > "$WORK/server-$tag.log" 2>&1 &
+    local pid=$! ok=0
+    for _ in $(seq 1 200); do
+      get http://127.0.0.1:8121/health > /dev/null 2>&1 && { ok=1; break; }
+      kill -0 $pid 2>/dev/null || break
+      sleep 2
+    done
+    if [ $ok = 0 ]; then log "$tag: server did not start: $(tail -3 "$WORK/server-$tag.log")"; kill $pid; continue; fi
+    local sweep=("$PY" -m tiermoe.cli bench sweep --url http://127.0.0.1:8121 --model "$name" \
+      --prefill-sizes "$PREFILL" \
+      --reps 1 --concurrency 1,4 --long-prompt 0)
+    timeout 200 "${sweep[@]}" --max-tokens 16 --seed 7 > "$WORK/warmup-$tag.log" 2>&1
+    get http://127.0.0.1:8121/stats > "$WORK/stats-before-$tag.json"
+    timeout 400 "${sweep[@]}" --max-tokens "$tokens" --seed 1 --out "$WORK/sweep-$tag.json" > "$WORK/sweep-$tag.log" \
+      2>&1
+    get http://127.0.0.1:8121/stats > "$WORK/stats-$tag.json"
+    grep -E "prefill|decode" "$WORK/sweep-$tag.log" | sed "s/^/  $tag: /"
+    kill $pid; wait $pid 2>/dev/null
   done
 }
 
