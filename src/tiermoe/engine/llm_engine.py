@@ -50,14 +50,13 @@ class LLMEngine:
         self.eos_token_ids = sorted(eos)
         self.model_info = model_info or {"arch": model.spec.arch}
         # Recurrent-state families cannot resume from a cached prefix: their state is per slot.
-        recurrent = bool(getattr(model.spec, "extra", {}).get("recurrent_state"))
-        self.kv = KVPages(num_pages, page_size, prefix_caching=not recurrent)
+        self.kv = KVPages(num_pages, page_size, prefix_caching=not model.spec.recurrent_state)
         self.runner = ModelRunner(model, num_pages, page_size, seed=seed, tokenizer=tokenizer,
                                   eos_ids=self.eos_token_ids, num_speculative_tokens=num_speculative_tokens)
         spec = self.runner.spec
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_batched_tokens,
                                    lookahead=spec.lookahead if spec is not None else None,
-                                   chunk_multiple=getattr(model.spec, "extra", {}).get("prefill_chunk_multiple", 1))
+                                   chunk_multiple=model.spec.prefill_chunk_multiple)
         self._lock = threading.Lock()
         self._incoming: deque[Request] = deque()
         self._aborts: deque[str] = deque()

@@ -29,11 +29,11 @@ def build_spec(hf_config, path: str) -> ModelSpec:
     num_experts = r.get("num_experts") if r.get("num_experts") is not None else r.require("num_local_experts")
     head_dim = r.get("head_dim") or hidden // heads
     shared = 0
-    extra: dict = {}
     qk_norm, qkv_bias, o_bias = "head", bool(r.get("attention_bias", False)), bool(r.get("attention_bias", False))
     moe_inter = r.get("moe_intermediate_size")
     norm_topk = bool(r.get("norm_topk_prob", False))
     mlp_name = "mlp"
+    proj_names = ("gate_proj", "up_proj", "down_proj")
     if arch == "qwen2_moe":
         qk_norm, qkv_bias, o_bias = "none", bool(r.get("qkv_bias", True)), False
         shared = r.get("shared_expert_intermediate_size", 0) or 0
@@ -44,7 +44,7 @@ def build_spec(hf_config, path: str) -> ModelSpec:
         qk_norm, qkv_bias, o_bias, norm_topk = "none", False, False, True
         moe_inter = r.require("intermediate_size")
         mlp_name = "block_sparse_moe"
-        extra["expert_proj_names"] = ("w1", "w3", "w2")
+        proj_names = ("w1", "w3", "w2")
     moe = MoESpec(
         num_experts=num_experts,
         top_k=r.require("num_experts_per_tok"),
@@ -78,7 +78,7 @@ def build_spec(hf_config, path: str) -> ModelSpec:
         mlp_name=mlp_name,
         eos_token_ids=r.eos_ids(),
         max_position_embeddings=r.get("max_position_embeddings", 4096),
-        extra=extra,
+        expert_proj_names=proj_names,
     )
 
 

@@ -7,7 +7,7 @@ the decoder, loader and KV cache read only the spec. The HF config object itself
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 
@@ -70,7 +70,9 @@ class ModelSpec:
     mlp_name: str = "mlp"  # checkpoint module name of the feed-forward block
     eos_token_ids: tuple[int, ...] = ()
     max_position_embeddings: int = 4096
-    extra: dict = field(default_factory=dict)
+    expert_proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # mixtral: w1, w3, w2
+    recurrent_state: bool = False  # per-sequence recurrent state (KDA): a cached prefix cannot be resumed
+    prefill_chunk_multiple: int = 1  # prefill chunks end on multiples of this (KDA's blocks)
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -78,5 +80,5 @@ class ModelSpec:
     def expert_keys(self, layer: int, expert: int) -> tuple[str, str, str]:
         """Checkpoint keys (gate, up, down) of one routed expert."""
         base = f"model.layers.{layer}.{self.mlp_name}.experts.{expert}"
-        names = self.extra.get("expert_proj_names", ("gate_proj", "up_proj", "down_proj"))
-        return tuple(f"{base}.{n}.weight" for n in names)  # type: ignore[return-value]
+        gate, up, down = self.expert_proj_names
+        return f"{base}.{gate}.weight", f"{base}.{up}.weight", f"{base}.{down}.weight"

@@ -73,8 +73,8 @@ def build_spec(hf_config, path: str) -> Glm5NextSpec:
         eos_token_ids=ConfigReader(text, path).eos_ids() or ConfigReader(hf_config, path).eos_ids(),
         max_position_embeddings=cfg.max_position_embeddings,
         # KDA prefill works in 64-token blocks (kda.kda_chunked): prompts are cut on block edges.
-        extra={"recurrent_state": True, "prefill_chunk_multiple": KDA_CHUNK,
-               "mtp_layer": cfg.mtp_layer_idx if cfg.num_nextn_predict_layers else None},
+        recurrent_state=True,
+        prefill_chunk_multiple=KDA_CHUNK,
         key_prefix=detect_prefix(Checkpoint(model_dir)),
     )
 
