@@ -16,18 +16,18 @@ the standardized log pick count of a real GLM-5.3-Flash layer (store/data), with
 bisected so that, for unit-variance router logits, the share of picks landing on the 11 % most
 popular experts matches that real layer. The same counts are written to OUT/expert-stats.json
 (`--expert-stats`, cache warm start). The tokenizer is the tiny models' one (vocabulary 512).
+The store writing (routing calibration, records, shards, manifest) is shared with `tiermoe bench
+make-glm5`, the glm5_next architecture itself: src/tiermoe/bench/synthetic_common.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import shutil
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -36,16 +36,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from safetensors.torch import save_file  # noqa: E402
-
-from tiermoe.bench.records import random_records  # noqa: E402
-from tiermoe.kernels.layout import expert_layout  # noqa: E402
-from tiermoe.store.mixed import hot_experts  # noqa: E402
-from tiermoe.store.planner import counts_for_model, load_stats  # noqa: E402
-from tiermoe.store.records import EXPERTS_NAME, FORMAT_VERSION, RecordLayout, write_manifest  # noqa: E402
-
-STATS = ROOT / "src" / "tiermoe" / "store" / "data" / "glm53-flash-decode-expert-counts.json"
-SHARD_BYTES = 2 << 30
+from tiermoe.bench.synthetic_common import (  # noqa: E402
+    ExpertShape,
+    routing,
+    write_dense,
+    write_experts,
+    write_stats,
+    write_store_manifest,
+)
 
 
 def glm_config(base: dict, a) -> dict:
@@ -57,36 +55,6 @@ def glm_config(base: dict, a) -> dict:
                max_position_embeddings=a.max_position,
                dtype="bfloat16")
     return cfg
-
-
-def real_counts(n_layers: int, experts: int) -> list[np.ndarray]:
-    """Pick counts of n_layers real layers, spread over the 42 measured ones (the mapping
-    `--routing-replay` uses too)."""
-    return counts_for_model(load_stats(STATS), n_layers, experts)
-
-
-def calibrated_bias(counts: np.ndarray, top_k: int, share: float, rng: np.random.Generator) -> np.ndarray:
-    """Score-correction bias [E] making the top `share` of experts (by count) take the same
-    fraction of picks as in `counts`, for router logits ~ N(0, 1)."""
-    e = counts.size
-    s = max(1, round(share * e))
-    hot = np.argsort(-counts)[:s]
-    target = counts[hot].sum() / counts.sum()
-    z = np.log1p(counts)
-    z = (z - z.mean()) / (z.std() + 1e-9)
-    scores = 1.0 / (1.0 + np.exp(-rng.standard_normal((4096, e))))  # [N, E] sigmoid router scores
-    is_hot = np.zeros(e, dtype=bool)
-    is_hot[hot] = True
-
-    def coverage(beta: float) -> float:
-        picks = np.argpartition(-(scores + beta * z), top_k, axis=1)[:, :top_k]
-        return float(is_hot[picks].mean())
-
-    lo, hi = 0.0, 4.0
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if coverage(mid) < target else (lo, mid)
-    return (lo + hi) / 2 * z
 
 
 def dense_tensors(cfg: dict, biases: list[np.ndarray], gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -113,62 +81,6 @@ def dense_tensors(cfg: dict, biases: list[np.ndarray], gen: torch.Generator) -> 
             v = 0.02 * torch.randn(shape, generator=gen)
         out[name] = v.to(torch.bfloat16).contiguous()
     return out
-
-
-def write_dense(out: Path, tensors: dict[str, torch.Tensor]) -> dict:
-    groups, cur, size = [], [], 0
-    for k in sorted(tensors):
-        nb = tensors[k].numel() * 2
-        if cur and size + nb > SHARD_BYTES:
-            groups.append(cur)
-            cur, size = [], 0
-        cur.append(k)
-        size += nb
-    groups.append(cur)
-    weight_map, names = {}, []
-    for n, keys in enumerate(groups, 1):
-        name = f"model-{n:05d}-of-{len(groups):05d}.safetensors"
-        save_file({k: tensors[k] for k in keys}, str(out / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in keys})
-        names.append(name)
-    total = sum(t.numel() * 2 for t in tensors.values())
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
-    )
-    return {"index": "model.safetensors.index.json", "shards": names, "tensors": len(weight_map)}
-
-
-def write_experts(out: Path, a, layers: list[int], counts: list[np.ndarray], device: torch.device,
-                  log) -> tuple[list[RecordLayout], list[dict]]:
-    """experts.bin: layer-major, expert-minor random records at their own lengths; returns (layouts,
-    manifest records). A mixed store's layer keeps its most-picked experts (by `counts`) in layout 0."""
-    kinds = [(a.kind, a.group)] + ([(a.cold_kind, a.cold_group)] if a.cold_kind else [])
-    layouts, klays = [], []
-    for kind, group in kinds:
-        layouts.append(RecordLayout.build(kind, a.hidden, a.inter, group if kind != "bf16" else None))
-        klays.append(expert_layout(kind, a.hidden, a.inter, group))
-        assert klays[-1].length == layouts[-1].length
-    gen = torch.Generator(device=device).manual_seed(a.seed)
-    records, offset = [], 0
-    chunk = max(1, (512 << 20) // max(lay.length for lay in layouts))  # records per write (~512 MiB)
-    with open(out / EXPERTS_NAME, "wb") as f, ThreadPoolExecutor(16) as pool:
-        for layer, c in zip(layers, counts):
-            hot = hot_experts(c.tolist(), a.mixed_share) if a.cold_kind else set(range(a.experts))
-            which = [0 if e in hot else 1 for e in range(a.experts)]
-            for e0 in range(0, a.experts, chunk):
-                n = min(chunk, a.experts - e0)
-                bufs = [random_records(k, n, device, gen).cpu().numpy() for k in klays]  # per kind [n, R_k]
-                rows = [bufs[which[e0 + j]][j] for j in range(n)]
-                hashes = [pool.submit(lambda b: hashlib.sha256(b).hexdigest(), r) for r in rows]
-                for j, (r, h) in enumerate(zip(rows, hashes)):
-                    f.write(memoryview(r).cast("B"))
-                    records.append({"layer": layer, "expert": e0 + j, "offset": offset, "length": r.size,
-                                    "sha256": h.result(), "layout": which[e0 + j]})
-                    offset += r.size
-            n_cold = which.count(1)
-            log(f"layer {layer}: {a.experts - n_cold} records of {layouts[0].length / 2**20:.2f} MiB"
-                + (f", {n_cold} of {layouts[1].length / 2**20:.2f} MiB" if n_cold else ""))
-    return layouts, records
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,52 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     cfg = glm_config(base, a)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     layers = list(range(1, 1 + a.moe_layers))
-    counts = real_counts(a.moe_layers, a.experts)
-    rng = np.random.default_rng(a.seed)
-    biases = [calibrated_bias(c, a.top_k, a.hot_share, rng) for c in counts]
-    (out / "expert-stats.json").write_text(
-        json.dumps({f"model.layers.{L}.mlp": c.tolist() for L, c in zip(layers, counts)})
-    )
-    dense = write_dense(out, dense_tensors(cfg, biases, torch.Generator().manual_seed(a.seed)))
+    counts, biases = routing(layers, a.experts, a.top_k, a.hot_share, a.seed)
+    write_stats(out, layers, counts)
+    tensors = dense_tensors(cfg, biases, torch.Generator().manual_seed(a.seed))
+    dense = write_dense(out, sorted(tensors.items()))
     log(f"dense: {dense['tensors']} tensors in {len(dense['shards'])} shard(s)")
-    layouts, records = write_experts(out, a, layers, counts, torch.device(a.device), log)
-    layout = layouts[0]
-    quantization = {"kind": a.kind, "group_size": layout.group_size}
-    if a.cold_kind:
-        quantization.update(cold_kind=a.cold_kind, cold_group_size=layouts[1].group_size, hot_share=a.mixed_share,
-                            expert_stats="expert-stats.json",
-                            records_per_layout=[sum(1 for r in records if r["layout"] == i) for i in (0, 1)])
-    write_manifest(
-        out,
-        {
-            "format_version": FORMAT_VERSION,
-            "model_config": cfg,
-            "quantization": quantization,
-            "dtype": "bfloat16",
-            "source_dtype": "bfloat16",
-            "num_layers": 1 + a.moe_layers,
-            "moe_layers": layers,
-            "experts_per_layer": {str(L): a.experts for L in layers},
-            "expert_prefixes": {str(L): f"model.layers.{L}.mlp.experts" for L in layers},
-            "experts_file": EXPERTS_NAME,
-            "record_align": 4096,
-            "layouts": [lay.to_json() for lay in layouts],
-            "records": records,
-            "dense": dense,
-        },
-    )
-    total = sum(r["length"] for r in records)
-    log(
-        json.dumps(
-            {
-                "store": str(out),
-                "moe_layers": a.moe_layers,
-                "experts": len(records),
-                "record_bytes": max(lay.length for lay in layouts),
-                "expert_gib": round(total / 2**30, 2),
-            }
-        )
-    )
+    shape = ExpertShape(a.hidden, a.inter, a.experts, a.kind, a.group, a.cold_kind, a.cold_group, a.mixed_share,
+                        a.seed)
+    layouts, records = write_experts(out, shape, layers, counts, torch.device(a.device), log)
+    summary = write_store_manifest(out, cfg, shape, 1 + a.moe_layers, layers, "model.layers.", layouts, records,
+                                   dense)
+    log(json.dumps(summary))
     return 0
 
 

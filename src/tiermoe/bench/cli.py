@@ -18,7 +18,8 @@ from tiermoe.errors import UserError
 # The in-process and synthetic-model commands, and the developer benchmarks of benchmarks/ (a
 # second package of the distribution; skipped where it is not installed).
 BENCH_EXTRA_MODULES = ("tiermoe.bench.decode", "benchmarks.moe_gpu", "tiermoe.bench.tune_moe",
-                       "tiermoe.bench.synthetic_qwen3", "tiermoe.bench.mtp", "tiermoe.bench.lane")
+                       "tiermoe.bench.synthetic_qwen3", "tiermoe.bench.synthetic_glm5", "tiermoe.bench.mtp",
+                       "tiermoe.bench.lane")
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 

@@ -51,8 +51,11 @@ TINY_VISION_CONFIG = dict(
 )
 
 
-def _fill(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """A random value for parameter `name` with a scale that keeps the network well behaved."""
+def init_value(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A random value for parameter `name` with a scale that keeps the network well behaved.
+
+    Shared with the full-width synthetic store (bench/synthetic_glm5.py), so both draw every
+    tensor kind at the same scale; only `p.shape` is read, so `p` may be a meta tensor."""
 
     def normal(std: float, mean: float = 0.0) -> torch.Tensor:
         return torch.randn(p.shape, generator=gen, dtype=torch.float32) * std + mean
@@ -104,7 +107,7 @@ def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0, with_mtp: bool = T
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".visual." not in name:
-                value = _fill(name, p, gen)
+                value = init_value(name, p, gen)
                 if branch_scale != 1.0 and name.endswith(_BRANCH_OUTPUTS):
                     value = value * branch_scale
                 p.copy_(value.to(p.dtype))
@@ -135,7 +138,7 @@ def _append_mtp(out: Path, gen: torch.Generator) -> None:
         mtp = MTPLayer(cfg)
     tensors = {}
     for name, p in mtp.named_parameters():
-        tensors[f"{prefix}layers.{n}.{name}"] = _fill(name, p, gen).contiguous()
+        tensors[f"{prefix}layers.{n}.{name}"] = init_value(name, p, gen).contiguous()
     i, h = cfg.moe_intermediate_size, cfg.hidden_size
     for e in range(cfg.n_routed_experts):
         keys = expert_weight_keys(prefix, n, e)
