@@ -128,10 +128,43 @@ def _plan(args: argparse.Namespace) -> int:
     if args.cpu_threads is not None and args.cpu_threads < 1:
         raise UserError("--cpu-threads must be at least 1")
     m = _plan_manifest(args.model, args.quant, args.group_size)
-    plan = build_plan(m, device=device, gpu_expert_gb=args.gpu_expert_gb, host_expert_gb=args.host_expert_gb,
-                      stats_file=args.stats, cpu_threads=args.cpu_threads)
+    kw = dict(device=device, gpu_expert_gb=args.gpu_expert_gb, host_expert_gb=args.host_expert_gb,
+              stats_file=args.stats, cpu_threads=args.cpu_threads)
+    plan = build_plan(m, **kw, disk_gbs=args.disk_gbs)
+    if args.disk_gbs is None and plan.n_disk:  # auto: the disk's rate matters, so measure it on the store itself
+        gbs, note = _measure_disk(m)
+        if gbs is not None:
+            plan = build_plan(m, **kw, disk_gbs=gbs)
+        plan.notes.append(note)
     print(plan.table())
     return 0
+
+
+def _disk_gbs(text: str) -> float | None:
+    """--disk-gbs: "auto" (None) or a rate in GB/s above 0."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not auto or a rate in GB/s above 0")
+    return value
+
+
+def _measure_disk(m) -> tuple[float | None, str]:
+    """`plan --disk-gbs auto` with disk-only experts: the read rate of the store's own experts.bin
+    (read only; a checkpoint is not packed yet, so its disk rate is assumed)."""
+    from tiermoe.store.disk import measure_read_gbs
+    from tiermoe.store.floor import Bandwidths
+    from tiermoe.store.planner import fmt_bytes
+
+    path = m.experts_path
+    if not path.is_file() or not any(r.sha256 for r in m.records[:1]):
+        return None, f"disk: {Bandwidths.disk_gbs} GB/s assumed (a checkpoint: `plan` measures a packed store's disk)"
+    gbs, nbytes, mode = measure_read_gbs(path, m.records)
+    return gbs, f"disk: {gbs:.2f} GB/s measured now ({mode} reads of {fmt_bytes(nbytes)} of {path})"
 
 
 def _sim(args: argparse.Namespace) -> int:
@@ -267,6 +300,9 @@ def register(subparsers) -> None:
                    help="for an unpacked checkpoint: the format to plan for")
     p.add_argument("--group-size", type=int, default=None,
                    help="for an unpacked checkpoint and int8/int4/int3: as `tiermoe pack --group-size`")
+    p.add_argument("--disk-gbs", type=_disk_gbs, default=None, metavar="auto|GBS",
+                   help="the disk's read rate for the bound, GB/s (default: auto: when some experts live only on "
+                        "disk, measured by reading up to 256 MiB of the store's experts.bin as the disk tier does)")
     p.set_defaults(handler=_plan)
 
     p = subparsers.add_parser(

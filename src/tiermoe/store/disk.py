@@ -18,8 +18,10 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -90,6 +92,45 @@ def pread_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
         if n <= 0:
             raise StoreIOError(f"short read of {what}: got {got} of {want} bytes (file truncated?)")
         got += n
+
+
+def measure_read_gbs(path: str | os.PathLike, records: Sequence[RecordInfo], *, max_bytes: int = 256 << 20,
+                     threads: int = 8) -> tuple[float, int, str]:
+    """(GB/s, bytes read, "O_DIRECT" or "buffered") of reading records of experts.bin at `path` as the
+    disk tier does: records spread evenly over the file (up to `max_bytes`), `threads` readers at
+    once, no hashing. Where O_DIRECT is refused the pages are dropped before the reads (and after),
+    so the figure is still the device's rather than the page cache's, where the kernel allows."""
+    if not records:
+        return 0.0, 0, "none"
+    n = max(1, min(len(records), max_bytes // max(1, max(r.length for r in records))))
+    picked = [records[i * len(records) // n] for i in range(n)]
+    direct = probe_direct_io(path) is None
+    fd = os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+    advise = not direct and hasattr(os, "posix_fadvise")
+
+    def drop() -> None:
+        if advise:
+            for rec in picked:
+                os.posix_fadvise(fd, rec.offset, rec.length, os.POSIX_FADV_DONTNEED)
+
+    def read_share(k: int) -> None:  # reader k: records k, k + threads, ... into one aligned buffer
+        buf = aligned_buffer(max(r.length for r in picked))
+        for rec in picked[k::threads]:
+            pread_exact(fd, memoryview(buf.numpy())[: rec.length], rec.offset, f"{rec.name()} from {path}")
+
+    try:
+        drop()
+        workers = max(1, min(threads, n))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tiermoe-disk-probe") as pool:
+            t0 = time.perf_counter()
+            for f in [pool.submit(read_share, k) for k in range(workers)]:
+                f.result()
+            seconds = time.perf_counter() - t0
+        drop()
+    finally:
+        os.close(fd)
+    nbytes = sum(r.length for r in picked)
+    return nbytes / max(seconds, 1e-9) / 1e9, nbytes, "O_DIRECT" if direct else "buffered"
 
 
 class DiskReader:

@@ -283,7 +283,7 @@ def expected_hits(rates: Mapping[int, float], n_slots: int, n_host: int,
 
 def decode_floor_s(record_bytes: int, hits: Mapping[str, float], device: str, *, top_k: int = 8,
                    moe_layers: int = 1, bandwidth: Mapping[str, float] | None = None, dense_bytes: int = 0,
-                   cpu_threads: int | None = None) -> dict[str, float]:
+                   cpu_threads: int | None = None, disk_gbs: float | None = None) -> dict[str, float]:
     """Seconds per token per expert lane, for the dense weights ("dense") and in all ("floor"):
     the expert lanes overlap, so the slowest bounds them; the dense layers run before and after.
 
@@ -292,7 +292,7 @@ def decode_floor_s(record_bytes: int, hits: Mapping[str, float], device: str, *,
     On a GPU, slot hits and the dense weights read HBM and host hits cross PCIe; on a CPU
     device the CPU computes every expert (disk reads too, once read) and the dense weights, at
     CPU_GBS_PER_THREAD per thread (`cpu_threads`, default torch's). Disk reads are bounded by
-    the disk.
+    the disk (`disk_gbs`, default the H200 host's).
     """
     cuda = device.startswith("cuda")
     tier_hits = ({"gpu": hits.get("slots", 0.0), "ram": hits.get("host", 0.0)} if cuda
@@ -302,7 +302,8 @@ def decode_floor_s(record_bytes: int, hits: Mapping[str, float], device: str, *,
         from tiermoe.store.floor import Bandwidths, decode_floor
 
         threads = max(1, cpu_threads or torch.get_num_threads())
-        bw = Bandwidths(cpu_gbs=min(Bandwidths.cpu_gbs, CPU_GBS_PER_THREAD * threads))
+        bw = Bandwidths(cpu_gbs=min(Bandwidths.cpu_gbs, CPU_GBS_PER_THREAD * threads),
+                        disk_gbs=disk_gbs or Bandwidths.disk_gbs)
         dense_s = dense_bytes / ((bw.hbm_gbs if cuda else bw.cpu_gbs) * 1e9)
         res = decode_floor(record_bytes, max(1, top_k), max(1, moe_layers), hits=tier_hits, bandwidths=bw,
                            non_moe_ms=dense_s * 1e3)
@@ -396,9 +397,11 @@ def build_plan(
     gpu_reserve_gb: float | None = None,
     host_margin_gb: float | None = None,
     cpu_threads: int | None = None,
+    disk_gbs: float | None = None,
 ) -> TierPlan:
     """The tier plan of a store (parsed manifest) on this machine; reads no expert data.
-    `cpu_threads`: the torch threads decode will run with (default: torch's current count)."""
+    `cpu_threads`: the torch threads decode will run with (default: torch's current count);
+    `disk_gbs`: the disk's read rate for the bound (default: the H200 host's O_DIRECT rate)."""
     dev = torch.device(device)
     rec = manifest.record_bytes  # a tier entry: the longest record
     total = len(manifest.records)
@@ -426,6 +429,6 @@ def build_plan(
     threads = max(1, cpu_threads or torch.get_num_threads())
     dense = dense_bytes_per_token(manifest)
     floor = decode_floor_s(rec, read_hits, str(dev), top_k=top_k, moe_layers=len(manifest.moe_layers),
-                           dense_bytes=dense, cpu_threads=threads)
+                           dense_bytes=dense, cpu_threads=threads, disk_gbs=disk_gbs)
     return TierPlan(str(dev), rec, total, n_slots, n_host, top_k, len(manifest.moe_layers), notes + more, hits, floor,
                     source, dense, threads, {t: v * rec for t, v in read_hits.items()})
