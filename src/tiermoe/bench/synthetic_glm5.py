@@ -16,6 +16,7 @@ loader's own key rules, and each value is drawn at the scale the tiny generator 
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from dataclasses import asdict, dataclass, fields
@@ -278,7 +279,8 @@ def register(sub) -> None:
     p.add_argument("out", help="output store directory (manifest.json, experts.bin, shards, expert-stats.json)")
     p.add_argument("--moe-layers", type=int, default=d.moe_layers, help="MoE layers after the dense ones (real: 42)")
     p.add_argument("--dense-layers", type=int, default=d.dense_layers, help="dense-MLP layers first (real: 3)")
-    p.add_argument("--no-mtp", dest="mtp", action="store_false", help="leave out the MTP layer (real: one)")
+    p.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=True,
+                   help="write the MTP layer (real: one); --no-mtp leaves it out")
     p.add_argument("--hidden", type=int, default=None, help=f"hidden size (real: {d.hidden})")
     p.add_argument("--experts", type=int, default=None, help=f"routed experts per layer (real: {d.experts})")
     p.add_argument("--moe-intermediate", type=int, default=None,
