@@ -133,13 +133,13 @@ def test_mixed_stores_are_served_when_every_layout_is(mixed):
     path, rec = mixed
     with open_store(path, gpu_expert_gb=0, host_expert_gb=0) as st:
         assert triton_unsupported(st.layouts, torch.bfloat16, DEVICE) is None
-        assert choose_expert_kernel("triton", st, DEVICE, layouts=st.layouts) == "triton"
+        assert choose_expert_kernel("triton", st.layouts, st.dtype, DEVICE, st.path) == "triton"
         int3 = RecordLayout.build("int3", st.layout.hidden, st.layout.intermediate, 32)
         reason = triton_unsupported([st.layout, int3], torch.bfloat16, DEVICE)
         assert reason.startswith("int3 record shape H=64 I=32: down: BN=32/BK=64 must divide"), reason
         with pytest.raises(UserError, match="cannot serve .*: int3 record shape"):
-            choose_expert_kernel("triton", st, DEVICE, layouts=[st.layout, int3])
-        assert choose_expert_kernel("triton", st, DEVICE) == "triton"  # without layouts: store.layout alone
+            choose_expert_kernel("triton", [st.layout, int3], st.dtype, DEVICE, st.path)
+        assert choose_expert_kernel("triton", st.layout, st.dtype, DEVICE, st.path) == "triton"  # one layout
 
 
 @pytest.mark.slow

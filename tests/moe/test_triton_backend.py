@@ -96,17 +96,20 @@ def test_selection_rules(stores, monkeypatch):
         store_layout = st.layout
         assert triton_unsupported(st.layout, torch.bfloat16, DEVICE) is None
         assert "bfloat16" in triton_unsupported(st.layout, torch.float32, DEVICE)
-        assert choose_expert_kernel("auto", st, "cpu") == "torch"  # auto never picks Triton on CPU
-        assert choose_expert_kernel("torch", st, DEVICE) == "torch"
-        assert choose_expert_kernel("triton", st, DEVICE) == "triton"
+        def choose(requested, device):
+            return choose_expert_kernel(requested, st.layouts, st.dtype, device, st.path)
+
+        assert choose("auto", "cpu") == "torch"  # auto never picks Triton on CPU
+        assert choose("torch", DEVICE) == "torch"
+        assert choose("triton", DEVICE) == "triton"
         monkeypatch.setenv("TIERMOE_EXPERT_KERNEL", "torch")
-        assert choose_expert_kernel(None, st, DEVICE) == "torch"
+        assert choose(None, DEVICE) == "torch"
         with pytest.raises(UserError, match="expert-kernel"):
-            choose_expert_kernel("cuda", st, DEVICE)
+            choose("cuda", DEVICE)
         if not ON_GPU:
             monkeypatch.setenv("TRITON_INTERPRET", "0")
             with pytest.raises(UserError, match="need CUDA"):
-                choose_expert_kernel("triton", st, "cpu")
+                choose("triton", "cpu")
 
     # a tuned decode entry carrying the few-token gemv shape (configs.json) keeps the backend
     from tiermoe.kernels.layout import layout_from

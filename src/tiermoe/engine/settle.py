@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from tiermoe.config import (
@@ -132,8 +131,7 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
         raise UserError(f"--prefill-staging-gb must be a size >= 0, got {staging}")
     manifest = load_manifest(path)
     lane = settle_lane(args, device, manifest.layout, dtype, config_top_k(manifest.config))
-    kernel = choose_expert_kernel(args.expert_kernel, SimpleNamespace(layout=manifest.layout, dtype=dtype, path=path),
-                                  device, layouts=manifest.layouts)
+    kernel = choose_expert_kernel(args.expert_kernel, manifest.layouts, dtype, device, path)
     store = StoreConfig(path=path, device=device, dtype=dtype, gpu_expert_gb=args.gpu_expert_gb,
                         host_expert_gb=args.host_expert_gb, policy=args.expert_policy or "lfu",
                         stats_file=args.expert_stats, direct_io=not args.no_direct_io)

@@ -182,10 +182,10 @@ def _check_pow2(cfg: dict) -> None:
         raise ValueError(f"block sizes {cfg} are not powers of two")
 
 
-def choose_expert_kernel(requested: str | None, store, device: str, layouts=None) -> str:
-    """'torch' or 'triton' for `--expert-kernel` (else $TIERMOE_EXPERT_KERNEL, else auto); store:
-    anything with the store's `layout`, `dtype` (of the activations) and `path`; layouts: every
-    record layout of the store (a mixed store has several; None: store.layout alone).
+def choose_expert_kernel(requested: str | None, layouts, act_dtype: torch.dtype, device: str, where) -> str:
+    """'torch' or 'triton' for `--expert-kernel` (else $TIERMOE_EXPERT_KERNEL, else auto) on a store
+    whose records have `layouts` (a RecordLayout, or a mixed store's sequence of them) and whose
+    activations are `act_dtype`; `where` names the store in an error.
 
     auto: Triton on CUDA when the store and dtype are supported, else torch. triton: the Triton
     path, or a UserError saying why it cannot run. On a CPU the kernels run only in Triton's
@@ -197,9 +197,9 @@ def choose_expert_kernel(requested: str | None, store, device: str, layouts=None
         raise UserError(f"--expert-kernel {choice!r}: choose one of {', '.join(EXPERT_KERNELS)}")
     if choice == "torch" or (choice == "auto" and torch.device(device).type != "cuda"):
         return "torch"
-    reason = triton_unsupported(store.layout if layouts is None else list(layouts), store.dtype, device)
+    reason = triton_unsupported(layouts, act_dtype, device)
     if reason is None:
         return "triton"
     if choice == "triton":
-        raise UserError(f"--expert-kernel triton: cannot serve {store.path}: {reason}")
+        raise UserError(f"--expert-kernel triton: cannot serve {where}: {reason}")
     return "torch"
