@@ -52,7 +52,7 @@ def test_lane_equals_its_plain_torch_twin(kind, g, act, limit):
     klay = expert_layout(kind, hidden, inter, g or 0)
     x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(7)).to(act)  # [T, H]
     ids, w = _routing(5, 3)
-    lane = CpuLane(layout, threads=2, act_dtype=act, swiglu_limit=limit)
+    lane = CpuLane([layout], threads=2, act_dtype=act, swiglu_limit=limit)
     try:
         got = lane.compute(0, x, ids, w, recs)
         c = lane.counters(5)
@@ -73,7 +73,7 @@ def test_lane_close_to_the_exact_path_expert(kind):
     layout, recs = _records(kind, 32 if kind == "int4" else None, n=1)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))  # [T, H]
     ids, w = torch.zeros(3, 1, dtype=torch.int32), torch.ones(3, 1)
-    lane = CpuLane(layout, threads=1, act_dtype=torch.float32, swiglu_limit=0.5)
+    lane = CpuLane([layout], threads=1, act_dtype=torch.float32, swiglu_limit=0.5)
     try:
         got = lane.compute(0, x, ids, w, recs)
         assert lane.kernel == ("torch" if kind == "fp32" or not NATIVE else lane.kernel)
@@ -91,7 +91,7 @@ def test_thread_counts_and_instruction_sets_agree(kind):
     ids, w = _routing(3, 4)
     outs = {}
     for threads, isa in ((1, "avx512bf16"), (3, "avx512bf16"), (2, "avx512"), (2, "avx2"), (2, "scalar")):
-        lane = CpuLane(layout, threads=threads, isa=isa)
+        lane = CpuLane([layout], threads=threads, isa=isa)
         try:
             outs[(threads, lane.pool.isa)] = lane.compute(0, x, ids, w, recs)
         finally:
@@ -105,7 +105,7 @@ def test_thread_counts_and_instruction_sets_agree(kind):
 
 def test_a_record_the_lane_cannot_read_fails_with_its_name():
     layout, recs = _records("int8", 32)
-    lane = CpuLane(layout, threads=1)
+    lane = CpuLane([layout], threads=1)
     try:
         with pytest.raises(RuntimeError, match="layer 4 expert 1: not a readable"):
             lane.compute(4, torch.randn(1, 64), torch.tensor([[1]]), torch.ones(1, 1), {1: recs[1][:100]})
@@ -119,7 +119,7 @@ def test_without_a_compiler_the_lane_uses_the_torch_path(monkeypatch, tmp_path, 
     monkeypatch.setenv("CXX", "no-such-compiler-here")
     layout, recs = _records("int4", 32)
     with caplog.at_level("WARNING", logger="tiermoe.moe"):
-        lane = CpuLane(layout, threads=1)
+        lane = CpuLane([layout], threads=1)
     try:
         assert lane.kernel == "torch" and lane.pool is None
         assert "no C++ compiler" in lane_kernel.native_error() and "plain-torch path" in caplog.text
@@ -162,7 +162,7 @@ def test_cost_model_order_and_limit():
     layout = RecordLayout.build("int4", 64, 32, 32)
     tiers = {0: "slots", 1: "host", 2: "host", 3: "disk", 4: "host", 5: "disk", 6: "host"}
     heat = {0: 0.0, 1: 5.0, 2: 1.0, 3: 0.0, 4: 3.0, 5: 9.0, 6: 8.0}
-    lane = cpu_lane.CpuLane(layout, max_experts=3, threads=1, disk=True)
+    lane = cpu_lane.CpuLane([layout], max_experts=3, threads=1, disk=True)
     try:
         store = _FakeStore(tiers, heat)
         assert lane.assign(store, 7, list(range(7))) == [1, 2, 4]  # host, coldest first; never slots (0)
@@ -186,7 +186,7 @@ def test_cost_model_share_of_the_misses():
     layout = RecordLayout.build("int4", 64, 32, 32)
     tiers = {0: "slots", 1: "host", 2: "host", 3: "disk", 4: "host", 5: "disk", 6: "host"}
     heat = {0: 0.0, 1: 5.0, 2: 1.0, 3: 0.0, 4: 3.0, 5: 9.0, 6: 8.0}
-    lane = cpu_lane.CpuLane(layout, max_experts=6, threads=1, disk=False)
+    lane = cpu_lane.CpuLane([layout], max_experts=6, threads=1, disk=False)
     try:
         lane.share = 0.5
         assert lane.assign(_FakeStore(tiers, heat), 7, list(range(7))) == [1, 2, 4]  # 6 misses -> 3, coldest host
@@ -200,7 +200,7 @@ def test_cost_model_share_of_the_misses():
 def test_cost_model_measures_bandwidths_on_cuda():
     from tiermoe.moe.lane_cost import measure
 
-    lane = CpuLane(RecordLayout.build("int4", 256, 128, 64), threads=2, device="cuda", max_experts=8)
+    lane = CpuLane([RecordLayout.build("int4", 256, 128, 64)], threads=2, device="cuda", max_experts=8)
     try:
         before = lane.c.as_dict()
         bw = measure(lane, torch.device("cuda"), records=4, seconds=0.05)

@@ -273,8 +273,8 @@ def test_lane_forward_adds_the_lanes_part_through_the_mailbox(stores):
     with _host_store(path, rec) as st, _host_store(path, rec) as ref_st:
         dc = DeviceCacheExperts(st, 2 * 2 + 2, rates={}, top_k=2, max_tokens=3, lane_cap=2)
         ref = DeviceCacheExperts(ref_st, 2 * 2 + 2, rates={}, top_k=2, max_tokens=3)
-        lane = CpuLane(st.layout, max_experts=2, max_tokens=3, threads=1, act_dtype=torch.bfloat16)
-        ref_lane = CpuLane(st.layout, max_experts=2, max_tokens=3, threads=1, act_dtype=torch.bfloat16)
+        lane = CpuLane([st.layout], max_experts=2, max_tokens=3, threads=1, act_dtype=torch.bfloat16)
+        ref_lane = CpuLane([st.layout], max_experts=2, max_tokens=3, threads=1, act_dtype=torch.bfloat16)
         dev_lane = DeviceLane(dc, lane, max_tokens=3)
         try:
             dev_lane.begin()  # the server polls (a step that may post has started)
@@ -329,7 +329,7 @@ def test_device_lane_reports_a_failed_answer(stores):
     path, rec = stores["int4"]
     with _host_store(path, rec) as st:
         dc = DeviceCacheExperts(st, 2, rates={}, top_k=2, max_tokens=1, lane_cap=2)
-        lane = CpuLane(st.layout, max_experts=2, max_tokens=1, threads=1)
+        lane = CpuLane([st.layout], max_experts=2, max_tokens=1, threads=1)
         dev_lane = DeviceLane(dc, lane, max_tokens=1)
         try:
             dc.set_lane(2)

@@ -102,7 +102,7 @@ def test_lane_computes_int3_records_where_they_sit(int3_store_dir):
         scales = torch.cat([bufs[e][klay.gate_up_s : klay.down_q].view(torch.bfloat16) for e in experts])
         assert (scales < 0).any() and (scales > 0).any()
         x = torch.randn(4, layout.hidden, generator=torch.Generator().manual_seed(5)).bfloat16()  # [T, H]
-        lane = CpuLane(layout, threads=2)
+        lane = CpuLane([layout], threads=2)
         try:
             out = lane.compute(layer, x, ids, w, bufs)
         finally:

@@ -165,7 +165,7 @@ def lane_cell(layout, pool, threads: int, tokens: int, experts: int, seconds: fl
     weights = torch.full((tokens, experts), 1.0 / experts)  # [T, experts]
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)  # compute() runs in this thread
-    lane = CpuLane(layout, max_experts=experts, max_tokens=tokens, threads=threads, act_dtype=torch.bfloat16,
+    lane = CpuLane([layout], max_experts=experts, max_tokens=tokens, threads=threads, act_dtype=torch.bfloat16,
                    isa=isa, pin=pin)
     n, calls, cursor = pool.shape[0], 0, 0
     try:

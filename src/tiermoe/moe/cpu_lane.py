@@ -118,33 +118,29 @@ class CpuLane:
     record layouts, `layout` first) and `layout_ids` ({layer: layout index of each expert id}).
     """
 
-    def __init__(self, layout: RecordLayout, *, max_experts: int = LaneConfig.max_experts,
+    def __init__(self, layouts: Sequence[RecordLayout], *, max_experts: int = LaneConfig.max_experts,
                  max_tokens: int = LaneConfig.max_tokens, threads: int | None = None,
                  workers: int = LaneConfig.workers, disk: bool | None = None, swiglu_limit: float | None = None,
                  act_dtype: torch.dtype = torch.bfloat16, device: str = "cpu", isa: str = "avx512bf16",
-                 pin: bool | None = None, layouts: Sequence[RecordLayout] | None = None,
-                 layout_ids: Mapping[int, Sequence[int]] | None = None):
+                 pin: bool | None = None, layout_ids: Mapping[int, Sequence[int]] | None = None):
         from tiermoe.moe.lane_kernel import lane_pool
 
-        self.layout = layout
-        self.layouts = list(layouts) if layouts else [layout]
-        if self.layouts[0] != layout or (len(self.layouts) > 1 and layout_ids is None):
-            raise ValueError("a mixed lane takes its layouts with `layout` first and each layer's layout ids")
+        self.layouts = list(layouts)  # the store's record layouts: one, or a mixed store's hot and cold
+        if not self.layouts or (len(self.layouts) > 1 and layout_ids is None):
+            raise ValueError("a lane takes its store's layouts, and a mixed store's each layer's layout ids")
         self._layout_ids = {int(k): list(v) for k, v in (layout_ids or {}).items()}
         self.act = lane_act_dtype(act_dtype)
         self.round_bf16 = self.act == torch.bfloat16
         self.max_experts = max(0, int(max_experts))
         self.max_tokens = max(1, int(max_tokens))
         self.threads = max(1, int(threads or torch.get_num_threads()))
-        self.disk = lane_reads_disk(layout, act_dtype, device) if disk is None else bool(disk)
+        self.disk = lane_reads_disk(self.layouts[0], act_dtype, device) if disk is None else bool(disk)
         self.swiglu_limit = swiglu_limit
         self.share: float | None = None  # the cost model's share of a layer's misses (None: max_experts)
         # the compiled kernel's view of each layout (None: a kind it does not read, computed with torch)
         self.klayouts = [expert_layout(lay.kind, lay.hidden, lay.intermediate, lay.group_size or 0)
                          if lay.kind in NATIVE_KINDS else None for lay in self.layouts]
-        self.klayout = self.klayouts[0]
-        self._weight_bytes_of = [self._weight_bytes(lay, k) for lay, k in zip(self.layouts, self.klayouts)]
-        self.weight_bytes = self._weight_bytes_of[0]
+        self.weight_bytes_of = [self._weight_bytes(lay, k) for lay, k in zip(self.layouts, self.klayouts)]
         pin = torch.device(device).type == "cuda" if pin is None else bool(pin)
         native = any(k is not None for k in self.klayouts)
         self.pool = lane_pool(self.threads, pin, isa) if native else None
@@ -258,7 +254,7 @@ class CpuLane:
         with torch.inference_mode():
             for idx in sorted(groups):
                 items, klay = groups[idx], self.klayouts[idx]
-                weight_bytes += self._weight_bytes_of[idx] * len(items)
+                weight_bytes += self.weight_bytes_of[idx] * len(items)
                 if self.pool is not None and klay is not None:
                     offsets = torch.tensor([0] + [len(t) for _, _, _, t, _ in items]).cumsum(0).to(torch.int32)
                     rows = torch.cat([t for _, _, _, t, _ in items]).to(torch.int32)  # [m]

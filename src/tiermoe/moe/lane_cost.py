@@ -104,7 +104,7 @@ def lane_count(misses: int, share: float | None, cap: int) -> int:
 def _lane_rate(lane, records: list[torch.Tensor], experts: int, done) -> float:
     """GB/s of expert weights lane.compute gets through until done(elapsed seconds) (and at least
     two calls), `experts` records a call, one token each (a decode step's typical lane expert)."""
-    x = torch.randn(1, lane.layout.hidden).to(torch.bfloat16)  # [1, H]
+    x = torch.randn(1, lane.layouts[0].hidden).to(torch.bfloat16)  # [1, H]
     weights = torch.full((1, experts), 1.0 / experts)  # [1, experts]
     n, calls, cursor = len(records), 0, 0
     t0 = time.perf_counter()
@@ -115,13 +115,13 @@ def _lane_rate(lane, records: list[torch.Tensor], experts: int, done) -> float:
         calls += 1
         elapsed = time.perf_counter() - t0
         if calls >= 2 and done(elapsed):
-            return calls * experts * lane.weight_bytes / elapsed / 1e9
+            return calls * experts * lane.weight_bytes_of[0] / elapsed / 1e9
 
 
 def measure(lane, device: torch.device, records: int = 16, seconds: float = 0.2) -> LaneBandwidths:
     """Measure the cost model's bandwidths on `device` (CUDA) with `records` random pinned records
     of the lane's layout; the lane's counters are left as they were."""
-    layout = lane.layout
+    layout = lane.layouts[0]  # a mixed store's hot layout: the split is timed on it
     klay = expert_layout(layout.kind, layout.hidden, layout.intermediate, layout.group_size or 0)
     gen = torch.Generator().manual_seed(0)
     n = max(2, records)
