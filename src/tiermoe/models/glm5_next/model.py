@@ -17,7 +17,7 @@ from tiermoe.moe.experts import ExpertBackend, ResidentExperts
 
 from .cache import Glm5NextCache, SeqBatch
 from .config import Glm5NextConfig
-from .kda import KDAttention
+from .kda import kda_attention
 from .layers import MLP, HyperConnection, RMSNorm
 from .mla import MLAttention
 from .moe import MoE
@@ -29,7 +29,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: Glm5NextConfig, i: int):
         super().__init__()
         self.is_kda, self.is_moe = cfg.is_kda(i), cfg.is_moe(i)
-        self.self_attn = KDAttention(cfg, i) if self.is_kda else MLAttention(cfg, i)
+        self.self_attn = kda_attention(cfg, i) if self.is_kda else MLAttention(cfg, i)
         self.mlp = MoE(cfg, i) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.swiglu_limit)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

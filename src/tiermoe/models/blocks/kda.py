@@ -1,0 +1,256 @@
+"""Kimi Delta Attention (KDA): a linear-attention token mixer for hybrid models.
+
+Per sequence a KDA layer carries two pieces of state between forward calls:
+- the short-convolution window: the last `K-1` pre-convolution q|k|v rows, [3C, K-1];
+- the delta-rule recurrent state, [H, dk, dv] in fp32.
+Both live in a state store keyed by slot (`KDAStateStore`; glm5_next's is `KDAStates`), so
+any set of sequences can run in one batch.
+
+Prefill (several new tokens) uses the chunked (WY) form with 64-token chunks; single-token
+decode uses the recurrent form, batched over all decoding sequences. Speculative verification
+(`batch.keep[b]`) runs the recurrent form and records the state after every token, so the
+store can roll back to any accepted prefix. Math and dtype handling follow transformers'
+reference (`chunk_kimi_delta_attention` / `recurrent_kimi_delta_attention`).
+
+The block takes plain sizes, not a family's config class, so any hybrid family builds it from
+its own config; module names are the checkpoint's (`q_proj`, `conv1d.weight`, `forget_gate.*`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class KDABatch(Protocol):
+    """Flat token layout of one forward: sequence b owns rows [cu[b], cu[b] + lens[b]) and
+    state slot `slots[b]`; `keep[b]` asks for every intermediate state (rollback)."""
+
+    lens: list[int]
+    cu: list[int]
+    slots: list[int]
+    keep: list[bool]
+
+
+class KDAStateStore(Protocol):
+    """Per-slot KDA state: conv window [3C, K-1] and delta state [H, dk, dv] fp32 per layer.
+
+    The setters take the batch and the sequence index so a store can also record the
+    intermediate states of a `keep` sequence (`steps` [n+1, H, dk, dv], `window` [3C, K-1+n])."""
+
+    def conv(self, layer: int, slot: int) -> torch.Tensor: ...
+
+    def ssm(self, layer: int, slot: int) -> torch.Tensor: ...
+
+    def set_conv(self, layer: int, batch: KDABatch, b: int, window: torch.Tensor) -> None: ...
+
+    def set_ssm(self, layer: int, batch: KDABatch, b: int, state: torch.Tensor,
+                steps: torch.Tensor | None = None) -> None: ...
+
+
+KDA_CHUNK = 64  # tokens per block of the chunked (WY) prefill form, as in the reference
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps), the FLA convention (not F.normalize's clamp)."""
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def kda_recurrent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, keep_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Step-by-step delta rule. q,k,g [B,S,H,dk], v [B,S,H,dv], beta [B,S,H], state [B,H,dk,dv].
+
+    Returns (out [B,S,H,dv] fp32, final state, per-step states [S+1,B,H,dk,dv] or None)."""
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    q = l2norm(q) * (q.shape[-1] ** -0.5)
+    k = l2norm(k)
+    s = state.float()
+    out = torch.zeros(*v.shape, dtype=torch.float32, device=v.device)
+    hist = [s] if keep_states else None
+    for i in range(q.shape[1]):
+        s = s * g[:, i].exp()[..., None]
+        kv_mem = (s * k[:, i, ..., None]).sum(dim=-2)  # [B,H,dv]
+        delta = (v[:, i] - kv_mem) * beta[:, i, :, None]
+        s = s + k[:, i].unsqueeze(-1) * delta.unsqueeze(-2)
+        out[:, i] = (s * q[:, i].unsqueeze(-1)).sum(dim=-2)
+        if hist is not None:
+            hist.append(s)
+    return out, s, (torch.stack(hist) if hist is not None else None)
+
+
+def kda_chunked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, chunk: int = KDA_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked (WY-representation) delta rule over a whole segment; same shapes as
+    `kda_recurrent`, returns (out [B,S,H,dv] fp32, final state [B,H,dk,dv] fp32)."""
+    q, k, v, beta, g = (t.transpose(1, 2).contiguous().float() for t in (q, k, v, beta, g))
+    q = l2norm(q)
+    k = l2norm(k)
+    b, h, n, dk = k.shape
+    dv = v.shape[-1]
+    pad = (chunk - n % chunk) % chunk
+    q = F.pad(q, (0, 0, 0, pad)) * (dk ** -0.5)
+    k = F.pad(k, (0, 0, 0, pad))
+    v = F.pad(v, (0, 0, 0, pad))
+    g = F.pad(g, (0, 0, 0, pad))
+    beta = F.pad(beta, (0, pad))
+    v_beta = v * beta.unsqueeze(-1)
+    k_beta = k * beta.unsqueeze(-1)
+    q, k, v, g, k_beta, v_beta = (t.reshape(b, h, -1, chunk, t.shape[-1]) for t in (q, k, v, g, k_beta, v_beta))
+
+    g = g.cumsum(dim=-2)  # within-chunk cumulative log decay, per key channel
+    incl = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=0)
+    strict = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=1)
+    decay = (g.unsqueeze(-2) - g.unsqueeze(-3)).masked_fill(strict[..., None], float("-inf")).exp().float()
+    attn = -(k_beta.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(dim=-1).masked_fill(incl, 0)
+    for i in range(1, chunk):  # forward substitution: (I + A)^-1 row by row
+        row = attn[..., i, :i].clone()
+        sub = attn[..., :i, :i].clone()
+        attn[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
+    attn = attn + torch.eye(chunk, dtype=attn.dtype, device=attn.device)
+    v = attn @ v_beta
+    k_cumdecay = attn @ (k_beta * g.exp())
+
+    s = state.float()
+    out = torch.zeros_like(v)
+    for i in range(v.shape[2]):
+        q_i, k_i, v_i, g_i = q[:, :, i], k[:, :, i], v[:, :, i], g[:, :, i]
+        inter = (q_i * g_i.exp()) @ s
+        intra = (q_i.unsqueeze(-2) * k_i.unsqueeze(-3) * decay[:, :, i]).sum(dim=-1).masked_fill(strict, 0)
+        v_new = v_i - k_cumdecay[:, :, i] @ s
+        out[:, :, i] = inter + intra @ v_new
+        s = s * g_i[:, :, -1].exp().unsqueeze(-1) + (k_i * (g_i[:, :, -1:] - g_i).exp()).transpose(-1, -2) @ v_new
+    out = out.reshape(b, h, -1, dv)[:, :, :n].transpose(1, 2).contiguous()
+    return out, s
+
+
+class _Conv(nn.Module):
+    """Holds the depthwise short-conv weight under the checkpoint's `conv1d.weight` name."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel, dtype=torch.float32))
+
+
+class ForgetGate(nn.Module):
+    """Per-channel log-decay g = lower_bound * sigmoid(exp(A_log) * (f_b(f_a(x)) + dt_bias)),
+    or -exp(A_log) * softplus(...) without a lower bound."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, lower_bound: float | None):
+        super().__init__()
+        d, c = head_dim, num_heads * head_dim
+        self.head_dim = d
+        self.f_a_proj = nn.Linear(hidden_size, d, bias=False)
+        self.f_b_proj = nn.Linear(d, c, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(c, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(num_heads, dtype=torch.float32))
+        self.lower_bound = lower_bound
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> g [T, H, dk] fp32 (log decay, <= 0)."""
+        t = x.shape[0]
+        g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(t, -1, self.head_dim)
+        a = torch.exp(self.A_log.float()).view(1, -1, 1)
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(a * g)
+        return -a * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+
+
+class KDAttention(nn.Module):
+    """One KDA token mixer; `forward` reads and updates the slots named by the batch.
+
+    hidden_size -> num_heads x head_dim (C = num_heads * head_dim channels each for q, k, v);
+    conv_kernel is the short-conv width K, norm_eps the output RMSNorm's epsilon, lower_bound
+    the forget gate's (None: softplus form). `layer_idx` keys this layer's state in the store."""
+
+    def __init__(
+        self, layer_idx: int, hidden_size: int, num_heads: int, head_dim: int, conv_kernel: int,
+        norm_eps: float, lower_bound: float | None,
+    ):
+        super().__init__()
+        hid, c = hidden_size, num_heads * head_dim
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim, self.qkv_dim = num_heads, head_dim, c
+        self.kernel = conv_kernel
+        self.eps = norm_eps
+        self.q_proj = nn.Linear(hid, c, bias=False)
+        self.k_proj = nn.Linear(hid, c, bias=False)
+        self.v_proj = nn.Linear(hid, c, bias=False)
+        self.conv1d = _Conv(3 * c, self.kernel)
+        self.forget_gate = ForgetGate(hid, num_heads, head_dim, lower_bound)
+        self.b_proj = nn.Linear(hid, num_heads, bias=False)
+        self.g_a_proj = nn.Linear(hid, self.head_dim, bias=False)
+        self.g_b_proj = nn.Linear(self.head_dim, c, bias=False)
+        self.o_norm = nn.Module()
+        self.o_norm.weight = nn.Parameter(torch.ones(self.head_dim))
+        self.o_proj = nn.Linear(c, hid, bias=False)
+
+    def _conv(self, qkv: torch.Tensor, batch: KDABatch, states: KDAStateStore) -> torch.Tensor:
+        """Causal depthwise conv + SiLU over each sequence, continuing its cached window."""
+        w = self.conv1d.weight  # [3C, 1, K] fp32
+        out = torch.empty_like(qkv)  # [T, 3C]
+        layer = self.layer_idx
+        decode = [b for b, n in enumerate(batch.lens) if n == 1]
+        if decode:
+            rows = torch.tensor([batch.cu[b] for b in decode], device=qkv.device)
+            past = torch.stack([states.conv(layer, batch.slots[b]) for b in decode])  # [B, 3C, K-1]
+            win = torch.cat([past, qkv[rows].unsqueeze(-1)], dim=-1)  # [B, 3C, K]
+            y = F.silu(F.conv1d(win.to(w.dtype), w, groups=w.shape[0]))  # [B, 3C, 1]
+            out[rows] = y[..., 0].to(qkv.dtype)
+            for j, b in enumerate(decode):
+                states.set_conv(layer, batch, b, win[j])
+        for b, n in enumerate(batch.lens):
+            if n == 1:
+                continue
+            lo = batch.cu[b]
+            win = torch.cat([states.conv(layer, batch.slots[b]), qkv[lo:lo + n].t()], dim=-1)  # [3C, K-1+n]
+            y = F.silu(F.conv1d(win.unsqueeze(0).to(w.dtype), w, groups=w.shape[0]))  # [1, 3C, n]
+            out[lo:lo + n] = y[0].t().to(qkv.dtype)
+            states.set_conv(layer, batch, b, win)
+        return out
+
+    def forward(self, x: torch.Tensor, batch: KDABatch, states: KDAStateStore) -> torch.Tensor:
+        """x [T, hidden] (flat tokens of the batch) -> [T, hidden]; updates the slots' states."""
+        t = x.shape[0]
+        h, d, layer = self.num_heads, self.head_dim, self.layer_idx
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3C]
+        qkv = self._conv(qkv, batch, states)
+        q, k, v = (z.reshape(t, h, d) for z in qkv.split(self.qkv_dim, dim=-1))
+        g = self.forget_gate(x)  # [T, H, dk] fp32
+        beta = torch.sigmoid(self.b_proj(x))  # [T, H]
+        core = torch.empty(t, h, d, dtype=torch.float32, device=x.device)
+
+        decode = [b for b, n in enumerate(batch.lens) if n == 1 and not batch.keep[b]]
+        if decode:  # all single-token sequences in one recurrent step
+            rows = torch.tensor([batch.cu[b] for b in decode], device=x.device)
+            s0 = torch.stack([states.ssm(layer, batch.slots[b]) for b in decode])  # [B, H, dk, dv]
+            o, s1, _ = kda_recurrent(q[rows, None], k[rows, None], v[rows, None], g[rows, None], beta[rows, None], s0)
+            core[rows] = o[:, 0]
+            for j, b in enumerate(decode):
+                states.set_ssm(layer, batch, b, s1[j])
+        for b, n in enumerate(batch.lens):
+            if n == 1 and not batch.keep[b]:
+                continue
+            lo, hi = batch.cu[b], batch.cu[b] + n
+            s0 = states.ssm(layer, batch.slots[b])[None]
+            args = (q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], g[None, lo:hi], beta[None, lo:hi], s0)
+            if batch.keep[b]:
+                o, s1, steps = kda_recurrent(*args, keep_states=True)
+                states.set_ssm(layer, batch, b, s1[0], steps[:, 0])
+            else:
+                o, s1 = kda_chunked(*args)
+                states.set_ssm(layer, batch, b, s1[0])
+            core[lo:hi] = o[0]
+
+        core = core.to(x.dtype)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d)
+        y = core.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = (self.o_norm.weight.float() * y * torch.sigmoid(gate.float())).to(x.dtype)
+        return self.o_proj(y.reshape(t, -1))
