@@ -3,19 +3,14 @@ and the error-body shape checks every refusal must pass."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 
-from testkit.servers import ServerThread, free_port
+from testkit.cli_server import CliServer
+from testkit.servers import ServerThread, free_port  # noqa: F401 (free_port: re-exported to the tests)
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def scripted_server(*, max_model_len: int = 1024, max_num_seqs: int = 8, step_delay_s: float = 0.0, script=None,
@@ -97,54 +92,17 @@ def healthy(url: str, timeout: float = 10.0) -> bool:
     return r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-class ServeProcess:
-    """`python -m tiermoe.cli serve ARGS` as a user runs it; waits for /health."""
+class ServeProcess(CliServer):
+    """`python -m tiermoe.cli serve ARGS` as a user runs it from the repository root; waits for
+    /health. `start` and `stop` (the exit status) beside the context manager."""
 
     def __init__(self, args: list[str], *, env: dict | None = None, startup_s: float = 120.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "tiermoe.cli", "serve", "--port", str(self.port), *args]
-        self.env = {**ENV, **(env or {})}
-        self.startup_s = startup_s
-        self.proc: subprocess.Popen | None = None
-        self._err: list[str] = []
+        super().__init__(args, env or {}, startup_s, cwd=str(ROOT))
 
     def start(self) -> "ServeProcess":
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=self.env,
-                                     cwd=str(ROOT))
-        threading.Thread(target=self._pump, daemon=True).start()
-        deadline = time.monotonic() + self.startup_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return self
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"server did not become healthy: {self.stderr[-2000:]}")
+        return self.__enter__()
 
-    def _pump(self) -> None:
-        for line in self.proc.stderr:
-            self._err.append(line)
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self._err)
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(10)
-
-    def __enter__(self) -> "ServeProcess":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def stop(self) -> int:
+        self.__exit__()
+        return self.proc.returncode
 

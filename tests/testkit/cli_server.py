@@ -17,12 +17,12 @@ class CliServer:
     """Context manager: starts `python -m tiermoe.cli serve ARGS --port P`, waits until /health
     answers 200 (or the process exits: then `returncode` is set and `stderr` says why)."""
 
-    def __init__(self, args: list[str], env: dict[str, str], startup_s: float = 180.0):
+    def __init__(self, args: list[str], env: dict[str, str], startup_s: float = 180.0, cwd: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "tiermoe.cli", "serve", *args, "--port", str(self.port)]
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
-        self.startup_s = startup_s
+        self.startup_s, self.cwd = startup_s, cwd
         self.returncode: int | None = None
         self._err: list[str] = []
 
@@ -32,7 +32,7 @@ class CliServer:
 
     def __enter__(self) -> CliServer:
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     env=self.env)
+                                     env=self.env, cwd=self.cwd)
         threading.Thread(target=lambda: self._err.extend(self.proc.stderr), daemon=True).start()
         deadline = time.monotonic() + self.startup_s
         while time.monotonic() < deadline:
