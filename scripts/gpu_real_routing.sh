@@ -13,6 +13,9 @@
 #   lane       `tiermoe bench lane` on GLM-5.3-Flash's expert shape: the CPU lane's GB/s per record kind
 #              beside the host read GB/s of the same threads (issue: lane >= 60 % of host read)
 #   tests      scripts/gpu_test_suite.sh (the GPU test suite, one summary line), beside the store build
+#   lane-wide  after glm: `tiermoe bench lane --store` on LANE_WIDE_GB (default 24) GiB of the GLM store's records
+#              against a 1.5 GiB pool of the same records, int4, 16 threads: does the lane lose its rate when
+#              its records are spread over much of host memory, as in service?
 #   glm        scripts/synth_glm_store.py: GLM-5.3-Flash MoE shape, as many MoE layers as disk and RAM
 #              hold (at least 12; GLM_LAYERS overrides), written with the real statistics beside it
 #   serve-glm  per budget in BUDGETS (share of expert bytes on the GPU) and mode in MODES (or the pairs in
@@ -104,6 +107,16 @@ step_lane() {
   "$PY" -m tiermoe.cli bench lane --pool-gb 1.5 --seconds 0.3 --repeat 2 --threads "${LANE_THREADS:-8,16}" \
     --tokens 1,4 --out "$WORK/lane.json" > "$WORK/lane.log" 2>&1 || log "bench lane failed: $(tail -2 "$WORK/lane.log")"
   log "lane:"; cat "$WORK/lane.log"
+}
+
+step_lane_wide() {
+  local gb
+  for gb in 1.5 "${LANE_WIDE_GB:-24}"; do
+    "$PY" -m tiermoe.cli bench lane --store "$WORK/glm" --pool-gb "$gb" --seconds 1 --repeat 2 --threads 16 \
+      --tokens 1 --out "$WORK/lane-store-$gb.json" > "$WORK/lane-store-$gb.log" 2>&1 \
+      || log "bench lane --store failed: $(tail -2 "$WORK/lane-store-$gb.log")"
+    log "lane over $gb GiB of the store's records: $(sed -n 2p "$WORK/lane-store-$gb.log")"
+  done
 }
 
 step_glm() {
@@ -235,6 +248,7 @@ run_all() {
     tests_pid=$!
   fi
   want glm && step_glm
+  want lane-wide && step_lane_wide
   [ -n "$tests_pid" ] && { wait "$tests_pid"; log "tests: $(tail -1 "$WORK/gpu-tests.log")"; }
   want serve-glm && serve_matrix glm-synthetic "$WORK/glm" "$WORK/glm/expert-stats.json"
   want qwen && step_qwen
