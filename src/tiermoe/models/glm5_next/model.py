@@ -13,12 +13,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tiermoe.models.blocks.hyperconnection import HyperConnection
 from tiermoe.moe.experts import ExpertBackend, ResidentExperts
 
 from .cache import Glm5NextCache, SeqBatch
 from .config import Glm5NextConfig
 from .kda import kda_attention
-from .layers import MLP, HyperConnection, RMSNorm
+from .layers import MLP, RMSNorm
 from .mla import MLAttention
 from .moe import MoE
 
