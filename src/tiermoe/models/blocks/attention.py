@@ -1,4 +1,5 @@
-"""Attention over a paged KV cache: grouped-query attention and multi-head latent attention.
+"""Attention over a paged KV cache: grouped-query attention and multi-head latent attention,
+and the DSA sparse-attention indexer (`DSAIndexer`) that hybrid families put in front of MLA.
 
 The cache of one layer is a dict of tensors whose first two dims are [pages, page_size];
 flattened, a token's row is addressed by its flat slot (page * page_size + offset). New K/V
@@ -192,3 +193,87 @@ class MLAttention(nn.Module):
             qs = q[s.q_start : s.q_start + s.q_len]
             out[s.q_start : s.q_start + s.q_len] = _attend(qs, k, v, self.scale, dense_qk=True)
         return out
+
+
+class DSAIndexer(nn.Module):
+    """DeepSeek sparse attention (DSA) indexer with k-pool compression: picks, per query, which
+    cached tokens a sparse attention reads.
+
+    Cache rows per token: the LayerNormed indexer key and the k-pool gate score ([2 * head_dim]).
+    Selection for a query at absolute position p over L cached rows:
+    - complete pools j (tokens [jP, jP+P), jP+P <= L) are candidates if their last token <= p;
+      each pool key is a softmax(gate + ape)-weighted mean of its tokens' indexer keys;
+    - score(j) = sum_h w_h * relu(q_h . key_j / sqrt(d)), the top topk/P pools are taken
+      (exact ties go to the lower pool);
+    - with `always_select_tail`, the tokens of p's own incomplete pool are added.
+    The result is an index list [S, width] padded with -1. Sizes are plain ints so any family
+    with DSA layers builds it from its own config; `q_lora_rank` is the width of the attention's
+    normed q latent that the indexer's queries are projected from.
+    """
+
+    def __init__(
+        self, hidden_size: int, q_lora_rank: int, n_heads: int, head_dim: int, topk: int, kpool: int,
+        always_select_tail: bool,
+    ):
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, head_dim
+        self.topk, self.kpool = topk, kpool
+        self.tail = always_select_tail
+        self.wq_b = nn.Linear(q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(hidden_size, self.n_heads, bias=False)
+        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(self.kpool, self.head_dim))
+        self.index_kpool_compress_gate = nn.Parameter(torch.zeros(self.head_dim, hidden_size))
+
+    @property
+    def width(self) -> int:
+        """Indices per query: topk tokens of whole pools, plus P-1 for the incomplete tail pool."""
+        return self.topk + (self.kpool - 1 if self.tail else 0)
+
+    def token_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token cache rows [T, 2d]: LayerNormed indexer key | k-pool gate score."""
+        return torch.cat([self.k_norm(self.wk(x)), F.linear(x, self.index_kpool_compress_gate)], dim=-1)
+
+    def queries(self, x: torch.Tensor, q_resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [T, nh, d], head weights [T, nh] fp32)."""
+        q = self.wq_b(q_resid).view(x.shape[0], self.n_heads, self.head_dim)
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads ** -0.5)
+        return q, w
+
+    def select(self, q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, start: int) -> torch.Tensor:
+        """q [S, nh, d], w [S, nh], rows [L, 2d] (all cached rows) -> token indices [S, width]."""
+        s, d, p = q.shape[0], self.head_dim, self.kpool
+        length = rows.shape[0]
+        dev = q.device
+        pos = torch.arange(start, start + s, device=dev)  # [S]
+        npools = length // p
+        if npools > 0:
+            keys = rows[: npools * p, :d].view(1, npools, p, d)
+            gates = rows[: npools * p, d:].view(1, npools, p, d)
+            prob = (gates.float() + self.index_kpool_compress_ape.float()[None, None]).softmax(dim=2).to(keys.dtype)
+            pool_keys = (prob * keys).sum(dim=2)  # [1, np, d]
+            scores = torch.matmul(q.float()[None], pool_keys.transpose(-1, -2).float().unsqueeze(1))  # [1,S,nh,np]
+            scores = F.relu(scores * (d ** -0.5))
+            index_scores = torch.matmul(w[None].unsqueeze(-2), scores).squeeze(-2)  # [1, S, np]
+            pool_end = torch.arange(npools, device=dev) * p + (p - 1)
+            valid = pool_end[None, None, :] <= pos[None, :, None]  # [1, S, np]
+            index_scores = index_scores.masked_fill(~valid, torch.finfo(index_scores.dtype).min)
+            k = min(self.topk // p, npools)
+            # Stable descending sort instead of topk: among exactly equal scores (ReLU makes
+            # exact zeros common) the lower pool wins, so the choice does not depend on how
+            # many pools the tensor has, i.e. on prefill chunking or decode step.
+            chosen = torch.sort(index_scores, dim=-1, descending=True, stable=True).indices[..., :k]  # [1, S, k]
+            chosen_ok = valid.gather(-1, chosen)
+            tokens = chosen[..., None] * p + torch.arange(p, device=dev)  # [1, S, k, P]
+            idx = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(-2)[0]  # [S, k*P]
+        else:
+            idx = torch.empty(s, 0, dtype=torch.long, device=dev)
+        if self.tail and p > 1:
+            seen = pos + 1
+            count = seen.remainder(p)
+            offs = torch.arange(p - 1, device=dev)
+            tail = (seen - count)[:, None] + offs  # [S, P-1]
+            ok = (offs[None, :] < count[:, None]) & (tail < length)
+            idx = torch.cat([idx, tail.masked_fill(~ok, -1)], dim=-1)
+        return F.pad(idx, (0, self.width - idx.shape[-1]), value=-1)[:, : self.width]

@@ -1,5 +1,8 @@
 """NoPE multi-head latent attention with the DSA k-pool sparse indexer (glm5_next MLA layers).
 
+The indexer is the shared block `models/blocks/attention.py: DSAIndexer`; this layer owns the
+per-sequence row cache, the full/shared indexer schedule and the two attention paths.
+
 Cache: per sequence the layer keeps the RMS-normalized `kv_a` latent ([L, kv_lora_rank]) and,
 for layers with their own ("full") indexer, the indexer key and k-pool gate score per token
 ([L, 2*d_index]). Keys/values are re-expanded from the latent (prefill) or the query is
@@ -21,6 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tiermoe.models.blocks.attention import DSAIndexer
+
 from .cache import SeqBatch
 from .config import Glm5NextConfig
 from .layers import RMSNorm
@@ -30,71 +35,12 @@ from .layers import RMSNorm
 GATHER_MAX_TOKENS = 8
 
 
-class Indexer(nn.Module):
-    """DSA indexer with k-pool compression."""
-
-    def __init__(self, cfg: Glm5NextConfig):
-        super().__init__()
-        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
-        self.topk, self.kpool = cfg.index_topk, cfg.index_kpool
-        self.tail = cfg.index_kpool_always_select_tail
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
-        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
-        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(self.kpool, self.head_dim))
-        self.index_kpool_compress_gate = nn.Parameter(torch.zeros(self.head_dim, cfg.hidden_size))
-
-    @property
-    def width(self) -> int:
-        return self.topk + (self.kpool - 1 if self.tail else 0)
-
-    def token_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-token cache rows [T, 2d]: LayerNormed indexer key | k-pool gate score."""
-        return torch.cat([self.k_norm(self.wk(x)), F.linear(x, self.index_kpool_compress_gate)], dim=-1)
-
-    def queries(self, x: torch.Tensor, q_resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q [T, nh, d], head weights [T, nh] fp32)."""
-        q = self.wq_b(q_resid).view(x.shape[0], self.n_heads, self.head_dim)
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads ** -0.5)
-        return q, w
-
-    def select(self, q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, start: int) -> torch.Tensor:
-        """q [S, nh, d], w [S, nh], rows [L, 2d] (all cached rows) -> token indices [S, width]."""
-        s, d, p = q.shape[0], self.head_dim, self.kpool
-        length = rows.shape[0]
-        dev = q.device
-        pos = torch.arange(start, start + s, device=dev)  # [S]
-        npools = length // p
-        if npools > 0:
-            keys = rows[: npools * p, :d].view(1, npools, p, d)
-            gates = rows[: npools * p, d:].view(1, npools, p, d)
-            prob = (gates.float() + self.index_kpool_compress_ape.float()[None, None]).softmax(dim=2).to(keys.dtype)
-            pool_keys = (prob * keys).sum(dim=2)  # [1, np, d]
-            scores = torch.matmul(q.float()[None], pool_keys.transpose(-1, -2).float().unsqueeze(1))  # [1,S,nh,np]
-            scores = F.relu(scores * (d ** -0.5))
-            index_scores = torch.matmul(w[None].unsqueeze(-2), scores).squeeze(-2)  # [1, S, np]
-            pool_end = torch.arange(npools, device=dev) * p + (p - 1)
-            valid = pool_end[None, None, :] <= pos[None, :, None]  # [1, S, np]
-            index_scores = index_scores.masked_fill(~valid, torch.finfo(index_scores.dtype).min)
-            k = min(self.topk // p, npools)
-            # Stable descending sort instead of topk: among exactly equal scores (ReLU makes
-            # exact zeros common) the lower pool wins, so the choice does not depend on how
-            # many pools the tensor has, i.e. on prefill chunking or decode step.
-            chosen = torch.sort(index_scores, dim=-1, descending=True, stable=True).indices[..., :k]  # [1, S, k]
-            chosen_ok = valid.gather(-1, chosen)
-            tokens = chosen[..., None] * p + torch.arange(p, device=dev)  # [1, S, k, P]
-            idx = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(-2)[0]  # [S, k*P]
-        else:
-            idx = torch.empty(s, 0, dtype=torch.long, device=dev)
-        if self.tail and p > 1:
-            seen = pos + 1
-            count = seen.remainder(p)
-            offs = torch.arange(p - 1, device=dev)
-            tail = (seen - count)[:, None] + offs  # [S, P-1]
-            ok = (offs[None, :] < count[:, None]) & (tail < length)
-            idx = torch.cat([idx, tail.masked_fill(~ok, -1)], dim=-1)
-        return F.pad(idx, (0, self.width - idx.shape[-1]), value=-1)[:, : self.width]
+def dsa_indexer(cfg: Glm5NextConfig) -> DSAIndexer:
+    """The DSA indexer of a "full" MLA layer, sized from the family's `index_*` fields."""
+    return DSAIndexer(
+        cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, cfg.index_kpool,
+        cfg.index_kpool_always_select_tail,
+    )
 
 
 class MLAttention(nn.Module):
@@ -113,7 +59,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.r, cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(self.r, h * (self.dk + self.dv), bias=False)
         self.o_proj = nn.Linear(h * self.dv, hid, bias=cfg.attention_bias)
-        self.indexer = None if cfg.shares_topk(layer_idx) else Indexer(cfg)
+        self.indexer = None if cfg.shares_topk(layer_idx) else dsa_indexer(cfg)
         self.hands_on = layer_idx < cfg.num_hidden_layers and cfg.hands_topk_on(layer_idx)
 
     def forward(
