@@ -164,3 +164,29 @@ def test_no_line_over_120_columns_and_no_format_escape():
             if len(line) > MAX_LINE_COLUMNS or "fmt: skip" in line:
                 bad.append(f"{p}:{i}")
     assert not bad, bad
+
+
+def family_modules() -> set[str]:
+    """Dotted names of the model families: subpackages of `models/` other than `blocks/`, and the
+    `models/*.py` modules that define a family entry point (`def build_spec`)."""
+    models = PACKAGE / "models"
+    found = {f"tiermoe.models.{p.name}" for p in models.iterdir()
+             if (p / "__init__.py").is_file() and p.name != "blocks"}
+    for path in models.glob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if any(isinstance(node, ast.FunctionDef) and node.name == "build_spec" for node in tree.body):
+            found.add(f"tiermoe.models.{path.stem}")
+    return found
+
+
+def test_blocks_import_no_model_family():
+    """Shared blocks sit below the families that build from them (a block takes plain sizes, not a
+    family's config class), so a further family reuses a block without pulling in another one."""
+    families = family_modules()
+    assert "tiermoe.models.glm5_next" in families
+    bad = []
+    for path in sorted((PACKAGE / "models" / "blocks").rglob("*.py")):
+        for module, line in imported_modules(path.read_text(encoding="utf-8"), "tiermoe.models.blocks"):
+            if any(module == f or module.startswith(f + ".") for f in families):
+                bad.append(f"{path.relative_to(PACKAGE)}:{line}: {module}")
+    assert not bad, bad
