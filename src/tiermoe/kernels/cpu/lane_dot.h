@@ -488,6 +488,33 @@ inline __m512i w_int3(const uint8_t* lo, const uint8_t* hi, int c, __m512i tbl, 
   return _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(sel, h, idx, 0xCA), tbl);  // bit 4 from h
 }
 
+// The R rows' pointers (low-bit plane, high-bit plane K / 4 bytes on, scales) and zeroed accumulators.
+template <int R, int NT, int A>
+__attribute__((always_inline)) inline void int3_rows(const Mat& m, const int* rows, const uint8_t* (&q)[R],
+                                                     const uint8_t* (&hi)[R], const uint16_t* (&s)[R],
+                                                     __m512 (&acc)[R][NT][A]) {
+  for (int r = 0; r < R; ++r) {
+    q[r] = m.q + rows[r] * m.row_bytes, hi[r] = q[r] + m.K / 4, s[r] = m.s + int64_t(rows[r]) * (m.K / m.G);
+    for (int t = 0; t < NT; ++t)
+      for (int i = 0; i < A; ++i) acc[r][t][i] = _mm512_setzero_ps();
+  }
+}
+
+// Step v of an int3 row walk: every eighth step prefetches both bit planes two rows on (m.ahead), then
+// the NT tokens' 32 bf16 inputs at column 32 v.
+template <int R, int NT>
+__attribute__((always_inline)) inline void int3_step_inputs(const Mat& m, const uint8_t* const (&q)[R],
+                                                            const uint8_t* const (&hi)[R],
+                                                            const uint16_t* const* x, int v, __m512bh (&xv)[NT]) {
+  const int c = 32 * v;
+  if (m.ahead && (v & 7) == 0)
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(q[r] + 2 * m.row_bytes + (c >> 2)), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(hi[r] + 2 * m.row_bytes + (c >> 3)), _MM_HINT_T0);
+    }
+  for (int t = 0; t < NT; ++t) xv[t] = (__m512bh)_mm512_loadu_si512(x[t] + c);
+}
+
 // int3 rows with G = 16 (GGUF Q3_K's sub-blocks), K % 32 == 0: a vector of 32 columns spans two groups.
 // One table serves both: [group a, q = low - 4 | group b, q = low - 4 | a, q = low | b, q = low], 8
 // entries each, built from a scale vector [a x 8 | b x 8] (one broadcast of the two bf16 scales); a
@@ -511,20 +538,11 @@ void dot_int3_g16(const Mat& m, const int* rows, const uint16_t* const* x, float
   __m512 acc[R][NT][A];
   const uint8_t *q[R], *hi[R];
   const uint16_t* s[R];
-  for (int r = 0; r < R; ++r) {
-    q[r] = m.q + rows[r] * m.row_bytes, hi[r] = q[r] + m.K / 4, s[r] = m.s + int64_t(rows[r]) * (m.K / 16);
-    for (int t = 0; t < NT; ++t)
-      for (int i = 0; i < A; ++i) acc[r][t][i] = _mm512_setzero_ps();
-  }
+  int3_rows<R, NT, A>(m, rows, q, hi, s, acc);  // G = 16: K / 16 scales a row
   auto step = [&](int v, int i) {
     const int c = 32 * v;
-    if (m.ahead && (v & 7) == 0)
-      for (int r = 0; r < R; ++r) {
-        _mm_prefetch(reinterpret_cast<const char*>(q[r] + 2 * m.row_bytes + (c >> 2)), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(hi[r] + 2 * m.row_bytes + (c >> 3)), _MM_HINT_T0);
-      }
     __m512bh xv[NT];
-    for (int t = 0; t < NT; ++t) xv[t] = (__m512bh)_mm512_loadu_si512(x[t] + c);
+    int3_step_inputs<R, NT>(m, q, hi, x, v, xv);
     for (int r = 0; r < R; ++r) {
       int32_t pair, lw_hi;
       int64_t lw;
@@ -564,11 +582,7 @@ void dot_int3(const Mat& m, const int* rows, const uint16_t* const* x, float res
   __m512i tbl[R];
   const uint8_t *q[R], *hi[R];
   const uint16_t* s[R];
-  for (int r = 0; r < R; ++r) {
-    q[r] = m.q + rows[r] * m.row_bytes, hi[r] = q[r] + m.K / 4, s[r] = m.s + int64_t(rows[r]) * (m.K / m.G);
-    for (int t = 0; t < NT; ++t)
-      for (int i = 0; i < A; ++i) acc[r][t][i] = _mm512_setzero_ps();
-  }
+  int3_rows<R, NT, A>(m, rows, q, hi, s, acc);
   const int nv = m.K / 32, per = m.G / 32;
   int g = 0, left = 0;
   auto step = [&](int v, int i) {
@@ -581,13 +595,8 @@ void dot_int3(const Mat& m, const int* rows, const uint16_t* const* x, float res
     }
     --left;
     const int c = 32 * v;
-    if (m.ahead && (v & 7) == 0)
-      for (int r = 0; r < R; ++r) {
-        _mm_prefetch(reinterpret_cast<const char*>(q[r] + 2 * m.row_bytes + (c >> 2)), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(hi[r] + 2 * m.row_bytes + (c >> 3)), _MM_HINT_T0);
-      }
     __m512bh xv[NT];
-    for (int t = 0; t < NT; ++t) xv[t] = (__m512bh)_mm512_loadu_si512(x[t] + c);
+    int3_step_inputs<R, NT>(m, q, hi, x, v, xv);
     for (int r = 0; r < R; ++r) {
       __m512bh w = (__m512bh)w_int3(q[r], hi[r], c, tbl[r], lctl, hctl, sel);
       for (int t = 0; t < NT; ++t) acc[r][t][i] = _mm512_dpbf16_ps(acc[r][t][i], w, xv[t]);
