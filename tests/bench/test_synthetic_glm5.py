@@ -75,6 +75,9 @@ def test_bad_flags_are_one_line_errors(capsys, tmp_path):
     for argv in (["--top-k", "99"], ["--group", "48"], ["--moe-layers", "0"], ["--kind", "int5"]):
         rc, out = run_bench(["make-glm5", str(tmp_path / "y"), "--small", *argv], capsys)
         assert rc == 2 and out.count("\n") == 1 and "error" in out, (argv, out)
+    (tmp_path / "a-file").write_text("not a directory")
+    rc, out = run_bench(["make-glm5", str(tmp_path / "a-file"), "--small"], capsys)
+    assert rc == 2 and out.count("\n") == 1 and "cannot create the store directory" in out, out
 
 
 def test_glm4_moe_script_still_writes_a_loadable_store(tmp_path):

@@ -54,3 +54,17 @@ def test_a_bad_disk_rate_is_one_error_line_and_exit_2(bf16_store, capsys, value)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--disk-gbs" in err and "not auto or a rate in GB/s above 0" in err and "Traceback" not in err
+
+
+def test_a_failed_disk_measurement_is_a_note_and_the_plan_still_prints(bf16_store, capsys, monkeypatch):
+    from tiermoe.store import disk
+    from tiermoe.store.disk import StoreIOError
+
+    def failing(*_, **__):
+        raise StoreIOError("I/O error reading layer 0 expert 0 (errno 5)")
+
+    monkeypatch.setattr(disk, "measure_read_gbs", failing)
+    assert main(["plan", str(bf16_store), "--device", "cpu", "--host-expert-gb", str(TINY_HOST_GB)]) == 0
+    out = capsys.readouterr().out
+    assert "note: disk: not measured (I/O error reading layer 0 expert 0 (errno 5)); 1.6 GB/s assumed" in out
+    assert "decode upper bound" in out

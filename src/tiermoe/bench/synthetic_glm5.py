@@ -233,7 +233,10 @@ def make_glm5(out: str | Path, spec: Glm5Spec, device: str = "auto", force: bool
         raise UserError(f"{out}: holds a store already (use --force to replace it)")
     dev = _resolve_device(device)
     t0 = time.monotonic()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file in the way, no permission, a read-only filesystem
+        raise UserError(f"{out}: cannot create the store directory ({exc.strerror or exc})") from None
     (out / "manifest.json").unlink(missing_ok=True)
     tok = build_tokenizer()
     tok.save_pretrained(str(out))

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tiermoe.errors import UserError
+from tiermoe.errors import StoreError, UserError
 
 
 def _pack(args: argparse.Namespace) -> int:
@@ -163,7 +163,12 @@ def _measure_disk(m) -> tuple[float | None, str]:
     path = m.experts_path
     if not path.is_file() or not any(r.sha256 for r in m.records[:1]):
         return None, f"disk: {Bandwidths.disk_gbs} GB/s assumed (a checkpoint: `plan` measures a packed store's disk)"
-    gbs, nbytes, mode = measure_read_gbs(path, m.records)
+    try:  # a bad disk or file is reported in the note; the plan is still printed
+        gbs, nbytes, mode = measure_read_gbs(path, m.records)
+    except OSError as exc:
+        return None, f"disk: not measured ({exc.strerror or exc}); {Bandwidths.disk_gbs} GB/s assumed"
+    except StoreError as exc:
+        return None, f"disk: not measured ({exc}); {Bandwidths.disk_gbs} GB/s assumed"
     return gbs, f"disk: {gbs:.2f} GB/s measured now ({mode} reads of {fmt_bytes(nbytes)} of {path})"
 
 
