@@ -60,10 +60,10 @@ class ServiceShare:
     The start-up figures time the lane on a few records while nothing else runs; in service it
     shares the cores with the engine and the server and reads records spread over all of host
     memory, and it can run at a fraction of that rate. A share set too high makes the lane the
-    slower side of every layer. So after each
-    `window_bytes` of lane work the share moves halfway to lane / (pcie + lane) with the lane's
-    service rate (weight bytes per busy second over the window) and the start-up PCIe rate beside
-    the lane; a change under `min_step` is not applied (each one is a device write)."""
+    slower side of every layer. So after each `window_bytes` of lane work the share moves halfway
+    to lane / (pcie + lane) with the lane's service rate (weight bytes per busy second over the
+    window) and the start-up PCIe rate beside the lane; a change under `min_step` is not applied
+    (each one is a device write)."""
 
     pcie_gbs: float  # copies while the lane computes (LaneBandwidths.pcie_shared_gbs)
     share: float  # the share in force
