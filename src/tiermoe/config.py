@@ -61,7 +61,7 @@ class EngineArgs:
     cpu_lane_experts: int | None = None  # None: top_k x 4 beside a GPU (the cost model splits), 4 on a CPU
     cpu_lane_share: float | None = None  # beside a GPU: share of a layer's misses for the lane (None: measured)
     cpu_lane_max_tokens: int = 16
-    cpu_lane_threads: int | None = None  # None: every torch thread on CUDA, half on a CPU device
+    cpu_lane_threads: int | None = None  # None: physical cores - 1 beside CUDA, half the threads on a CPU
     cpu_lane_workers: int = 1
     cpu_lane_disk: bool | None = None  # None: where it pays (moe/cpu_lane.lane_reads_disk)
     # routing replay and recording (benchmarking)

@@ -95,6 +95,30 @@ def test_thread_count_does_not_change_the_bits(lib, kind):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+@pytest.mark.parametrize("kind", ["int4", "int3", "int8", "bf16"])
+def test_work_items_and_prefetches_do_not_change_the_bits(lib, kind):
+    """Item sizes (one row, odd counts, longer than a matrix) and prefetch distances and localities
+    change only which thread computes a row and what it fetches early, never a row's sum."""
+    layout, records, x, idx, w = _case(kind, 256, 128, 0 if kind == "bf16" else 64, 4, 5, seed=7)
+    outs = []
+    for tuning in (native.LaneTuning(), native.LaneTuning(1, 1, 0, 3), native.LaneTuning(7, 3, 5, 2),
+                   native.LaneTuning(4096, 4096, 1, 1)):
+        pool = native.LanePool(lib, threads=3)
+        try:
+            pool.tune(tuning)
+            outs.append(_run(pool, layout, records, x, idx, w, True, None))
+        finally:
+            pool.close()
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    pool = native.LanePool(lib, threads=1)
+    try:
+        for bad in (native.LaneTuning(0, 16, 2, 3), native.LaneTuning(16, 16, -1, 3), native.LaneTuning(16, 16, 2, 4)):
+            with pytest.raises(ValueError, match="out of range"):
+                pool.tune(bad)
+    finally:
+        pool.close()
+
+
 def test_output_is_added_to_and_bad_jobs_are_refused(lib):
     layout, records, x, idx, w = _case("int8", 128, 64, 32, 2, 2, seed=4)
     pool = native.LanePool(lib, threads=2)

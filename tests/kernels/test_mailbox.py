@@ -248,3 +248,25 @@ def test_an_answer_the_device_saw_is_already_counted(device):
             _sync(device)
             assert server.served == n and mb.done().tolist() == [n]
             assert torch.equal(out, torch.ones_like(out))
+
+
+def test_server_thread_runs_on_its_cpu(device):
+    """cpu= pins the serving thread alone (a CPU lane keeps that core for it); the caller's own
+    affinity is left as it was."""
+    import os
+
+    allowed = sorted(os.sched_getaffinity(0))
+    mb = Mailbox(1, H, TMAX, device)
+    seen = []
+
+    def fn(slot, x):
+        seen.append(os.sched_getaffinity(0))
+        return x.float()
+
+    with MailboxServer(mb, fn, threads=1, spin_s=0.0, max_sleep_s=2e-4, cpu=allowed[-1]):
+        x = torch.ones(1, H, dtype=torch.bfloat16, device=device)
+        out = torch.zeros(1, H, dtype=torch.float32, device=device)
+        mb.post(0, x)
+        mb.wait_add(0, out, max_spins=1 << 30)
+        _sync(device)
+    assert seen == [{allowed[-1]}] and sorted(os.sched_getaffinity(0)) == allowed

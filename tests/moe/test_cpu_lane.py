@@ -145,6 +145,19 @@ def test_physical_cores_one_per_core_interleaved_over_nodes(tmp_path, monkeypatc
     assert lane_kernel.physical_cores(sysfs) == [0, 4, 1, 5]
 
 
+def test_lane_beside_a_gpu_leaves_a_core_to_the_engine(monkeypatch):
+    """Four physical cores: three lane threads (the engine's thread spins on the fourth), fewer when
+    torch has fewer threads, never none; the pinned pool leaves its first core to its caller."""
+    monkeypatch.setattr(lane_kernel, "physical_cores", lambda: [0, 2, 4, 6])
+    assert [lane_kernel.lane_threads_beside_gpu(n) for n in (16, 4, 3, 1)] == [3, 3, 2, 1]
+    lane = CpuLane([RecordLayout.build("int8", 64, 32, 32)], threads=3, pin=True)
+    try:
+        if lane.pool is not None:
+            assert lane.caller_cpu == 0 and lane.pool.cpus == [0, 2, 4, 6]
+    finally:
+        lane.close()
+
+
 class _FakeStore:
     """tier_of / heat, the two things the cost model reads."""
 

@@ -49,6 +49,16 @@ def register(bench_subparsers) -> None:
                    help="most the compiled kernel may use (default: the best this CPU has)")
     p.add_argument("--no-pin", action="store_true", help="do not pin the lane's threads to physical cores "
                                                            "(fast mode pins them beside a GPU)")
+    p.add_argument("--item-rows", default=None,
+                   help="work items of the compiled kernel to compare, as GATE_UP:DOWN rows, comma-separated "
+                        "(default: its built-in 16:16)")
+    p.add_argument("--ahead-rows", default=None,
+                   help="how many rows ahead its prefetches reach, comma-separated, 0 = none (default: 2)")
+    p.add_argument("--prefetch-hint", default=None,
+                   help="prefetch locality, comma-separated: 3 = L1, 2 = L2, 1 = L3 (default: 3)")
+    p.add_argument("--busy", type=int, default=0,
+                   help="processes that spin on a core each during every measurement: a GPU engine's thread "
+                        "waits for its steps that way, beside the lane")
     p.add_argument("--out", default=None, help="write the result JSON here")
     p.set_defaults(handler=_run)
 
@@ -151,7 +161,7 @@ def host_read_gbs(pool, threads: int, seconds: float, pin: bool) -> float:
 
 
 def lane_cell(layout, pool, threads: int, tokens: int, experts: int, seconds: float, isa: str = "avx512bf16",
-              pin: bool = True) -> dict:
+              pin: bool = True, tuning=None) -> dict:
     """Time CpuLane.compute with `threads` threads on `experts` records of `pool` per call, each
     routed by all `tokens` tokens; the records change every call (cycled through the pool)."""
     import torch
@@ -166,7 +176,7 @@ def lane_cell(layout, pool, threads: int, tokens: int, experts: int, seconds: fl
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)  # compute() runs in this thread
     lane = CpuLane([layout], max_experts=experts, max_tokens=tokens, threads=threads, act_dtype=torch.bfloat16,
-                   isa=isa, pin=pin)
+                   isa=isa, pin=pin, tuning=tuning)
     n, calls, cursor = pool.shape[0], 0, 0
     try:
         def call():
@@ -193,29 +203,76 @@ def lane_cell(layout, pool, threads: int, tokens: int, experts: int, seconds: fl
     return {"threads": threads, "tokens": tokens, "experts_per_call": experts, "calls": calls,
             "gbs": done * weight_bytes / elapsed / 1e9, "ms_per_expert": elapsed / done * 1e3,
             "repacks_per_expert": (counters.get("repacks", 0) - c0.get("repacks", 0)) / done,
-            "kernel": counters.get("kernel")}
+            "kernel": counters.get("kernel"), "tuning": None if tuning is None else tuning_label(tuning)}
+
+
+def tuning_label(t) -> str:
+    """GATE_UP:DOWN item rows, rows ahead and prefetch locality, as the flags spell them."""
+    return f"{t.rows_gu}:{t.rows_down} ahead {t.ahead_rows} hint {t.hint}"
+
+
+def _tunings(args) -> list:
+    """Every combination of --item-rows, --ahead-rows and --prefetch-hint ([None]: none given)."""
+    from tiermoe.kernels.cpu.native import LaneTuning
+
+    if args.item_rows is None and args.ahead_rows is None and args.prefetch_hint is None:
+        return [None]
+    base = LaneTuning()
+    items = []
+    for part in (args.item_rows or f"{base.rows_gu}:{base.rows_down}").split(","):
+        gu, _, down = part.strip().partition(":")
+        items.append((_ints(gu, "--item-rows")[0], _ints(down or gu, "--item-rows")[0]))
+    aheads = [a.strip() for a in (args.ahead_rows or str(base.ahead_rows)).split(",") if a.strip()]
+    if not aheads or not all(a.isdigit() for a in aheads):
+        raise UserError(f"--ahead-rows: expected comma-separated integers >= 0, got {args.ahead_rows!r}")
+    hints = _ints(args.prefetch_hint or str(base.hint), "--prefetch-hint")
+    if max(hints) > 3:
+        raise UserError(f"--prefetch-hint: 1, 2 or 3, got {args.prefetch_hint!r}")
+    return [LaneTuning(gu, down, int(a), h) for gu, down in items for a in aheads for h in hints]
+
+
+def _spinners(n: int) -> list:
+    """n processes that spin on a core each until killed."""
+    import subprocess
+    import sys
+
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
 def run_lane_bench(args) -> dict:
+    kinds, threads, tokens = _check(args)
+    tunings = _tunings(args)
+    if args.busy < 0:
+        raise UserError("--busy: a count >= 0")
+    spinners = _spinners(args.busy)
+    try:
+        return _measure(args, kinds, threads, tokens, tunings)
+    finally:
+        for proc in spinners:
+            proc.kill()
+            proc.wait()
+
+
+def _measure(args, kinds: list[str], threads: list[int], tokens: list[int], tunings: list) -> dict:
     import torch
 
-    kinds, threads, tokens = _check(args)
     pools = [_store_pool(args.store, args)] if args.store else [_synthetic_pool(k, args) for k in kinds]
     host = {}
     for t in threads:
         host[t] = max(host_read_gbs(p, t, args.seconds, not args.no_pin) for _, p in pools)
-    best: dict[tuple, dict] = {}  # (pool, threads, tokens) -> the fastest round's cell
+    best: dict[tuple, dict] = {}  # (pool, threads, tokens, tuning) -> the fastest round's cell
+    cells = [(t, n, u) for t in threads for n in tokens for u in tunings]
     for rnd in range(args.repeat):
         for i, (layout, pool) in enumerate(pools):
-            for t in threads:
-                for n_tok in tokens:
-                    cell = lane_cell(layout, pool, t, n_tok, args.experts, args.seconds, args.isa, not args.no_pin)
-                    cell.update(kind=layout.kind, host_read_gbs=host[t], share_of_host=cell["gbs"] / host[t])
-                    key = (i, t, n_tok)
-                    if key not in best or cell["ms_per_expert"] < best[key]["ms_per_expert"]:
-                        best[key] = cell
-                    if args.repeat == 1:
-                        print(_row_line(cell), flush=True)
+            for t, n_tok, tuning in cells:
+                cell = lane_cell(layout, pool, t, n_tok, args.experts, args.seconds, args.isa, not args.no_pin,
+                                 tuning)
+                cell.update(kind=layout.kind, host_read_gbs=host[t], share_of_host=cell["gbs"] / host[t])
+                key = (i, t, n_tok, cell["tuning"])
+                if key not in best or cell["ms_per_expert"] < best[key]["ms_per_expert"]:
+                    best[key] = cell
+                if args.repeat == 1:
+                    print(_row_line(cell), flush=True)
     rows = list(best.values())  # pool, threads, tokens order
     if args.repeat > 1:
         for cell in rows:
@@ -228,17 +285,18 @@ def run_lane_bench(args) -> dict:
     layout = pools[0][0]
     return {"shape": {"hidden": layout.hidden, "inter": layout.intermediate, "group_size": layout.group_size},
             "store": args.store, "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
-            "host_read_gbs": {str(t): g for t, g in host.items()}, "repeat": args.repeat, "rows": rows,
+            "host_read_gbs": {str(t): g for t, g in host.items()}, "repeat": args.repeat, "busy": args.busy,
+            "rows": rows,
             "versus_int4": versus}
 
 
 def compare_with_int4(rows: list[dict]) -> list[dict]:
     """Each non-int4 row beside the int4 row of the same threads and tokens: ms per expert, weight GB/s and
     share of the host read of both, and the ratio of the ms (below 1: faster per expert than int4)."""
-    int4 = {(r["threads"], r["tokens"]): r for r in rows if r["kind"] == "int4"}
+    int4 = {(r["threads"], r["tokens"], r.get("tuning")): r for r in rows if r["kind"] == "int4"}
     out = []
     for r in rows:
-        base = int4.get((r["threads"], r["tokens"]))
+        base = int4.get((r["threads"], r["tokens"], r.get("tuning")))
         if r["kind"] == "int4" or base is None:
             continue
         out.append({"kind": r["kind"], "threads": r["threads"], "tokens": r["tokens"],
@@ -264,7 +322,8 @@ def _versus_line(v: dict) -> str:
 
 def _row_line(r: dict) -> str:
     return (f"{r['kind']:<5} {r['threads']:>7} {r['tokens']:>7} {r['gbs']:>11.2f} {r['ms_per_expert']:>10.3f} "
-            f"{r['host_read_gbs']:>15.1f} {r['share_of_host']:>10.0%} {r['repacks_per_expert']:>15.2f}  {r['kernel']}")
+            f"{r['host_read_gbs']:>15.1f} {r['share_of_host']:>10.0%} {r['repacks_per_expert']:>15.2f}  {r['kernel']}"
+            + (f"  {r['tuning']}" if r.get("tuning") else ""))
 
 
 def _run(args: argparse.Namespace) -> int:

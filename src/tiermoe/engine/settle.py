@@ -83,17 +83,20 @@ def settle_config(args: EngineArgs) -> EngineConfig:
 
 
 def settle_lane(args: EngineArgs, device: str, record_layout, dtype: torch.dtype, top_k: int) -> LaneConfig:
-    """The CPU lane's settings (flags --cpu-lane-*): threads default to every torch thread on a
-    CUDA device and half of them on a CPU device (the device path computes on the same cores).
+    """The CPU lane's settings (flags --cpu-lane-*): threads default to every physical core but
+    one beside a CUDA device (moe/lane_kernel.py: lane_threads_beside_gpu) and half of the torch
+    threads on a CPU device (the device path computes on the same cores).
     A given share replaces the cost model's measured one beside a GPU; on a CPU device the lane
     keeps its fixed count (the cost model has nothing to split there), so the share is unused."""
     import torch
 
     from tiermoe.moe.cpu_lane import lane_reads_disk
+    from tiermoe.moe.lane_kernel import lane_threads_beside_gpu
 
     threads = args.cpu_lane_threads
     if threads is None:
-        threads = torch.get_num_threads() if str(device).startswith("cuda") else max(1, torch.get_num_threads() // 2)
+        cuda = str(device).startswith("cuda")
+        threads = lane_threads_beside_gpu(torch.get_num_threads()) if cuda else max(1, torch.get_num_threads() // 2)
     max_experts = args.cpu_lane_experts
     if max_experts is None:  # beside a GPU the cost model (moe/lane_cost.py) takes fewer: room for a C4 step
         max_experts = top_k * 4 if str(device).startswith("cuda") else 4

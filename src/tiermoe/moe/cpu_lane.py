@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from tiermoe.config import LaneConfig
 from tiermoe.errors import StoreError
-from tiermoe.kernels.cpu.native import KINDS as NATIVE_KINDS
+from tiermoe.kernels.cpu.native import KINDS as NATIVE_KINDS, LaneTuning
 from tiermoe.kernels.layout import expert_layout
 from tiermoe.kernels.reference import lane_experts_ref
 from tiermoe.moe.lane_cost import lane_count
@@ -114,7 +114,8 @@ class CpuLane:
 
     isa: the most the compiled kernel may use ("avx512bf16", "avx512", "avx2", "scalar";
     benchmarks compare them). device: the engine's device; pin (None: on a CUDA device) pins the
-    lane's threads to physical cores (moe/lane_kernel.py). A mixed store passes `layouts` (its
+    lane's threads to physical cores (moe/lane_kernel.py). tuning: the compiled kernel's work items
+    and prefetches (None: its defaults). A mixed store passes `layouts` (its
     record layouts, `layout` first) and `layout_ids` ({layer: layout index of each expert id}).
     """
 
@@ -122,7 +123,8 @@ class CpuLane:
                  max_tokens: int = LaneConfig.max_tokens, threads: int | None = None,
                  workers: int = LaneConfig.workers, disk: bool | None = None, swiglu_limit: float | None = None,
                  act_dtype: torch.dtype = torch.bfloat16, device: str = "cpu", isa: str = "avx512bf16",
-                 pin: bool | None = None, layout_ids: Mapping[int, Sequence[int]] | None = None):
+                 pin: bool | None = None, layout_ids: Mapping[int, Sequence[int]] | None = None,
+                 tuning: LaneTuning | None = None):
         from tiermoe.moe.lane_kernel import lane_pool
 
         self.layouts = list(layouts)  # the store's record layouts: one, or a mixed store's hot and cold
@@ -144,7 +146,11 @@ class CpuLane:
         pin = torch.device(device).type == "cuda" if pin is None else bool(pin)
         native = any(k is not None for k in self.klayouts)
         self.pool = lane_pool(self.threads, pin, isa) if native else None
+        if self.pool is not None and tuning is not None:
+            self.pool.tune(tuning)
         self.kernel = f"native-{self.pool.isa}" if self.pool is not None else "torch"
+        # the core the pinned pool leaves for the thread that calls it (its workers take the others)
+        self.caller_cpu = self.pool.cpus[0] if self.pool is not None and self.pool.cpus else None
         # the native pool computes a whole layer at once; the torch path splits it over workers
         self.workers = 1 if self.pool is not None else max(1, min(int(workers), self.threads))
         self.c = LaneCounters()

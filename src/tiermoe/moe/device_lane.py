@@ -55,7 +55,8 @@ class DeviceLane(LaneHandoff):
         self.mailbox = Mailbox(max(1, len(self.layers)), self.hidden, int(max_tokens),
                                device_cache.scratch.device, meta_words=words)
         self.active = threading.Event()  # set from a lane step's start to its check: the server polls only then
-        self.server = MailboxServer(self.mailbox, self._compute, threads=lane.threads, active=self.active).start()
+        self.server = MailboxServer(self.mailbox, self._compute, threads=lane.threads, active=self.active,
+                                    cpu=lane.caller_cpu).start()
         self.timeouts = 0  # device waits that ran out of polls (seen by check)
         device_cache.device_lane = self  # its counters report the mailbox's
 

@@ -105,6 +105,14 @@ def physical_cores(sys_root: Path = Path("/sys/devices/system")) -> list[int]:
     return out
 
 
+def lane_threads_beside_gpu(torch_threads: int) -> int:
+    """Lane threads beside a GPU: every physical core but one (at most `torch_threads`). The
+    engine's thread waits for each decode step spinning on a core (CUDA's default wait); with a
+    lane thread on every core one of them shares that core, and a lane step, which lasts as long
+    as its slowest thread, then waits for the scheduler's time slices."""
+    return max(1, min(len(physical_cores()), int(torch_threads)) - 1)
+
+
 def lane_pool(threads: int, pin: bool, isa: str = "avx512bf16"):
     """A LanePool of `threads` threads (pinned to physical cores when `pin`), or None where the
     compiled kernel is unavailable."""

@@ -51,20 +51,28 @@ inline uint16_t bf16_bits(float f) {  // f holds a bf16 value already (rounded):
 }
 
 // One weight matrix of a record: row r starts at q + r * row_bytes; scales at s + r * (K / G). int3: the
-// row's high-bit plane starts K / 4 bytes into the row. ahead: the rows two on from the ones computed are
-// the caller's next ones (not another thread's), so paths that prefetch may fetch them.
+// row's high-bit plane starts K / 4 bytes into the row. ahead: set where the rows that far on from the ones
+// computed are the caller's next ones (not another thread's), so paths that prefetch may fetch them.
 struct Mat {
   const uint8_t* q;
   const uint16_t* s;
   int64_t row_bytes;
   int K, G;
-  bool ahead = false;
+  int64_t ahead = 0;  // bytes from a byte being computed to the one prefetched (0: no prefetch)
+  int hint = 3;       // __builtin_prefetch locality of those prefetches: 3 (into L1) down to 1
 };
 
-// Prefetch the cache line two rows on from p (a byte of a row being computed). Only where m.ahead: then those
+// Prefetch the cache line m.ahead bytes on from p (a byte of a row being computed). Only where m.ahead: then those
 // rows are the ones this thread computes next; another thread's would be read into this core for nothing.
 // The scalar path does not prefetch: it computes a weight far slower than memory delivers one.
-inline void prefetch_ahead(const Mat& m, const uint8_t* p) { __builtin_prefetch(p + 2 * m.row_bytes, 0, 3); }
+inline void prefetch_ahead(const Mat& m, const uint8_t* p) {
+  if (m.hint >= 3)
+    __builtin_prefetch(p + m.ahead, 0, 3);
+  else if (m.hint == 2)
+    __builtin_prefetch(p + m.ahead, 0, 2);
+  else
+    __builtin_prefetch(p + m.ahead, 0, 1);
+}
 
 // R rows times NT input rows: res[r][t] = sum_k W'[row r, k] * x[t][k]. Scales are walked group by
 // group (a division per weight, or per group, costs as much as the group's arithmetic).

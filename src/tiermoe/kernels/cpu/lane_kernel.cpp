@@ -27,7 +27,7 @@
 
 #include "lane_dot.h"
 
-enum { TM_ABI = 5 };
+enum { TM_ABI = 6 };
 
 struct TmLaneJob {  // read through ctypes (kernels/cpu/native.py)
   int32_t kind, hidden, inter, group;
@@ -133,6 +133,9 @@ struct Pool {
   int n = 1;
   int isa = ISA_SCALAR;
   int64_t spin_us = 500;
+  // Work items and prefetches (tm_pool_tune; `tiermoe bench lane --item-rows --ahead-rows` measures them):
+  // gate/up rows (of each half) and down rows per item, rows ahead that prefetches reach, their locality.
+  int rows_gu = 16, rows_down = 16, ahead_rows = 2, hint = 3;
   std::vector<std::thread> threads;
   std::atomic<uint64_t> gen{0};
   std::atomic<int> pending{0}, next{0};
@@ -202,9 +205,6 @@ struct Pool {
   }
 };
 
-constexpr int CH_J = 16;  // gate/up rows (of each half) per item
-constexpr int CH_H = 16;  // down rows per item
-
 struct Ctx {
   const TmLaneJob* j;
   Pool* p;
@@ -254,8 +254,10 @@ inline const uint16_t* act_row(const Ctx& c, int64_t row, uint16_t*) { return c.
 template <typename In>
 void gate_up_t(const Ctx& c, int item) {
   const TmLaneJob& j = *c.j;
-  int per = (j.inter + CH_J - 1) / CH_J, e = item / per, j0 = item % per * CH_J, j1 = std::min(j.inter, j0 + CH_J);
+  const int rows = c.p->rows_gu, ahead = c.p->ahead_rows;
+  int per = (j.inter + rows - 1) / rows, e = item / per, j0 = item % per * rows, j1 = std::min(j.inter, j0 + rows);
   Mat m = matrix(j, e, false);
+  m.hint = c.p->hint;
   int b = j.tok_off[e], n = j.tok_off[e + 1] - b;
   for (int t0 = 0; t0 < n; t0 += 4) {
     int nt = std::min(4, n - t0);
@@ -264,7 +266,8 @@ void gate_up_t(const Ctx& c, int item) {
     for (int r = j0; r < j1; ++r) {
       int rows[2] = {r, r + j.inter};
       float res[2][4];
-      m.ahead = r + 2 < j1;  // rows of this item (the next item may be another thread's)
+      m.ahead = ahead > 0 && r + ahead < j1 ? ahead * m.row_bytes : 0;  // this item's rows (the next may be
+                                                                          // another thread's)
       dots(c, m, rows, 2, x, nt, res);
       for (int t = 0; t < nt; ++t) {
         float g = res[0][t], u = res[1][t];
@@ -278,9 +281,11 @@ void gate_up_t(const Ctx& c, int item) {
 template <typename In>
 void down_t(const Ctx& c, int item) {
   const TmLaneJob& j = *c.j;
-  int h0 = item * CH_H, h1 = std::min(j.hidden, h0 + CH_H);
+  const int ahead = c.p->ahead_rows;
+  int h0 = item * c.p->rows_down, h1 = std::min(j.hidden, h0 + c.p->rows_down);
   for (int e = 0; e < j.n_exp; ++e) {
     Mat m = matrix(j, e, true);
+    m.hint = c.p->hint;
     int b = j.tok_off[e], n = j.tok_off[e + 1] - b;
     for (int t0 = 0; t0 < n; t0 += 4) {
       int nt = std::min(4, n - t0);
@@ -289,7 +294,7 @@ void down_t(const Ctx& c, int item) {
       for (int h = h0; h < h1; h += 2) {
         int rows[2] = {h, h + 1}, R = h + 1 < h1 ? 2 : 1;
         float res[2][4];
-        m.ahead = h + 3 < h1;
+        m.ahead = ahead > 0 && h + 1 + ahead < h1 ? ahead * m.row_bytes : 0;
         dots(c, m, rows, R, a, nt, res);
         for (int r = 0; r < R; ++r)
           for (int t = 0; t < nt; ++t)
@@ -359,6 +364,16 @@ void* tm_pool_new(int32_t threads, const int32_t* cpus, int32_t ncpus, int32_t i
   return p;
 }
 
+// Rows per work item (gate/up, down), rows ahead that prefetches reach (0: none) and their locality (1-3).
+// 0: set; -1: out of range. Takes effect from the next job.
+int32_t tm_pool_tune(void* pool, int32_t rows_gu, int32_t rows_down, int32_t ahead_rows, int32_t hint) {
+  Pool& p = *static_cast<Pool*>(pool);
+  if (rows_gu < 1 || rows_down < 1 || ahead_rows < 0 || hint < 1 || hint > 3) return -1;
+  std::lock_guard<std::mutex> lock(p.job);
+  p.rows_gu = rows_gu, p.rows_down = rows_down, p.ahead_rows = ahead_rows, p.hint = hint;
+  return 0;
+}
+
 void tm_pool_free(void* pool) { delete static_cast<Pool*>(pool); }
 
 int32_t tm_pool_isa(void* pool) { return static_cast<Pool*>(pool)->isa; }
@@ -403,8 +418,8 @@ int32_t tm_lane_run(void* pool, const TmLaneJob* job) {
     c.xin = p.xp.data();
     c.xbin = p.xb.data();
   }
-  p.parallel(gate_up_item, &c, j.n_exp * ((j.inter + CH_J - 1) / CH_J));
-  p.parallel(down_item, &c, (j.hidden + CH_H - 1) / CH_H);
+  p.parallel(gate_up_item, &c, j.n_exp * ((j.inter + p.rows_gu - 1) / p.rows_gu));
+  p.parallel(down_item, &c, (j.hidden + p.rows_down - 1) / p.rows_down);
   return 0;
 }
 

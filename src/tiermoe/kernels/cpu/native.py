@@ -23,13 +23,14 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCES = ("lane_kernel.cpp", "lane_dot.h")
-ABI = 5  # TM_ABI of lane_kernel.cpp: a library of another ABI is rebuilt
+ABI = 6  # TM_ABI of lane_kernel.cpp: a library of another ABI is rebuilt
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 ISA_NAMES = ("scalar", "avx2", "avx512", "avx512bf16")
 KINDS = {"bf16": 0, "int4": 1, "int8": 2, "int3": 3}  # record kinds the kernel reads (KIND_* of lane_dot.h)
@@ -123,6 +124,8 @@ def load_library(path: Path) -> ctypes.CDLL:
         lib.tm_pool_new.restype = ctypes.c_void_p
         lib.tm_pool_new.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
         lib.tm_pool_free.argtypes = [ctypes.c_void_p]
+        lib.tm_pool_tune.restype = ctypes.c_int32
+        lib.tm_pool_tune.argtypes = [ctypes.c_void_p] + [ctypes.c_int32] * 4
         lib.tm_pool_isa.restype = ctypes.c_int32
         lib.tm_pool_isa.argtypes = [ctypes.c_void_p]
         lib.tm_lane_run.restype = ctypes.c_int32
@@ -131,6 +134,20 @@ def load_library(path: Path) -> ctypes.CDLL:
         lib.tm_read.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         _LOADED[path] = lib
         return lib
+
+
+@dataclass(frozen=True)
+class LaneTuning:
+    """How a lane job is cut into work items and how far its reads prefetch: gate/up rows (of
+    each half) and down rows per item, rows ahead of the computed ones that prefetches reach (0:
+    none; only within an item, whose rows one thread reads in order), and the prefetches' locality
+    (3: into L1, 2: L2, 1: L3). Longer items read longer runs of a record in one thread; shorter
+    ones balance better between threads."""
+
+    rows_gu: int = 16
+    rows_down: int = 16
+    ahead_rows: int = 2
+    hint: int = 3
 
 
 class LanePool:
@@ -144,6 +161,7 @@ class LanePool:
         if isa not in ISA_NAMES:
             raise ValueError(f"isa must be one of {ISA_NAMES}, got {isa!r}")
         self.lib, self.threads = lib, max(1, int(threads))
+        self.cpus = list(cpus or ())  # cpus[0]: the caller's core, where the caller pins itself
         arr = (ctypes.c_int32 * max(1, len(cpus or ())))(*(cpus or ()))
         self._pool = lib.tm_pool_new(self.threads, arr, len(cpus or ()), ISA_NAMES.index(isa), int(spin_us))
         if not self._pool:
@@ -173,6 +191,11 @@ class LanePool:
         if rc != 0:
             why = {-1: "a record shape or routing it does not take", -2: "out of memory"}.get(rc, f"error {rc}")
             raise RuntimeError(f"lane kernel failed: {why}")
+
+    def tune(self, tuning: "LaneTuning") -> None:
+        """Work items and prefetches of the jobs that follow (ValueError: out of range)."""
+        if self.lib.tm_pool_tune(self._pool, tuning.rows_gu, tuning.rows_down, tuning.ahead_rows, tuning.hint):
+            raise ValueError(f"lane tuning out of range: {tuning}")
 
     def read(self, buf: torch.Tensor) -> None:
         """Read every byte of the contiguous CPU tensor `buf` with the pool's threads."""

@@ -45,6 +45,7 @@ request in flight and no MailboxServer running (the server keeps its own count o
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -56,6 +57,8 @@ import triton
 import triton.language as tl
 
 from tiermoe.kernels.reference import MAILBOX_CTRL, MAILBOX_DONE, MAILBOX_ERR, MAILBOX_NTOK, MAILBOX_POSTED
+
+log = logging.getLogger("tiermoe.kernels")
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEFAULT_MAX_SPINS = 1 << 22  # on a GPU a poll crosses PCIe (about 1 us): seconds, not forever
@@ -322,7 +325,9 @@ class MailboxServer:
     requests come back to back; sleeps of up to max_sleep_s when idle). active: an Event the
     owner sets while posts may come (e.g. during a step that hands work over) and clears when
     none can; while it is clear the thread sleeps on it instead of polling, so it neither wakes
-    thousands of times a second nor takes the GIL from other threads between such steps.
+    thousands of times a second nor takes the GIL from other threads between such steps. cpu:
+    the one CPU the thread runs on (None: any), e.g. the core a CPU lane keeps for the thread
+    that calls it, so the lane's threads and the engine's never share a core.
     If compute_fn raises, the slot's result is zeroed, ERR = -seq, done is still published (the
     device must not stall) and the exception is kept in `failure`. `served` counts answers
     (failed ones included); once the device has seen an answer, it is counted.
@@ -337,8 +342,9 @@ class MailboxServer:
         spin_s: float = 2e-3,
         max_sleep_s: float = 5e-4,
         active: threading.Event | None = None,
+        cpu: int | None = None,
     ) -> None:
-        self.mb, self.compute_fn, self.threads = mailbox, compute_fn, int(threads)
+        self.mb, self.compute_fn, self.threads, self.cpu = mailbox, compute_fn, int(threads), cpu
         self.active = active
         self.spin_s, self.max_sleep_s = float(spin_s), float(max_sleep_s)
         self.served = 0
@@ -398,6 +404,11 @@ class MailboxServer:
     def _run(self) -> None:
         if self.threads > 0:
             torch.set_num_threads(self.threads)
+        if self.cpu is not None:
+            try:
+                os.sched_setaffinity(0, {self.cpu})  # this thread only (Linux)
+            except OSError as exc:
+                log.info("mailbox server: not pinned to CPU %d (%s)", self.cpu, exc)
         ctrl = self.mb._ctrl_np
         served = ctrl[:, MAILBOX_DONE].copy()
         last = time.perf_counter()
