@@ -12,6 +12,9 @@
 #   pcie       pinned host -> GPU copy GB/s (the PCIe lane of the floor)
 #   lane       `tiermoe bench lane` on GLM-5.3-Flash's expert shape: the CPU lane's GB/s per record kind
 #              beside the host read GB/s of the same threads (issue: lane >= 60 % of host read)
+#   lane-tune  `tiermoe bench lane`, int4, 1 token: the compiled kernel's work items x prefetch distance x
+#              locality at LANE_TUNE_THREADS (default 15,16), then 14-16 threads beside one spinning process
+#              (a GPU engine's thread waits for its steps that way)
 #   tests      scripts/gpu_test_suite.sh (the GPU test suite, one summary line), beside the store build
 #   lane-wide  after glm: `tiermoe bench lane --store` on LANE_WIDE_GB (default 24) GiB of the GLM store's records
 #              against a 1.5 GiB pool of the same records, int4, 16 threads: does the lane lose its rate when
@@ -107,6 +110,18 @@ step_lane() {
   "$PY" -m tiermoe.cli bench lane --pool-gb 1.5 --seconds 0.3 --repeat 2 --threads "${LANE_THREADS:-8,16}" \
     --tokens 1,4 --out "$WORK/lane.json" > "$WORK/lane.log" 2>&1 || log "bench lane failed: $(tail -2 "$WORK/lane.log")"
   log "lane:"; cat "$WORK/lane.log"
+}
+
+step_lane_tune() {
+  "$PY" -m tiermoe.cli bench lane --kinds int4 --pool-gb 1.5 --seconds 0.3 --repeat 2 \
+    --threads "${LANE_TUNE_THREADS:-15,16}" --tokens 1 --item-rows 16:16,64:32,256:64 --ahead-rows 2,4,8 \
+    --prefetch-hint 3,1 --out "$WORK/lane-tune.json" > "$WORK/lane-tune.log" 2>&1 \
+    || log "bench lane (tunings) failed: $(tail -2 "$WORK/lane-tune.log")"
+  log "lane tunings:"; sort -k4 -n -r "$WORK/lane-tune.log" | head -8
+  "$PY" -m tiermoe.cli bench lane --kinds int4 --pool-gb 1.5 --seconds 0.3 --repeat 2 --threads 14,15,16 --tokens 1 \
+    --busy 1 --out "$WORK/lane-busy.json" > "$WORK/lane-busy.log" 2>&1 \
+    || log "bench lane --busy failed: $(tail -2 "$WORK/lane-busy.log")"
+  log "lane beside one spinning process:"; cat "$WORK/lane-busy.log"
 }
 
 step_lane_wide() {
@@ -242,6 +257,7 @@ run_all() {
   want sbs && step_sbs
   want pcie && step_pcie
   want lane && step_lane
+  want lane-tune && step_lane_tune
   local tests_pid=""
   if want tests; then  # beside the store build (its timings are not figures; the build is disk-bound)
     OUT=$WORK/gpu-tests bash scripts/gpu_test_suite.sh > "$WORK/gpu-tests.log" 2>&1 &

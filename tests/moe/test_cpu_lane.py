@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tiermoe.kernels.layout import expert_layout
-from tiermoe.kernels.reference import lane_experts_ref
+from tiermoe.kernels.reference import lane_experts_ref, make_record
 from tiermoe.moe import cpu_lane, lane_kernel
 from tiermoe.moe.cpu_lane import CpuLane
 from tiermoe.moe.experts import expert_mlp
@@ -209,6 +209,33 @@ def test_cost_model_share_of_the_misses():
         lane.close()
 
 
+def test_start_up_keeps_the_fastest_kernel_tuning():
+    """choose_tuning times every candidate on the same records and leaves the lane on the fastest; the
+    lane's counters stay as they were, and its results do not depend on the tuning."""
+    from tiermoe.kernels.cpu.native import LaneTuning
+    from tiermoe.moe.lane_cost import choose_tuning, tuning_label
+
+    layout = RecordLayout.build("int4", 256, 128, 64)
+    gen = torch.Generator().manual_seed(5)
+    klay = expert_layout("int4", 256, 128, 64)
+    recs = [make_record(klay, gen) for _ in range(6)]
+    lane = CpuLane([layout], threads=2, max_experts=8)
+    try:
+        if lane.pool is None:
+            pytest.skip("no compiled lane kernel here")
+        x, ids, w = torch.randn(1, 256), torch.tensor([[0, 3]], dtype=torch.int32), torch.tensor([[0.6, 0.4]])
+        out0 = lane.compute(0, x, ids, w, {0: recs[0], 3: recs[3]})
+        before = lane.c.as_dict()
+        cands = (LaneTuning(), LaneTuning(1, 1, 0, 3), LaneTuning(64, 32, 4, 1))
+        best, rates = choose_tuning(lane, recs, seconds=0.01, rounds=1, candidates=cands)
+        assert set(rates) == {tuning_label(t) for t in cands} and min(rates.values()) > 0
+        assert rates[best] == max(rates.values())
+        assert lane.c.as_dict() == before
+        assert torch.equal(lane.compute(0, x, ids, w, {0: recs[0], 3: recs[3]}), out0)
+    finally:
+        lane.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the cost model measures PCIe copies: needs CUDA")
 def test_cost_model_measures_bandwidths_on_cuda():
     from tiermoe.moe.lane_cost import measure
@@ -217,7 +244,9 @@ def test_cost_model_measures_bandwidths_on_cuda():
     try:
         before = lane.c.as_dict()
         bw = measure(lane, torch.device("cuda"), records=4, seconds=0.05)
-        assert min(bw.as_dict().values()) > 0 and 0 < bw.share < 1
+        rates = {k: v for k, v in bw.as_dict().items() if isinstance(v, float)}
+        assert len(rates) == 6 and min(rates.values()) > 0 and 0 < bw.share < 1
+        assert lane.pool is None or (bw.tuning in bw.tuning_gbs and len(bw.tuning_gbs) == 4)
         assert lane.c.as_dict() == before  # the measurement leaves the lane's counters alone
     finally:
         lane.close()

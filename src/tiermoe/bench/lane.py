@@ -168,6 +168,7 @@ def lane_cell(layout, pool, threads: int, tokens: int, experts: int, seconds: fl
 
     from tiermoe.kernels.layout import expert_layout
     from tiermoe.moe.cpu_lane import CpuLane
+    from tiermoe.moe.lane_cost import tuning_label
 
     weight_bytes = expert_layout(layout.kind, layout.hidden, layout.intermediate, layout.group_size or 0).weight_bytes
     gen = torch.Generator().manual_seed(tokens)
@@ -204,11 +205,6 @@ def lane_cell(layout, pool, threads: int, tokens: int, experts: int, seconds: fl
             "gbs": done * weight_bytes / elapsed / 1e9, "ms_per_expert": elapsed / done * 1e3,
             "repacks_per_expert": (counters.get("repacks", 0) - c0.get("repacks", 0)) / done,
             "kernel": counters.get("kernel"), "tuning": None if tuning is None else tuning_label(tuning)}
-
-
-def tuning_label(t) -> str:
-    """GATE_UP:DOWN item rows, rows ahead and prefetch locality, as the flags spell them."""
-    return f"{t.rows_gu}:{t.rows_down} ahead {t.ahead_rows} hint {t.hint}"
 
 
 def _tunings(args) -> list:

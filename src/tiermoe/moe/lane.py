@@ -156,8 +156,9 @@ class LaneExperts(ExpertBackend):
 
         self.bandwidths = measure(self.lane, device)
         self.service = ServiceShare(pcie_gbs=self.bandwidths.pcie_shared_gbs, share=self.bandwidths.share)
-        log.info("CPU lane: %s; the lane takes %.0f %% of each layer's misses (at most %d)",
-                 ", ".join(f"{k} {v:.1f} GB/s" for k, v in self.bandwidths.as_dict().items() if k != "share"),
+        rates = {k: v for k, v in self.bandwidths.as_dict().items() if isinstance(v, float) and k != "share"}
+        log.info("CPU lane: %s; kernel tuning %s; the lane takes %.0f %% of each layer's misses (at most %d)",
+                 ", ".join(f"{k} {v:.1f} GB/s" for k, v in rates.items()), self.bandwidths.tuning or "none",
                  100 * self.bandwidths.share, self.lane.max_experts)
         return self.bandwidths.share
 

@@ -17,6 +17,10 @@ the store path; the cap (`--cpu-lane-experts`) still bounds n. In service the la
 replaces the start-up L (ServiceShare), since the lane then shares its cores and memory with the
 engine.
 
+The same start-up run picks the compiled kernel's work items and prefetch distance
+(kernels/cpu/native.py: LaneTuning) from a few candidates, by the lane's rate on the same records:
+what pays depends on the host's memory latency and cores, so it is measured, not assumed.
+
 Measured on CUDA only: on a CPU device the "device" path computes on the same cores as the lane,
 and the lane keeps its fixed count per layer. `--cpu-lane-share S` skips the measurement and
 gives the lane the fixed share S instead (the same per-layer tensor, the same cap).
@@ -25,10 +29,11 @@ gives the lane the fixed share S instead (the same per-layer tensor, the same ca
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from tiermoe.kernels.cpu.native import LaneTuning
 from tiermoe.kernels.layout import expert_layout
 from tiermoe.kernels.reference import make_record
 
@@ -42,6 +47,8 @@ class LaneBandwidths:
     lane_gbs: float  # expert weight bytes the lane computes, alone
     pcie_shared_gbs: float  # copies while the lane computes
     lane_shared_gbs: float  # the lane while copies run
+    tuning: str = ""  # the kernel tuning chosen (TUNINGS), "" where the lane has no compiled kernel
+    tuning_gbs: dict = field(default_factory=dict)  # the lane's GB/s with each candidate
 
     @property
     def share(self) -> float:
@@ -118,6 +125,38 @@ def _lane_rate(lane, records: list[torch.Tensor], experts: int, done) -> float:
             return calls * experts * lane.weight_bytes_of[0] / elapsed / 1e9
 
 
+# Candidates of choose_tuning: the kernel's defaults, then longer items (longer runs of a record read by
+# one thread, at the cost of balance between threads) with prefetches further ahead, into L1 or L3.
+TUNINGS = (LaneTuning(), LaneTuning(64, 32, 4, 3), LaneTuning(256, 64, 4, 3), LaneTuning(64, 32, 8, 1))
+
+
+def tuning_label(t: LaneTuning) -> str:
+    """GATE_UP:DOWN item rows, rows ahead and prefetch locality (bench lane's flags)."""
+    return f"{t.rows_gu}:{t.rows_down} ahead {t.ahead_rows} hint {t.hint}"
+
+
+def choose_tuning(lane, records: list[torch.Tensor], seconds: float = 0.04, rounds: int = 2,
+                  candidates: tuple[LaneTuning, ...] = TUNINGS) -> tuple[str, dict]:
+    """Time the lane with each candidate tuning (`rounds` rounds of `seconds` each, best kept), leave
+    it on the fastest; returns (its label, {label: GB/s}). ("", {}) where the lane has no compiled
+    kernel. The lane's counters are left as they were."""
+    if lane.pool is None:
+        return "", {}
+    saved = replace(lane.c)
+    rates: dict[str, float] = {}
+    try:
+        for _ in range(rounds):
+            for t in candidates:
+                lane.pool.tune(t)
+                gbs = _lane_rate(lane, records, 4, lambda elapsed: elapsed >= seconds)
+                rates[tuning_label(t)] = max(rates.get(tuning_label(t), 0.0), gbs)
+    finally:
+        lane.c = saved
+    best = max(candidates, key=lambda t: rates[tuning_label(t)])
+    lane.pool.tune(best)
+    return tuning_label(best), rates
+
+
 def measure(lane, device: torch.device, records: int = 16, seconds: float = 0.2) -> LaneBandwidths:
     """Measure the cost model's bandwidths on `device` (CUDA) with `records` random pinned records
     of the lane's layout; the lane's counters are left as they were."""
@@ -155,6 +194,7 @@ def measure(lane, device: torch.device, records: int = 16, seconds: float = 0.2)
             t0 = time.perf_counter()
             lane.pool.read(arena)
             host = arena.numel() / (time.perf_counter() - t0) / 1e9
+        tuning, tuning_gbs = choose_tuning(lane, recs)
         lane_alone = _lane_rate(lane, recs, 4, lambda elapsed: elapsed >= seconds)
         # together: copies of about `seconds` at the lone rate, the lane computing until they end
         k = max(len(recs), int(pcie * 1e9 * seconds / layout.length))
@@ -164,4 +204,4 @@ def measure(lane, device: torch.device, records: int = 16, seconds: float = 0.2)
     finally:
         torch.cuda.synchronize(device)
         lane.c = saved
-    return LaneBandwidths(pcie, host, lane_alone, pcie_shared, lane_shared)
+    return LaneBandwidths(pcie, host, lane_alone, pcie_shared, lane_shared, tuning, tuning_gbs)
