@@ -51,8 +51,9 @@ class LLMEngine:
         self.model_info = model_info or {"arch": model.spec.arch}
         # Recurrent-state families cannot resume from a cached prefix: their state is per slot.
         self.kv = KVPages(num_pages, page_size, prefix_caching=not model.spec.recurrent_state)
-        self.runner = ModelRunner(model, num_pages, page_size, seed=seed, tokenizer=tokenizer,
-                                  eos_ids=self.eos_token_ids, num_speculative_tokens=num_speculative_tokens)
+        self.runner = ModelRunner(model, num_pages, page_size, max_num_seqs=max_num_seqs, seed=seed,
+                                  tokenizer=tokenizer, eos_ids=self.eos_token_ids,
+                                  num_speculative_tokens=num_speculative_tokens)
         spec = self.runner.spec
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_batched_tokens,
                                    lookahead=spec.lookahead if spec is not None else None,

@@ -15,6 +15,7 @@ from tiermoe.models.blocks.attention import GQAttention, MLAttention
 from tiermoe.models.blocks.common import Linear, RMSNorm, SwiGLU, empty_param
 from tiermoe.models.blocks.moe import MoELayer
 from tiermoe.models.blocks.rope import Rotary
+from tiermoe.models.serving import ServingModel
 from tiermoe.models.spec import ModelSpec
 
 
@@ -45,8 +46,11 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
-class CausalLM(nn.Module):
-    """forward(batch, kv_caches) -> final hidden states [T, H]; logits(h) -> [N, V] fp32."""
+class CausalLM(ServingModel):
+    """forward(batch, kv_caches) -> final hidden states [T, H]; logits(h) -> [N, V] fp32.
+
+    Its only per-sequence state is the paged KV cache, so every decode step can be captured
+    (attention cores break the graph) once the expert backend allows it."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -62,6 +66,15 @@ class CausalLM(nn.Module):
 
     def moe_layers(self) -> list[MoELayer]:
         return [m for m in self.modules() if isinstance(m, MoELayer)]
+
+    def decode_graph_unsupported(self) -> str | None:
+        return self.expert_backend.graph_unsupported()
+
+    def paged_decode_attention_unsupported(self) -> str | None:
+        mods = list(self.modules())
+        if any(isinstance(m, MLAttention) for m in mods) or not any(isinstance(m, GQAttention) for m in mods):
+            return "only grouped-query attention has a paged decode kernel (this model uses latent attention)"
+        return None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[dict[str, torch.Tensor]]) -> torch.Tensor:

@@ -38,20 +38,18 @@ import torch
 
 from tiermoe.models.batch import ForwardBatch
 from tiermoe.models.blocks import graph_break
+from tiermoe.models.serving import ServingModel
 from tiermoe.moe.experts import ExpertBackend
 
 log = logging.getLogger("tiermoe.runner")
 
 
-def decode_graphs_unsupported(model, device: torch.device) -> str | None:
-    """None when decode steps of this model can be captured, else a one-line reason."""
-    from tiermoe.models.decoder import CausalLM
-
+def decode_graphs_unsupported(model: ServingModel, device: torch.device) -> str | None:
+    """None when decode steps of this model can be captured, else a one-line reason (the model
+    says what it allows: `ServingModel.decode_graph_unsupported`)."""
     if device.type != "cuda":
         return f"device {device.type}: CUDA graphs need a CUDA device"
-    if not isinstance(model, CausalLM):
-        return f"{type(model).__name__}: only the decoder families are captured"
-    return model.expert_backend.graph_unsupported()
+    return model.decode_graph_unsupported()
 
 
 class _Recorder:
@@ -135,6 +133,9 @@ class DecodeGraphs:
                 self.max_batch, self.failed = 0, str(exc)
                 torch.cuda.synchronize()
                 return None
+        # host bookkeeping of the step (glm5_next: KDA slot lengths, fresh slots zeroed): the
+        # graph holds only device work; after the recording, which leaves no state behind
+        self.model.prepare_decode_step(batch)
         with torch.inference_mode():  # the static tensors were made in the recording's inference mode
             entry.load(batch)
             for step in entry.program:
@@ -159,7 +160,7 @@ class DecodeGraphs:
             graph_break.set_recorder(rec)
             try:
                 rec.begin()
-                hidden = self.model(static, self.kv_caches)  # [B, H] (recorded, not computed)
+                hidden = self.model.decode_step(static, self.kv_caches)  # [B, H] (recorded, not computed)
                 rec.end()
             except BaseException:
                 if rec._graph is not None:  # leave no capture open on the stream

@@ -28,6 +28,7 @@ import torch
 from tiermoe import env
 from tiermoe.protocol import TokenLogprob
 from tiermoe.models.batch import ForwardBatch, build_forward_batch
+from tiermoe.models.serving import ServingModel
 from tiermoe.moe.experts import ExpertBackend
 from tiermoe.runner.sampler import SampleResult, SampleRow, bias_tensors, sample
 from tiermoe.runner.speculative import draft_cache_shapes, make_drafter
@@ -49,8 +50,9 @@ def kv_bytes_per_token(model, dtype: torch.dtype, num_speculative_tokens: int = 
 
 
 class ModelRunner:
-    def __init__(self, model, num_pages: int, page_size: int, seed: int | None = None, tokenizer=None,
-                 eos_ids: list[int] | None = None, num_speculative_tokens: int = 0):
+    def __init__(self, model: ServingModel, num_pages: int, page_size: int, *, max_num_seqs: int,
+                 seed: int | None = None, tokenizer=None, eos_ids: list[int] | None = None,
+                 num_speculative_tokens: int = 0):
         self.model, self.page_size = model, page_size
         self.device, self.dtype = model.device, model.dtype
         self.experts: ExpertBackend = model.expert_backend  # the routed experts' seam (moe/experts.py)
@@ -59,6 +61,7 @@ class ModelRunner:
              for name, shp in s.items()}
             for s in model.cache_shapes()
         ]
+        model.reserve_slots(max_num_seqs)  # per-sequence state beside the KV cache (recurrent families)
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(seed if seed is not None else torch.seed())
@@ -87,14 +90,9 @@ class ModelRunner:
         """Attend pure decode steps with the paged decode kernel (kernels/triton/paged_attention.py):
         static shapes, so a decode step needs no eager attention between graph pieces. Returns
         None when switched on, else why the model cannot (only grouped-query attention can)."""
-        from tiermoe.models.blocks.attention import GQAttention, MLAttention
-        from tiermoe.models.decoder import CausalLM
-
-        if not isinstance(self.model, CausalLM):
-            return f"{type(self.model).__name__} is not one of the decoder families"
-        mods = list(self.model.modules())
-        if any(isinstance(m, MLAttention) for m in mods) or not any(isinstance(m, GQAttention) for m in mods):
-            return "only grouped-query attention has a paged decode kernel (this model uses latent attention)"
+        why = self.model.paged_decode_attention_unsupported()
+        if why is not None:
+            return why
         if self.page_size < 16 or self.page_size & (self.page_size - 1):
             return f"the kernel needs a power-of-two page size >= 16, not {self.page_size}"
         if self.device.type != "cuda" and not env.TRITON_INTERPRET.get():

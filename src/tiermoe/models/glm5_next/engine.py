@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from tiermoe.models.batch import ForwardBatch
 from tiermoe.models.families_common import ConfigReader
+from tiermoe.models.serving import ServingModel
 from tiermoe.models.spec import MLASpec, ModelSpec
 
 from .cache import KDAStates, SeqBatch
@@ -99,7 +99,7 @@ class _PagedView:
         return flat[s.kv_index]
 
 
-class Glm5NextEngineModel(nn.Module):
+class Glm5NextEngineModel(ServingModel):
     """Adapter: engine ForwardBatch + paged KV cache -> Glm5NextModel."""
 
     def __init__(self, model: Glm5NextModel, spec: Glm5NextSpec, device: torch.device, dtype: torch.dtype,
@@ -128,6 +128,12 @@ class Glm5NextEngineModel(nn.Module):
 
     def moe_layers(self) -> list:
         return self.model.moe_layers()
+
+    def decode_graph_unsupported(self) -> str | None:
+        return "glm5_next: KDA state lives in per-slot Python state (decode steps run eagerly)"
+
+    def paged_decode_attention_unsupported(self) -> str | None:
+        return "only grouped-query attention has a paged decode kernel (glm5_next uses latent attention)"
 
     @staticmethod
     def _seq_batch(batch: ForwardBatch, keep_states: list[bool] | None = None) -> SeqBatch:
