@@ -104,6 +104,7 @@ def decode_logits(engine, prompt: list[int], n: int, forced: list[int] | None = 
     (the prompt's last token included), so the CPU lane sees each of them.
     """
     req = Request("paired-kl", list(prompt), SamplingParams(max_tokens=n), n)
+    req.slot = 0  # the engine serves nothing else here; recurrent families keep state per slot
     if not engine.kv.allocate(req.pages, len(prompt) + n):
         raise UserError(f"KV cache too small for a {len(prompt) + n}-token paired-KL sequence")
     tokens, rows = [], []

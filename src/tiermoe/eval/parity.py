@@ -37,6 +37,7 @@ def parity_prompts(tokenizer, vocab_size: int, min_positions: int = 256, seed: i
 def engine_logits(engine, ids: list[int], chunk: int = 32) -> torch.Tensor:
     """Logits [len(ids), V] fp32 from our engine, computed chunk by chunk through the KV cache."""
     req = Request("parity", list(ids), SamplingParams(max_tokens=1), 1)
+    req.slot = 0  # the engine serves nothing else here; recurrent families keep state per slot
     if not engine.kv.allocate(req.pages, len(ids)):
         raise RuntimeError("KV cache too small for a parity prompt")
     out = []

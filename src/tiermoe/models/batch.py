@@ -32,6 +32,9 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] flat cache slot each new token's K/V is written to
     seqs: list[SeqSlice]
     logits_index: torch.Tensor  # [N] rows of the stream whose logits are wanted
+    # [B] long: each sequence's slot on the device, for families whose per-sequence recurrent state
+    # lives in [num_slots, ...] tensors (glm5_next's KDA); a decode graph refills it per replay
+    seq_slots: torch.Tensor | None = None
     # Pure decode steps with the paged decode attention kernel only (else None): the context
     # read through page tables of a fixed width, so the step's shapes depend on B alone.
     block_table: torch.Tensor | None = None  # [B, max_blocks] int32 page of each block
@@ -98,7 +101,8 @@ def build_forward_batch(
         else:
             logits_rows.append(q_start + q_len - 1)
     as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-    batch = ForwardBatch(as_long(ids), as_long(positions), as_long(slots), seqs, as_long(logits_rows))
+    batch = ForwardBatch(as_long(ids), as_long(positions), as_long(slots), seqs, as_long(logits_rows),
+                         as_long([s.slot for s in seqs]))
     if table is not None:
         batch.block_table = table.to(device)
         batch.seq_lens = torch.tensor([s.ctx_len for s in seqs], dtype=torch.int32, device=device)

@@ -19,11 +19,15 @@ its context through block tables of a fixed width with the paged decode kernel: 
 core breaks the capture and program(B) = [one graph]; the static batch's slot mapping, block
 table and lengths are refilled before each replay.
 
-What may be captured: the decoder families (models/decoder.py CausalLM) whose expert backend
-says so (`ExpertBackend.graph_unsupported()` is None: the device-cache backend, exact or fast
+What may be captured: a model whose `decode_graph_unsupported()` is None (models/serving.py
+ServingModel; the decoder families' CausalLM and glm5_next, whose KDA state rows are read by
+slot-id tensors and whose MLA + DSA core is the break) when its expert backend says so
+(`ExpertBackend.graph_unsupported()` is None: the device-cache backend, exact or fast
 mode, with no host sync in the MoE layer; fast mode's CPU lane answers through a mapped-memory
 mailbox, moe/device_lane.py; the store backends' Python policy reads the picks back to the
-host, so they stay eager), in steps where `graph_safe()` holds. Programs are kept per batch
+host, so they stay eager), in steps where `graph_safe()` holds. A graph holds device work
+only: the model's host bookkeeping of a step (glm5_next: slot lengths, fresh slots' state
+zeroed) runs before each replay (`prepare_decode_step`); the recording traces `decode_step`. Programs are kept per batch
 size and per the backend's `graph_key()` (lane on or off); the backend hears of each recording
 and replay (`graph_recorded` / `graph_replayed`, to count what a replay did). The first step of
 a kind runs eagerly (it compiles kernels and warms allocators); the second records and replays.
@@ -92,6 +96,7 @@ class _Entry:
         st.input_ids.copy_(batch.input_ids)
         st.positions.copy_(batch.positions)
         st.slot_mapping.copy_(batch.slot_mapping)
+        st.seq_slots.copy_(batch.seq_slots)
         if st.block_table is not None:
             st.block_table.copy_(batch.block_table)
             st.seq_lens.copy_(batch.seq_lens)
@@ -151,7 +156,8 @@ class DecodeGraphs:
     def _record(self, batch: ForwardBatch, key: tuple) -> _Entry:
         clone = lambda t: None if t is None else t.clone()  # noqa: E731
         static = ForwardBatch(batch.input_ids.clone(), batch.positions.clone(), batch.slot_mapping.clone(),
-                              batch.seqs, batch.logits_index, clone(batch.block_table), clone(batch.seq_lens))
+                              batch.seqs, batch.logits_index, batch.seq_slots.clone(), clone(batch.block_table),
+                              clone(batch.seq_lens))
         rec = _Recorder(torch.cuda.graph_pool_handle())
         main = torch.cuda.current_stream()
         side = torch.cuda.Stream()

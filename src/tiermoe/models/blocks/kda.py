@@ -3,11 +3,14 @@
 Per sequence a KDA layer carries two pieces of state between forward calls:
 - the short-convolution window: the last `K-1` pre-convolution q|k|v rows, [3C, K-1];
 - the delta-rule recurrent state, [H, dk, dv] in fp32.
-Both live in a state store keyed by slot (`KDAStateStore`; glm5_next's is `KDAStates`), so
-any set of sequences can run in one batch.
+Both live in a state store of static per-slot rows (`KDAStateStore`; glm5_next's is
+`KDAStates`), so any set of sequences can run in one batch.
 
 Prefill (several new tokens) uses the chunked (WY) form with 64-token chunks; single-token
-decode uses the recurrent form, batched over all decoding sequences. Speculative verification
+decode uses the recurrent form, batched over all decoding sequences: their rows of the store's
+[num_slots, ...] tensors are gathered and scattered back by the batch's device tensor of slot
+ids, so a pure decode step has no per-sequence Python, no host sync and fixed addresses (a CUDA
+graph records it once and replays it for any slots). Speculative verification
 (`batch.keep[b]`) runs the recurrent form and records the state after every token, so the
 store can roll back to any accepted prefix. Math and dtype handling follow transformers'
 reference (`chunk_kimi_delta_attention` / `recurrent_kimi_delta_attention`).
@@ -27,19 +30,26 @@ import torch.nn.functional as F
 
 class KDABatch(Protocol):
     """Flat token layout of one forward: sequence b owns rows [cu[b], cu[b] + lens[b]) and
-    state slot `slots[b]`; `keep[b]` asks for every intermediate state (rollback)."""
+    state slot `slots[b]` (`slot_ids` [B] long: the same on the device); `keep[b]` asks for
+    every intermediate state (rollback)."""
 
     lens: list[int]
     cu: list[int]
     slots: list[int]
+    slot_ids: torch.Tensor
     keep: list[bool]
 
 
 class KDAStateStore(Protocol):
-    """Per-slot KDA state: conv window [3C, K-1] and delta state [H, dk, dv] fp32 per layer.
+    """Per-slot KDA state: conv window [3C, K-1] and delta state [H, dk, dv] fp32 per layer,
+    as rows of static tensors ([num_slots, ...] per layer) that decode indexes by slot id.
 
-    The setters take the batch and the sequence index so a store can also record the
-    intermediate states of a `keep` sequence (`steps` [n+1, H, dk, dv], `window` [3C, K-1+n])."""
+    The setters (per-sequence path) take the batch and the sequence index so a store can also
+    record the intermediate states of a `keep` sequence (`steps` [n+1, H, dk, dv], `window`
+    [3C, K-1+n])."""
+
+    conv_rows: dict[int, torch.Tensor]  # layer -> [num_slots, 3C, K-1]
+    ssm_rows: dict[int, torch.Tensor]  # layer -> [num_slots, H, dk, dv] fp32
 
     def conv(self, layer: int, slot: int) -> torch.Tensor: ...
 
@@ -191,22 +201,37 @@ class KDAttention(nn.Module):
         self.o_norm.weight = nn.Parameter(torch.ones(self.head_dim))
         self.o_proj = nn.Linear(c, hid, bias=False)
 
+    @staticmethod
+    def _decoding(batch: KDABatch, device: torch.device) -> tuple[list[int], torch.Tensor | None, torch.Tensor]:
+        """The single-token sequences that take the batched recurrent step (not `keep` ones):
+        (their indices b, their token rows [B'] or None when they are the whole batch in order,
+        their slot ids [B'] on the device). A pure decode step builds no tensor here: rows are
+        all rows and the ids are the batch's own (a decode graph's static tensor)."""
+        decode = [b for b, n in enumerate(batch.lens) if n == 1 and not batch.keep[b]]
+        if len(decode) == len(batch.lens):
+            return decode, None, batch.slot_ids
+        rows = torch.tensor([batch.cu[b] for b in decode], dtype=torch.long, device=device)
+        return decode, rows, batch.slot_ids.index_select(0, torch.tensor(decode, dtype=torch.long, device=device))
+
     def _conv(self, qkv: torch.Tensor, batch: KDABatch, states: KDAStateStore) -> torch.Tensor:
         """Causal depthwise conv + SiLU over each sequence, continuing its cached window."""
         w = self.conv1d.weight  # [3C, 1, K] fp32
         out = torch.empty_like(qkv)  # [T, 3C]
         layer = self.layer_idx
-        decode = [b for b, n in enumerate(batch.lens) if n == 1]
+        decode, rows, ids = self._decoding(batch, qkv.device)
         if decode:
-            rows = torch.tensor([batch.cu[b] for b in decode], device=qkv.device)
-            past = torch.stack([states.conv(layer, batch.slots[b]) for b in decode])  # [B, 3C, K-1]
-            win = torch.cat([past, qkv[rows].unsqueeze(-1)], dim=-1)  # [B, 3C, K]
-            y = F.silu(F.conv1d(win.to(w.dtype), w, groups=w.shape[0]))  # [B, 3C, 1]
-            out[rows] = y[..., 0].to(qkv.dtype)
-            for j, b in enumerate(decode):
-                states.set_conv(layer, batch, b, win[j])
+            cached = states.conv_rows[layer]  # [num_slots, 3C, K-1]
+            past = cached.index_select(0, ids)  # [B, 3C, K-1]
+            new = qkv if rows is None else qkv[rows]  # [B, 3C]
+            win = torch.cat([past, new.unsqueeze(-1)], dim=-1)  # [B, 3C, K]
+            y = F.silu(F.conv1d(win.to(w.dtype), w, groups=w.shape[0]))[..., 0].to(qkv.dtype)  # [B, 3C]
+            if rows is None:
+                out.copy_(y)
+            else:
+                out[rows] = y
+            cached.index_copy_(0, ids, win[..., 1:])
         for b, n in enumerate(batch.lens):
-            if n == 1:
+            if n == 1 and not batch.keep[b]:
                 continue
             lo = batch.cu[b]
             win = torch.cat([states.conv(layer, batch.slots[b]), qkv[lo:lo + n].t()], dim=-1)  # [3C, K-1+n]
@@ -226,14 +251,18 @@ class KDAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x))  # [T, H]
         core = torch.empty(t, h, d, dtype=torch.float32, device=x.device)
 
-        decode = [b for b, n in enumerate(batch.lens) if n == 1 and not batch.keep[b]]
+        decode, rows, ids = self._decoding(batch, x.device)
         if decode:  # all single-token sequences in one recurrent step
-            rows = torch.tensor([batch.cu[b] for b in decode], device=x.device)
-            s0 = torch.stack([states.ssm(layer, batch.slots[b]) for b in decode])  # [B, H, dk, dv]
-            o, s1, _ = kda_recurrent(q[rows, None], k[rows, None], v[rows, None], g[rows, None], beta[rows, None], s0)
-            core[rows] = o[:, 0]
-            for j, b in enumerate(decode):
-                states.set_ssm(layer, batch, b, s1[j])
+            cached = states.ssm_rows[layer]  # [num_slots, H, dk, dv] fp32
+            s0 = cached.index_select(0, ids)  # [B, H, dk, dv]
+            # [B, 1, ...] contiguous copies, as a row gather makes them (same reduction layout)
+            q1, k1, v1, g1, b1 = ((z if rows is None else z[rows])[:, None].contiguous() for z in (q, k, v, g, beta))
+            o, s1, _ = kda_recurrent(q1, k1, v1, g1, b1, s0)
+            if rows is None:
+                core.copy_(o[:, 0])
+            else:
+                core[rows] = o[:, 0]
+            cached.index_copy_(0, ids, s1)
         for b, n in enumerate(batch.lens):
             if n == 1 and not batch.keep[b]:
                 continue

@@ -5,15 +5,18 @@ A serving engine gives each running sequence a slot; one forward may mix slots i
 
 | layer kind        | state                               | where                               |
 |-------------------|-------------------------------------|-------------------------------------|
-| KDA               | short-conv window [3C, K-1]          | `KDAStates`, per slot (any int id)  |
-| KDA               | delta-rule state [H, dk, dv] fp32    | `KDAStates`, per slot               |
+| KDA               | short-conv window [3C, K-1]          | `KDAStates`: [num_slots, ...] rows  |
+| KDA               | delta-rule state [H, dk, dv] fp32    | `KDAStates`: [num_slots, ...] rows  |
 | MLA               | normalized kv_a latent [r] per token | rows: `Glm5NextCache` or paged KV   |
 | MLA, full indexer | indexer key + k-pool gate [2d]/token | rows, like the latent               |
 
-Layers talk to a "cache" object with two members: `kda` (a `KDAStates`) and
-`mla_rows(name, layer, batch, b, rows) -> all rows of that sequence`. `Glm5NextCache` is the
-self-contained version (contiguous rows per slot, also for the MTP layer); the engine adapter
-(engine.py) provides the same over the engine's paged KV cache. KDA state cannot be rebuilt
+Layers talk to a "cache" object: `kda` (a `KDAStates`) and `attention_step(batch) -> (step,
+row store)`, what an MLA attention core reads; the row store answers `segments(step)` (per
+sequence: first row, tokens held, new tokens) and `mla_rows(name, layer, step, b, rows) -> all
+rows of that sequence`. `Glm5NextCache` is the self-contained version (contiguous rows per
+slot, also for the MTP layer; the step is the SeqBatch); the engine adapter (engine.py)
+provides the same over the engine's paged KV cache, with the engine's ForwardBatch as the step
+(a decode graph replays the core with each step's ForwardBatch and the same row store). KDA state cannot be rebuilt
 from a prefix of pages, so a sequence must start at token 0 or continue exactly where its
 slot stopped; anything else (e.g. a prefix-cache hit) raises.
 """
@@ -36,12 +39,17 @@ class SeqBatch:
     `starts[b]` is how many tokens slot `slots[b]` already holds (0 = fresh sequence). With
     `keep_states` (True for all sequences, or one flag per sequence), KDA layers record every
     intermediate state of those sequences so their slots can be rolled back to any prefix of
-    the new tokens (speculative verification); `keep[b]` is the per-sequence flag."""
+    the new tokens (speculative verification); `keep[b]` is the per-sequence flag.
+
+    `slot_ids` [B] long on the model's device holds `slots` for the device work (KDA reads and
+    writes its state rows by it); under a decode graph it is the static tensor refilled before
+    each replay, so the recorded work never reads the host list. None: the model uploads it."""
 
     slots: list[int]
     starts: list[int]
     lens: list[int]
     keep_states: bool | list[bool] = False
+    slot_ids: torch.Tensor | None = None
     cu: list[int] = field(init=False)
     keep: list[bool] = field(init=False)
 
@@ -71,102 +79,129 @@ class SeqBatch:
         return [self.cu[b + 1] - 1 for b in range(len(self.lens))]
 
 
-@dataclass
-class _Slot:
-    length: int = 0
-    conv: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [3C, K-1]
-    ssm: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [H, dk, dv] fp32
-    # keep_states forward: layer -> (start, states [n+1, H, dk, dv], window [3C, K-1+n])
-    hist: dict[int, list] = field(default_factory=dict)
-
-
 class KDAStates:
-    """KDA conv windows and recurrent states keyed by slot id (created on a slot's first token)."""
+    """KDA conv windows and recurrent states of slots [0, num_slots) in static tensors.
 
-    def __init__(self, cfg: Glm5NextConfig, device: torch.device | str, dtype: torch.dtype):
+    Per KDA layer one conv tensor [num_slots, 3C, K-1] and one delta-state tensor
+    [num_slots, H, dk, dv] fp32, allocated once: a decode step reads and writes its sequences'
+    rows by a device tensor of slot ids (`index_select` / `index_copy_`), with no per-slot Python
+    and no host sync, so a CUDA graph can record it and replay it for any slots. Host-side
+    bookkeeping (tokens held per slot, the recorded states of a verification) stays in lists.
+
+    Until `reserve` fixes the slot count, a slot beyond it grows the tensors (tests and tools
+    that drive the model directly); afterwards the addresses never change and such a slot raises.
+    """
+
+    def __init__(self, cfg: Glm5NextConfig, num_slots: int, device: torch.device | str, dtype: torch.dtype):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.kda_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_kda(i)]
-        self.slots: dict[int, _Slot] = {}
+        self.fixed = False
+        self.conv_rows: dict[int, torch.Tensor] = {}  # layer -> [num_slots, 3C, K-1]
+        self.ssm_rows: dict[int, torch.Tensor] = {}  # layer -> [num_slots, H, dk, dv] fp32
+        self.lengths: list[int] = []  # tokens whose state each slot holds
+        # keep_states forward: slot -> layer -> [start, states [n+1, H, dk, dv], window [3C, K-1+n]]
+        self.hist: dict[int, dict[int, list]] = {}
+        self._grow(num_slots)
 
-    def _fresh(self) -> _Slot:
-        c = self.cfg
-        s = _Slot()
+    @property
+    def num_slots(self) -> int:
+        return len(self.lengths)
+
+    def _grow(self, num_slots: int) -> None:
+        """Tensors for `num_slots` slots, the rows of the current ones copied over."""
+        c, old = self.cfg, self.num_slots
         for i in self.kda_layers:
-            s.conv[i] = torch.zeros(3 * c.linear_qkv_dim, c.linear_conv_kernel_dim - 1, dtype=self.dtype,
-                                    device=self.device)
+            conv = torch.zeros(num_slots, 3 * c.linear_qkv_dim, c.linear_conv_kernel_dim - 1, dtype=self.dtype,
+                               device=self.device)
             h, d = c.linear_num_heads, c.linear_head_dim
-            s.ssm[i] = torch.zeros(h, d, d, dtype=torch.float32, device=self.device)
-        return s
+            ssm = torch.zeros(num_slots, h, d, d, dtype=torch.float32, device=self.device)
+            if old:
+                conv[:old].copy_(self.conv_rows[i])
+                ssm[:old].copy_(self.ssm_rows[i])
+            self.conv_rows[i], self.ssm_rows[i] = conv, ssm
+        self.lengths += [0] * (num_slots - old)
+
+    def reserve(self, num_slots: int) -> None:
+        """Fix the slot count (the engine's max_num_seqs): fresh tensors whose addresses stay."""
+        self.lengths, self.hist, self.fixed = [], {}, False
+        self._grow(num_slots)
+        self.fixed = True
 
     def length(self, slot: int) -> int:
-        s = self.slots.get(slot)
-        return 0 if s is None else s.length
+        return self.lengths[slot] if 0 <= slot < self.num_slots else 0
 
     def release(self, slot: int) -> None:
-        self.slots.pop(slot, None)
+        if 0 <= slot < self.num_slots:
+            self.lengths[slot] = 0
+        self.hist.pop(slot, None)
 
     def begin(self, batch: SeqBatch) -> None:
-        """Check continuity and set up the batch's slots; fresh state for sequences at 0."""
+        """Check continuity; zero the state of the batch's sequences that start at token 0."""
+        top = max(batch.slots) + 1
+        if min(batch.slots) < 0 or (top > self.num_slots and self.fixed):
+            raise UserError(f"glm5_next: slot ids {batch.slots} outside the {self.num_slots} reserved slots")
+        if top > self.num_slots:
+            self._grow(top)
+        fresh = []
         for slot, start in zip(batch.slots, batch.starts):
             if start == 0:
-                s = self.slots.get(slot)
-                if s is None:
-                    self.slots[slot] = self._fresh()
-                else:
-                    for t in s.conv.values():
-                        t.zero_()
-                    for t in s.ssm.values():
-                        t.zero_()
-                    s.length, s.hist = 0, {}
-            elif self.length(slot) != start:
+                fresh.append(slot)
+            elif self.lengths[slot] != start:
                 raise UserError(
-                    f"glm5_next: slot {slot} holds KDA state for {self.length(slot)} tokens but the batch "
+                    f"glm5_next: slot {slot} holds KDA state for {self.lengths[slot]} tokens but the batch "
                     f"continues at {start} (recurrent state cannot resume from cached pages; "
                     "disable prefix caching for this model)")
-            else:
-                self.slots[slot].hist = {}
+            self.hist.pop(slot, None)
+        if fresh and self.kda_layers:  # one index upload, then per layer one fill of those rows
+            idx = torch.tensor(fresh, dtype=torch.long, device=self.device)
+            for i in self.kda_layers:
+                self.conv_rows[i].index_fill_(0, idx, 0)
+                self.ssm_rows[i].index_fill_(0, idx, 0)
 
     def commit(self, batch: SeqBatch) -> None:
         for slot, start, n in zip(batch.slots, batch.starts, batch.lens):
-            self.slots[slot].length = start + n
+            self.lengths[slot] = start + n
 
     def conv(self, layer: int, slot: int) -> torch.Tensor:
-        return self.slots[slot].conv[layer]
+        """[3C, K-1] view of one slot's window (per-sequence prefill path)."""
+        return self.conv_rows[layer][slot]
 
     def ssm(self, layer: int, slot: int) -> torch.Tensor:
-        return self.slots[slot].ssm[layer]
+        """[H, dk, dv] fp32 view of one slot's delta state."""
+        return self.ssm_rows[layer][slot]
 
     def set_conv(self, layer: int, batch: SeqBatch, b: int, window: torch.Tensor) -> None:
         """window [3C, K-1+n]: the cached columns followed by this forward's pre-conv rows."""
-        s = self.slots[batch.slots[b]]
-        km1 = s.conv[layer].shape[-1]
+        slot = batch.slots[b]
+        row = self.conv_rows[layer][slot]
         if batch.keep[b]:
-            s.hist.setdefault(layer, [batch.starts[b], None, None])[2] = window.clone()
-        s.conv[layer].copy_(window[:, window.shape[-1] - km1:])
+            self.hist.setdefault(slot, {}).setdefault(layer, [batch.starts[b], None, None])[2] = window.clone()
+        row.copy_(window[:, window.shape[-1] - row.shape[-1]:])
 
     def set_ssm(self, layer: int, batch: SeqBatch, b: int, state: torch.Tensor,
                 steps: torch.Tensor | None = None) -> None:
         """state [H, dk, dv]; steps [n+1, H, dk, dv] (keep_states only): before/after each token."""
-        s = self.slots[batch.slots[b]]
+        slot = batch.slots[b]
         if steps is not None:
-            s.hist.setdefault(layer, [batch.starts[b], None, None])[1] = steps
-        s.ssm[layer].copy_(state)
+            self.hist.setdefault(slot, {}).setdefault(layer, [batch.starts[b], None, None])[1] = steps
+        self.ssm_rows[layer][slot].copy_(state)
 
     def rollback(self, slot: int, length: int) -> None:
         """Keep the first `length` tokens; they must lie inside the slot's last keep_states forward."""
-        s = self.slots[slot]
-        if length == s.length:
+        if length == self.length(slot):
             return
-        for layer, (start, steps, window) in s.hist.items():
+        hist = self.hist.get(slot, {})
+        for layer, (start, steps, window) in hist.items():
             j = length - start
             if steps is None or not 0 <= j < steps.shape[0]:
                 raise RuntimeError(f"slot {slot}: rollback to {length} is outside the recorded span")
-            s.ssm[layer].copy_(steps[j])
-            km1 = s.conv[layer].shape[-1]
-            s.conv[layer].copy_(window[:, j:j + km1])
-        if not s.hist and self.kda_layers:
+            self.ssm_rows[layer][slot].copy_(steps[j])
+            km1 = self.conv_rows[layer].shape[-1]
+            self.conv_rows[layer][slot].copy_(window[:, j:j + km1])
+        if not hist and self.kda_layers:
             raise RuntimeError(f"slot {slot}: rollback needs a keep_states forward")
-        s.length, s.hist = length, {}
+        self.lengths[slot] = length
+        self.hist.pop(slot, None)
 
 
 class Glm5NextCache:
@@ -181,7 +216,7 @@ class Glm5NextCache:
         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, mtp: bool = False,
     ):
         self.cfg, self.num_slots, self.max_len = cfg, num_slots, max_len
-        self.kda = KDAStates(cfg, device, dtype)
+        self.kda = KDAStates(cfg, num_slots, device, dtype)
         self.rows: dict[tuple[str, int], torch.Tensor] = {}
         mla = [i for i in range(cfg.num_hidden_layers) if not cfg.is_kda(i)]
         if mtp and cfg.num_nextn_predict_layers:
@@ -227,6 +262,15 @@ class Glm5NextCache:
     def rollback_mtp(self, slot: int, length: int) -> None:
         """MTP rows are attention-only: dropping entries is a length change."""
         self.mtp_lengths[slot] = min(self.mtp_lengths[slot], length)
+
+    def attention_step(self, batch: SeqBatch) -> tuple[SeqBatch, "Glm5NextCache"]:
+        """What an MLA attention core reads: the batch itself, and this cache as its row store."""
+        return batch, self
+
+    @staticmethod
+    def segments(batch: SeqBatch) -> list[tuple[int, int, int]]:
+        """Per sequence: (first row in the flat tokens, tokens already held, new tokens)."""
+        return [(batch.cu[b], batch.starts[b], batch.lens[b]) for b in range(len(batch.lens))]
 
     def mla_rows(self, name: str, layer: int, batch: SeqBatch, b: int, rows: torch.Tensor) -> torch.Tensor:
         """Store rows [n, W] at the sequence's new positions; return all its rows [start+n, W]."""

@@ -53,6 +53,13 @@ class _TrainRows:
 
     kda = None
 
+    def attention_step(self, batch: SeqBatch) -> tuple[SeqBatch, "_TrainRows"]:
+        return batch, self
+
+    @staticmethod
+    def segments(batch: SeqBatch) -> list[tuple[int, int, int]]:
+        return [(batch.cu[b], batch.starts[b], batch.lens[b]) for b in range(len(batch.lens))]
+
     def mla_rows(self, name: str, layer: int, batch: SeqBatch, b: int, rows: torch.Tensor) -> torch.Tensor:
         if batch.starts[b] != 0:
             raise ValueError("training rows: sequences must start at 0")

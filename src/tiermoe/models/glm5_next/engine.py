@@ -6,9 +6,15 @@ behaves like the generic decoder: `forward(ForwardBatch, kv_caches) -> hidden [T
 `logits(hidden) -> [N, V] fp32`, `cache_shapes()`, `moe_layers()`, `expert_backend`.
 
 MLA latent and indexer rows live in the engine's paged KV cache (per-token shapes from
-`cache_shapes`; KDA layers need none). KDA conv/recurrent state lives here, keyed by the
-engine's sequence slot: a sequence must start at token 0 or continue where its slot stopped,
-so prefix caching cannot be used with this family (a resume from cached pages raises).
+`cache_shapes`; KDA layers need none). KDA conv/recurrent state lives here, in static
+[num_slots, ...] tensors sized once for the engine's slots (`reserve_slots`) and indexed by
+the batch's `seq_slots` tensor: a sequence must start at token 0 or continue where its slot
+stopped, so prefix caching cannot be used with this family (a resume from cached pages raises).
+
+Decode CUDA graphs (runner/decode_graph.py): a pure decode step is captured whenever the
+expert backend allows (`decode_graph_unsupported`); `prepare_decode_step` does the step's host
+bookkeeping before each replay, `decode_step` is the recorded device work, and each MLA
+layer's rows + DSA selection + attention run eagerly between the graph pieces (mla.py).
 
 Speculative decoding hooks (used by tiermoe.runner.speculative when the engine runs with
 `num_speculative_tokens`): `enable_mtp()` loads the MTP layer, `mtp_cache_shapes()` sizes its
@@ -79,11 +85,32 @@ def build_spec(hf_config, path: str) -> Glm5NextSpec:
     )
 
 
+class _PagedRows:
+    """MLA rows in the engine's paged KV cache, addressed through a ForwardBatch: the row store
+    of the attention cores. It holds no per-step state, so a decode graph keeps the one it was
+    recorded with and hands the core each replayed step's ForwardBatch."""
+
+    def __init__(self, kv_caches: list[dict[str, torch.Tensor]] | dict[int, dict[str, torch.Tensor]]):
+        self.kv = kv_caches
+
+    @staticmethod
+    def segments(fb: ForwardBatch) -> list[tuple[int, int, int]]:
+        """Per sequence: (first row in the flat tokens, tokens already held, new tokens)."""
+        return [(s.q_start, s.ctx_len - s.q_len, s.q_len) for s in fb.seqs]
+
+    def mla_rows(self, name: str, layer: int, fb: ForwardBatch, b: int, rows: torch.Tensor) -> torch.Tensor:
+        cache = self.kv[layer][name]
+        flat = cache.view(-1, cache.shape[-1])  # [pages * page_size, W]
+        s = fb.seqs[b]
+        flat[fb.slot_mapping[s.q_start:s.q_start + s.q_len]] = rows.to(flat.dtype)
+        return flat[s.kv_index]
+
+
 class _PagedView:
     """The cache interface of the glm5_next layers over the engine's paged KV cache."""
 
-    def __init__(self, kda: KDAStates, kv_caches: list[dict[str, torch.Tensor]], fb: ForwardBatch):
-        self.kda, self.kv, self.fb = kda, kv_caches, fb
+    def __init__(self, kda: KDAStates, kv_caches, fb: ForwardBatch):
+        self.kda, self.rows, self.fb = kda, _PagedRows(kv_caches), fb
 
     def check(self, batch: SeqBatch, mtp: bool = False) -> None:
         pass  # capacity and page ownership are the scheduler's
@@ -91,12 +118,8 @@ class _PagedView:
     def commit(self, batch: SeqBatch, mtp: bool = False) -> None:
         pass
 
-    def mla_rows(self, name: str, layer: int, batch: SeqBatch, b: int, rows: torch.Tensor) -> torch.Tensor:
-        cache = self.kv[layer][name]
-        flat = cache.view(-1, cache.shape[-1])  # [pages * page_size, W]
-        s = self.fb.seqs[b]
-        flat[self.fb.slot_mapping[s.q_start:s.q_start + s.q_len]] = rows.to(flat.dtype)
-        return flat[s.kv_index]
+    def attention_step(self, batch: SeqBatch) -> tuple[ForwardBatch, _PagedRows]:
+        return self.fb, self.rows
 
 
 class Glm5NextEngineModel(ServingModel):
@@ -107,7 +130,7 @@ class Glm5NextEngineModel(ServingModel):
         super().__init__()
         self.model, self.spec = model, spec
         self.device, self.dtype = torch.device(device), dtype
-        self.kda = KDAStates(model.cfg, self.device, dtype)
+        self.kda = KDAStates(model.cfg, 1, self.device, dtype)  # grows until reserve_slots fixes it
         self.model_dir = model_dir
 
     @property
@@ -129,8 +152,15 @@ class Glm5NextEngineModel(ServingModel):
     def moe_layers(self) -> list:
         return self.model.moe_layers()
 
+    def reserve_slots(self, num_slots: int) -> None:
+        """KDA state rows for the engine's slots, at addresses that stay (see KDAStates)."""
+        self.kda.reserve(num_slots)
+
     def decode_graph_unsupported(self) -> str | None:
-        return "glm5_next: KDA state lives in per-slot Python state (decode steps run eagerly)"
+        """Capturable whenever the expert backend is: KDA state is static and slot-indexed, MLA's
+        per-step part is a graph break; the rest (mHC, norms, projections, router, shared
+        expert) has static shapes and no host sync."""
+        return self.model.expert_backend.graph_unsupported()
 
     def paged_decode_attention_unsupported(self) -> str | None:
         return "only grouped-query attention has a paged decode kernel (glm5_next uses latent attention)"
@@ -139,7 +169,7 @@ class Glm5NextEngineModel(ServingModel):
     def _seq_batch(batch: ForwardBatch, keep_states: list[bool] | None = None) -> SeqBatch:
         seqs = batch.seqs
         sb = SeqBatch([s.slot for s in seqs], [s.ctx_len - s.q_len for s in seqs], [s.q_len for s in seqs],
-                      keep_states=keep_states if keep_states is not None else False)
+                      keep_states=keep_states if keep_states is not None else False, slot_ids=batch.seq_slots)
         if sb.cu[:-1] != [s.q_start for s in seqs]:
             raise ValueError("ForwardBatch sequences are not laid out back to back")
         return sb
@@ -151,6 +181,20 @@ class Glm5NextEngineModel(ServingModel):
         some of this forward's tokens (speculative verification)."""
         sb = self._seq_batch(batch, keep_states)
         return self.model(batch.input_ids, sb, _PagedView(self.kda, kv_caches, batch))
+
+    def prepare_decode_step(self, batch: ForwardBatch) -> None:
+        """The host half of `forward` for a replayed decode step: continuity checked, fresh
+        slots' KDA rows zeroed, slot lengths advanced."""
+        sb = self._seq_batch(batch)
+        view = _PagedView(self.kda, [], batch)
+        self.model.begin(batch.input_ids, sb, view)
+        self.model.commit(sb, view)
+
+    @torch.inference_mode()
+    def decode_step(self, batch: ForwardBatch, kv_caches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """The device half: reads slots through `batch.seq_slots`, never the host list."""
+        view = _PagedView(self.kda, kv_caches, batch)
+        return self.model.layers_forward(batch.input_ids, self._seq_batch(batch), view)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,13 @@ Selection (per query at absolute position p, sequence length L after this forwar
   (exact ties go to the lower pool; the reference's topk leaves that choice unspecified);
 - with index_kpool_always_select_tail, the tokens of p's own incomplete pool are added.
 A "shared" layer reuses the selection of the full layer just before it. The selection is an
-index list [S, index_topk + P - 1] padded with -1, exactly as transformers builds it.
+index list [S, index_topk + P - 1] padded with -1, exactly as transformers builds it; one
+forward's selections are rows of one [T, W] tensor (the layer hands it to the next).
+
+In a decode CUDA graph (runner/decode_graph.py) everything up to the per-sequence part is
+captured; that part (rows written, selection, attention: shapes that change every step) is the
+eager core between two graph pieces. The indexer's top-k sorts over the sequence's pools, whose
+count grows with its length, so it stays in the core too.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tiermoe.models.blocks.attention import DSAIndexer
+from tiermoe.models.blocks.graph_break import graph_break
 
 from .cache import SeqBatch
 from .config import Glm5NextConfig
@@ -63,38 +70,62 @@ class MLAttention(nn.Module):
         self.hands_on = layer_idx < cfg.num_hidden_layers and cfg.hands_topk_on(layer_idx)
 
     def forward(
-        self, x: torch.Tensor, batch: SeqBatch, cache, prev_sel: list[torch.Tensor] | None,
-    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """x [T, hidden] -> ([T, hidden], per-sequence selections for a following shared layer).
+        self, x: torch.Tensor, batch: SeqBatch, cache, prev_sel: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [T, hidden] -> ([T, hidden], selection [T, W] long for a following shared layer).
 
-        `cache.mla_rows(name, layer, batch, b, rows)` stores this forward's rows of sequence b
-        and returns all of its rows (see cache.py)."""
+        Projections, norms and the indexer's per-token rows and queries have static shapes;
+        the rest needs each sequence's whole context (rows written, DSA selection, attention)
+        and is the attention core, a `graph_break`: eager between the pieces of a decode CUDA
+        graph, replayed with each step's batch. `cache.attention_step(batch)` names what the
+        core reads: the step (whose layout the row store understands) and the row store, whose
+        `mla_rows(name, layer, step, b, rows)` stores this forward's rows of sequence b and
+        returns all of its rows (see cache.py)."""
         t = x.shape[0]
         q_resid = self.q_a_layernorm(self.q_a_proj(x))  # [T, q_lora]
         q = self.q_b_proj(q_resid).view(t, self.num_heads, self.dk)
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)[:, : self.r])  # [T, r]
+        step, rows = cache.attention_step(batch)
         if self.indexer is not None:
-            rows = self.indexer.token_rows(x)  # [T, 2d]
-            iq, iw = self.indexer.queries(x, q_resid)
+            index_rows = self.indexer.token_rows(x)  # [T, 2d]
+            iq, iw = self.indexer.queries(x, q_resid)  # [T, nh, d], [T, nh]
+            sel = torch.empty(t, self.indexer.width, dtype=torch.long, device=x.device)  # the core fills it
+            out = graph_break(self._core_indexed, (q, latent, index_rows, iq, iw, sel), step, rows)
         elif prev_sel is None:
             raise RuntimeError(f"layer {self.layer_idx}: shared DSA layer without a previous selection")
-        out = torch.empty(t, self.num_heads, self.dv, dtype=x.dtype, device=x.device)
-        sels = []
-        for b, (start, n) in enumerate(zip(batch.starts, batch.lens)):
-            lo, hi = batch.cu[b], batch.cu[b] + n
-            lat = cache.mla_rows("latent", self.layer_idx, batch, b, latent[lo:hi])  # [L, r]
-            if self.indexer is not None:
-                all_rows = cache.mla_rows("index", self.layer_idx, batch, b, rows[lo:hi])  # [L, 2d]
-                sel = self.indexer.select(iq[lo:hi], iw[lo:hi], all_rows, start)
-            else:
-                sel = prev_sel[b]
-            sels.append(sel)
-            if n <= GATHER_MAX_TOKENS:
-                out[lo:hi] = self._attend_gather(q[lo:hi], lat, sel)
-            else:
-                out[lo:hi] = self._attend_dense(q[lo:hi], lat, sel)
-        y = self.o_proj(out.reshape(t, -1))
-        return y, (sels if self.hands_on else None)
+        else:
+            sel = prev_sel
+            out = graph_break(self._core_shared, (q, latent, sel), step, rows)
+        y = self.o_proj(out.reshape(t, -1))  # out [T, H, dv]
+        return y, (sel if self.hands_on else None)
+
+    def _core_indexed(self, q, latent, index_rows, iq, iw, sel, step, rows) -> torch.Tensor:
+        """A layer with its own indexer: store the rows, select per query (written into sel
+        [T, W], which the next shared layer reads), attend. q [T, H, dk] -> [T, H, dv]."""
+        out = torch.empty(q.shape[0], self.num_heads, self.dv, dtype=q.dtype, device=q.device)
+        for b, (lo, start, n) in enumerate(rows.segments(step)):
+            hi = lo + n
+            lat = rows.mla_rows("latent", self.layer_idx, step, b, latent[lo:hi])  # [L, r]
+            all_rows = rows.mla_rows("index", self.layer_idx, step, b, index_rows[lo:hi])  # [L, 2d]
+            sel[lo:hi] = self.indexer.select(iq[lo:hi], iw[lo:hi], all_rows, start)
+            out[lo:hi] = self._attend(q[lo:hi], lat, sel[lo:hi])
+        return out
+
+    def _core_shared(self, q, latent, sel, step, rows) -> torch.Tensor:
+        """A shared layer: store the latent rows, attend over the previous layer's selection."""
+        out = torch.empty(q.shape[0], self.num_heads, self.dv, dtype=q.dtype, device=q.device)
+        for b, (lo, _, n) in enumerate(rows.segments(step)):
+            hi = lo + n
+            lat = rows.mla_rows("latent", self.layer_idx, step, b, latent[lo:hi])  # [L, r]
+            out[lo:hi] = self._attend(q[lo:hi], lat, sel[lo:hi])
+        return out
+
+    def _attend(self, q: torch.Tensor, lat: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+        """q [S, H, dk], lat [L, r], sel [S, W] -> [S, H, dv]: absorbed over the selected rows
+        for a few queries, expanded K/V with a mask for longer segments."""
+        if q.shape[0] <= GATHER_MAX_TOKENS:
+            return self._attend_gather(q, lat, sel)
+        return self._attend_dense(q, lat, sel)
 
     def _attend_dense(self, q: torch.Tensor, lat: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
         """Expanded K/V over all L cached rows with the selection as a boolean mask."""

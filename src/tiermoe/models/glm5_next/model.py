@@ -39,8 +39,8 @@ class DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(*hc)
 
     def forward(
-        self, streams: torch.Tensor, batch: SeqBatch, cache, prev_sel: list[torch.Tensor] | None,
-    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        self, streams: torch.Tensor, batch: SeqBatch, cache, prev_sel: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """streams [T, N, D] -> (streams [T, N, D], DSA selection handed to the next layer)."""
         post, comb, h = self.attn_hc.pre(streams)
         h = self.input_layernorm(h)
@@ -126,17 +126,34 @@ class Glm5NextModel(nn.Module):
         """input_ids [T] (flat, per `batch`) -> final normalized hidden states [T, D].
 
         Writes the new tokens' state into the batch's slots and advances their lengths."""
+        self.begin(input_ids, batch, cache)
+        hidden = self.layers_forward(input_ids, batch, cache)
+        self.commit(batch, cache)
+        return hidden
+
+    def begin(self, input_ids: torch.Tensor, batch: SeqBatch, cache: Glm5NextCache) -> None:
+        """Host bookkeeping before a forward's device work: checks, fresh slots zeroed, slot ids."""
         if input_ids.shape[0] != batch.num_tokens:
             raise ValueError(f"input_ids has {input_ids.shape[0]} tokens, batch expects {batch.num_tokens}")
         cache.check(batch)
         cache.kda.begin(batch)
+        if batch.slot_ids is None:
+            batch.slot_ids = torch.tensor(batch.slots, dtype=torch.long, device=input_ids.device)
+
+    @staticmethod
+    def commit(batch: SeqBatch, cache: Glm5NextCache) -> None:
+        """Host bookkeeping after it: the slots now hold their new tokens."""
+        cache.kda.commit(batch)
+        cache.commit(batch)
+
+    @torch.no_grad()
+    def layers_forward(self, input_ids: torch.Tensor, batch: SeqBatch, cache: Glm5NextCache) -> torch.Tensor:
+        """The device work of `forward` (what a decode graph records): [T] -> hidden [T, D]."""
         x = F.embedding(input_ids, self.embed_tokens.weight)  # [T, D]
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, N, D]
         sel = None
         for layer in self.layers:
             streams, sel = layer(streams, batch, cache, sel)
-        cache.kda.commit(batch)
-        cache.commit(batch)
         return self.norm(streams.mean(dim=1))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
