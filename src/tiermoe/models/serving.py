@@ -73,3 +73,33 @@ class ServingModel(nn.Module):
         """The device work of a pure decode step after `prepare_decode_step`: what a decode graph
         records. hidden [B, H]."""
         return self.forward(batch, kv_caches)
+
+    # -- speculative decoding (runner/speculative.py): models with an MTP draft head ----------
+    def draft_head_unsupported(self) -> str | None:
+        """None when the model can draft with an MTP head (loaded here, once: the KV budget must
+        know before the runner exists whether its rows will be needed), else a one-line reason.
+        Only then are the methods below called."""
+        return f"the {self.spec.arch} family has no MTP draft head"
+
+    def mtp_cache_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-token shapes of the MTP layer's paged rows."""
+        raise NotImplementedError
+
+    def mtp_forward(self, batch: ForwardBatch, mtp_kv: dict[str, torch.Tensor],
+                    prev_hidden: torch.Tensor) -> torch.Tensor:
+        """One MTP pass over entries (t_{i+1}, h_i [T, H]) -> MTP hidden [T, H]."""
+        raise NotImplementedError
+
+    def mtp_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
+        """MTP hidden [N, H] -> draft logits [N, V] fp32."""
+        raise NotImplementedError
+
+    def verify_forward(self, batch: ForwardBatch, kv_caches: list[dict[str, torch.Tensor]],
+                       keep_states: list[bool]) -> torch.Tensor:
+        """`forward` that also keeps, for the sequences flagged, what `rollback` needs to drop
+        some of this step's tokens (per-token recurrent state). hidden [T, H]."""
+        raise NotImplementedError
+
+    def rollback(self, slot: int, length: int) -> None:
+        """Keep the first `length` tokens of the slot's state after a `verify_forward`."""
+        raise NotImplementedError

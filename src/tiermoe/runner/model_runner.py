@@ -209,7 +209,7 @@ class ModelRunner:
         if drafts:  # verified sequences keep per-token recurrent state for the rollback
             batch = build_forward_batch(chunks, self.page_size, self.device, all_logits=all_logits)
             self._begin_step(batch, decode, flags)
-            return batch, self.model(batch, self.kv_caches, keep_states=[i in drafts for i in range(len(items))])
+            return batch, self.model.verify_forward(batch, self.kv_caches, [i in drafts for i in range(len(items))])
         return self._forward_chunks(chunks, decode, all_logits, flags)
 
     def check_step(self) -> None:

@@ -1,7 +1,7 @@
 """Speculative decoding in the engine: a model's MTP head drafts, one trunk forward verifies.
 
-Only for models exposing the MTP hooks (glm5_next: `enable_mtp`, `mtp_cache_shapes`,
-`mtp_forward`, `mtp_logits`, `rollback`, `forward(..., keep_states=)`), and only for requests
+Only for models with an MTP draft head (`ServingModel.draft_head_unsupported()` is None; glm5_next:
+`mtp_cache_shapes`, `mtp_forward`, `mtp_logits`, `verify_forward`, `rollback`), and only for requests
 whose next token is a plain argmax of the model's logits (greedy, no penalties, bias, grammar
 or logprobs; past `min_tokens`). Everything else decodes one token per step as before.
 
@@ -33,6 +33,7 @@ import torch
 
 from tiermoe.errors import UserError
 from tiermoe.models.batch import build_forward_batch
+from tiermoe.models.serving import ServingModel
 from tiermoe.scheduler.request import Request
 
 log = logging.getLogger("tiermoe.runner")
@@ -64,27 +65,25 @@ def _checked(num_speculative_tokens) -> int:
     return k
 
 
-def draft_cache_shapes(model, num_speculative_tokens: int) -> dict[str, tuple[int, ...]]:
+def draft_cache_shapes(model: ServingModel, num_speculative_tokens: int) -> dict[str, tuple[int, ...]]:
     """Per-token shapes of the MTP rows the drafter will allocate ({} when it will not draft).
 
     The KV budget is split into pages before the runner exists, so sizing has to know now
     whether drafting will really be on: this loads the MTP layer (once; `make_drafter` then
     finds it loaded) exactly as `make_drafter` would, but logs nothing."""
-    if _checked(num_speculative_tokens) == 0 or not hasattr(model, "enable_mtp") or not model.enable_mtp():
+    if _checked(num_speculative_tokens) == 0 or model.draft_head_unsupported() is not None:
         return {}
     return dict(model.mtp_cache_shapes())
 
 
-def make_drafter(model, num_pages: int, page_size: int, num_speculative_tokens: int):
+def make_drafter(model: ServingModel, num_pages: int, page_size: int, num_speculative_tokens: int):
     """The MTP drafter for this model, or None (off, or the model cannot draft: logged)."""
     k = _checked(num_speculative_tokens)
     if k == 0:
         return None
-    if not hasattr(model, "enable_mtp"):
-        log.warning("speculative decoding off: the %s family has no MTP draft head", model.spec.arch)
-        return None
-    if not model.enable_mtp():
-        log.warning("speculative decoding off: the checkpoint has no MTP layer weights")
+    why = model.draft_head_unsupported()
+    if why is not None:
+        log.warning("speculative decoding off: %s", why)
         return None
     return MTPDrafter(model, num_pages, page_size, k)
 

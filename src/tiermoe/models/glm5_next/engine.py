@@ -16,10 +16,11 @@ expert backend allows (`decode_graph_unsupported`); `prepare_decode_step` does t
 bookkeeping before each replay, `decode_step` is the recorded device work, and each MLA
 layer's rows + DSA selection + attention run eagerly between the graph pieces (mla.py).
 
-Speculative decoding hooks (used by tiermoe.runner.speculative when the engine runs with
-`num_speculative_tokens`): `enable_mtp()` loads the MTP layer, `mtp_cache_shapes()` sizes its
-paged rows, `forward(..., keep_states=[per sequence])` records KDA states for verification,
-`rollback(slot, length)` drops rejected tokens' KDA state, `mtp_forward` / `mtp_logits` draft.
+Speculative decoding hooks (ServingModel's, used by tiermoe.runner.speculative when the engine
+runs with `num_speculative_tokens`): `draft_head_unsupported()` loads the MTP layer
+(`enable_mtp`), `mtp_cache_shapes()` sizes its paged rows, `verify_forward(..., keep_states=[per
+sequence])` records KDA states for verification, `rollback(slot, length)` drops rejected
+tokens' KDA state, `mtp_forward` / `mtp_logits` draft.
 """
 
 from __future__ import annotations
@@ -208,6 +209,13 @@ class Glm5NextEngineModel(ServingModel):
         if self.model_dir is None:
             return self.model.mtp is not None
         return attach_mtp(self.model, self.model_dir)
+
+    def draft_head_unsupported(self) -> str | None:
+        return None if self.enable_mtp() else "the checkpoint has no MTP layer weights"
+
+    def verify_forward(self, batch: ForwardBatch, kv_caches: list[dict[str, torch.Tensor]],
+                       keep_states: list[bool]) -> torch.Tensor:
+        return self.forward(batch, kv_caches, keep_states=keep_states)
 
     @property
     def mtp_layer(self) -> int:
