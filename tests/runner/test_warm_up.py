@@ -32,3 +32,18 @@ def test_warm_up_runs_every_shape_and_changes_no_token(tiny_dir):
     assert stats["warm_up"]["steps"] == steps and stats["warm_up"]["seconds"] >= 0
     assert stats["decode_attention"] == "sdpa" and "decode_graphs" not in stats  # CPU: no graphs
     assert generate_ids(warmed, prompts, params) == fresh
+
+
+def test_glm5_next_warm_up_changes_no_token(tiny_dir):
+    """A hybrid whose first layers are KDA (no paged rows): the warm-up finds the page pool in a
+    later layer, and its dummy sequences' KDA slot state does not leak into served requests."""
+    def engine():
+        return build_engine_core(str(tiny_dir("glm5_next")), device="cpu", dtype="float32", max_num_seqs=2,
+                                 max_model_len=160, options={"max_num_batched_tokens": 128})
+
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = [[7, 8, 9, 10, 11], list(range(20, 90))]
+    fresh = generate_ids(engine(), prompts, params)
+    warmed = engine()
+    assert warmed.warm_up() == 8 + 2 * 2  # prefill chunks of 1..128 tokens, decode batches of 1 and 2
+    assert generate_ids(warmed, prompts, params) == fresh

@@ -116,7 +116,8 @@ class ModelRunner:
         first request).
         """
         saved = self.experts.save_decisions()
-        pool = next(iter(self.kv_caches[0].values())).shape[0]  # KV pages
+        # KV pages (the first layer with paged rows: a hybrid's first layers may hold none)
+        pool = next(t for layer in self.kv_caches for t in layer.values()).shape[0]
         steps = 0
         n = 1
         while n <= max_chunk:
