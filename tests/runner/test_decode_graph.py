@@ -215,3 +215,93 @@ def test_graph_decode_is_bit_identical_to_eager(tiny_dir, tmp_path, attention, m
             assert c["graphs"]["programs"] == {batch: ["graph"]}, c["graphs"]
         else:  # one eager attention core per layer between graph pieces
             assert c["graphs"]["programs"][batch].count("eager") == c["layers"], c
+
+
+def _glm5_store(tiny_dir, tmp_path):
+    """tiny glm5_next (KDA, MLA + DSA with a shared-indexer layer, mHC; 5 MoE layers of 8
+    experts, top-2) packed as int4 records; skips where transformers cannot build its config."""
+    from tiermoe.store.pack import pack
+
+    try:
+        path = tiny_dir("glm5_next", "bfloat16")
+    except Exception as exc:  # transformers 5.17's config check predates glm5_next's layer types
+        if "layer_types" not in str(exc):
+            raise
+        pytest.skip(f"this transformers cannot build glm5_next's config: {str(exc).splitlines()[0][:120]}")
+    store = tmp_path / "glm5_store"
+    pack(str(path), str(store), quant="int4", group_size=32, progress=False, log=lambda _: None)
+    return store
+
+
+def _glm5_logits(store, eager: bool, batch: int, steps: int = 8, warm: bool = False,
+                 drafts: int = 0) -> tuple[list[torch.Tensor], dict | None, dict, list[list[int]]]:
+    """Every step's logits [N, V] (cloned as the runner computes them) of `batch` greedy requests
+    decoded together on CUDA, the graphs' counters with each program's pieces, the expert
+    backend's counters and each request's tokens. warm: the start-up warm-up first; drafts:
+    MTP speculative tokens per step (verify steps run eagerly, plain decode steps replay)."""
+    from tiermoe.engine.build import build_engine_core
+    from tiermoe.protocol import SamplingParams
+
+    opts = {"expert_kernel": "triton", "gpu_expert_gb": 64 * REC / GIB, "host_expert_gb": 64 * REC / GIB,
+            "mode": "exact", "enforce_eager": eager, "num_speculative_tokens": drafts}
+    eng = build_engine_core(str(store), device="cuda", dtype="bfloat16", max_num_seqs=3, options=opts)
+    if warm:
+        assert eng.warm_up() > 3
+    seen: list[torch.Tensor] = []
+    model_logits = eng.model.logits
+
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        out = model_logits(hidden)
+        seen.append(out.clone())
+        return out
+
+    eng.model.logits = logits  # the runner's one call per step that turns hidden states into logits
+    params = SamplingParams(max_tokens=steps, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(f"r{i}", [5 + i, 17, 33, 64, 101, 250][: 6 - i], params)
+    tokens: dict[str, list[int]] = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    graphs = eng.runner.graphs.counters() if eng.runner.graphs is not None else None
+    if graphs is not None:
+        graphs["programs"] = {b: [k for k, *_ in e.program] for (b, _), e in eng.runner.graphs._entries.items()}
+    experts = eng.stats()["experts"]
+    eng.model.expert_backend.close()
+    return seen, graphs, experts, [tokens[k] for k in sorted(tokens)]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA (TIERMOE_KERNEL_TESTS_ON_GPU=1)")
+def test_glm5_next_graph_decode_logits_bit_identical_to_eager(tiny_dir, tmp_path):
+    """glm5_next's decode steps replayed from graphs (KDA state rows by slot-id tensors, mHC,
+    MoE through the device cache captured; each MLA layer's rows + DSA selection + attention an
+    eager core) give the eager steps' logits bit for bit, at batch 1 and 3 over several steps."""
+    store = _glm5_store(tiny_dir, tmp_path)
+    mla_layers = 3  # tiny trunk: layers 2 (own indexer), 3 (shared), 7 (own indexer)
+    for batch in (1, 3):
+        want, graphs, _, _ = _glm5_logits(store, True, batch)
+        assert graphs is None
+        got, graphs, experts, _ = _glm5_logits(store, False, batch)
+        assert graphs is not None and graphs["failed"] is None, graphs
+        assert len(got) == len(want) == 8, batch  # the prefill step and 7 decode steps
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert torch.equal(g, w), (batch, i, (g - w).abs().max().item())
+        # the first decode step runs eagerly, the second records; replays from then on
+        assert graphs["captured_batch_sizes"] == [batch] and graphs["replays"] >= 5, graphs
+        assert graphs["programs"][batch].count("eager") == mla_layers, graphs
+        assert experts["device_cache"]["graph_replays"] == graphs["replays"], experts
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA (TIERMOE_KERNEL_TESTS_ON_GPU=1)")
+def test_glm5_next_graphs_with_warm_up_and_drafts_keep_tokens(tiny_dir, tmp_path):
+    """The warm-up's dummy decode steps (fresh slots, recorded programs) change no logit; with
+    MTP drafting, verify steps (KDA states kept, rolled back) run eagerly between replayed plain
+    decode steps and the tokens stay those of eager decoding without drafts."""
+    store = _glm5_store(tiny_dir, tmp_path)
+    want, _, _, plain = _glm5_logits(store, True, 3, steps=10)
+    got, graphs, _, tokens = _glm5_logits(store, False, 3, steps=10, warm=True)
+    assert tokens == plain and all(torch.equal(g, w) for g, w in zip(got, want)) and len(got) == len(want)
+    assert graphs["captured_batch_sizes"] == [1, 2, 3] and graphs["replays"] >= 8, graphs
+    _, graphs, _, drafted = _glm5_logits(store, False, 3, steps=10, drafts=2)
+    assert drafted == plain
+    assert graphs["failed"] is None, graphs
