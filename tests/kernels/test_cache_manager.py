@@ -14,7 +14,7 @@ REC = 8192  # bytes per fake record in the pure-cache tests
 SCRATCH_BASE = 1 << 30
 
 
-def _fake_cache(e, s, device, admit_max=None, admission_filter=True, scratch=0):
+def _fake_cache(e, s, device, admit_max=None, admission_filter=True, scratch=0, record_words=None):
     host = torch.arange(e, dtype=torch.int64, device=device) * REC + (1 << 40)  # addresses only
     return C.ExpertCache(
         host,
@@ -27,6 +27,7 @@ def _fake_cache(e, s, device, admit_max=None, admission_filter=True, scratch=0):
         decay_shift=3,
         scratch_base=SCRATCH_BASE,
         scratch_slots=scratch,
+        record_words=record_words,
     )
 
 
@@ -39,7 +40,7 @@ def _check_equal(cache, st):
     n = int(st["n_copy"][0])
     for key, want in st.items():
         g = got[key].cpu()
-        if key in ("copy_src", "copy_dst"):
+        if key in ("copy_src", "copy_dst", "copy_len"):
             g, want = g[:n], want[:n]
         assert torch.equal(g, want), (key, g, want)
 
@@ -175,6 +176,33 @@ def test_gather_records_copies_bytes(device):
     C.gather_records(cs, cd, torch.tensor([2], dtype=torch.int32, device=device), REC, programs=4)
     want = R.gather_records_ref(src.cpu(), torch.zeros(3, REC, dtype=torch.uint8), pairs)
     assert torch.equal(dst.cpu(), want)
+
+
+def test_mixed_store_copies_move_each_records_own_words(device):
+    """A mixed store's shorter records: every admitted or staged copy carries its expert's own length
+    (the twin agrees step by step), and the gather moves only those words, the rest of the row as it
+    was."""
+    e = 12
+    words = torch.tensor([REC // 4 if x % 3 else REC // 8 for x in range(e)], dtype=torch.int32)  # [E]
+    cache = _fake_cache(e, 4, device, scratch=3, record_words=words.to(device))
+    st = _twin_state(cache)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        ids = torch.stack([torch.multinomial(torch.linspace(3.0, 0.2, e), 3, generator=gen) for _ in range(2)])
+        C.cache_step(cache, ids.to(device))
+        R.cache_step_ref(st, ids, cache.admit_max, True, 3, (SCRATCH_BASE, 3, REC))
+        _check_equal(cache, st)
+        n = int(cache.n_copy)
+        assert n and cache.copy_len[:n].tolist() == [int(words[(int(a) - (1 << 40)) // REC])
+                                                      for a in cache.copy_src[:n].tolist()]
+    src = torch.randint(0, 256, (3, REC), dtype=torch.uint8, device=device)
+    dst = torch.full((2, REC), 7, dtype=torch.uint8, device=device)
+    cs = torch.tensor([src[2].data_ptr(), src[0].data_ptr()], dtype=torch.int64, device=device)
+    cd = torch.tensor([dst[0].data_ptr(), dst[1].data_ptr()], dtype=torch.int64, device=device)
+    lens = torch.tensor([REC // 4, 1000], dtype=torch.int32, device=device)  # whole, then 4000 bytes
+    C.gather_records(cs, cd, torch.tensor([2], dtype=torch.int32, device=device), REC, copy_len=lens, programs=3)
+    assert torch.equal(dst[0], src[2]) and torch.equal(dst[1, :4000], src[0, :4000])
+    assert bool((dst[1, 4000:] == 7).all())
 
 
 def test_cached_moe_is_bit_exact_for_any_budget(device):

@@ -86,6 +86,34 @@ def test_bit_identical_to_store_path_and_across_budgets(stores, kind):
             assert c["slots"] == 0 and c["hits"] == 0 and c["admitted"] == 0
 
 
+def test_mixed_store_copies_short_records_and_stays_bit_identical(tiny_dir, tmp_path_factory):
+    """A mixed store (bf16 hot records of 12,288 bytes, int8 cold ones of 8,192; the tiny model's
+    32-column down rows are too short for the int3 kernels' tiles): misses move each record's own
+    bytes into longer slot and staging rows, and the outputs stay bit-identical to the
+    store-managed path at every budget."""
+    import json
+
+    from testkit.stores import pack_tiny
+
+    cfg = json.loads((tiny_dir("glm4_moe", "bfloat16") / "config.json").read_text())
+    first = int(cfg.get("first_k_dense_replace", 0))
+    stats = tmp_path_factory.mktemp("mixed-stats") / "stats.json"
+    stats.write_text(json.dumps({f"model.layers.{layer}.mlp": [40, 20, 10, 8, 8, 6, 5, 3]
+                                 for layer in range(first, int(cfg["num_hidden_layers"]))}))
+    _, path = pack_tiny(tiny_dir, tmp_path_factory, "glm4_moe", dtype="bfloat16", quant="bf16", cold_quant="int8",
+                        cold_group_size=32, expert_stats=str(stats), hot_share=0.6)
+    rec = load_manifest(path).record_bytes
+    trace = _trace(3)
+    ref = _store_path_outputs(path, rec, trace)
+    for slots in (2 * 8, 2 * 2 + 2, 0):
+        with _host_store(path, rec) as st:
+            dc = DeviceCacheExperts(st, slots, rates={}, top_k=2, max_tokens=1)
+            words = {layer: c.record_words.tolist() for layer, c in dc.caches.items()}
+            got = [dc.forward(layer, *moe_batch(t, seed), decode=t < 17).cpu() for layer, t, seed in trace]
+        assert all(torch.equal(a, b) for a, b in zip(ref, got)), slots
+        assert all(sorted(set(w)) == [2048, 3072] for w in words.values())  # int8 and bf16 records, in words
+
+
 def test_matrix_vector_decode_path_is_bit_identical_across_budgets(stores, monkeypatch):
     """With a decode config that sends steps of up to 4 tokens to the matrix-vector kernel (as a
     tuned configs.json entry does), the device cache with 8, 2 and 0 slots per layer still gives

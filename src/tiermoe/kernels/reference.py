@@ -225,7 +225,8 @@ def cache_step_ref(
 
     state keys: ptr_table [E'] i64, host_addr [E] i64, slot_addr [S] i64, slot_expert [S] i32,
     expert_slot [E] i32, ref [S] i32, clock [2] i32 (hand, stamp), copy_src/copy_dst [M] i64,
-    n_copy [1] i32, stats [4] i64 (lookups, hits, misses, admitted), freq [E] i32.
+    n_copy [1] i32, stats [4] i64 (lookups, hits, misses, admitted), freq [E] i32; a mixed store's
+    record_words [E] i32 (each expert's record length in 4-byte words) and copy_len [M] i32 (each copy's).
 
     One decode step of one layer: the distinct routed experts of the batch, in first-pick
     order, are looked up; every expert's pick frequency decays and the picked ones gain 1024;
@@ -296,6 +297,8 @@ def cache_step_ref(
         st["ptr_table"][e] = st["slot_addr"][v]
         st["copy_src"][n] = st["host_addr"][e]
         st["copy_dst"][n] = st["slot_addr"][v]
+        if "record_words" in st:
+            st["copy_len"][n] = st["record_words"][e]
         n += 1
     base, rows, rec = scratch
     st["step_table"].copy_(st["ptr_table"])
@@ -315,6 +318,8 @@ def cache_step_ref(
     for q, e in enumerate(rejected[:rows]):
         st["copy_src"][n + q] = st["host_addr"][e]
         st["copy_dst"][n + q] = base + q * rec
+        if "record_words" in st:
+            st["copy_len"][n + q] = st["record_words"][e]
         st["step_table"][e] = base + q * rec
     for e in on_lane:
         st["step_table"][e] = zero_addr

@@ -34,7 +34,7 @@ entry, never the launch configuration or the summation order, so outputs are bit
 the store-triton backend and across budgets (tests/moe/test_device_cache.py, exact mode).
 A mixed store (`pack --cold-quant`) changes only what a row holds: slots, staging rows and host
 entries are all `store.record_bytes` long (the longest layout; a shorter record at the start of
-its row, copied whole), and each layer's kind table (moe/fused.py, by expert id, so the same in
+its row; a miss copies its own record's bytes, restore_decisions whole rows), and each layer's kind table (moe/fused.py, by expert id, so the same in
 every tier) tells the kernel which layout to read each expert's row at.
 
 Fast mode (`lane_forward`, answered by moe/device_lane.py; no host sync either, so it is
@@ -167,7 +167,8 @@ class DeviceCacheExperts(StoreBackend):
             host_addr = torch.tensor([t.data_ptr() for t in entries], dtype=torch.int64, device=dev)  # [E]
             slot_addr = (self.arena.data_ptr() + arena_rows * r).to(dev)  # [s] int64
             cache = ExpertCache(host_addr, slot_addr, s, r, max_picks=self.max_picks,
-                                scratch_base=self.scratch.data_ptr(), scratch_slots=self.stage_rows, lane_max=lane_cap)
+                                scratch_base=self.scratch.data_ptr(), scratch_slots=self.stage_rows, lane_max=lane_cap,
+                                record_words=self._record_words(layer))
             layer_rates = torch.tensor(rates_of[layers.index(layer)])  # [E] expected picks per token
             order = torch.argsort(layer_rates, descending=True, stable=True).tolist()
             for e, slot in cache.warm_start(order[:s]):
@@ -349,6 +350,14 @@ class DeviceCacheExperts(StoreBackend):
             count = torch.full((1,), cache.num_slots, dtype=torch.int32, device=held.device)
             gather_records(src, cache.slot_addr.clone(), count, cache.record_bytes, chunk_bytes=cache.gather_chunk,
                            programs=cache.gather_programs, num_warps=cache.gather_warps)
+
+    def _record_words(self, layer: int) -> torch.Tensor | None:
+        """A mixed store: int32 [E] 4-byte words of each expert's own record, so a miss moves its
+        record's bytes and not the longer tier entry's (None: one layout, every copy whole)."""
+        if not self.fused.mixed:
+            return None
+        words = torch.tensor([lay.length // 4 for lay in self.fused.layouts], dtype=torch.int32)  # [layouts]
+        return words[self.fused.kinds[layer].long().cpu()]
 
     def resident(self, layer: int) -> list[int]:
         """Experts of `layer` in GPU slots now (ascending; reads the device state)."""

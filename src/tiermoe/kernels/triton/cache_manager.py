@@ -72,6 +72,7 @@ def _cache_step_kernel(
     ref_ptr, clock_ptr, emark_ptr, victims_ptr, copy_src_ptr, copy_dst_ptr, n_copy_ptr, stats_ptr, freq_ptr,
     step_table_ptr, smark_ptr, saddr_ptr, scratch_base, SCRATCH, R,
     S, E, E_TOTAL, ADMIT_MAX, lane_ids_ptr, lmark_ptr, lane_share_ptr, LANE_MAX, LANE_CAP, zero_addr,
+    rec_words_ptr, copy_len_ptr, VARLEN: tl.constexpr,
     FILTER: tl.constexpr, SHIFT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, LANE: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
@@ -158,6 +159,8 @@ def _cache_step_kernel(
     tl.store(ref_ptr + v, 1, mask=adm)
     tl.store(copy_src_ptr + pos, ha, mask=adm)
     tl.store(copy_dst_ptr + pos, sa, mask=adm)
+    if VARLEN:  # a mixed store: each copy moves its own record's words, not the tier entry's
+        tl.store(copy_len_ptr + pos, tl.load(rec_words_ptr + ids, mask=adm, other=0), mask=adm)
     # misses not admitted: staged for this step only in the scratch rows (the gather kernel
     # reads host memory faster than the MoE kernel's in-place reads), else read in place
     rej = miss & (adm == 0)
@@ -179,6 +182,8 @@ def _cache_step_kernel(
     scr = scratch_base + q.to(tl.int64) * R
     tl.store(copy_src_ptr + n_adm + q, tl.load(host_addr_ptr + ids, mask=stg, other=0), mask=stg)
     tl.store(copy_dst_ptr + n_adm + q, scr, mask=stg)
+    if VARLEN:
+        tl.store(copy_len_ptr + n_adm + q, tl.load(rec_words_ptr + ids, mask=stg, other=0), mask=stg)
     tl.store(smark_ptr + ids, stamp, mask=stg)
     tl.store(saddr_ptr + ids, scr, mask=stg)
     tl.store(n_copy_ptr, n_adm + n_stg)
@@ -203,8 +208,10 @@ def _cache_step_kernel(
 
 
 @triton.jit
-def _gather_kernel(src_ptr, dst_ptr, n_ptr, NPROG, WORDS: tl.constexpr, CHUNK: tl.constexpr):
-    """Copy n records (WORDS int32 words each) src[j] -> dst[j]; work spread over NPROG programs."""
+def _gather_kernel(src_ptr, dst_ptr, n_ptr, len_ptr, NPROG, WORDS: tl.constexpr, CHUNK: tl.constexpr,
+                   VARLEN: tl.constexpr):
+    """Copy n records (WORDS int32 words each, or with VARLEN the first len[j] of them) src[j] -> dst[j];
+    work spread over NPROG programs."""
     pid = tl.program_id(0)
     n = tl.load(n_ptr)
     per_rec: tl.constexpr = WORDS // CHUNK
@@ -214,7 +221,11 @@ def _gather_kernel(src_ptr, dst_ptr, n_ptr, NPROG, WORDS: tl.constexpr, CHUNK: t
         off = (c % per_rec) * CHUNK
         s = tl.multiple_of(tl.load(src_ptr + j).to(tl.pointer_type(tl.int32)), 16)
         d = tl.multiple_of(tl.load(dst_ptr + j).to(tl.pointer_type(tl.int32)), 16)
-        tl.store(d + off + offs, tl.load(s + off + offs))
+        if VARLEN:
+            inside = off + offs < tl.load(len_ptr + j)
+            tl.store(d + off + offs, tl.load(s + off + offs, mask=inside), mask=inside)
+        else:
+            tl.store(d + off + offs, tl.load(s + off + offs))
 
 
 def gather_records(
@@ -223,6 +234,7 @@ def gather_records(
     n_copy: torch.Tensor,
     record_bytes: int,
     *,
+    copy_len: torch.Tensor | None = None,
     chunk_bytes: int = 16384,
     programs: int = 264,
     num_warps: int = 8,
@@ -230,14 +242,17 @@ def gather_records(
     """Copy `n_copy[0]` records of `record_bytes` from copy_src[j] to copy_dst[j] (int64 addresses).
 
     The count stays on the device; the grid is fixed, so this is graph-capturable. Sources
-    may be pinned host memory (read over PCIe in place), destinations GPU memory.
+    may be pinned host memory (read over PCIe in place), destinations GPU memory. copy_len:
+    int32 [M] words of copy j (at most record_bytes / 4; a mixed store's shorter records), the
+    rest of its destination row left as it was.
     """
     if record_bytes % chunk_bytes:
         chunk_bytes = 4096
     if record_bytes % chunk_bytes:
         raise ValueError(f"record length {record_bytes} is not a multiple of 4096")
     _gather_kernel[(programs,)](
-        copy_src, copy_dst, n_copy, programs, WORDS=record_bytes // 4, CHUNK=chunk_bytes // 4, num_warps=num_warps
+        copy_src, copy_dst, n_copy, copy_len if copy_len is not None else n_copy, programs,
+        WORDS=record_bytes // 4, CHUNK=chunk_bytes // 4, VARLEN=copy_len is not None, num_warps=num_warps
     )
 
 
@@ -265,6 +280,7 @@ class ExpertCache:
         scratch_base: int = 0,
         scratch_slots: int = 0,
         lane_max: int = 0,
+        record_words: torch.Tensor | None = None,
     ) -> None:
         dev = host_addr.device
         e = host_addr.numel()
@@ -290,6 +306,9 @@ class ExpertCache:
         self.copy_src = torch.zeros(max_picks, **i64)
         self.copy_dst = torch.zeros(max_picks, **i64)
         self.n_copy = torch.zeros(1, **i32)
+        # a mixed store: int32 [E] words of each expert's own record, and of each copy (None: all whole)
+        self.record_words = None if record_words is None else record_words.to(device=dev, dtype=torch.int32)
+        self.copy_len = torch.zeros(max_picks, **i32) if record_words is not None else None
         self.stats = torch.zeros(4, **i64)
         self.freq = torch.zeros(e, **i32)  # decayed pick counts, 1024 per pick
         self.admission_filter, self.decay_shift = bool(admission_filter), int(decay_shift)
@@ -329,7 +348,8 @@ class ExpertCache:
             "lmark",
             "lane_share",
         )
-        return {n: getattr(self, n) for n in names}
+        varlen = {"record_words": self.record_words, "copy_len": self.copy_len} if self.copy_len is not None else {}
+        return {**{n: getattr(self, n) for n in names}, **varlen}
 
     def warm_start(self, experts: list[int]) -> list[tuple[int, int]]:
         """Place `experts` (e.g. the most popular) into slots 0.. ; returns (expert, slot) pairs.
@@ -418,6 +438,7 @@ class ExpertCache:
                 self.copy_dst,
                 self.n_copy,
                 self.record_bytes,
+                copy_len=self.copy_len,
                 chunk_bytes=self.gather_chunk,
                 programs=self.gather_programs,
                 num_warps=self.gather_warps,
@@ -469,6 +490,9 @@ def cache_step(cache: ExpertCache, topk_ids: torch.Tensor, *, lane: bool = False
         cache.lane_max,
         cache.lane_cap,
         cache.zero_addr,
+        cache.record_words if cache.record_words is not None else cache.n_copy,
+        cache.copy_len if cache.copy_len is not None else cache.n_copy,
+        VARLEN=cache.record_words is not None,
         FILTER=cache.admission_filter,
         SHIFT=cache.decay_shift,
         BLOCK_P=bp,
