@@ -113,14 +113,21 @@ def lane_threads_beside_gpu(torch_threads: int) -> int:
     return max(1, min(len(physical_cores()), int(torch_threads)) - 1)
 
 
+PINNED_SPIN_US = 5000  # a pinned pool's workers spin this long after a job before they sleep
+SHARED_SPIN_US = 500
+
+
 def lane_pool(threads: int, pin: bool, isa: str = "avx512bf16"):
     """A LanePool of `threads` threads (pinned to physical cores when `pin`), or None where the
-    compiled kernel is unavailable."""
+    compiled kernel is unavailable. A pinned pool owns its cores, so its workers spin longer
+    between jobs: a decode step's MoE layers hand the lane a job every one or two milliseconds,
+    and a job that finds a worker asleep waits for its wake-up (a futex call, tens of
+    microseconds in a VM) before it can end. On shared cores they sleep sooner."""
     lib = native_library()
     if lib is None:
         return None
     cpus = physical_cores() if pin else None
-    return native.LanePool(lib, threads, cpus=cpus, isa=isa)
+    return native.LanePool(lib, threads, cpus=cpus, isa=isa, spin_us=PINNED_SPIN_US if pin else SHARED_SPIN_US)
 
 
 def main() -> int:
