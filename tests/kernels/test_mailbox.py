@@ -86,6 +86,7 @@ def test_fp32_out_and_late_server(device):
     assert len(seen) == 1 and torch.equal(seen[0][1], x.to(torch.bfloat16).cpu())
     assert torch.equal(out, seen[0][2].to(device))
     assert mb.errors().tolist() == [0]
+    assert mb.wait_polls() > 0 and server.serve_s > 0  # the device waited 0.3 s: it polled, and counted it
 
 
 def test_timeout_sets_error_instead_of_hanging(device):
@@ -178,9 +179,10 @@ def test_wait_add_matches_twin_bit_for_bit(device, dtype):
     out_k, out_r = base.clone(), base.clone()
     mb.wait_add(1, out_k, max_spins=5)
     _sync(device)
-    assert not R.mailbox_wait_add_ref(mb.result, ctrl_r, mb.seq, 1, out_r)
+    assert not R.mailbox_wait_add_ref(mb.result, ctrl_r, mb.seq, 1, out_r, max_spins=5)
     assert torch.equal(out_k, out_r) and torch.equal(out_k, base)
-    assert torch.equal(mb.ctrl, ctrl_r)  # same error marks
+    assert torch.equal(mb.ctrl, ctrl_r)  # same error marks, and the timed-out wait's 5 polls
+    assert mb.wait_polls() == 5
 
 
 def test_shape_checks(device):

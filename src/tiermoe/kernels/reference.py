@@ -339,8 +339,9 @@ def gather_records_ref(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[i
 
 # ctrl row of one mailbox slot (int64 [16], 128 bytes): the device writes POSTED/NTOK, the host
 # writes DONE on its own 64-byte line; ERR > 0: the device timed out waiting for that number,
-# ERR < 0: the host's compute failed for -ERR.
-MAILBOX_CTRL, MAILBOX_POSTED, MAILBOX_NTOK, MAILBOX_DONE, MAILBOX_ERR = 16, 0, 1, 8, 9
+# ERR < 0: the host's compute failed for -ERR. POLLS: the polls the device's waits made before their
+# answer was there, summed (the device writes it after each wait; the host reads it without a sync).
+MAILBOX_CTRL, MAILBOX_POSTED, MAILBOX_NTOK, MAILBOX_DONE, MAILBOX_ERR, MAILBOX_POLLS = 16, 0, 1, 8, 9, 10
 
 
 def mailbox_post_ref(
@@ -364,13 +365,15 @@ def mailbox_post_ref(
 
 
 def mailbox_wait_add_ref(
-    result: torch.Tensor, ctrl: torch.Tensor, seq: torch.Tensor, slot: int, out: torch.Tensor
+    result: torch.Tensor, ctrl: torch.Tensor, seq: torch.Tensor, slot: int, out: torch.Tensor, max_spins: int = 0
 ) -> bool:
     """Twin of Mailbox.wait_add, checked once instead of spun: if done >= seq[slot],
-    out [T, H] = dtype(fp32(out) + result[slot, :T]) and True; else ERR = seq, out kept, False."""
+    out [T, H] = dtype(fp32(out) + result[slot, :T]) and True; else ERR = seq, POLLS += max_spins (the
+    polls of a wait that ran out), out kept, False."""
     target = int(seq[slot])
     if int(ctrl[slot, MAILBOX_DONE]) < target:
         ctrl[slot, MAILBOX_ERR] = target
+        ctrl[slot, MAILBOX_POLLS] += max_spins
         return False
     t = out.shape[0]
     out.copy_((out.float() + result[slot, :t].to(out.device)).to(out.dtype))

@@ -111,16 +111,20 @@ class DeviceLane(LaneHandoff):
             raise RuntimeError(f"CPU lane failed: {failure}")
         raise RuntimeError("CPU lane answer timed out on the device")
 
-    def counters(self) -> dict[str, int]:
-        """The hand-off's own counts (no device sync): posts the device published, answers the
-        server made, posts not answered yet. Between steps (each lane step ends with `check`,
+    def counters(self) -> dict[str, int | float]:
+        """The hand-off's own counts (no device sync): posts
+        the device published, answers the server made, posts not answered yet, the server's
+        seconds answering (lane set-up, kernel, result copy: set against the lane's busy_s, the
+        kernel alone) and the polls the device made waiting for answers (0: the lane was never on
+        the critical path). Between steps (each lane step ends with `check`,
         which waits for the device), every post answered exactly once reads posts == served and
         unanswered == 0; a lost answer shows as unanswered (or a timeout), a doubled one as
         served > posts."""
         posted, done = self.mailbox.posted(), self.mailbox.done()
         return {"posts": int(posted.sum()), "served": self.server.served,
                 "unanswered": int((posted - done).clip(min=0).sum()), "timeouts": self.timeouts,
-                "failed": self.server.failed}
+                "failed": self.server.failed, "serve_s": round(self.server.serve_s, 6),
+                "device_wait_polls": self.mailbox.wait_polls()}
 
     def adjust_counters(self, c: dict) -> None:
         """Lane experts are read by the CPU where they sit, not over PCIe: take them out of the

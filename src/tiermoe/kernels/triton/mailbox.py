@@ -56,7 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tiermoe.kernels.reference import MAILBOX_CTRL, MAILBOX_DONE, MAILBOX_ERR, MAILBOX_NTOK, MAILBOX_POSTED
+from tiermoe.kernels.reference import (MAILBOX_CTRL, MAILBOX_DONE, MAILBOX_ERR, MAILBOX_NTOK, MAILBOX_POLLS,
+                                       MAILBOX_POSTED)
 
 log = logging.getLogger("tiermoe.kernels")
 
@@ -150,8 +151,10 @@ def _post_kernel(
 
 
 @triton.jit(do_not_specialize=["slot"])
-def _wait_kernel(seq_ptr, slot, ok_ptr, ctrl_addr, max_spins, DONE: tl.constexpr, ERR: tl.constexpr, ASM: tl.constexpr):
-    """One program of one warp spins until done >= seq[slot] (bounded); ok[slot] = 1 or 0.
+def _wait_kernel(seq_ptr, slot, ok_ptr, ctrl_addr, max_spins, DONE: tl.constexpr, ERR: tl.constexpr,
+                 POLLS: tl.constexpr, ASM: tl.constexpr):
+    """One program of one warp spins until done >= seq[slot] (bounded); ok[slot] = 1 or 0; the slot's
+    POLLS word += the polls it made after the first read (0: the answer was there: no wait).
 
     One poller on purpose: every warp that reads the same host word costs a serialized trip
     over PCIe per poll, and those trips queue behind one another."""
@@ -164,6 +167,7 @@ def _wait_kernel(seq_ptr, slot, ok_ptr, ctrl_addr, max_spins, DONE: tl.constexpr
         i += 1
     tl.store(ok_ptr + slot, (d >= target).to(tl.int32))
     tl.store(ctrl + ERR, target, mask=d < target)
+    tl.store(ctrl + POLLS, tl.load(ctrl + POLLS, volatile=True) + i)
 
 
 @triton.jit(do_not_specialize=["slot"])
@@ -278,6 +282,7 @@ class Mailbox:
             self._ctrl_addr(slot),
             int(max_spins),
             DONE=MAILBOX_DONE,
+            POLLS=MAILBOX_POLLS,
             ERR=MAILBOX_ERR,
             ASM=self._asm,
             num_warps=1,
@@ -307,6 +312,10 @@ class Mailbox:
     def errors(self) -> np.ndarray:
         """int64 [S]: 0 = fine; > 0 the device gave up waiting for that number; < 0 compute_fn failed."""
         return self._ctrl_np[:, MAILBOX_ERR].copy()
+
+    def wait_polls(self) -> int:
+        """Polls the device's waits made, over every slot, before their answers were there."""
+        return int(self._ctrl_np[:, MAILBOX_POLLS].sum())
 
     def reset(self) -> None:
         """Zero every counter (device and host); no request may be in flight."""
@@ -349,6 +358,7 @@ class MailboxServer:
         self.spin_s, self.max_sleep_s = float(spin_s), float(max_sleep_s)
         self.served = 0
         self.failed = 0  # answers whose compute_fn raised (counted in served too)
+        self.serve_s = 0.0  # wall seconds in compute_fn and the result copy (the lane's side of each answer)
         self.failure: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -384,6 +394,7 @@ class MailboxServer:
         ctrl = self.mb._ctrl_np
         t = int(ctrl[slot, MAILBOX_NTOK])
         res = self.mb.result[slot, :t]  # [T, H] fp32, pinned
+        t0 = time.perf_counter()
         try:
             extra = (self.mb.meta[slot],) if self.mb.meta_words else ()
             y = self.compute_fn(slot, self.mb.x_host[slot, :t], *extra)
@@ -395,6 +406,7 @@ class MailboxServer:
             self.failed += 1
             res.zero_()
             ctrl[slot, MAILBOX_ERR] = -seq
+        self.serve_s += time.perf_counter() - t0
         # Counted before done is published: a caller that saw the device get past its wait (a
         # stream sync) then reads a count that includes this answer. Counted after, the device
         # could read done and finish while the count still lagged by one.
