@@ -60,7 +60,23 @@ def test_records_from_a_store(tiny_dir, tmp_path_factory, capsys, quant):
 
 @pytest.mark.parametrize("argv,msg", [(["--kinds", "fp8"], "--kinds"), (["--threads", "0"], "--threads"),
                                       (["--tokens", "x"], "--tokens"), (["--inter", "30"], "group-size"),
-                                      (["--repeat", "0"], "--repeat")])
+                                      (["--repeat", "0"], "--repeat"), (["--item-rows", "x"], "--item-rows"),
+                                      (["--item-rows", "16:0"], "--item-rows"), (["--ahead-rows", "-1"], "--ahead-rows"),
+                                      (["--prefetch-hint", "4"], "--prefetch-hint"), (["--busy", "-1"], "--busy")])
 def test_bad_input_is_one_line_exit_2(argv, msg, capsys):
     rc, text = run_bench(["lane", *TINY, *argv], capsys)
-    assert rc == 2 and msg in text
+    assert rc == 2 and msg in text and "lane GB/s" not in text  # before the table's header
+
+
+def test_tunings_and_a_busy_core(tmp_path, capsys):
+    """Each tuning is its own row (labelled), with one spinning process beside the lane."""
+    out = tmp_path / "lane.json"
+    rc, text = run_bench(["lane", *TINY, "--kinds", "int4", "--threads", "1", "--tokens", "1", "--item-rows",
+                          "16:16,4:2", "--ahead-rows", "0,2", "--prefetch-hint", "3", "--busy", "1", "--out", str(out)],
+                         capsys)
+    assert rc == 0, text
+    r = load(out)
+    labels = [row["tuning"] for row in r["rows"]]
+    assert r["busy"] == 1 and labels == ["16:16 ahead 0 hint 3", "16:16 ahead 2 hint 3", "4:2 ahead 0 hint 3",
+                                         "4:2 ahead 2 hint 3"]
+    assert all(row["gbs"] > 0 for row in r["rows"]) and "4:2 ahead 2 hint 3" in text

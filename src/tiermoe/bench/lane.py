@@ -325,6 +325,14 @@ def _row_line(r: dict) -> str:
 def _run(args: argparse.Namespace) -> int:
     from tiermoe.bench.results import envelope, write_json
 
+    from tiermoe.store.records import RecordLayout
+
+    kinds = _check(args)[0]  # bad flags: one line before any output
+    _tunings(args)
+    for kind in kinds if args.store is None else ():
+        RecordLayout.build(kind, args.hidden, args.inter, args.group_size if kind != "bf16" else None)
+    if args.busy < 0:
+        raise UserError("--busy: a count >= 0")
     print(HEADER, flush=True)
     result = run_lane_bench(args)
     write_json(envelope("lane", **result), args.out)
