@@ -34,8 +34,9 @@ entry, never the launch configuration or the summation order, so outputs are bit
 the store-triton backend and across budgets (tests/moe/test_device_cache.py, exact mode).
 A mixed store (`pack --cold-quant`) changes only what a row holds: slots, staging rows and host
 entries are all `store.record_bytes` long (the longest layout; a shorter record at the start of
-its row; a miss copies its own record's bytes, restore_decisions whole rows), and each layer's kind table (moe/fused.py, by expert id, so the same in
-every tier) tells the kernel which layout to read each expert's row at.
+its row; a miss copies its own record's bytes, restore_decisions whole rows), and each layer's kind
+table (moe/fused.py, by expert id, so the same in every tier) tells the kernel which layout to read
+each expert's row at.
 
 Fast mode (`lane_forward`, answered by moe/device_lane.py; no host sync either, so it is
 captured in decode graphs too):

@@ -330,24 +330,8 @@ class ExpertCache:
         self.gather_programs, self.gather_chunk, self.gather_warps = 264, 16384, 8
 
     def state(self) -> dict[str, torch.Tensor]:
-        names = (
-            "ptr_table",
-            "host_addr",
-            "slot_addr",
-            "slot_expert",
-            "expert_slot",
-            "ref",
-            "clock",
-            "copy_src",
-            "copy_dst",
-            "n_copy",
-            "stats",
-            "freq",
-            "step_table",
-            "lane_ids",
-            "lmark",
-            "lane_share",
-        )
+        names = ("ptr_table", "host_addr", "slot_addr", "slot_expert", "expert_slot", "ref", "clock", "copy_src",
+                 "copy_dst", "n_copy", "stats", "freq", "step_table", "lane_ids", "lmark", "lane_share")
         varlen = {"record_words": self.record_words, "copy_len": self.copy_len} if self.copy_len is not None else {}
         return {**{n: getattr(self, n) for n in names}, **varlen}
 
