@@ -3,6 +3,8 @@ tokens served afterwards are those of an engine that never warmed up (CPU, fp32)
 
 from __future__ import annotations
 
+import pytest
+
 from tiermoe.engine.build import build_engine_core
 from tiermoe.engine.llm_engine import generate_ids
 from tiermoe.protocol import SamplingParams
@@ -37,8 +39,15 @@ def test_warm_up_runs_every_shape_and_changes_no_token(tiny_dir):
 def test_glm5_next_warm_up_changes_no_token(tiny_dir):
     """A hybrid whose first layers are KDA (no paged rows): the warm-up finds the page pool in a
     later layer, and its dummy sequences' KDA slot state does not leak into served requests."""
+    try:
+        model = tiny_dir("glm5_next")
+    except Exception as exc:  # transformers 5.17 (the GPU image's) predates glm5_next's layer types
+        if "layer_types" not in str(exc):
+            raise
+        pytest.skip(f"this transformers cannot build glm5_next's config: {str(exc).splitlines()[0][:120]}")
+
     def engine():
-        return build_engine_core(str(tiny_dir("glm5_next")), device="cpu", dtype="float32", max_num_seqs=2,
+        return build_engine_core(str(model), device="cpu", dtype="float32", max_num_seqs=2,
                                  max_model_len=160, options={"max_num_batched_tokens": 128})
 
     params = SamplingParams(max_tokens=6, ignore_eos=True)
