@@ -62,7 +62,8 @@ def test_records_from_a_store(tiny_dir, tmp_path_factory, capsys, quant):
                                       (["--tokens", "x"], "--tokens"), (["--inter", "30"], "group-size"),
                                       (["--repeat", "0"], "--repeat"), (["--item-rows", "x"], "--item-rows"),
                                       (["--item-rows", "16:0"], "--item-rows"), (["--ahead-rows", "-1"], "--ahead-rows"),
-                                      (["--prefetch-hint", "4"], "--prefetch-hint"), (["--busy", "-1"], "--busy")])
+                                      (["--prefetch-hint", "4"], "--prefetch-hint"), (["--busy", "-1"], "--busy"),
+                                      (["--set-up", "c"], "--set-up")])
 def test_bad_input_is_one_line_exit_2(argv, msg, capsys):
     rc, text = run_bench(["lane", *TINY, *argv], capsys)
     assert rc == 2 and msg in text and "lane GB/s" not in text  # before the table's header
@@ -80,3 +81,18 @@ def test_tunings_and_a_busy_core(tmp_path, capsys):
     assert r["busy"] == 1 and labels == ["16:16 ahead 0 hint 3", "16:16 ahead 2 hint 3", "4:2 ahead 0 hint 3",
                                          "4:2 ahead 2 hint 3"]
     assert all(row["gbs"] > 0 for row in r["rows"]) and "4:2 ahead 2 hint 3" in text
+
+
+def test_set_ups_side_by_side(tmp_path, capsys):
+    """--set-up compiled,python: one row each, labelled; the compiled set-up (the mailbox's path) is the default."""
+    out = tmp_path / "lane.json"
+    rc, text = run_bench(["lane", *TINY, "--kinds", "int4", "--threads", "1", "--tokens", "2",
+                          "--set-up", "compiled,python", "--out", str(out)], capsys)
+    assert rc == 0, text
+    rows = load(out)["rows"]
+    assert [r["set_up"] for r in rows] == ["compiled", "python"]
+    assert all(r["us_per_call"] > 0 for r in rows)
+    assert "compiled" in text and "python" in text
+    rc, text = run_bench(["lane", *TINY, "--kinds", "int4", "--threads", "1", "--tokens", "1", "--out", str(out)],
+                         capsys)
+    assert rc == 0 and [r["set_up"] for r in load(out)["rows"]] == ["compiled"]

@@ -250,3 +250,52 @@ def test_cost_model_measures_bandwidths_on_cuda():
         assert lane.c.as_dict() == before  # the measurement leaves the lane's counters alone
     finally:
         lane.close()
+
+
+def _posted_meta(lane_ids: list[int], lane_cap: int, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A layer as the device posts it (moe/device_lane.py): lane ids padded with -1 | topk ids | weights' bits."""
+    lane = torch.tensor(lane_ids + [-1] * (lane_cap - len(lane_ids)), dtype=torch.int32)
+    return torch.cat([lane, ids.to(torch.int32).flatten(), w.to(torch.float32).flatten().view(torch.int32)])
+
+
+@pytest.mark.skipif(not NATIVE, reason="no compiled lane kernel here")
+@pytest.mark.parametrize("kinds", [("int4",), ("int8",), ("bf16",), ("int4", "int8")])
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+def test_posted_layer_gives_the_bits_of_compute(kinds, act):
+    """compute_posted (the routing set-up in C, from the device's words) against compute (set up in
+    Python): the same bits, for tokens that share experts, unsorted lane ids with gaps, and a mixed
+    store's two layouts; the counters move the same way."""
+    n, t, k, hidden, inter = 6, 3, 3, 64, 32
+    layouts = [RecordLayout.build(kind, hidden, inter, None if kind == "bf16" else 32) for kind in kinds]
+    layout_ids = [e % len(layouts) for e in range(n)]  # a mixed store: even ids at the first layout
+    recs = {}
+    for e in range(n):
+        gate, up, down = _w(inter, hidden, 10 * e), _w(inter, hidden, 10 * e + 1), _w(hidden, inter, 10 * e + 2)
+        recs[e] = encode_expert(layouts[layout_ids[e]], gate, up, down)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(t)]).to(torch.int32)  # [T, k]
+    ids[1, 0], ids[2, 2] = ids[0, 1], ids[0, 1]  # one expert picked by every token, at different positions
+    w = torch.rand(t, k, generator=gen)  # [T, k]
+    x = torch.randn(t, hidden, generator=gen).to(torch.bfloat16)  # [T, H]: the mailbox's activations
+    lane_ids = sorted({int(ids[0, 1]), int(ids[2, 0]), int(ids[1, 2])}, reverse=True)
+    meta = _posted_meta(lane_ids, 8, ids, w)
+    rec_of = torch.tensor([recs[e].data_ptr() for e in range(n)], dtype=torch.int64)
+    mixed = {0: layout_ids} if len(layouts) > 1 else None
+    lanes = [CpuLane(layouts, threads=2, act_dtype=act, layout_ids=mixed) for _ in range(3)]
+    lanes[2].posted_native = False  # where the kernel cannot take it: the words decoded in Python
+    try:
+        assert lanes[0].posted_native
+        want = lanes[0].compute(0, x, ids, w, {e: recs[e] for e in lane_ids})
+        records = [recs[e] for e in range(n)]
+        got = lanes[1].compute_posted(0, x, meta, 8, k, rec_of, records)
+        decoded = lanes[2].compute_posted(0, x, meta, 8, k, rec_of, records)
+        counts = [lane.counters(1) for lane in lanes]
+        with pytest.raises(RuntimeError, match="expert id"):
+            lanes[1].compute_posted(0, x, _posted_meta([n], 8, ids, w), 8, k, rec_of, records)
+    finally:
+        for lane in lanes:
+            lane.close()
+    assert torch.equal(got, want) and torch.equal(decoded, want) and got.abs().sum() > 0
+    for key in ("experts", "decode_experts", "layers", "weight_bytes"):
+        assert counts[0][key] == counts[1][key] == counts[2][key], key
+    assert counts[1]["experts"] == len(lane_ids)

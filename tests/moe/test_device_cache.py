@@ -368,7 +368,7 @@ def test_device_lane_reports_a_failed_answer(stores):
             def broken(*args):
                 raise MemoryError("no room for the repack")
 
-            lane.compute = broken
+            lane.compute_posted = broken
             x, ids, w = moe_batch(1, seed=5)
             dev_lane.forward(1, x, ids, w)
             with pytest.raises(RuntimeError, match="CPU lane failed: no room for the repack"):

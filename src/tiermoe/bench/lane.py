@@ -2,8 +2,8 @@
 
 Fast mode pays off only when the CPU lane reads expert weights at close to the host's memory
 bandwidth (issue 20). This measures both in one run, on the same records: for each record kind
-(int4, int3, int8, bf16), thread count and token count T it times `CpuLane.compute` (the entry point
-the device cache's mailbox calls) on `--experts` experts per call, every one routed by all T
+(int4, int3, int8, bf16), thread count and token count T it times `CpuLane.compute_posted` (the entry
+point the device cache's mailbox calls) on `--experts` experts per call, every one routed by all T
 tokens, cycling through a pool of records larger than the CPU caches so every call reads RAM;
 and, per thread count, a multi-threaded read of the same pool (by the lane's own thread pool where
 the compiled kernel is built, else by torch's threads). Weight GB/s counts the bytes of
@@ -59,6 +59,10 @@ def register(bench_subparsers) -> None:
     p.add_argument("--busy", type=int, default=0,
                    help="processes that spin on a core each during every measurement: a GPU engine's thread "
                         "waits for its steps that way, beside the lane")
+    p.add_argument("--set-up", default="compiled",
+                   help="who turns a posted layer's words into each expert's rows and weights: compiled (in the "
+                        "kernel, as the device cache's mailbox serves) or python (per-expert torch calls, as "
+                        "before); comma-separated to compare")
     p.add_argument("--out", default=None, help="write the result JSON here")
     p.set_defaults(handler=_run)
 
@@ -95,6 +99,16 @@ def _check(args) -> tuple[list[str], list[int], list[int]]:
     if args.hidden < 1 or args.inter < 1 or args.group_size < 1:
         raise UserError("--hidden, --inter and --group-size must be >= 1")
     return kinds, threads, tokens
+
+
+SET_UPS = ("compiled", "python")
+
+
+def _set_ups(args) -> list[str]:
+    set_ups = [u.strip() for u in args.set_up.split(",") if u.strip()]
+    if not set_ups or any(u not in SET_UPS for u in set_ups):
+        raise UserError(f"--set-up: comma-separated {' or '.join(SET_UPS)}, got {args.set_up!r}")
+    return set_ups
 
 
 def _synthetic_pool(kind: str, args):
@@ -161,31 +175,41 @@ def host_read_gbs(pool, threads: int, seconds: float, pin: bool) -> float:
 
 
 def lane_cell(layout, pool, threads: int, tokens: int, experts: int, seconds: float, isa: str = "avx512bf16",
-              pin: bool = True, tuning=None) -> dict:
-    """Time CpuLane.compute with `threads` threads on `experts` records of `pool` per call, each
-    routed by all `tokens` tokens; the records change every call (cycled through the pool)."""
+              pin: bool = True, tuning=None, set_up: str = "compiled") -> dict:
+    """Time the lane on `experts` records of `pool` per call, each routed by all `tokens` tokens, as the
+    device cache's mailbox calls it (CpuLane.compute_posted on a posted layer's words; set_up "python":
+    those words decoded in Python and CpuLane.compute, the per-expert torch set-up of before), with
+    `threads` threads; the records change every call (cycled through the pool)."""
     import torch
 
     from tiermoe.kernels.layout import expert_layout
-    from tiermoe.moe.cpu_lane import CpuLane
+    from tiermoe.moe.cpu_lane import CpuLane, posted_routing
     from tiermoe.moe.lane_cost import tuning_label
 
     weight_bytes = expert_layout(layout.kind, layout.hidden, layout.intermediate, layout.group_size or 0).weight_bytes
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, layout.hidden, generator=gen).to(torch.bfloat16)  # [T, H]
-    weights = torch.full((tokens, experts), 1.0 / experts)  # [T, experts]
+    weights = torch.full((tokens, experts), 1.0 / experts).view(torch.int32)  # [T, experts] fp32 bits
+    n = pool.shape[0]
+    records = [pool[e] for e in range(n)]  # expert id = record index in the pool
+    rec_of = torch.tensor([r.data_ptr() for r in records], dtype=torch.int64)  # [n]
+    metas, cursor = [], 0  # the words of every call of the cycle: lane ids | topk ids (all picks) | weights
+    while not metas or cursor != 0:
+        picked = torch.tensor([(cursor + e) % n for e in range(experts)], dtype=torch.int32)
+        metas.append(torch.cat([picked, picked.repeat(tokens), weights.flatten()]))
+        cursor = (cursor + experts) % n
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)  # compute() runs in this thread
     lane = CpuLane([layout], max_experts=experts, max_tokens=tokens, threads=threads, act_dtype=torch.bfloat16,
                    isa=isa, pin=pin, tuning=tuning)
-    n, calls, cursor = pool.shape[0], 0, 0
+    calls = 0
     try:
         def call():
-            nonlocal cursor
-            picked = [(cursor + e) % n for e in range(experts)]  # expert id = record index in the pool
-            cursor = (cursor + experts) % n
-            ids = torch.tensor(picked, dtype=torch.int32).repeat(tokens, 1)  # [T, experts]: every token picks all
-            return lane.compute(0, x, ids, weights, {e: pool[e] for e in picked})
+            meta = metas[calls % len(metas)]
+            if set_up == "compiled":
+                return lane.compute_posted(0, x, meta, experts, experts, rec_of, records)
+            picked, ids, w = posted_routing(meta, experts, experts, tokens)
+            return lane.compute(0, x, ids, w, {e: records[e] for e in picked})
 
         call()  # warm-up: first-use costs (thread start, kernel load) are not the lane's rate
         c0 = dict(lane.c.as_dict())
@@ -203,6 +227,7 @@ def lane_cell(layout, pool, threads: int, tokens: int, experts: int, seconds: fl
     done = calls * experts
     return {"threads": threads, "tokens": tokens, "experts_per_call": experts, "calls": calls,
             "gbs": done * weight_bytes / elapsed / 1e9, "ms_per_expert": elapsed / done * 1e3,
+            "us_per_call": elapsed / calls * 1e6, "set_up": set_up,
             "repacks_per_expert": (counters.get("repacks", 0) - c0.get("repacks", 0)) / done,
             "kernel": counters.get("kernel"), "tuning": None if tuning is None else tuning_label(tuning)}
 
@@ -242,29 +267,30 @@ def run_lane_bench(args) -> dict:
         raise UserError("--busy: a count >= 0")
     spinners = _spinners(args.busy)
     try:
-        return _measure(args, kinds, threads, tokens, tunings)
+        return _measure(args, kinds, threads, tokens, tunings, _set_ups(args))
     finally:
         for proc in spinners:
             proc.kill()
             proc.wait()
 
 
-def _measure(args, kinds: list[str], threads: list[int], tokens: list[int], tunings: list) -> dict:
+def _measure(args, kinds: list[str], threads: list[int], tokens: list[int], tunings: list,
+             set_ups: list[str]) -> dict:
     import torch
 
     pools = [_store_pool(args.store, args)] if args.store else [_synthetic_pool(k, args) for k in kinds]
     host = {}
     for t in threads:
         host[t] = max(host_read_gbs(p, t, args.seconds, not args.no_pin) for _, p in pools)
-    best: dict[tuple, dict] = {}  # (pool, threads, tokens, tuning) -> the fastest round's cell
-    cells = [(t, n, u) for t in threads for n in tokens for u in tunings]
+    best: dict[tuple, dict] = {}  # (pool, threads, tokens, tuning, set-up) -> the fastest round's cell
+    cells = [(t, n, u, su) for t in threads for n in tokens for u in tunings for su in set_ups]
     for rnd in range(args.repeat):
         for i, (layout, pool) in enumerate(pools):
-            for t, n_tok, tuning in cells:
+            for t, n_tok, tuning, set_up in cells:
                 cell = lane_cell(layout, pool, t, n_tok, args.experts, args.seconds, args.isa, not args.no_pin,
-                                 tuning)
+                                 tuning, set_up)
                 cell.update(kind=layout.kind, host_read_gbs=host[t], share_of_host=cell["gbs"] / host[t])
-                key = (i, t, n_tok, cell["tuning"])
+                key = (i, t, n_tok, cell["tuning"], set_up)
                 if key not in best or cell["ms_per_expert"] < best[key]["ms_per_expert"]:
                     best[key] = cell
                 if args.repeat == 1:
@@ -289,10 +315,10 @@ def _measure(args, kinds: list[str], threads: list[int], tokens: list[int], tuni
 def compare_with_int4(rows: list[dict]) -> list[dict]:
     """Each non-int4 row beside the int4 row of the same threads and tokens: ms per expert, weight GB/s and
     share of the host read of both, and the ratio of the ms (below 1: faster per expert than int4)."""
-    int4 = {(r["threads"], r["tokens"], r.get("tuning")): r for r in rows if r["kind"] == "int4"}
+    int4 = {(r["threads"], r["tokens"], r.get("tuning"), r.get("set_up")): r for r in rows if r["kind"] == "int4"}
     out = []
     for r in rows:
-        base = int4.get((r["threads"], r["tokens"], r.get("tuning")))
+        base = int4.get((r["threads"], r["tokens"], r.get("tuning"), r.get("set_up")))
         if r["kind"] == "int4" or base is None:
             continue
         out.append({"kind": r["kind"], "threads": r["threads"], "tokens": r["tokens"],
@@ -302,7 +328,8 @@ def compare_with_int4(rows: list[dict]) -> list[dict]:
     return out
 
 
-HEADER = "kind  threads  tokens   lane GB/s  ms/expert  host read GB/s  lane/host  repacks/expert  kernel"
+HEADER = ("kind  threads  tokens   lane GB/s  ms/expert  us/call  host read GB/s  lane/host  repacks/expert  "
+          "set-up    kernel")
 
 
 VERSUS_HEADER = (f"\n{'kind':<5} {'threads':>7} {'tokens':>7} {'ms/expert (int4)':>18} {'lane GB/s (int4)':>18} "
@@ -318,7 +345,8 @@ def _versus_line(v: dict) -> str:
 
 def _row_line(r: dict) -> str:
     return (f"{r['kind']:<5} {r['threads']:>7} {r['tokens']:>7} {r['gbs']:>11.2f} {r['ms_per_expert']:>10.3f} "
-            f"{r['host_read_gbs']:>15.1f} {r['share_of_host']:>10.0%} {r['repacks_per_expert']:>15.2f}  {r['kernel']}"
+            f"{r['us_per_call']:>8.0f} {r['host_read_gbs']:>15.1f} {r['share_of_host']:>10.0%} "
+            f"{r['repacks_per_expert']:>15.2f}  {r['set_up']:<9} {r['kernel']}"
             + (f"  {r['tuning']}" if r.get("tuning") else ""))
 
 
@@ -329,6 +357,7 @@ def _run(args: argparse.Namespace) -> int:
 
     kinds = _check(args)[0]  # bad flags: one line before any output
     _tunings(args)
+    _set_ups(args)
     for kind in kinds if args.store is None else ():
         RecordLayout.build(kind, args.hidden, args.inter, args.group_size if kind != "bf16" else None)
     if args.busy < 0:

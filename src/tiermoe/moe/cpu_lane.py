@@ -56,6 +56,16 @@ def lane_reads_disk(layout: RecordLayout, act: torch.dtype, device: str | torch.
     return True
 
 
+def posted_routing(meta: torch.Tensor, lane_cap: int, top_k: int, tokens: int
+                   ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """A posted layer's words (CpuLane.compute_posted) -> (lane expert ids, topk ids int32 [T, k],
+    routing weights fp32 [T, k]), views of meta."""
+    experts = [e for e in meta[:lane_cap].tolist() if e >= 0]
+    topk_ids = meta[lane_cap : lane_cap + tokens * top_k].view(tokens, top_k)  # [T, k]
+    topk_weights = meta[lane_cap + tokens * top_k : lane_cap + 2 * tokens * top_k].view(torch.float32)
+    return experts, topk_ids, topk_weights.view(tokens, top_k)
+
+
 # -- the lane -------------------------------------------------------------------------------------
 @dataclass
 class LaneCounters:
@@ -151,6 +161,11 @@ class CpuLane:
         self.kernel = f"native-{self.pool.isa}" if self.pool is not None else "torch"
         # the core the pinned pool leaves for the thread that calls it (its workers take the others)
         self.caller_cpu = self.pool.cpus[0] if self.pool is not None and self.pool.cpus else None
+        # a posted decode layer's routing set-up runs in the compiled kernel (compute_posted) where every layout
+        # is one it reads and the lane's inputs are the bf16 activations' own values
+        self.posted_native = self.pool is not None and all(k is not None for k in self.klayouts) and \
+            self.act in (torch.bfloat16, torch.float32)
+        self._layout_of = {layer: torch.tensor(ids, dtype=torch.int8) for layer, ids in self._layout_ids.items()}
         # the native pool computes a whole layer at once; the torch path splits it over workers
         self.workers = 1 if self.pool is not None else max(1, min(int(workers), self.threads))
         self.c = LaneCounters()
@@ -239,6 +254,36 @@ class CpuLane:
         the device cache's host tier holds every record for the engine's life)."""
         work = self._work({e: (buf, None) for e, buf in records.items()}, topk_ids, topk_weights, True)
         return self._run(layer, x, work)
+
+    def compute_posted(self, layer: int, x: torch.Tensor, meta: torch.Tensor, lane_cap: int, top_k: int,
+                       rec_of: torch.Tensor, records: Sequence[torch.Tensor]) -> torch.Tensor:
+        """`compute` for a decode layer as the device posted it (moe/device_lane.py): x bf16 [T, H];
+        meta int32: lane ids [lane_cap] (-1: none) | topk ids [T, k] | routing weights as fp32 bits
+        [T, k]; rec_of int64 [E]: each expert's host record address; records: the same records as
+        tensors. Where `posted_native`, the routing set-up runs in the compiled kernel instead of
+        per-expert torch calls (the same kernel, rows and order: the same bits as `compute`);
+        elsewhere the meta is decoded here and `compute` runs. -> fp32 [T, H]."""
+        if not self.posted_native or x.dtype != torch.bfloat16:
+            experts, topk_ids, topk_weights = posted_routing(meta, lane_cap, top_k, x.shape[0])
+            if not experts:
+                return torch.zeros(x.shape, dtype=torch.float32)
+            return self.compute(layer, x, topk_ids, topk_weights, {e: records[e] for e in experts})
+        t0 = time.perf_counter()
+        out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
+        layout_of = self._layout_of.get(layer)
+        experts = weight_bytes = 0
+        with torch.inference_mode():
+            for idx, klay in enumerate(self.klayouts):
+                n = self.pool.run_posted(klay, meta, lane_cap, top_k, rec_of, layout_of, idx, x, out, self.round_bf16,
+                                         self.swiglu_limit)
+                experts, weight_bytes = experts + n, weight_bytes + n * self.weight_bytes_of[idx]
+        with self._count_lock:
+            self.c.experts += experts
+            self.c.decode_experts += experts
+            self.c.layers += 1
+            self.c.busy_s += time.perf_counter() - t0
+            self.c.weight_bytes += weight_bytes
+        return out
 
     def _run(self, layer: int, x: torch.Tensor, work: list) -> torch.Tensor:
         """Its share of the layer's lane experts -> partial sum fp32 [T, H] (a worker, or compute's caller)."""

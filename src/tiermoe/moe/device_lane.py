@@ -57,6 +57,9 @@ class DeviceLane(LaneHandoff):
         self.active = threading.Event()  # set from a lane step's start to its check: the server polls only then
         self.server = MailboxServer(self.mailbox, self._compute, threads=lane.threads, active=self.active,
                                     cpu=lane.caller_cpu).start()
+        # each layer's host record addresses by expert id (the host tier holds them for the engine's life)
+        self.rec_of = {layer: torch.tensor([t.data_ptr() for t in device_cache.entries[layer]], dtype=torch.int64)
+                       for layer in self.layers}
         self.timeouts = 0  # device waits that ran out of polls (seen by check)
         device_cache.device_lane = self  # its counters report the mailbox's
 
@@ -81,15 +84,9 @@ class DeviceLane(LaneHandoff):
 
     def _compute(self, slot: int, x: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
         """Server thread: x bf16 [T, H], meta int32 [words] -> the lane experts' fp32 [T, H]."""
-        t, k, m = x.shape[0], self.top_k, self.lane_cap
         layer = self.layers[slot]
-        experts = [e for e in meta[:m].tolist() if e >= 0]
-        if not experts:
-            return torch.zeros(t, self.hidden, dtype=torch.float32)
-        topk_ids = meta[m : m + t * k].view(t, k)  # [T, k] int32
-        topk_weights = meta[m + t * k : m + 2 * t * k].view(torch.float32).view(t, k)  # [T, k] fp32
-        entries = self.dc.entries[layer]
-        return self.lane.compute(layer, x, topk_ids, topk_weights, {e: entries[e] for e in experts})
+        return self.lane.compute_posted(layer, x, meta, self.lane_cap, self.top_k, self.rec_of[layer],
+                                        self.dc.entries[layer])
 
     def check(self) -> None:
         """After a step's device work: raise if its lane work failed, timed out, or the serving

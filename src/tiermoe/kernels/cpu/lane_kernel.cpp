@@ -27,7 +27,7 @@
 
 #include "lane_dot.h"
 
-enum { TM_ABI = 6 };
+enum { TM_ABI = 7 };
 
 struct TmLaneJob {  // read through ctypes (kernels/cpu/native.py)
   int32_t kind, hidden, inter, group;
@@ -41,6 +41,19 @@ struct TmLaneJob {  // read through ctypes (kernels/cpu/native.py)
   float* out;                      // [n_tok, hidden], added to
   int32_t round_bf16, has_limit;
   float limit;
+};
+
+// A decode layer's lane work as the device posted it (moe/device_lane.py): the routing set-up that the
+// caller would otherwise do per layer in Python (which picks go to which lane expert, in the order
+// torch.where((topk_ids == e).t()) gives: pick position, then token) is done here.
+struct TmPostedJob {  // read through ctypes (kernels/cpu/native.py)
+  TmLaneJob job;            // layout, n_tok, out, round_bf16, limit; rec, tok_*, x and n_exp are filled here
+  const int32_t* meta;      // lane ids [lane_cap] (-1: none) | topk ids [n_tok, top_k] | weights fp32 [n_tok, top_k]
+  int32_t lane_cap, top_k;
+  const uint64_t* rec_of;   // [n_experts] record address of each expert id
+  const int8_t* layout_of;  // [n_experts] each expert's layout index (null: every expert is `layout`)
+  int32_t n_experts, layout;
+  const uint16_t* xb;       // [n_tok, hidden] bf16 activations
 };
 
 namespace {
@@ -147,6 +160,10 @@ struct Pool {
   std::condition_variable cv;
   Scratch<float> xp, act;       // scratch: reordered inputs [n_tok, H], activations [entries, I]
   Scratch<uint16_t> xb, actb;  // the same in bf16 (ISA_AVX512BF16)
+  // a posted job's routing and inputs (tm_lane_posted), filled under `job`
+  std::vector<uint64_t> post_rec;
+  std::vector<int32_t> post_off, post_idx;
+  std::vector<float> post_w, post_x;
 
   void run_items() {
     for (;;) {
@@ -378,10 +395,12 @@ void tm_pool_free(void* pool) { delete static_cast<Pool*>(pool); }
 
 int32_t tm_pool_isa(void* pool) { return static_cast<Pool*>(pool)->isa; }
 
-// 0: done; -1: a shape the kernel does not take; -2: out of memory.
-int32_t tm_lane_run(void* pool, const TmLaneJob* job) {
-  Pool& p = *static_cast<Pool*>(pool);
-  const TmLaneJob& j = *job;
+}  // extern "C"
+
+namespace {
+
+// tm_lane_run's work with the pool's `job` lock held.
+int32_t run_locked(Pool& p, const TmLaneJob& j) {
   if (j.kind < KIND_BF16 || j.kind > KIND_INT3 || j.hidden <= 0 || j.inter <= 0 || j.n_exp < 0 || j.n_tok < 0)
     return -1;
   if (j.kind != KIND_BF16 && (j.group <= 0 || j.hidden % j.group || j.inter % j.group || j.group % 2)) return -1;
@@ -389,7 +408,6 @@ int32_t tm_lane_run(void* pool, const TmLaneJob* job) {
   for (int e = 0; e < j.n_exp; ++e)
     if (!j.rec[e] || j.tok_off[e + 1] < j.tok_off[e]) return -1;
   if (j.n_exp == 0) return 0;
-  std::lock_guard<std::mutex> lock(p.job);
   // vector paths need whole blocks in a group: 32 columns (int4; 64 for bf16 dot products) or 16 (int8 and
   // int3; 32 for bf16 dot products, but for int3 with G = 16, whose vectors take two groups)
   int isa = p.isa;
@@ -421,6 +439,68 @@ int32_t tm_lane_run(void* pool, const TmLaneJob* job) {
   p.parallel(gate_up_item, &c, j.n_exp * ((j.inter + p.rows_gu - 1) / p.rows_gu));
   p.parallel(down_item, &c, (j.hidden + p.rows_down - 1) / p.rows_down);
   return 0;
+}
+
+// A posted job's lane experts of its layout (ascending ids), their picks and the fp32 inputs, into the pool's
+// post_* vectors and pj.job. -1: an id out of range or without a record.
+int32_t fill_posted(Pool& p, TmPostedJob& pj) {
+  TmLaneJob& j = pj.job;
+  const int32_t* ids = pj.meta + pj.lane_cap;                                           // [n_tok, top_k]
+  const float* w = reinterpret_cast<const float*>(pj.meta + pj.lane_cap + j.n_tok * pj.top_k);  // [n_tok, top_k]
+  std::vector<int32_t> lane;
+  for (int i = 0; i < pj.lane_cap; ++i) {
+    int32_t e = pj.meta[i];
+    if (e < 0) continue;
+    if (e >= pj.n_experts || !pj.rec_of[e]) return -1;
+    if (!pj.layout_of || pj.layout_of[e] == pj.layout) lane.push_back(e);
+  }
+  std::sort(lane.begin(), lane.end());
+  lane.erase(std::unique(lane.begin(), lane.end()), lane.end());
+  p.post_rec.clear(), p.post_off.assign(1, 0), p.post_idx.clear(), p.post_w.clear();
+  for (int32_t e : lane) {
+    p.post_rec.push_back(pj.rec_of[e]);
+    for (int k = 0; k < pj.top_k; ++k)
+      for (int t = 0; t < j.n_tok; ++t)
+        if (ids[t * pj.top_k + k] == e) p.post_idx.push_back(t), p.post_w.push_back(w[t * pj.top_k + k]);
+    p.post_off.push_back(int32_t(p.post_idx.size()));
+  }
+  size_t xs = size_t(j.n_tok) * j.hidden;
+  p.post_x.resize(xs);
+  for (size_t i = 0; i < xs; ++i) p.post_x[i] = bf16_to_f32(pj.xb[i]);
+  j.n_exp = int32_t(lane.size());
+  j.rec = p.post_rec.data(), j.tok_off = p.post_off.data(), j.tok_idx = p.post_idx.data();
+  j.tok_w = p.post_w.data(), j.x = p.post_x.data();
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// 0: done; -1: a shape the kernel does not take; -2: out of memory.
+int32_t tm_lane_run(void* pool, const TmLaneJob* job) {
+  Pool& p = *static_cast<Pool*>(pool);
+  std::lock_guard<std::mutex> lock(p.job);
+  return run_locked(p, *job);
+}
+
+// A posted decode layer (TmPostedJob): its lane experts of `layout` computed into job.out (added to). Returns
+// tm_lane_run's codes; *computed: the experts it computed.
+int32_t tm_lane_posted(void* pool, TmPostedJob* pj, int32_t* computed) {
+  Pool& p = *static_cast<Pool*>(pool);
+  *computed = 0;
+  if (pj->lane_cap < 0 || pj->top_k <= 0 || pj->job.n_tok < 0 || pj->n_experts < 0) return -1;
+  std::lock_guard<std::mutex> lock(p.job);
+  int32_t rc;
+  try {
+    rc = fill_posted(p, *pj);
+  } catch (const std::bad_alloc&) {
+    return -2;
+  }
+  if (rc != 0) return rc;
+  rc = run_locked(p, pj->job);
+  if (rc == 0) *computed = pj->job.n_exp;
+  return rc;
 }
 
 // Read every byte of [ptr, ptr + nbytes) with the pool's threads (a host read bandwidth probe).

@@ -30,7 +30,7 @@ import torch
 
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCES = ("lane_kernel.cpp", "lane_dot.h")
-ABI = 6  # TM_ABI of lane_kernel.cpp: a library of another ABI is rebuilt
+ABI = 7  # TM_ABI of lane_kernel.cpp: a library of another ABI is rebuilt
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 ISA_NAMES = ("scalar", "avx2", "avx512", "avx512bf16")
 KINDS = {"bf16": 0, "int4": 1, "int8": 2, "int3": 3}  # record kinds the kernel reads (KIND_* of lane_dot.h)
@@ -50,6 +50,14 @@ class TmLaneJob(ctypes.Structure):
                 ("tok_idx", ctypes.c_void_p), ("tok_w", ctypes.c_void_p), ("x", ctypes.c_void_p),
                 ("out", ctypes.c_void_p), ("round_bf16", ctypes.c_int32), ("has_limit", ctypes.c_int32),
                 ("limit", ctypes.c_float)]
+
+
+class TmPostedJob(ctypes.Structure):
+    """struct TmPostedJob of lane_kernel.cpp, field for field."""
+
+    _fields_ = [("job", TmLaneJob), ("meta", ctypes.c_void_p), ("lane_cap", ctypes.c_int32),
+                ("top_k", ctypes.c_int32), ("rec_of", ctypes.c_void_p), ("layout_of", ctypes.c_void_p),
+                ("n_experts", ctypes.c_int32), ("layout", ctypes.c_int32), ("xb", ctypes.c_void_p)]
 
 
 def find_compiler() -> str | None:
@@ -130,6 +138,8 @@ def load_library(path: Path) -> ctypes.CDLL:
         lib.tm_pool_isa.argtypes = [ctypes.c_void_p]
         lib.tm_lane_run.restype = ctypes.c_int32
         lib.tm_lane_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmLaneJob)]
+        lib.tm_lane_posted.restype = ctypes.c_int32
+        lib.tm_lane_posted.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmPostedJob), ctypes.POINTER(ctypes.c_int32)]
         lib.tm_read.restype = ctypes.c_uint64
         lib.tm_read.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         _LOADED[path] = lib
@@ -191,6 +201,37 @@ class LanePool:
         if rc != 0:
             why = {-1: "a record shape or routing it does not take", -2: "out of memory"}.get(rc, f"error {rc}")
             raise RuntimeError(f"lane kernel failed: {why}")
+
+    def run_posted(self, layout, meta: torch.Tensor, lane_cap: int, top_k: int, rec_of: torch.Tensor,
+                   layout_of: torch.Tensor | None, layout_index: int, x: torch.Tensor, out: torch.Tensor,
+                   round_bf16: bool, limit: float | None) -> int:
+        """A decode layer as the device posted it: out [T, H] fp32 += its lane experts of `layout_index`;
+        returns how many experts that was. meta int32 [>= lane_cap + 2 T top_k]: lane ids (-1: none) |
+        topk ids [T, k] | routing weights (fp32 bits) [T, k]; rec_of int64 [E]: each expert's record
+        address; layout_of int8 [E] (None: one layout); x bf16 [T, H] contiguous. The routing set-up
+        (each lane expert's rows and weights, in the order of `run`'s callers) is done in C."""
+        t = x.shape[0]
+        checks = ((meta, torch.int32), (rec_of, torch.int64), (x, torch.bfloat16), (out, torch.float32))
+        for ten, dt in checks + (((layout_of, torch.int8),) if layout_of is not None else ()):
+            if ten.dtype != dt or not ten.is_contiguous() or ten.device.type != "cpu":
+                raise ValueError(f"lane kernel operand must be a contiguous CPU {dt} tensor, got {ten.dtype}")
+        if x.shape != out.shape or x.shape[1] != layout.hidden or meta.numel() < lane_cap + 2 * t * top_k:
+            raise ValueError("lane kernel operands do not match the layout")
+        if layout_of is not None and layout_of.numel() != rec_of.numel():
+            raise ValueError("layout_of must name a layout for every expert of rec_of")
+        job = TmLaneJob(KINDS[layout.kind], layout.hidden, layout.inter, layout.group_size, layout.gate_up_q,
+                        layout.gate_up_s, layout.down_q, layout.down_s, 0, t, None, None, None, None, None,
+                        out.data_ptr(), int(bool(round_bf16)), int(limit is not None), float(limit or 0.0))
+        posted = TmPostedJob(job, meta.data_ptr(), int(lane_cap), int(top_k), rec_of.data_ptr(),
+                             layout_of.data_ptr() if layout_of is not None else None, rec_of.numel(),
+                             int(layout_index), x.data_ptr())
+        computed = ctypes.c_int32(0)
+        rc = self.lib.tm_lane_posted(self._pool, ctypes.byref(posted), ctypes.byref(computed))
+        if rc != 0:
+            why = {-1: "a record shape, expert id or routing it does not take", -2: "out of memory"}.get(
+                rc, f"error {rc}")
+            raise RuntimeError(f"lane kernel failed: {why}")
+        return computed.value
 
     def tune(self, tuning: "LaneTuning") -> None:
         """Work items and prefetches of the jobs that follow (ValueError: out of range)."""
