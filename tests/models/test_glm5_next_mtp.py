@@ -64,16 +64,18 @@ def reference(ckpt):
     from tiermoe.runner.model_runner import kv_bytes_per_token
 
     # per cached token with drafting on: the MTP layer's cache rows count against --kv-cache-gb
-    return prompts, alone, kv_bytes_per_token(engine.model, engine.model.dtype, num_speculative_tokens=1)
+    # and the slots' KDA state is paid from it first
+    per_token = kv_bytes_per_token(engine.model, engine.model.dtype, num_speculative_tokens=1)
+    return prompts, alone, per_token, engine.runner.slot_state_bytes()
 
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_mixed_batch_chunked_prefill_and_preemption_equal_drafting_off(ckpt, reference, k):
-    prompts, alone, per_token = reference
+    prompts, alone, per_token, state = reference
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     # 12-token step budget: prompts arrive in chunks mixed with verify steps; 11 pages of 16
     # tokens cannot hold all four sequences, so some are preempted and recomputed.
-    engine = _engine(ckpt, k, max_model_len=128, max_num_batched_tokens=12, kv_cache_gb=11 * 16 * per_token / 2**30)
+    engine = _engine(ckpt, k, max_model_len=128, max_num_batched_tokens=12, kv_cache_gb=(state + 11 * 16 * per_token) / 2**30)
     assert engine.kv.num_pages == 11
     assert generate_ids(engine, prompts, params) == alone
     stats = engine.stats()
@@ -87,7 +89,7 @@ def test_mixed_batch_chunked_prefill_and_preemption_equal_drafting_off(ckpt, ref
 
 
 def test_batch_with_roomy_cache_takes_fewer_steps(ckpt, reference):
-    prompts, alone, _ = reference
+    prompts, alone, _, _ = reference
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     off, on = _engine(ckpt), _engine(ckpt, 2)
     assert generate_ids(on, prompts, params) == generate_ids(off, prompts, params) == alone
@@ -124,7 +126,7 @@ def _oracle(engine, truth: dict[str, list[int]], pattern):
 def test_accept_reject_and_rollback_with_scripted_drafts(ckpt, reference):
     """All right, second wrong, first wrong, in turn: the output is the plain greedy one and
     the counters are exactly the scripted accepts (so rollback left the state exact)."""
-    prompts, alone, _ = reference
+    prompts, alone, _, _ = reference
     engine = _engine(ckpt, 2, num_seqs=2)
     tally = _oracle(engine, {"0": alone[1], "1": alone[3]},
                     lambda v, j: (v % 3 == 1 and j == 1) or (v % 3 == 2 and j == 0))
@@ -144,7 +146,7 @@ def _first_new(tokens: list[int], start: int) -> int:
 def test_stops_when_several_tokens_arrive_in_one_step(ckpt, reference):
     """With always-right drafts every step brings 3 tokens; max_tokens, stop tokens, EOS and
     min_tokens still end each request exactly where drafting off does."""
-    prompts, _, _ = reference
+    prompts, _, _, _ = reference
     prompt = prompts[2]
     long = generate_ids(_engine(ckpt, num_seqs=1), [prompt], SamplingParams(max_tokens=20, ignore_eos=True))[0]
     stop_at, eos_at = _first_new(long, 5), _first_new(long, 7)
@@ -169,7 +171,7 @@ def test_stops_when_several_tokens_arrive_in_one_step(ckpt, reference):
 
 
 def test_sampled_and_logprob_requests_decode_normally(ckpt, reference):
-    prompts, alone, _ = reference
+    prompts, alone, _, _ = reference
     greedy = SamplingParams(max_tokens=12, ignore_eos=True)
     sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True)
     with_lp = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
@@ -250,7 +252,7 @@ def test_cli_flags():
 def test_prompt_logprobs_arrive_with_the_first_token(ckpt, reference):
     """A prompt whose last chunk is a single token is not drafted from: its first token (and
     the prompt logprobs that travel with it) comes from the ordinary prefill step."""
-    prompts, alone, _ = reference
+    prompts, alone, _, _ = reference
     engine = _engine(ckpt, 2, num_seqs=1, max_num_batched_tokens=11)  # 23 = 11 + 11 + 1
     engine.add_request("p", prompts[1], SamplingParams(max_tokens=20, ignore_eos=True, prompt_logprobs=0))
     outs = []

@@ -70,7 +70,8 @@ def add_sizing_args(p, max_num_seqs: int = DEFAULTS.max_num_seqs) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per engine step (chunked prefill; default 512 on a CPU, 2048 on CUDA)")
     p.add_argument("--kv-cache-gb", type=float, default=None,
-                   help="GiB for KV pages, MTP draft rows included (default: sized by the engine)")
+                   help="GiB for KV pages, MTP draft rows and per-sequence recurrent state (KDA) included "
+                        "(default: sized by the engine)")
     p.add_argument("--seed", type=int, default=None, help="engine seed for unseeded sampling")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never replay decode steps from CUDA graphs (default: captured where the model allows)")
@@ -175,13 +176,15 @@ def build_engine(cfg: EngineConfig):
             tokenizer = AutoTokenizer.from_pretrained(str(path))
         except Exception as exc:
             raise UserError(f"{path}: cannot load the tokenizer ({str(exc).splitlines()[0]})") from None
-        num_pages = _kv_pages(cfg, kv_bytes_per_token(lm, cfg.dtype, cfg.num_speculative_tokens))
+        state = lm.slot_state_bytes() * cfg.max_num_seqs  # recurrent state of every slot, paid before pages
+        num_pages = _kv_pages(cfg, kv_bytes_per_token(lm, cfg.dtype, cfg.num_speculative_tokens), state)
     except BaseException:
         if backend is not None:
             backend.close()
         raise
-    log.info("model %s (%s) on %s %s: context %d, %d KV pages of %d tokens, %d seqs", path, spec.arch, cfg.device,
-             str(cfg.dtype).replace("torch.", ""), cfg.max_model_len, num_pages, cfg.page_size, cfg.max_num_seqs)
+    log.info("model %s (%s) on %s %s: context %d, %d KV pages of %d tokens, %d seqs%s", path, spec.arch, cfg.device,
+             str(cfg.dtype).replace("torch.", ""), cfg.max_model_len, num_pages, cfg.page_size, cfg.max_num_seqs,
+             f", {state / 2**30:.2f} GiB of per-sequence state" if state else "")
     engine = LLMEngine(lm, tokenizer, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                        max_batched_tokens=cfg.max_batched_tokens, num_pages=num_pages, page_size=cfg.page_size,
                        model_info={"arch": spec.arch, "name": path.name}, seed=cfg.seed,
@@ -199,18 +202,22 @@ def build_engine(cfg: EngineConfig):
     return engine
 
 
-def _kv_pages(cfg: EngineConfig, per_token: int) -> int:
+def _kv_pages(cfg: EngineConfig, per_token: int, state_bytes: int = 0) -> int:
     """KV pages for --kv-cache-gb, else one context per sequence within a byte cap; per_token:
     bytes of one token position (the MTP draft rows included when drafting is on: they share the
-    page count, so they share the byte budget)."""
+    page count, so they share the byte budget); state_bytes: per-sequence state of every slot
+    (a recurrent family's KDA state), which the budget pays for first, as vLLM counts a hybrid
+    model's state in its cache budget."""
     page = cfg.page_size
     pages_one_seq = math.ceil(cfg.max_model_len / page) + 1
     if cfg.kv_cache_gb:
-        num_pages = int(cfg.kv_cache_gb * 2**30 / (per_token * page) + 1e-6)
+        num_pages = max(0, int((cfg.kv_cache_gb * 2**30 - state_bytes) / (per_token * page) + 1e-6))
     else:
-        cap = KV_CAP_BYTES["cpu" if cfg.device == "cpu" else "cuda"]
+        cap = KV_CAP_BYTES["cpu" if cfg.device == "cpu" else "cuda"] - state_bytes
         num_pages = min(pages_one_seq * cfg.max_num_seqs, max(pages_one_seq, cap // (per_token * page)))
     if num_pages < pages_one_seq:
+        state = f" after {state_bytes / 2**30:.2f} GB of per-sequence state for {cfg.max_num_seqs} sequences" \
+            if state_bytes else ""
         raise UserError(f"--kv-cache-gb: too small for one {cfg.max_model_len}-token sequence "
-                        f"({pages_one_seq * page * per_token / 2**30:.2f} GB needed)")
+                        f"({pages_one_seq * page * per_token / 2**30:.2f} GB needed{state})")
     return num_pages

@@ -169,6 +169,7 @@ class LLMEngine:
             "kv_pages_total": kv.num_pages,
             "kv_pages_free": kv.num_free,
             "kv_usage": round(kv.usage(), 4),
+            "slot_state_bytes": self.runner.slot_state_bytes(),
             "prefix_cache_hit_tokens": kv.hits,
             "prefix_cache_query_tokens": kv.queries,
             "preemptions": self.scheduler.num_preemptions,

@@ -54,6 +54,11 @@ class ServingModel(nn.Module):
         once so its addresses never change (decode graphs read it). Only recurrent families keep
         any; the runner calls this once, before the first forward."""
 
+    def slot_state_bytes(self) -> int:
+        """Bytes of the per-sequence state one engine slot reserves beside the paged KV cache
+        (`reserve_slots`); the KV budget pays for it before pages. 0 for families without any."""
+        return 0
+
     def decode_graph_unsupported(self) -> str | None:
         """None when a pure decode step of this model can be recorded as a piecewise CUDA graph
         (device work free of host syncs, per-step shapes only inside `graph_break` cores), else

@@ -61,6 +61,7 @@ class ModelRunner:
              for name, shp in s.items()}
             for s in model.cache_shapes()
         ]
+        self.max_num_seqs = max_num_seqs
         model.reserve_slots(max_num_seqs)  # per-sequence state beside the KV cache (recurrent families)
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device)
@@ -143,6 +144,10 @@ class ModelRunner:
         """Bytes of every paged cache tensor this runner allocated (trunk layers and MTP rows)."""
         total = sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer.values())
         return total + (self.spec.kv_bytes() if self.spec is not None else 0)
+
+    def slot_state_bytes(self) -> int:
+        """Bytes of the per-sequence state reserved beside the pages (every slot; recurrent families)."""
+        return self.model.slot_state_bytes() * self.max_num_seqs
 
     def generator_for(self, req: Request) -> torch.Generator | None:
         if req.params.seed is None or req.params.greedy:

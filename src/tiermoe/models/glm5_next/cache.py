@@ -107,6 +107,17 @@ class KDAStates:
     def num_slots(self) -> int:
         return len(self.lengths)
 
+    @staticmethod
+    def bytes_per_slot(cfg: Glm5NextConfig, dtype: torch.dtype) -> int:
+        """What `_grow` allocates per slot: every KDA layer's conv window (model dtype) and delta state (fp32)."""
+        conv = 3 * cfg.linear_qkv_dim * (cfg.linear_conv_kernel_dim - 1) * torch.empty((), dtype=dtype).element_size()
+        ssm = cfg.linear_num_heads * cfg.linear_head_dim**2 * 4
+        return sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_kda(i)) * (conv + ssm)
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the state tensors held now (every slot, every KDA layer)."""
+        return sum(t.numel() * t.element_size() for rows in (self.conv_rows, self.ssm_rows) for t in rows.values())
+
     def _grow(self, num_slots: int) -> None:
         """Tensors for `num_slots` slots, the rows of the current ones copied over."""
         c, old = self.cfg, self.num_slots

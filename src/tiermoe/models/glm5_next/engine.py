@@ -157,6 +157,10 @@ class Glm5NextEngineModel(ServingModel):
         """KDA state rows for the engine's slots, at addresses that stay (see KDAStates)."""
         self.kda.reserve(num_slots)
 
+    def slot_state_bytes(self) -> int:
+        """Every KDA layer's conv window and fp32 delta state of one slot."""
+        return KDAStates.bytes_per_slot(self.model.cfg, self.dtype)
+
     def decode_graph_unsupported(self) -> str | None:
         """Capturable whenever the expert backend is: KDA state is static and slot-indexed, MLA's
         per-step part is a graph break; the rest (mHC, norms, projections, router, shared
