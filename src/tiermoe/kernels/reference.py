@@ -342,6 +342,7 @@ def gather_records_ref(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[i
 # ERR < 0: the host's compute failed for -ERR. POLLS: the polls the device's waits made before their
 # answer was there, summed (the device writes it after each wait; the host reads it without a sync).
 MAILBOX_CTRL, MAILBOX_POSTED, MAILBOX_NTOK, MAILBOX_DONE, MAILBOX_ERR, MAILBOX_POLLS = 16, 0, 1, 8, 9, 10
+RESIDENCY_NANS = 2  # the disk tier's control row (kernels/triton/residency.py): answers published
 
 
 def mailbox_post_ref(
@@ -411,3 +412,22 @@ def paged_decode_attention_ref(
         p = torch.softmax(torch.einsum("hd,nhd->hn", q[b].float(), k) * scale, dim=-1)  # [Hq, n]
         out[b] = torch.einsum("hn,nhd->hd", p, v).to(q.dtype)
     return out
+
+
+def residency_need_ref(topk_ids: torch.Tensor, host_addr: torch.Tensor, expert_slot: torch.Tensor) -> list[int]:
+    """Twin of residency._need_kernel's choice: the picks [T, k] (pick order, repeats kept) that are
+    neither in a slot (expert_slot >= 0) nor in RAM (host_addr != 0)."""
+    ids = topk_ids.reshape(-1).long().cpu()
+    need = (expert_slot.cpu()[ids] < 0) & (host_addr.cpu()[ids] == 0)
+    return ids[need].tolist()
+
+
+def residency_apply_ref(updates: list[tuple[int, int, int]],
+                        tables: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    """Twin of residency._apply_kernel on answered updates: host_addr[row][e] = addr, and
+    ptr_table[row][e] = addr where expert_slot[row][e] < 0, in place."""
+    for row, e, addr in updates:
+        host, table, slots = tables[row]
+        host[e] = addr
+        if int(slots[e]) < 0:
+            table[e] = addr
