@@ -46,8 +46,8 @@ class Host(threading.Thread):
                 continue
             row, experts = self.mb.read_request()
             self.seen.append((row, experts))
-            updates = [(row, e, 0x5000 + 16 * row + e) for e in experts] + [(1 - row, 4, 0)]
-            self.mb.answer(seq, [] if self.failed else updates, failed=self.failed)
+            addr = [ZERO if self.failed else 0x5000 + 16 * row + e for e in experts]
+            self.mb.answer(seq, [(row, e, a) for e, a in zip(experts, addr)] + [(1 - row, 4, 0)], failed=self.failed)
 
 
 def test_requests_only_disk_picks_and_applies_the_answers(device):
@@ -97,6 +97,7 @@ def test_failed_answer_and_timeout_point_the_request_at_the_zero_record(device):
         host.join()
     assert mb.error() == -1 and int(tables[0][0][6]) == ZERO and int(tables[0][1][6]) == ZERO
     assert int(tables[0][0][2]) == 0x1002  # a RAM pick of the same step is untouched
+    assert int(tables[1][0][4]) == 0  # the eviction the host made is applied all the same
     mb.clear_error()
     # nobody answers: the wait gives up after its polls, marks the error and the request reads zeros
     mb.ensure(1, torch.tensor([[5]], dtype=torch.int32, device=device), max_spins=50)

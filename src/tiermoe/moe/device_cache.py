@@ -115,7 +115,7 @@ class DeviceCacheExperts(StoreBackend):
     def __init__(self, store, slots: int, rates: dict[int, float], top_k: int, max_tokens: int,
                  swiglu_limit: float | None = None, config: dict | None = None, max_picks: int = 128,
                  prefill_rows: int | None = None, stage_misses: bool = True, prefill_buffers: int | None = None,
-                 borrow_slots: bool = False, lane_cap: int = 0) -> None:
+                 borrow_slots: bool = False, lane_cap: int = 0, disk: bool = False) -> None:
         from tiermoe.kernels.triton.cache_manager import ExpertCache
         from tiermoe.moe.fused import FusedMoE
 
@@ -127,13 +127,17 @@ class DeviceCacheExperts(StoreBackend):
         dev = store.device
         r = store.record_bytes
         layers = list(store.moe_layers)
-        all_entries = {}
-        for layer in layers:
-            entries = store.host_entries(layer)
-            if entries is None:
-                raise ValueError(f"layer {layer}: the host tier does not hold every routed expert")
-            all_entries[layer] = entries
-        counts = [len(all_entries[layer]) for layer in layers]
+        all_entries = {layer: store.host_entries(layer) for layer in layers}
+        self.disk = None  # moe/disk_tier.DiskTier when host RAM holds only some experts
+        if any(entries is None for entries in all_entries.values()):
+            if not disk:
+                raise ValueError("the host tier does not hold every routed expert (a disk tier is off)")
+            from tiermoe.moe.disk_tier import DiskTier
+
+            self.disk = DiskTier(store, layers, rates, self.fused.zero_record(dev).data_ptr())
+            prefill_rows, borrow_slots = 0, False  # prefill reads in place after its host-synchronous loads
+            all_entries = {layer: [] for layer in layers}
+        counts = [store.manifest.experts_per_layer[layer] for layer in layers]
         rates_of = [[float(rates.get(store.key(layer, e), 0.0)) for e in range(n)] for layer, n in zip(layers, counts)]
         self.stage_rows, per_layer = split_budget(slots, counts, self.top_k, max_tokens, stage_misses, rates_of)
         self.slots_per_layer: dict[int, int] = dict(zip(layers, per_layer))
@@ -159,13 +163,13 @@ class DeviceCacheExperts(StoreBackend):
         self.arena = torch.empty(max(1, sum(self.slots_per_layer.values())), r, dtype=torch.uint8, device=dev)
         self.lend_start = sum(s - lent[layer] for layer, s in self.slots_per_layer.items())  # first lendable row
         own, tail = 0, self.lend_start
-        for layer in layers:
-            entries, s = all_entries[layer], self.slots_per_layer[layer]
-            n = len(entries)
+        for row, layer in enumerate(layers):
+            entries, s, n = all_entries[layer], self.slots_per_layer[layer], counts[row]
             # arena row of each slot [s]: the layer's own rows, then its lendable ones
             arena_rows = torch.cat([torch.arange(own, own + s - lent[layer]), torch.arange(tail, tail + lent[layer])])
             own, tail = own + s - lent[layer], tail + lent[layer]
-            host_addr = torch.tensor([t.data_ptr() for t in entries], dtype=torch.int64, device=dev)  # [E]
+            host_addr = (self.disk.addr[row, :n].to(dev) if self.disk is not None else  # [E], 0: on disk only
+                         torch.tensor([t.data_ptr() for t in entries], dtype=torch.int64, device=dev))
             slot_addr = (self.arena.data_ptr() + arena_rows * r).to(dev)  # [s] int64
             cache = ExpertCache(host_addr, slot_addr, s, r, max_picks=self.max_picks,
                                 scratch_base=self.scratch.data_ptr(), scratch_slots=self.stage_rows, lane_max=lane_cap,
@@ -173,10 +177,16 @@ class DeviceCacheExperts(StoreBackend):
             layer_rates = torch.tensor(rates_of[layers.index(layer)])  # [E] expected picks per token
             order = torch.argsort(layer_rates, descending=True, stable=True).tolist()
             for e, slot in cache.warm_start(order[:s]):
-                self.arena[int(arena_rows[slot])].copy_(entries[e])
+                self.arena[int(arena_rows[slot])].copy_(entries[e] if self.disk is None else self.disk.record(row, e))
             cache.warm_frequencies(layer_rates.clamp(max=1.0).to(dev))
             self.caches[layer] = cache
             self.entries[layer] = entries
+        if self.disk is not None:
+            from tiermoe.kernels.triton.residency import ResidencyMailbox
+
+            tables = [(c.host_addr, c.ptr_table, c.expert_slot) for c in self.caches.values()]
+            self.disk_mailbox = ResidencyMailbox(tables, self.max_picks, 2 * self.max_picks, self.disk.zero_addr, dev)
+            self.disk.attach(self.disk_mailbox, list(self.caches.values()))
         lender = SlotLender(self, lent) if share else None
         self.prefill = PrefillStaging(self.entries, self.caches, r, self.prefill_rows, prefill_buffers, dev,
                                       lender=lender)
@@ -197,6 +207,8 @@ class DeviceCacheExperts(StoreBackend):
         """Before each forward: a large prefill chunk plans its staging once (PrefillStaging)."""
         super().begin_step(tokens, decode)
         self.prefill.begin(0 if decode else tokens)  # a decode step drops the last chunk's plan
+        if self.disk is not None and decode:
+            self.disk.begin()
         self._step_start = (self.steps, self.lane_calls)  # so a graph replay can count it again
 
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -211,6 +223,25 @@ class DeviceCacheExperts(StoreBackend):
             self.prefill.done(layer)
             return out
         return self.fused(x, topk_ids, topk_weights, self._decode_table(layer, topk_ids, step=decode), layer)
+
+    def end_step(self) -> None:
+        """A disk tier raises here, once, for a record its step could not read (disk_tier.DiskTier.check)."""
+        if self.disk is not None:
+            self.disk.check()
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+        super().close()
+
+    def lane_records(self, layer: int) -> tuple[torch.Tensor, Sequence[torch.Tensor]]:
+        """(int64 [E] host record address of each expert, the records by expert id) for the CPU lane;
+        with a disk tier both follow what host RAM holds now."""
+        if self.disk is not None:
+            row = self.disk.row_of[layer]
+            return self.disk.addr[row, : self.disk.sizes[row]], self.disk.row_records(row)
+        entries = self.entries[layer]
+        return torch.tensor([t.data_ptr() for t in entries], dtype=torch.int64), entries
 
     def combine(self, layer, x, topk_ids, topk_weights, skip=()):
         if skip:  # the lane's experts are chosen on the device (lane_forward), never passed in
@@ -267,11 +298,23 @@ class DeviceCacheExperts(StoreBackend):
         cache = self.caches[layer]
         if step and topk_ids.numel() <= self.max_picks:
             self.prefill.return_loan()  # a cache decision must never meet lent slots
+            self._resident(layer, topk_ids, step=True)
             cache.step(topk_ids)
             self.steps += 1
             return cache.step_table
+        self._resident(layer, topk_ids, step=False)
         self.table_calls += 1
         return cache.ptr_table
+
+    def _resident(self, layer: int, topk_ids: torch.Tensor, step: bool) -> None:
+        """With a disk tier, every pick in a slot or in RAM before the kernels that read it: a cache step
+        asks the host through the residency mailbox (no host sync), other steps load synchronously."""
+        if self.disk is None:
+            return
+        if step:
+            self.disk_mailbox.ensure(self.disk.row_of[layer], topk_ids)
+        else:
+            self.disk.ensure_now(layer, topk_ids)
 
     def set_lane(self, experts: int) -> None:
         """Fast mode on the device: later `lane_forward` steps send up to `experts` of their
@@ -303,6 +346,7 @@ class DeviceCacheExperts(StoreBackend):
         if topk_ids.numel() > self.max_picks or not cache.lane_max:
             return self.forward(layer, x, topk_ids, topk_weights, decode=True)
         self.prefill.return_loan()  # a cache decision must never meet lent slots
+        self._resident(layer, topk_ids, step=True)
         cache.step(topk_ids, gather=False, lane=True)  # decisions, the lane's choice included
         self.steps += 1
         self.lane_calls += 1
@@ -339,10 +383,13 @@ class DeviceCacheExperts(StoreBackend):
         from tiermoe.kernels.triton.cache_manager import gather_records
 
         self.prefill.return_loan()
-        for layer, cache in self.caches.items():
+        for row, (layer, cache) in enumerate(self.caches.items()):
             before = cache.slot_expert.clone()  # [S] what the slots hold now
             for name, t in saved[layer].items():
                 getattr(cache, name).copy_(t)
+            if self.disk is not None:
+                self._restore_with_disk_tier(row, cache, before)
+                continue
             if not cache.num_slots:
                 continue
             held = cache.slot_expert
@@ -351,6 +398,16 @@ class DeviceCacheExperts(StoreBackend):
             count = torch.full((1,), cache.num_slots, dtype=torch.int32, device=held.device)
             gather_records(src, cache.slot_addr.clone(), count, cache.record_bytes, chunk_bytes=cache.gather_chunk,
                            programs=cache.gather_programs, num_warps=cache.gather_warps)
+
+    def _restore_with_disk_tier(self, row: int, cache, before: torch.Tensor) -> None:
+        """restore_decisions with a disk tier: a slot whose expert changed gets its record from RAM or disk
+        (the saved host addresses may be gone), and ptr_table follows RAM as it is now."""
+        r = self.store.record_bytes
+        for slot, (e, was) in enumerate(zip(cache.slot_expert.tolist(), before.tolist())):
+            if e >= 0 and e != was:
+                self.arena[(int(cache.slot_addr[slot]) - self.arena.data_ptr()) // r].copy_(self.disk.record(row, e))
+        n, es = cache.num_experts, cache.expert_slot.long()
+        cache.ptr_table[:n] = torch.where(es >= 0, cache.slot_addr[es.clamp(min=0)], cache.host_addr)
 
     def _record_words(self, layer: int) -> torch.Tensor | None:
         """A mixed store: int32 [E] 4-byte words of each expert's own record, so a miss moves its
@@ -381,6 +438,7 @@ class DeviceCacheExperts(StoreBackend):
                 "prefill_borrowed_rows": lender.rows if lender else 0, "prefill_loans": lender.loans if lender else 0,
                 "prefill_rows": self.prefill_rows, "prefill_buffers": self.prefill.num_buffers,
                 "prefill_planned_chunks": self.prefill.planned_chunks, "kind": self.fused.kind_name,
+                **({"disk_tier": self.disk.counters()} if self.disk is not None else {}),
                 **({"mailbox": self.device_lane.counters()} if self.device_lane is not None else {})}
 
     def merge_store_counters(self, c: dict, stats: dict[str, int] | None = None) -> dict:
@@ -395,10 +453,15 @@ class DeviceCacheExperts(StoreBackend):
         slots["bytes_in"] = slots.get("bytes_in", 0) + s["admitted"] * rec
         slots["capacity"] = self.slots_total
         slots["resident"] = sum(int((cc.slot_expert >= 0).sum()) for cc in self.caches.values())
+        disk_reads = self.disk.c.decode_reads if self.disk is not None else 0  # misses read from disk first
         host = c.setdefault("host", {})
-        host["hits"] = host.get("hits", 0) + s["misses"]
+        host["hits"] = host.get("hits", 0) + s["misses"] - disk_reads
         per = c.setdefault("per_decode_token", {})
         per["slots_hits"] = per.get("slots_hits", 0.0) + s["hits"] / tok
-        per["host_hits"] = per.get("host_hits", 0.0) + s["misses"] / tok
+        per["host_hits"] = per.get("host_hits", 0.0) + (s["misses"] - disk_reads) / tok
+        if self.disk is not None:
+            disk = c.setdefault("disk", {})
+            disk["reads"] = disk.get("reads", 0) + self.disk.c.decode_reads + self.disk.c.other_reads
+            per["disk_reads"] = per.get("disk_reads", 0.0) + disk_reads / tok
         per["bytes_moved"] = per.get("bytes_moved", 0.0) + s["misses"] * rec / tok  # each miss crosses PCIe once
         return c

@@ -57,9 +57,8 @@ class DeviceLane(LaneHandoff):
         self.active = threading.Event()  # set from a lane step's start to its check: the server polls only then
         self.server = MailboxServer(self.mailbox, self._compute, threads=lane.threads, active=self.active,
                                     cpu=lane.caller_cpu).start()
-        # each layer's host record addresses by expert id (the host tier holds them for the engine's life)
-        self.rec_of = {layer: torch.tensor([t.data_ptr() for t in device_cache.entries[layer]], dtype=torch.int64)
-                       for layer in self.layers}
+        # each layer's host record addresses and records by expert id (a disk tier keeps both current)
+        self.records = {layer: device_cache.lane_records(layer) for layer in self.layers}
         self.timeouts = 0  # device waits that ran out of polls (seen by check)
         device_cache.device_lane = self  # its counters report the mailbox's
 
@@ -85,8 +84,8 @@ class DeviceLane(LaneHandoff):
     def _compute(self, slot: int, x: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
         """Server thread: x bf16 [T, H], meta int32 [words] -> the lane experts' fp32 [T, H]."""
         layer = self.layers[slot]
-        return self.lane.compute_posted(layer, x, meta, self.lane_cap, self.top_k, self.rec_of[layer],
-                                        self.dc.entries[layer])
+        rec_of, records = self.records[layer]
+        return self.lane.compute_posted(layer, x, meta, self.lane_cap, self.top_k, rec_of, records)
 
     def check(self) -> None:
         """After a step's device work: raise if its lane work failed, timed out, or the serving

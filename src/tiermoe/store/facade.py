@@ -81,6 +81,7 @@ class ExpertStore:
         self.c = StoreCounters()
         self._last_layer: int | None = None
         self._explicit_steps = False
+        self._handed_over = False  # take_host_tier() gave the host tier away
         self._step_tokens = 1
         if preload and rates:
             self.residency.warm_start(rates, seed=measured_rates)
@@ -160,8 +161,7 @@ class ExpertStore:
 
     def key(self, layer: int, expert: int) -> int:
         base = self._base.get(layer)
-        n = self.manifest.experts_per_layer.get(layer, 0)
-        if base is None or not 0 <= expert < n:
+        if base is None or not 0 <= expert < self.manifest.experts_per_layer.get(layer, 0):
             raise ValueError(f"no routed expert {expert} in layer {layer} of {self.path}")
         return base + expert
 
@@ -197,6 +197,8 @@ class ExpertStore:
         self._staging.put(buf)
 
     def _auto_step(self, layer: int) -> None:
+        if self._handed_over:
+            raise RuntimeError("the host tier was handed to another cache (take_host_tier): fetch from it")
         if not self._explicit_steps and (self._last_layer is None or layer <= self._last_layer):
             self._new_step(1, True)
         self._last_layer = layer
@@ -249,17 +251,13 @@ class ExpertStore:
         return self._fetch_records(layer, expert_ids, in_place=False)
 
     def device_records(self, layer: int, expert_ids: list[int]) -> dict[int, torch.Tensor]:
-        """{expert id: uint8 [record_bytes] record the compute device can read where it is}, for
-        kernels that take record addresses (the Triton MoE kernel's pointer table).
-
-        As fetch_records, except that an expert staying in the host tier comes back as its host
-        entry itself when the device can read it in place (always on a CPU; on CUDA once the
-        entry's chunk is page-locked, which under unified addressing also maps it at the same
-        address): the kernel reads it over PCIe (zero-copy) instead of the store copying it
-        first. Unpinned entries and unadmitted disk-only experts still come back as device
-        copies. Entries stay valid until a later call evicts them; after queueing the kernels
-        that read them, call `device_reads_queued` so the CPU never overwrites one meanwhile.
-        """
+        """{expert id: uint8 [record_bytes] record the compute device can read where it is}, for kernels
+        that take record addresses (the Triton MoE kernel's pointer table). As fetch_records, but an
+        expert staying in the host tier comes back as its host entry when the device can read it in
+        place (a CPU; CUDA once its chunk is page-locked, mapped at the same address under unified
+        addressing): read over PCIe (zero-copy), not copied. Unpinned entries and unadmitted disk-only
+        experts come back as device copies. Valid until a later call evicts them; after queueing the
+        kernels that read them, call `device_reads_queued` so the CPU never overwrites one meanwhile."""
         return self._fetch_records(layer, expert_ids, in_place=True)
 
     def device_reads_queued(self, bufs) -> None:
@@ -283,16 +281,19 @@ class ExpertStore:
             out.append(self._host.entry(i))
         return out
 
+    def take_host_tier(self) -> tuple[Arena, dict[int, int], DiskReader]:
+        """(host arena, {record key: its entry}, disk reader) for a cache that manages the host tier from
+        now on (moe/disk_tier.py, under the device cache); this store's fetch paths refuse afterwards."""
+        self._handed_over = True
+        return self._host, dict(self._host_of), self._reader
+
     def wait_pinned(self) -> bool:
         """Block until the host tier is page-locked; True when all of it is (CUDA only)."""
         return self._cuda and self._host.wait_pinned()
 
     def _host_readable(self, e: int) -> bool:
         """Can the compute device read host entry e in place (see device_records)?"""
-        if not self._cuda:
-            return True
-        chunk = self._host._chunks[e // self._host._per_chunk]
-        return chunk.data_ptr() in self._host._registered
+        return not self._cuda or self._host._chunks[e // self._host._per_chunk].data_ptr() in self._host._registered
 
     def _fetch_records(self, layer: int, expert_ids: list[int], in_place: bool) -> dict[int, torch.Tensor]:
         self._auto_step(layer)

@@ -22,7 +22,8 @@ is of another layer's expert: every kernel of the earlier layers is done in stre
 later layers ask again. A wait that runs out of polls, or an answer the host marks failed, points
 the requested experts at `zero_addr` (an all-zero record: the step computes zeros for them instead
 of reading address 0) and leaves the error mark, so the owner fails the step and repairs the
-tables (moe/disk_tier.py).
+tables (moe/disk_tier.py); a failed read is answered that way by the host itself, beside the
+changes it did make.
 
 The control words reuse the CPU lane mailbox's layout (kernels/triton/mailbox.py: POSTED, NTOK,
 DONE, ERR, POLLS in one int64 [16] row, pinned and mapped) and its wait kernel; NANS holds the
@@ -70,14 +71,14 @@ def _need_kernel(ids_ptr, P, host_addr_ptr, expert_slot_ptr, seq_ptr, posted_now
 
 @triton.jit
 def _apply_kernel(posted_now_ptr, ok_ptr, ctrl_addr, ans_addr, req_addr, host_ptrs, table_ptrs, slot_ptrs,
-                  zero_addr, NANS: tl.constexpr, NTOK: tl.constexpr, ERR: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: the host's answers into the tables (a request of this step, answered); on a
-    timeout or a failed answer the requested experts point at the zero record instead."""
+                  zero_addr, NANS: tl.constexpr, NTOK: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: the host's answers into the tables (a request of this step, answered); after a
+    wait that ran out of polls the requested experts point at the zero record instead."""
     ctrl = ctrl_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
     ans = ans_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
     req = req_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
     posted = tl.load(posted_now_ptr) != 0
-    ok = (tl.load(ok_ptr) != 0) & (tl.load(ctrl + ERR, volatile=True) == 0)
+    ok = tl.load(ok_ptr) != 0  # answered in time (a failed answer still lists every change the host made)
     n_ans = tl.where(posted & ok, tl.load(ctrl + NANS, volatile=True), 0)
     for off in range(0, n_ans, BLOCK):
         offs = off + tl.arange(0, BLOCK)
@@ -86,7 +87,7 @@ def _apply_kernel(posted_now_ptr, ok_ptr, ctrl_addr, ans_addr, req_addr, host_pt
         e = tl.load(ans + 3 * offs + 1, mask=m, other=0, cache_modifier=".cv")
         addr = tl.load(ans + 3 * offs + 2, mask=m, other=0, cache_modifier=".cv")
         _set_rows(row, e, addr, m, host_ptrs, table_ptrs, slot_ptrs)
-    # failed: every requested expert of this step's layer reads the zero record (the owner repairs)
+    # no answer in time: every requested expert of this step's layer reads the zero record (the owner repairs)
     n_bad = tl.where(posted & (~ok), tl.load(ctrl + NTOK), 0)
     row0 = tl.load(req)
     for off in range(0, n_bad, BLOCK):
@@ -150,7 +151,7 @@ class ResidencyMailbox:
                            ERR=MAILBOX_ERR, POLLS=MAILBOX_POLLS, ASM=self._asm, num_warps=1)
         _apply_kernel[(1,)](self.posted_now, self.ok, self.ctrl.data_ptr(), self.answers.data_ptr(),
                             self.request.data_ptr(), self.host_ptrs, self.table_ptrs, self.slot_ptrs,
-                            self.zero_addr, NANS=RESIDENCY_NANS, NTOK=MAILBOX_NTOK, ERR=MAILBOX_ERR, BLOCK=64,
+                            self.zero_addr, NANS=RESIDENCY_NANS, NTOK=MAILBOX_NTOK, BLOCK=64,
                             num_warps=1)
 
     # ---------------------------------------------------------------- the host's side
@@ -166,8 +167,9 @@ class ResidencyMailbox:
         return words[0], list(dict.fromkeys(words[1:]))
 
     def answer(self, seq: int, updates: list[tuple[int, int, int]], failed: bool = False) -> None:
-        """Publish (row, expert, address) updates for request `seq` (failed: the error mark instead,
-        so the device points the request at the zero record and the owner fails the step)."""
+        """Publish (row, expert, address) updates for request `seq`: every load and eviction the host
+        made (failed: also the error mark; the host then answers its failed experts with the zero
+        record, and the owner fails the step and repairs)."""
         if len(updates) > self.max_answers:
             raise RuntimeError(f"{len(updates)} answers exceed max_answers={self.max_answers}")
         if updates:

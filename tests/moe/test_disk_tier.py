@@ -1,0 +1,76 @@
+"""The device cache over a host tier that holds only some experts (moe/disk_tier.py): the rest are read
+from disk when a step picks them, decode steps asking through the residency mailbox (no host sync),
+other steps loading synchronously. Outputs stay bit-identical to the store-managed Triton path for
+any split of slots, RAM and disk; a corrupt record fails its step once with the store's error and the
+cache goes on serving.
+
+On CPU (CI) the kernels run through Triton's interpreter; TIERMOE_KERNEL_TESTS_ON_GPU=1 runs them on CUDA.
+"""
+
+from __future__ import annotations
+
+# kernel_stores first: on CPU it switches Triton to its interpreter before anything imports Triton
+from kernel_stores import DEVICE, GIB, LAYERS, N_EXPERTS, ON_GPU, moe_batch, tiny_glm4_stores  # noqa: I001
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tiermoe.errors import StoreIntegrityError  # noqa: E402
+from tiermoe.moe.device_cache import DeviceCacheExperts  # noqa: E402
+from tiermoe.moe.store_backends import StoreTritonExperts  # noqa: E402
+from tiermoe.store.facade import ExpertStore  # noqa: E402
+from tiermoe.store.records import load_manifest  # noqa: E402
+
+PER_LAYER = N_EXPERTS // len(LAYERS)
+
+
+@pytest.fixture(scope="module")
+def stores(tiny_dir, tmp_path_factory):
+    return tiny_glm4_stores(tiny_dir, tmp_path_factory, "disktier")
+
+
+def _store(path, rec: int, host_records: int) -> ExpertStore:
+    st = ExpertStore.open(path, device=DEVICE, dtype=torch.bfloat16, reader_threads=2, gpu_expert_gb=0,
+                          host_expert_gb=host_records * rec / GIB)
+    if ON_GPU:
+        assert st.wait_pinned()
+    return st
+
+
+def _trace(n: int = 5) -> list[tuple[int, int, int]]:
+    """(layer, tokens, seed) calls: decode steps of 1-3 tokens and a 17-token prefill."""
+    rnd = random.Random(3)
+    return [(layer, rnd.choice((1, 1, 3, 17)), rnd.randrange(1000)) for _ in range(n) for layer in LAYERS]
+
+
+def _run(dc, trace) -> list[torch.Tensor]:
+    out = []
+    for layer, t, seed in trace:
+        dc.begin_step(t, decode=t < 17)
+        out.append(dc.forward(layer, *moe_batch(t, seed), decode=t < 17).cpu())
+        dc.end_step()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["int4", "bf16"])
+def test_bit_identical_across_slot_ram_and_disk_splits(stores, kind):
+    path, rec = stores[kind]
+    trace = _trace()
+    with _store(path, rec, N_EXPERTS) as st:  # every expert in RAM: the store-managed path, the reference
+        be = StoreTritonExperts(st)
+        ref = [be.forward(layer, *moe_batch(t, seed)).cpu() for layer, t, seed in trace]
+    for host, slots in ((PER_LAYER, 0), (PER_LAYER, 6), (12, 4), (N_EXPERTS - 1, 2)):
+        with _store(path, rec, host) as st:
+            dc = DeviceCacheExperts(st, slots, rates={}, top_k=2, max_tokens=3, disk=True)
+            try:
+                got = _run(dc, trace)
+                c = dc.cache_counters()["disk_tier"]
+            finally:
+                dc.disk.close()
+        assert all(torch.equal(a, b) for a, b in zip(ref, got)), (host, slots)
+        assert c["ram_entries"] == host + 1 and c["failed_reads"] == 0  # (+1: the store's spare entry)
+        assert c["decode_reads"] > 0 and c["requests"] > 0, c  # decode steps asked the host through the mailbox
+        if host == PER_LAYER:
+            assert c["evictions"] > 0, c
