@@ -74,3 +74,50 @@ def test_bit_identical_across_slot_ram_and_disk_splits(stores, kind):
         assert c["decode_reads"] > 0 and c["requests"] > 0, c  # decode steps asked the host through the mailbox
         if host == PER_LAYER:
             assert c["evictions"] > 0, c
+
+
+def _corrupt_copy(path, tmp_path, layer: int, expert: int):
+    """A copy of the store at `path` with one byte of (layer, expert)'s record flipped on disk."""
+    import shutil
+
+    dst = tmp_path / "corrupt"
+    shutil.copytree(path, dst, ignore=shutil.ignore_patterns("store.lock"))
+    rec = next(r for r in load_manifest(dst).records if (r.layer, r.expert) == (layer, expert))
+    with open(dst / "experts.bin", "r+b") as f:
+        f.seek(rec.offset + 100)
+        byte = f.read(1)
+        f.seek(rec.offset + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return dst
+
+
+def test_a_corrupt_record_fails_its_step_once_and_the_cache_goes_on(stores, tmp_path):
+    """Layer 2 is on disk only (8 RAM entries hold layer 1); its expert 3 is corrupt on disk. A decode
+    step that picks it fails with the store's checksum error, after the cache is repaired; a step that
+    does not pick it gives the reference's bits, and picking it again fails again (read anew)."""
+    path, rec = stores["int4"]
+    bad = _corrupt_copy(path, tmp_path, 2, 3)
+    x, _, w = moe_batch(1, seed=9)
+    good_ids = torch.tensor([[1, 6]], device=DEVICE)
+    bad_ids = torch.tensor([[3, 6]], device=DEVICE)
+    with _store(path, rec, N_EXPERTS) as st:
+        ref = StoreTritonExperts(st).forward(2, x, good_ids, w).cpu()
+    with _store(bad, rec, PER_LAYER) as st:
+        dc = DeviceCacheExperts(st, 2 + 2, rates={}, top_k=2, max_tokens=1, disk=True)
+        try:
+            for ids, fails in ((bad_ids, True), (good_ids, False), (bad_ids, True), (good_ids, False)):
+                dc.begin_step(1, decode=True)
+                out = dc.forward(2, x, ids, w)
+                if fails:
+                    with pytest.raises(StoreIntegrityError, match="layer 2 expert 3"):
+                        dc.end_step()
+                else:
+                    dc.end_step()
+                    assert torch.equal(out.cpu(), ref)
+                dc.end_step()  # reported once: the next check is clean
+            c = dc.cache_counters()["disk_tier"]
+            assert int(dc.disk.addr[1, 3]) == 0 and int(dc.caches[2].host_addr[3]) == 0  # still on disk only
+            assert int(dc.caches[2].expert_slot[3]) == -1
+        finally:
+            dc.disk.close()
+    assert c["failed_reads"] == 2 and c["requests"] == 3  # the last step found 1 and 6 in RAM: no request

@@ -168,7 +168,7 @@ class DeviceCacheExperts(StoreBackend):
             # arena row of each slot [s]: the layer's own rows, then its lendable ones
             arena_rows = torch.cat([torch.arange(own, own + s - lent[layer]), torch.arange(tail, tail + lent[layer])])
             own, tail = own + s - lent[layer], tail + lent[layer]
-            host_addr = (self.disk.addr[row, :n].to(dev) if self.disk is not None else  # [E], 0: on disk only
+            host_addr = (self.disk.addr[row, :n].to(dev, copy=True) if self.disk is not None else  # [E], 0: disk only
                          torch.tensor([t.data_ptr() for t in entries], dtype=torch.int64, device=dev))
             slot_addr = (self.arena.data_ptr() + arena_rows * r).to(dev)  # [s] int64
             cache = ExpertCache(host_addr, slot_addr, s, r, max_picks=self.max_picks,
