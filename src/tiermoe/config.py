@@ -151,6 +151,7 @@ class DeviceCacheConfig:
     borrow_slots_asked: bool = False  # --prefill-borrow-slots given by name (logged when unused)
     stage_misses: bool = True
     lane_cap: int = 0  # most lane experts per layer and step (fast mode)
+    disk: bool = False  # host RAM holds only some experts: the rest are read from disk (moe/disk_tier.py)
 
 
 @dataclass(frozen=True)

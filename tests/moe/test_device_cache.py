@@ -24,7 +24,7 @@ from tiermoe.errors import UserError  # noqa: E402
 from tiermoe.moe.device_cache import DeviceCacheExperts  # noqa: E402
 from tiermoe.moe.store_backends import StoreTritonExperts  # noqa: E402
 from tiermoe.store.facade import ExpertStore  # noqa: E402
-from tiermoe.store.planner import inclusive_host_plan  # noqa: E402
+from tiermoe.store.planner import device_cache_plan  # noqa: E402
 from tiermoe.store.records import load_manifest  # noqa: E402
 
 
@@ -417,23 +417,30 @@ def test_eligibility_rules(stores, monkeypatch):
     path, rec = stores["int4"]
     m = load_manifest(path)
     all_host = N_EXPERTS * rec / GIB
-    slots, why = inclusive_host_plan(m, device=DEVICE, gpu_expert_gb=3 * rec / GIB, host_expert_gb=all_host)
-    assert (slots, why) == (3, None)
-    slots, why = inclusive_host_plan(m, device=DEVICE, gpu_expert_gb=3 * rec / GIB, host_expert_gb=all_host / 2)
-    assert slots == 0 and "8 of the 16" in why
+    plan = device_cache_plan(m, device=DEVICE, gpu_expert_gb=3 * rec / GIB, host_expert_gb=all_host)
+    assert plan == (3, 16, None)
+    plan = device_cache_plan(m, device=DEVICE, gpu_expert_gb=3 * rec / GIB, host_expert_gb=all_host / 2)
+    assert plan == (3, 8, None)  # RAM for one layer's 8 experts: the rest from disk (the disk tier)
+    slots, host, why = device_cache_plan(m, device=DEVICE, gpu_expert_gb=3 * rec / GIB, host_expert_gb=7 * rec / GIB)
+    assert slots == 0 and "fewer than one MoE layer's 8" in why
     if not ON_GPU:
         monkeypatch.setenv("TRITON_INTERPRET", "0")
-        assert "runs on CUDA" in inclusive_host_plan(m, device="cpu", gpu_expert_gb=0, host_expert_gb=all_host)[1]
+        assert "runs on CUDA" in device_cache_plan(m, device="cpu", gpu_expert_gb=0, host_expert_gb=all_host)[2]
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     opts = dict(expert_kernel="triton", gpu_expert_gb=3 * rec / GIB, host_expert_gb=all_host / 2)
-    with pytest.raises(UserError, match="--device-cache on: host RAM for 8 of the 16"):
-        _open_backend(path, **opts, device_cache="on")
+    with pytest.raises(UserError, match="--device-cache on: host RAM for 7 expert records, fewer than one"):
+        _open_backend(path, **dict(opts, host_expert_gb=7 * rec / GIB), device_cache="on")
+    be = _open_backend(path, **opts, device_cache="on")  # half the experts in RAM: the disk tier under the cache
+    try:
+        assert isinstance(be, DeviceCacheExperts) and be.disk is not None and be.disk.capacity == 8 + 1
+    finally:
+        be.close()
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(UserError, match="--prefill-staging-gb must be a size"):
             _open_backend(path, **opts, prefill_staging_gb=bad)
     with pytest.raises(UserError, match="--device-cache 'sometimes'"):
         _open_backend(path, **opts, device_cache="sometimes")
-    be = _open_backend(path, **opts)  # auto: not eligible
+    be = _open_backend(path, **opts)  # auto: the store path until the disk tier's speed is measured
     try:
         assert not isinstance(be, DeviceCacheExperts) and be.store.residency.slots.capacity == 3
     finally:

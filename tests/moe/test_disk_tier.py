@@ -121,3 +121,83 @@ def test_a_corrupt_record_fails_its_step_once_and_the_cache_goes_on(stores, tmp_
         finally:
             dc.disk.close()
     assert c["failed_reads"] == 2 and c["requests"] == 3  # the last step found 1 and 6 in RAM: no request
+
+
+def _engine_logits(path, prompt: list[int], options: dict, warm_up: bool = False) -> tuple[torch.Tensor, dict]:
+    """engine_logits_and_counters, after the engine's start-up warm-up when asked (it saves and restores
+    the cache's decisions, which a disk tier must bring back from RAM or disk)."""
+    from tiermoe.engine.build import build_engine_core
+    from tiermoe.eval.parity import engine_logits
+
+    eng = build_engine_core(str(path), device=DEVICE, dtype="bfloat16", max_num_seqs=2, options=options)
+    be = eng.model.expert_backend
+    try:
+        if warm_up:
+            assert eng.warm_up() > 0
+        out = torch.cat([engine_logits(eng, prompt, chunk=len(prompt)), engine_logits(eng, prompt, chunk=1)])
+        return out, be.counters()
+    finally:
+        be.close()
+
+
+@pytest.mark.slow
+def test_engine_logits_bit_identical_with_a_disk_tier(stores):
+    """The real engine with --device-cache on over RAM for half or three quarters of the experts: logits
+    bit-identical to the store-managed Triton path with everything in RAM, after a warm-up too; /stats
+    counts the disk reads per decode token; fast mode's lane reads the records RAM holds now."""
+    from tiermoe.eval.parity import compare
+
+    path, rec = stores["int4"]
+    prompt = [5, 17, 33, 64, 101, 250, 7, 300]
+    base = {"expert_kernel": "triton"}
+    ref, _ = _engine_logits(path, prompt, {**base, "device_cache": "off", "gpu_expert_gb": 0,
+                                           "host_expert_gb": N_EXPERTS * rec / GIB})
+    for host, slots, warm in ((PER_LAYER, 4, False), (12, 6, True)):
+        opts = {**base, "device_cache": "on", "gpu_expert_gb": slots * rec / GIB, "host_expert_gb": host * rec / GIB}
+        got, c = _engine_logits(path, prompt, opts, warm_up=warm)
+        assert torch.equal(got, ref), (host, slots)
+        tier = c["device_cache"]["disk_tier"]
+        assert tier["ram_entries"] == host + 1 and tier["decode_reads"] > 0 and tier["failed_reads"] == 0, tier
+        assert c["per_decode_token"]["disk_reads"] == pytest.approx(tier["decode_reads"] / c["decode_tokens"])
+    fast, c = _engine_logits(path, prompt, {**base, "device_cache": "on", "gpu_expert_gb": 4 * rec / GIB,
+                                            "host_expert_gb": PER_LAYER * rec / GIB, "mode": "fast",
+                                            "cpu_lane_experts": 1, "cpu_lane_share": 1.0})
+    assert c["cpu_lane"]["experts"] > 0 and c["device_cache"]["disk_tier"]["decode_reads"] > 0
+    m = compare(ref, fast)
+    assert m["kl_mean"] < 1e-2 and m["top1"] >= 0.9, m
+
+
+def test_saved_decisions_come_back_with_their_records_from_ram_or_disk(stores):
+    """restore_decisions with a disk tier: the saved slots get their experts' records again, read from
+    RAM or from disk (the RAM the saved tables pointed at may hold other experts by then), and ptr_table
+    points every expert at its slot or at where RAM holds it now."""
+    path, rec = stores["int4"]
+    with _store(path, rec, PER_LAYER) as st:
+        dc = DeviceCacheExperts(st, 10, rates={}, top_k=2, max_tokens=3, disk=True)
+        try:
+            def steps(experts: list[int], n: int, seed: int) -> None:
+                for i in range(n):
+                    x, _, w = moe_batch(1, seed=seed + i)
+                    ids = torch.tensor([experts[i % len(experts)], experts[(i + 1) % len(experts)]], device=DEVICE)
+                    for layer in LAYERS:
+                        dc.begin_step(1, decode=True)
+                        dc.forward(layer, x, ids[None], w)
+                        dc.end_step()
+
+            steps([0, 1, 2], 6, seed=0)
+            saved = dc.save_decisions()
+            want = {layer: state["slot_expert"].clone() for layer, state in saved.items()}
+            steps([5, 6, 7], 12, seed=100)
+            dc.restore_decisions(saved)
+            for row, (layer, cache) in enumerate(dc.caches.items()):
+                assert torch.equal(cache.slot_expert, want[layer])
+                rows = ((cache.slot_addr - dc.arena.data_ptr()) // st.record_bytes).tolist()
+                for slot, e in enumerate(cache.slot_expert.tolist()):
+                    if e >= 0:
+                        assert torch.equal(dc.arena[rows[slot]].cpu(), dc.disk.record(row, e).cpu()), (layer, e)
+                        assert int(cache.ptr_table[e]) == int(cache.slot_addr[slot])
+                for e in range(PER_LAYER):
+                    if int(cache.expert_slot[e]) < 0:
+                        assert int(cache.ptr_table[e]) == int(dc.disk.addr[row, e]), (layer, e)
+        finally:
+            dc.disk.close()

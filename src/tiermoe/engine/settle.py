@@ -120,7 +120,7 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
     """Which backend serves the packed store at `path` (moe/backends.py), and its settings."""
     from tiermoe.moe.backends import choose_expert_kernel
     from tiermoe.moe.device_cache import prefill_plan, split_budget
-    from tiermoe.store.planner import config_top_k, inclusive_host_plan, key_rates
+    from tiermoe.store.planner import config_top_k, device_cache_plan, key_rates
     from tiermoe.store.records import load_manifest
 
     mode = args.mode or "exact"
@@ -138,8 +138,13 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
     store = StoreConfig(path=path, device=device, dtype=dtype, gpu_expert_gb=args.gpu_expert_gb,
                         host_expert_gb=args.host_expert_gb, policy=args.expert_policy or "lfu",
                         stats_file=args.expert_stats, direct_io=not args.no_direct_io)
-    slots, why_not = inclusive_host_plan(manifest, device=device, gpu_expert_gb=args.gpu_expert_gb,
-                                         host_expert_gb=args.host_expert_gb)
+    slots, host_records, why_not = device_cache_plan(manifest, device=device, gpu_expert_gb=args.gpu_expert_gb,
+                                                     host_expert_gb=args.host_expert_gb)
+    total = len(manifest.records)
+    disk = host_records < total  # RAM for some experts: the device cache reads the rest from disk (disk tier)
+    if disk and wanted == "auto" and not why_not:  # opt-in until its speed is measured against the store path
+        why_not = (f"host RAM for {host_records} of the {total} expert records; the device cache reads the rest "
+                   "from disk with --device-cache on")
     if kernel != "triton" and not why_not:
         # say why the torch path serves on a GPU (a record kind or shape the kernel does not take)
         from tiermoe.moe.backends import triton_unsupported
@@ -151,10 +156,10 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
     if wanted == "off" or why_not:
         log.info("expert slot cache: managed by the store (%s)", "--device-cache off" if wanted == "off" else why_not)
         return ExpertsConfig(backend=f"store-{kernel}", store=store, mode=mode, lane=lane)
-    # Every expert in the (pinned) host tier, sized exactly (the check above found room; free
-    # memory read twice could differ); the device cache owns the GPU budget.
+    # Every expert (or, with a disk tier, host_records of them) in the (pinned) host tier, sized exactly
+    # (free memory read twice could differ); the device cache owns the GPU budget.
     record = manifest.record_bytes  # a host entry: the longest record (mixed stores)
-    store = replace(store, gpu_expert_gb=0.0, host_expert_gb=(len(manifest.records) + 0.5) * record / GIB)
+    store = replace(store, gpu_expert_gb=0.0, host_expert_gb=(host_records + 0.5) * record / GIB)
     experts = [manifest.experts_per_layer[layer] for layer in manifest.moe_layers]
     top_k = config_top_k(manifest.config)
     rates, _, _ = key_rates(manifest, args.expert_stats, top_k)  # the split the device cache will make
@@ -168,5 +173,8 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
     cache = DeviceCacheConfig(slots=slots, max_tokens=max_num_seqs, prefill_rows=rows, prefill_buffers=buffers,
                               borrow_slots=args.prefill_borrow_slots is not False,
                               borrow_slots_asked=bool(args.prefill_borrow_slots), stage_misses=args.stage_misses,
-                              lane_cap=lane.max_experts)
+                              lane_cap=lane.max_experts, disk=disk)
+    if disk:
+        log.info("device cache: host RAM holds %d of the %d expert records; the rest are read from disk when picked",
+                 host_records, total)
     return ExpertsConfig(backend="device-cache", store=store, mode=mode, lane=lane, device_cache=cache)

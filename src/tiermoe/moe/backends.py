@@ -100,7 +100,8 @@ def _device_cache(cfg: ExpertsConfig) -> ExpertBackend:
         rates, _, _ = key_rates(store.manifest, cfg.store.stats_file, top_k)
         cache = DeviceCacheExperts(store, d.slots, rates, top_k=top_k, max_tokens=d.max_tokens,
                                    prefill_rows=d.prefill_rows, prefill_buffers=d.prefill_buffers,
-                                   stage_misses=d.stage_misses, lane_cap=d.lane_cap, borrow_slots=d.borrow_slots)
+                                   stage_misses=d.stage_misses, lane_cap=d.lane_cap, borrow_slots=d.borrow_slots,
+                                   disk=d.disk)
     except BaseException:
         store.close()
         raise
@@ -108,8 +109,9 @@ def _device_cache(cfg: ExpertsConfig) -> ExpertBackend:
         log.info("--prefill-borrow-slots: not used (%s)", "two dedicated staging buffers already"
                  if d.prefill_buffers == 2 else "too few slots or MoE layers to lend a buffer")
     log.info("expert slot cache: on the device, %d slots over %d layers + %d staging rows; prefill staging %d x %d "
-             "records%s", cache.slots_total, len(cache.caches), cache.stage_rows, cache.prefill.num_buffers,
-             cache.prefill_rows, " (the second lent by slots)" if cache.prefill.lender else "")
+             "records%s%s", cache.slots_total, len(cache.caches), cache.stage_rows, cache.prefill.num_buffers,
+             cache.prefill_rows, " (the second lent by slots)" if cache.prefill.lender else "",
+             f"; host RAM {cache.disk.capacity} records over disk" if cache.disk is not None else "")
     return cache
 
 

@@ -189,22 +189,25 @@ def size_tiers(
     return n_slots, n_host, notes
 
 
-def inclusive_host_plan(manifest, *, device: str, gpu_expert_gb: float | None,
-                        host_expert_gb: float | None) -> tuple[int, str | None]:
-    """(GPU slot records, None) when the host tier can hold every routed expert, so a device-side
-    slot cache can keep copies of some (moe/device_cache.py); else (0, why not)."""
+def device_cache_plan(manifest, *, device: str, gpu_expert_gb: float | None,
+                      host_expert_gb: float | None) -> tuple[int, int, str | None]:
+    """(GPU slot records, host RAM records, None) for a device-side slot cache (moe/device_cache.py):
+    the slots keep copies of experts that host RAM holds, or reads from disk when RAM holds only some
+    (moe/disk_tier.py). Else (0, 0, why not): not on CUDA (or Triton's interpreter), or RAM for fewer
+    records than one MoE layer has (a step may pick every expert of a layer while it must keep them)."""
     dev = torch.device(device)
     if dev.type != "cuda" and not env.TRITON_INTERPRET.get():
-        return 0, f"device {dev.type}: the device cache runs on CUDA"
+        return 0, 0, f"device {dev.type}: the device cache runs on CUDA"
     rec, total = manifest.record_bytes, len(manifest.records)
     n_slots, _, _ = size_tiers(record_bytes=rec, total_experts=total, device=dev, gpu_expert_gb=gpu_expert_gb,
                                host_expert_gb=0.0)
     _, n_host, _ = size_tiers(record_bytes=rec, total_experts=total, device=dev, gpu_expert_gb=0.0,
                               host_expert_gb=host_expert_gb)
-    if n_host < total:
-        return 0, (f"host RAM for {n_host} of the {total} expert records; the device cache keeps every expert "
-                   f"in pinned host RAM (raise --host-expert-gb to {total * rec / GIB:.2f})")
-    return n_slots, None
+    layer = max(manifest.experts_per_layer.values(), default=0)
+    if n_host < layer:
+        return 0, 0, (f"host RAM for {n_host} expert records, fewer than one MoE layer's {layer} (raise "
+                      f"--host-expert-gb to at least {layer * rec / GIB:.2f})")
+    return n_slots, min(n_host, total), None
 
 
 def load_stats(path: str | os.PathLike) -> dict[int, list[float]]:
