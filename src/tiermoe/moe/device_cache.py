@@ -22,10 +22,11 @@ so the CPU only queues kernels and runs ahead of the GPU through the whole forwa
 
 Placement is inclusive: the store's host tier holds every routed expert (pinned, so the GPU
 reads any of them in place) and the GPU slots hold copies of some. An eviction only rewrites a
-table row; an admission is one copy of a record host -> slot. This needs host RAM for all the
-experts (`--host-expert-gb` >= the experts' size); the store is then opened with no slots of its
-own (`ExpertStore` tiers stay exclusive) and this class owns the GPU budget: `--gpu-expert-gb` =
-slots of every layer + the staging rows (`split_budget`). The store's replacement policy
+table row; an admission is one copy of a record host -> slot. With host RAM for all the experts
+(`--host-expert-gb` >= the experts' size) nothing else moves; with RAM for some (disk=True), host RAM
+is a cache of the disk kept by moe/disk_tier.py and every step first makes its picks resident there
+(`_resident`). The store is opened with no slots of its own and this class owns the GPU budget:
+`--gpu-expert-gb` = slots of every layer + the staging rows (`split_budget`). The store's replacement policy
 (`--expert-policy`) has no slots to manage here: the cache kernel's CLOCK with frequency
 admission decides.
 
