@@ -5,8 +5,8 @@ Run by test_compile_targets.py as a script in a process of its own, with TRITON_
 process has the interpreter on.
 
 1. Record: `JITFunction.run` is replaced by a recorder, then the package's own wrappers
-   (fused_moe, paged_decode_attention, ExpertCache.step, gather_records, Mailbox.post and
-   wait_add) are called on small CPU tensors. Each launch is kept (kernel, arguments,
+   (fused_moe, paged_decode_attention, ExpertCache.step, gather_records, ResidencyMailbox.ensure,
+   Mailbox.post and wait_add) are called on small CPU tensors. Each launch is kept (kernel, arguments,
    constexprs, num_warps/num_stages) instead of run, so the argument types and launch
    configurations are exactly what those wrappers pass on a GPU without a tuned entry in
    configs.json; the entries tuned for a device are recorded for that device's target only.
@@ -44,6 +44,7 @@ from tiermoe.kernels.layout import expert_layout
 from tiermoe.kernels.triton import fused_moe as fm
 from tiermoe.kernels.triton.cache_manager import ExpertCache, gather_records
 from tiermoe.kernels.triton.mailbox import Mailbox
+from tiermoe.kernels.triton.residency import ResidencyMailbox
 from tiermoe.kernels.triton.paged_attention import paged_decode_attention
 
 # compute capability of each target; sm_86 / sm_89: RTX 3090 / 4090, sm_90: H100 / H200
@@ -244,6 +245,34 @@ def mailbox(rec: Recorder) -> None:
                 mb.wait_add(0, x)
 
 
+class LowAddressResidency(ResidencyMailbox):
+    """A residency mailbox whose raw addresses lie below 2**31 (see LowAddressMailbox)."""
+
+    def _ctrl_addr(self) -> int:
+        return 0x3000_0000
+
+    def _req_addr(self) -> int:
+        return 0x3100_0000
+
+    def _ans_addr(self) -> int:
+        return 0x3200_0000
+
+
+def residency(rec: Recorder) -> None:
+    """The disk tier's request, wait, answer and hint kernels for a step of 1 and 16 tokens (128 picks), through
+    the inline-PTX path a CUDA device takes, with 64-bit addresses and with addresses below 2**31."""
+    tables = [(torch.zeros(EXPERTS, dtype=torch.int64), torch.zeros(EXPERTS, dtype=torch.int64),
+               torch.full((EXPERTS,), -1, dtype=torch.int32)) for _ in range(2)]
+    for mb_class, where in ((ResidencyMailbox, "this process's addresses"), (LowAddressResidency, "below 2**31")):
+        mb = mb_class(tables, max_picks=128, max_answers=256, zero_addr=tables[0][0].data_ptr(), device="cpu")
+        mb._asm = True
+        with rec.tagged(f"residency ensure, {where}"):
+            for tokens in (1, 16):
+                picks = (torch.arange(tokens)[:, None] + torch.arange(TOP_K)[None, :]) % EXPERTS
+                mb.ensure(1, picks)
+                mb.hint_next(0, picks)
+
+
 SCENARIOS = (
     fused_moe_defaults,
     fused_moe_k_tiles_spanning_groups,
@@ -252,6 +281,7 @@ SCENARIOS = (
     paged_attention,
     expert_cache,
     mailbox,
+    residency,
 )
 
 

@@ -103,3 +103,16 @@ def test_failed_answer_and_timeout_point_the_request_at_the_zero_record(device):
     mb.ensure(1, torch.tensor([[5]], dtype=torch.int32, device=device), max_spins=50)
     _sync(device)
     assert mb.error() == 2 and int(tables[1][0][5]) == ZERO and int(tables[1][1][5]) == ZERO
+
+
+def test_hint_names_the_predicted_picks_on_disk_only_and_waits_for_nothing(device):
+    tables = _tables(device)
+    mb = ResidencyMailbox(tables, max_picks=16, max_answers=16, zero_addr=ZERO, device=device)
+    assert mb.read_hint(0) is None
+    mb.hint_next(1, torch.tensor([[6, 0], [2, 6], [7, 5]], dtype=torch.int32, device=device))  # no host thread
+    _sync(device)
+    assert mb.read_hint(0) == (1, 1, [6, 7, 5])  # (hint seq, row, on disk only in pick order, deduplicated)
+    assert mb.read_hint(1) is None  # seen already
+    mb.hint_next(0, torch.tensor([[1, 3]], dtype=torch.int32, device=device))  # nothing on disk: an empty hint
+    _sync(device)
+    assert mb.read_hint(1) == (2, 0, []) and int(mb.seq) == 0  # no request was posted

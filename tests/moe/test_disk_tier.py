@@ -159,6 +159,7 @@ def test_engine_logits_bit_identical_with_a_disk_tier(stores):
         tier = c["device_cache"]["disk_tier"]
         assert tier["ram_entries"] == host + 1 and tier["decode_reads"] > 0 and tier["failed_reads"] == 0, tier
         assert c["per_decode_token"]["disk_reads"] == pytest.approx(tier["decode_reads"] / c["decode_tokens"])
+        assert tier["prefetch_issued"] > 0 and tier["prefetch_used"] > 0, tier  # layer 1 hints layer 2's picks
     fast, c = _engine_logits(path, prompt, {**base, "device_cache": "on", "gpu_expert_gb": 4 * rec / GIB,
                                             "host_expert_gb": PER_LAYER * rec / GIB, "mode": "fast",
                                             "cpu_lane_experts": 1, "cpu_lane_share": 1.0})
@@ -201,3 +202,46 @@ def test_saved_decisions_come_back_with_their_records_from_ram_or_disk(stores):
                         assert int(cache.ptr_table[e]) == int(dc.disk.addr[row, e]), (layer, e)
         finally:
             dc.disk.close()
+
+
+def test_layer_ahead_reads_are_used_and_a_failed_one_fails_no_request(stores, monkeypatch):
+    """Hinted reads (DiskTier.prefetch, what the device's layer-ahead hint starts) take free entries only;
+    the request that then asks for them is answered from them (used); one that failed (an injected EIO)
+    is read anew by the request, which succeeds. Outputs keep the reference's bits."""
+    from concurrent.futures import Future
+
+    from tiermoe.store.disk import StoreIOError
+
+    path, rec = stores["int4"]
+    x, _, w = moe_batch(1, seed=4)
+    picks = [[5, 6], [7, 0]]
+    with _store(path, rec, N_EXPERTS) as st:
+        be = StoreTritonExperts(st)
+        ref = [be.forward(2, x, torch.tensor([p], device=DEVICE), w).cpu() for p in picks]
+    with _store(path, rec, PER_LAYER) as st:  # RAM: layer 1's 8 experts and one free entry
+        dc = DeviceCacheExperts(st, 0, rates={}, top_k=2, max_tokens=1, disk=True)
+        tier, row = dc.disk, dc.disk.row_of[2]
+        submit, failing = tier.reader.submit, {st.key(2, 5)}
+
+        def flaky(record, dest, **kw):  # the first read of layer 2's expert 5 fails
+            if record.index in failing:
+                failing.discard(record.index)
+                fut = Future()
+                fut.set_exception(StoreIOError("injected: EIO"))
+                return fut
+            return submit(record, dest, **kw)
+
+        monkeypatch.setattr(tier.reader, "submit", flaky)
+        try:
+            outs = []
+            for p in picks:
+                tier.prefetch(row, p)
+                dc.begin_step(1, decode=True)
+                outs.append(dc.forward(2, x, torch.tensor([p], device=DEVICE), w).cpu())
+                dc.end_step()
+            c = tier.counters()
+        finally:
+            tier.close()
+    assert all(torch.equal(a, b) for a, b in zip(outs, ref))
+    assert c["prefetch_issued"] == 3 and c["prefetch_failed"] == 1 and c["prefetch_used"] == 2, c
+    assert c["failed_reads"] == 0 and c["requests"] == 2, c

@@ -135,7 +135,9 @@ class DeviceCacheExperts(StoreBackend):
                 raise ValueError("the host tier does not hold every routed expert (a disk tier is off)")
             from tiermoe.moe.disk_tier import DiskTier
 
-            self.disk = DiskTier(store, layers, rates, self.fused.zero_record(dev).data_ptr())
+            # a step's worth of free entries kept for layer-ahead reads
+            self.disk = DiskTier(store, layers, rates, self.fused.zero_record(dev).data_ptr(),
+                                 reserve=self.top_k * max(1, int(max_tokens)))
             prefill_rows, borrow_slots = 0, False  # prefill reads in place after its host-synchronous loads
             all_entries = {layer: [] for layer in layers}
         counts = [store.manifest.experts_per_layer[layer] for layer in layers]
@@ -223,7 +225,7 @@ class DeviceCacheExperts(StoreBackend):
             out = self.fused(x, topk_ids, topk_weights, self.prefill.table(layer, topk_ids), layer)
             self.prefill.done(layer)
             return out
-        return self.fused(x, topk_ids, topk_weights, self._decode_table(layer, topk_ids, step=decode), layer)
+        return self.fused(x, topk_ids, topk_weights, self._decode_table(layer, x, topk_ids, step=decode), layer)
 
     def end_step(self) -> None:
         """A disk tier raises here, once, for a record its step could not read (disk_tier.DiskTier.check)."""
@@ -293,29 +295,34 @@ class DeviceCacheExperts(StoreBackend):
         return device_cache_heat(self.caches)
 
     # -- the cache -------------------------------------------------------------------------------
-    def _decode_table(self, layer: int, topk_ids: torch.Tensor, step: bool = True) -> torch.Tensor:
+    def _decode_table(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, step: bool = True) -> torch.Tensor:
         """The table a step reads: after a cache step (decode with at most max_picks picks), else
         the canonical one (slots from HBM, the rest read in place)."""
         cache = self.caches[layer]
         if step and topk_ids.numel() <= self.max_picks:
             self.prefill.return_loan()  # a cache decision must never meet lent slots
-            self._resident(layer, topk_ids, step=True)
+            self._resident(layer, x, topk_ids, step=True)
             cache.step(topk_ids)
             self.steps += 1
             return cache.step_table
-        self._resident(layer, topk_ids, step=False)
+        self._resident(layer, x, topk_ids, step=False)
         self.table_calls += 1
         return cache.ptr_table
 
-    def _resident(self, layer: int, topk_ids: torch.Tensor, step: bool) -> None:
+    def _resident(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, step: bool) -> None:
         """With a disk tier, every pick in a slot or in RAM before the kernels that read it: a cache step
-        asks the host through the residency mailbox (no host sync), other steps load synchronously."""
+        asks the host through the residency mailbox (no host sync) and hints the next MoE layer's
+        predicted picks (its router on x [T, H]: layer-ahead reads), other steps load synchronously."""
         if self.disk is None:
             return
-        if step:
-            self.disk_mailbox.ensure(self.disk.row_of[layer], topk_ids)
-        else:
+        if not step:
             self.disk.ensure_now(layer, topk_ids)
+            return
+        self.disk_mailbox.ensure(self.disk.row_of[layer], topk_ids)
+        ahead = self.next_router.get(layer)
+        if ahead is not None and ahead[0] in self.disk.row_of:
+            next_layer, module = ahead
+            self.disk_mailbox.hint_next(self.disk.row_of[next_layer], module.predict_ids(x))
 
     def set_lane(self, experts: int) -> None:
         """Fast mode on the device: later `lane_forward` steps send up to `experts` of their
@@ -347,7 +354,7 @@ class DeviceCacheExperts(StoreBackend):
         if topk_ids.numel() > self.max_picks or not cache.lane_max:
             return self.forward(layer, x, topk_ids, topk_weights, decode=True)
         self.prefill.return_loan()  # a cache decision must never meet lent slots
-        self._resident(layer, topk_ids, step=True)
+        self._resident(layer, x, topk_ids, step=True)
         cache.step(topk_ids, gather=False, lane=True)  # decisions, the lane's choice included
         self.steps += 1
         self.lane_calls += 1

@@ -47,6 +47,10 @@ class DiskTierCounters:
     evictions: int = 0  # host entries taken from another expert
     failed_reads: int = 0
     read_s: float = 0.0  # wall seconds waiting for reads
+    prefetch_issued: int = 0  # reads started from the device's layer-ahead hints
+    prefetch_used: int = 0  # ... whose expert a request then asked for
+    prefetch_wasted: int = 0  # ... dropped unused (their entry was needed first)
+    prefetch_failed: int = 0  # ... that failed (the request reads the record anew)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -59,7 +63,7 @@ class DiskTier:
     MoE layers in the device cache's row order; rates: {record key: expected picks per token};
     zero_addr: address of an all-zero record the device may read (failures answer with it)."""
 
-    def __init__(self, store, layers: list[int], rates: Mapping[int, float], zero_addr: int) -> None:
+    def __init__(self, store, layers: list[int], rates: Mapping[int, float], zero_addr: int, reserve: int = 0) -> None:
         self.arena, held, self.reader = store.take_host_tier()
         self.records = store.manifest.records
         self.layers = list(layers)
@@ -78,6 +82,11 @@ class DiskTier:
             self._hold(self.row_of[rec.layer], rec.expert, entry)
         self.free = [self.arena.alloc() for _ in range(self.arena.free_entries)]
         self.capacity = len(self.free) + len(self._entry)
+        # layer-ahead prefetch: reads started into free entries, not yet announced to the device (so an entry
+        # here is referenced by no device table); `reserve` free entries are kept for them by each answer
+        self._pending: dict[tuple[int, int], tuple[int, object]] = {}  # (row, expert) -> (entry, read)
+        self.reserve = max(0, int(reserve))
+        self._hint_seen = 0
         self.lock = threading.Lock()
         self.c = DiskTierCounters()
         self.failure: BaseException | None = None  # the last failed read, raised by check()
@@ -148,7 +157,19 @@ class DiskTier:
             for e in experts:
                 if (row, e) in self._entry:
                     continue
-                entry = self.free.pop() if self.free else None
+                if (row, e) in self._pending:  # a layer-ahead read: announced now
+                    entry, fut = self._pending.pop((row, e))
+                    if fut.exception() is None:
+                        self._hold(row, e, entry)
+                        updates.append((row, e, int(self.addr[row, e])))
+                        self.c.prefetch_used += 1
+                        self.c.bytes_read += self.records[self._key[row][e]].length
+                        self.c.decode_reads += decode
+                        self.c.other_reads += not decode
+                        continue
+                    self.c.prefetch_failed += 1  # read again below: a prefetch's failure fails nothing
+                    self.free.append(entry)
+                entry = self._free_entry()
                 if entry is None:
                     victim = self._victim(row)
                     if victim is None:
@@ -179,7 +200,39 @@ class DiskTier:
                 else:
                     self.c.other_reads += 1
             self.c.read_s += time.perf_counter() - t0
+            while decode and len(self.free) < self.reserve:  # room for the next hints, announced with this answer
+                victim = self._victim(row)
+                if victim is None:
+                    break
+                vr, ve, entry = victim
+                self.c.evictions += 1
+                updates.append((vr, ve, 0))
+                self.free.append(entry)
         return updates, failed, error
+
+    def _free_entry(self) -> int | None:
+        """A free entry, else one a prefetch holds unannounced (its read settled first); None: neither."""
+        if self.free:
+            return self.free.pop()
+        if self._pending:
+            key = next(iter(self._pending))
+            entry, fut = self._pending.pop(key)
+            fut.exception()  # wait for the read into it; its outcome no longer matters
+            self.c.prefetch_wasted += 1
+            return entry
+        return None
+
+    def prefetch(self, row: int, experts: list[int]) -> None:
+        """Start reading `experts` of layer row `row` (a layer-ahead hint) into free entries, without
+        evicting: the device learns of them only when the row asks (ensure)."""
+        with self.lock:
+            for e in experts:
+                if (row, e) in self._entry or (row, e) in self._pending or not self.free:
+                    continue
+                entry = self.free.pop()
+                rec = self.records[self._key[row][e]]
+                self._pending[(row, e)] = (entry, self.reader.submit(rec, self.arena.entry(entry)))
+                self.c.prefetch_issued += 1
 
     # -- the device's tables ----------------------------------------------------------------------
     def attach(self, mailbox, caches: list) -> None:
@@ -223,7 +276,12 @@ class DiskTier:
                 continue
             seq = self.mailbox.pending()
             if not seq:
-                time.sleep(2e-5)
+                hint = self.mailbox.read_hint(self._hint_seen)
+                if hint is not None:
+                    self._hint_seen, row, experts = hint
+                    self.prefetch(row, experts)
+                else:
+                    time.sleep(2e-5)
                 continue
             row, experts = self.mailbox.read_request()
             try:

@@ -25,6 +25,12 @@ of reading address 0) and leaves the error mark, so the owner fails the step and
 tables (moe/disk_tier.py); a failed read is answered that way by the host itself, beside the
 changes it did make.
 
+Layer-ahead reads (`hint_next`, no wait): after its own request, a decode layer posts the next MoE
+layer's predicted picks (its router on this layer's input) that are on disk only; the host starts
+reading them into free entries and announces them when that layer asks (a short answer, no disk
+wait). The host keeps a step's worth of entries free by evicting within its answers, so a hinted
+read never needs an eviction the device has not applied.
+
 The control words reuse the CPU lane mailbox's layout (kernels/triton/mailbox.py: POSTED, NTOK,
 DONE, ERR, POLLS in one int64 [16] row, pinned and mapped) and its wait kernel; NANS holds the
 answer count. Requests are int32 [1 + max_picks] (the layer row, then the picks in pick order,
@@ -67,6 +73,30 @@ def _need_kernel(ids_ptr, P, host_addr_ptr, expert_slot_ptr, seq_ptr, posted_now
     tl.store(ctrl + NTOK, n.to(tl.int64))
     tl.debug_barrier()  # the request's stores happen before the release below
     _release_store(ctrl + POSTED, s, ASM)  # unchanged when nothing was asked: the host sees no new request
+
+
+@triton.jit(do_not_specialize=["P", "row"])
+def _hint_kernel(ids_ptr, P, host_addr_ptr, expert_slot_ptr, hint_seq_ptr, row, hctrl_addr, hint_addr,
+                 POSTED: tl.constexpr, BLOCK_P: tl.constexpr, ASM: tl.constexpr):
+    """One program: predicted picks of layer row `row` neither in a slot nor in RAM -> the hint area
+    (row, count, ids), hint seq += 1, released; nothing waits (layer-ahead prefetch)."""
+    hctrl = hctrl_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
+    hint = hint_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
+    offs = tl.arange(0, BLOCK_P)
+    m = offs < P
+    e = tl.load(ids_ptr + offs, mask=m, other=0)
+    in_slot = tl.load(expert_slot_ptr + e, mask=m, other=0) >= 0
+    in_ram = tl.load(host_addr_ptr + e, mask=m, other=1) != 0
+    need = m & (~in_slot) & (~in_ram)
+    flag = need.to(tl.int32)
+    pos = tl.cumsum(flag, axis=0) - 1
+    tl.store(hint + 2 + pos, e, mask=need)
+    tl.store(hint, row)
+    tl.store(hint + 1, tl.sum(flag, axis=0))
+    s = tl.load(hint_seq_ptr) + 1
+    tl.store(hint_seq_ptr, s)
+    tl.debug_barrier()
+    _release_store(hctrl + POSTED, s, ASM)
 
 
 @triton.jit
@@ -125,6 +155,9 @@ class ResidencyMailbox:
         self.ctrl = torch.zeros(MAILBOX_CTRL, dtype=torch.int64, pin_memory=pin)  # [16] control words
         self.request = torch.zeros(1 + self.max_picks, dtype=torch.int32, pin_memory=pin)  # row | picks
         self.answers = torch.zeros(3 * self.max_answers, dtype=torch.int64, pin_memory=pin)  # (row, e, addr)...
+        self.hint_ctrl = torch.zeros(MAILBOX_CTRL, dtype=torch.int64, pin_memory=pin)  # [16] POSTED: hint seq
+        self.hint = torch.zeros(2 + self.max_picks, dtype=torch.int32, pin_memory=pin)  # row | count | ids
+        self.hint_seq = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.seq = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.ok = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.posted_now = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -135,6 +168,32 @@ class ResidencyMailbox:
         self.slot_ptrs = torch.tensor([s.data_ptr() for _, _, s in tables], **i64)  # [L]
         self._asm = pin and not _INTERPRET
 
+    # raw addresses handed to the kernels (host address == device address under UVA)
+    def _ctrl_addr(self) -> int:
+        return self.ctrl.data_ptr()
+
+    def _req_addr(self) -> int:
+        return self.request.data_ptr()
+
+    def _ans_addr(self) -> int:
+        return self.answers.data_ptr()
+
+    def _hctrl_addr(self) -> int:
+        return self.hint_ctrl.data_ptr()
+
+    def _hint_addr(self) -> int:
+        return self.hint.data_ptr()
+
+    def hint_next(self, row: int, predicted_ids: torch.Tensor) -> None:
+        """Queue a hint (no wait): layer row `row` will likely pick predicted_ids [T, k]; the host may
+        start reading those on disk only into free entries (announced when the row asks for them)."""
+        host, _, slots = self.tables[row]
+        ids = predicted_ids.reshape(-1).to(torch.int32)
+        p = min(ids.numel(), self.max_picks)
+        _hint_kernel[(1,)](ids, p, host, slots, self.hint_seq, row, self._hctrl_addr(), self._hint_addr(),
+                           POSTED=MAILBOX_POSTED, BLOCK_P=max(16, triton.next_power_of_2(p)), ASM=self._asm,
+                           num_warps=4)
+
     def ensure(self, row: int, topk_ids: torch.Tensor, max_spins: int = DEFAULT_MAX_SPINS) -> None:
         """Queue, for layer row `row`, the request for its picks topk_ids [T, k] that are on disk
         only, the wait for the answer and the tables' update (no host sync; nothing waits when every
@@ -144,13 +203,13 @@ class ResidencyMailbox:
         p = ids.numel()
         if p > self.max_picks:
             raise ValueError(f"{p} picks exceed max_picks={self.max_picks}")
-        _need_kernel[(1,)](ids, p, host, slots, self.seq, self.posted_now, row, self.ctrl.data_ptr(),
-                           self.request.data_ptr(), POSTED=MAILBOX_POSTED, NTOK=MAILBOX_NTOK,
+        _need_kernel[(1,)](ids, p, host, slots, self.seq, self.posted_now, row, self._ctrl_addr(),
+                           self._req_addr(), POSTED=MAILBOX_POSTED, NTOK=MAILBOX_NTOK,
                            BLOCK_P=max(16, triton.next_power_of_2(p)), ASM=self._asm, num_warps=4)
-        _wait_kernel[(1,)](self.seq, 0, self.ok, self.ctrl.data_ptr(), int(max_spins), DONE=MAILBOX_DONE,
+        _wait_kernel[(1,)](self.seq, 0, self.ok, self._ctrl_addr(), int(max_spins), DONE=MAILBOX_DONE,
                            ERR=MAILBOX_ERR, POLLS=MAILBOX_POLLS, ASM=self._asm, num_warps=1)
-        _apply_kernel[(1,)](self.posted_now, self.ok, self.ctrl.data_ptr(), self.answers.data_ptr(),
-                            self.request.data_ptr(), self.host_ptrs, self.table_ptrs, self.slot_ptrs,
+        _apply_kernel[(1,)](self.posted_now, self.ok, self._ctrl_addr(), self._ans_addr(),
+                            self._req_addr(), self.host_ptrs, self.table_ptrs, self.slot_ptrs,
                             self.zero_addr, NANS=RESIDENCY_NANS, NTOK=MAILBOX_NTOK, BLOCK=64,
                             num_warps=1)
 
@@ -165,6 +224,18 @@ class ResidencyMailbox:
         n = int(self.ctrl[MAILBOX_NTOK])
         words = self.request[: 1 + n].tolist()
         return words[0], list(dict.fromkeys(words[1:]))
+
+    def read_hint(self, last: int) -> tuple[int, int, list[int]] | None:
+        """(hint seq, layer row, predicted picks on disk only) of a hint newer than `last`, else None (also
+        when the device overwrote it while it was read)."""
+        seq = int(self.hint_ctrl[MAILBOX_POSTED])
+        if seq == last:
+            return None
+        row, n = self.hint[:2].tolist()
+        ids = self.hint[2 : 2 + n].tolist()
+        if int(self.hint_ctrl[MAILBOX_POSTED]) != seq:
+            return None
+        return seq, row, list(dict.fromkeys(ids))
 
     def answer(self, seq: int, updates: list[tuple[int, int, int]], failed: bool = False) -> None:
         """Publish (row, expert, address) updates for request `seq`: every load and eviction the host
