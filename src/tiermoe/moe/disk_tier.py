@@ -272,9 +272,11 @@ class DiskTier:
     # -- the server thread ------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            if not self.active.wait(timeout=0.05):
-                continue
+            # between decode steps: a look every 50 ms (a request of a step nobody began is late, not lost)
+            idle = not self.active.wait(timeout=0.05)
             seq = self.mailbox.pending()
+            if idle and not seq:
+                continue
             if not seq:
                 hint = self.mailbox.read_hint(self._hint_seen)
                 if hint is not None:
