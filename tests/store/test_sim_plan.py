@@ -97,6 +97,23 @@ def test_plan_for_store_and_checkpoint(packed_bf16, tmp_path, capsys):
     assert "lists 2 experts" in capsys.readouterr().err
 
 
+def test_plan_on_cuda_counts_the_device_caches_staging_rows_out_of_the_slots(packed_bf16, capsys):
+    """On CUDA with host RAM for every expert the device cache serves, and top_k x min(max-num-seqs, 4)
+    records of the GPU budget are its staging rows: the plan's slots and hits leave them out."""
+    store, _ = packed_bf16
+    m = load_manifest(store)  # 16 records of 12 KiB, top-2
+    budget = dict(device="cuda", gpu_expert_gb=10 * 12288 / 2**30, host_expert_gb=16 * 12288 / 2**30)
+    plan = build_plan(m, **budget, max_num_seqs=2)  # no GPU is queried: both budgets are given
+    assert plan.n_slots == 10 - 2 * 2 and plan.n_host == 16 - plan.n_slots and plan.n_disk == 0
+    assert plan.hits_per_token["slots"] == pytest.approx(plan.n_slots * 2 / 8)
+    assert any("staging rows" in n for n in plan.notes)
+    assert build_plan(m, **budget).n_slots == 10 - 5  # 8 sequences: 2 x 4 rows wanted, at most half the budget
+    assert build_plan(m, **dict(budget, device="cpu")).n_slots == 10  # no device cache on a CPU
+    assert build_plan(m, **dict(budget, host_expert_gb=0)).n_slots == 10  # RAM short: the store path serves
+    assert main(["plan", str(store), "--max-num-seqs", "0"]) == 2
+    assert "--max-num-seqs must be at least 1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("kind,group,record", [("int4", 128, 12_976_128), ("int3", 128, 9_830_400),
                                                 ("int3", 64, 10_223_616)])
 def test_plan_uses_the_record_length_of_the_kind(tmp_path, kind, group, record):

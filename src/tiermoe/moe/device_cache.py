@@ -59,9 +59,8 @@ import torch
 
 from tiermoe.moe.prefill_staging import STAGE_TOKENS, PrefillStaging, SlotLender, lend_share
 from tiermoe.moe.store_backends import StoreBackend
-from tiermoe.store.slot_split import split_by_popularity
+from tiermoe.store.slot_split import split_by_popularity, staging_rows
 
-STAGE_PICKS = 4  # staged (not admitted) misses per step are bounded by top_k x this many tokens
 
 
 def split_budget(slots: int, experts: list[int], top_k: int, max_tokens: int,
@@ -71,8 +70,7 @@ def split_budget(slots: int, experts: list[int], top_k: int, max_tokens: int,
     (shared by all layers: stream order) come out of the budget first, at most half of it; the
     rest goes to the layers by popularity (`store.slot_split`; rates[i][e]: expected picks of
     layer i's expert e; None or uniform rates: evenly)."""
-    want_stage = top_k * max(1, min(int(max_tokens), STAGE_PICKS)) if stage_misses else 0
-    stage_rows = min(want_stage, max(0, int(slots)) // 2) if experts else 0
+    stage_rows = staging_rows(slots, top_k, max_tokens, stage_misses) if experts else 0
     if rates is None:
         rates = [[1.0] * n for n in experts]
     if [len(r) for r in rates] != list(experts):

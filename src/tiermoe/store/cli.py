@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from tiermoe.config import DEFAULTS
 from tiermoe.errors import StoreError, UserError
 
 
@@ -128,8 +129,10 @@ def _plan(args: argparse.Namespace) -> int:
     if args.cpu_threads is not None and args.cpu_threads < 1:
         raise UserError("--cpu-threads must be at least 1")
     m = _plan_manifest(args.model, args.quant, args.group_size)
+    if args.max_num_seqs < 1:
+        raise UserError("--max-num-seqs must be at least 1")
     kw = dict(device=device, gpu_expert_gb=args.gpu_expert_gb, host_expert_gb=args.host_expert_gb,
-              stats_file=args.stats, cpu_threads=args.cpu_threads)
+              stats_file=args.stats, cpu_threads=args.cpu_threads, max_num_seqs=args.max_num_seqs)
     plan = build_plan(m, **kw, disk_gbs=args.disk_gbs)
     if args.disk_gbs is None and plan.n_disk:  # auto: the disk's rate matters, so measure it on the store itself
         gbs, note = _measure_disk(m)
@@ -301,6 +304,9 @@ def register(subparsers) -> None:
                         "(default: uniform routing)")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads decode will run with, for the bound on a CPU (default: torch's count here)")
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULTS.max_num_seqs,
+                   help="sequences decoded together, as `serve`'s: on CUDA the device cache keeps staging rows "
+                        "for that many out of the GPU budget")
     p.add_argument("--quant", choices=QUANT_CHOICES, default="bf16",
                    help="for an unpacked checkpoint: the format to plan for")
     p.add_argument("--group-size", type=int, default=None,

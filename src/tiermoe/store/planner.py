@@ -30,7 +30,9 @@ import torch
 
 from tiermoe import env
 from tiermoe.errors import UserError
+from tiermoe.config import DEFAULTS
 from tiermoe.store.routing_trace import is_trace, trace_counts
+from tiermoe.store.slot_split import STAGE_PICKS, staging_rows
 
 GIB = 1 << 30
 
@@ -401,10 +403,13 @@ def build_plan(
     host_margin_gb: float | None = None,
     cpu_threads: int | None = None,
     disk_gbs: float | None = None,
+    max_num_seqs: int = DEFAULTS.max_num_seqs,
 ) -> TierPlan:
     """The tier plan of a store (parsed manifest) on this machine; reads no expert data.
     `cpu_threads`: the torch threads decode will run with (default: torch's current count);
-    `disk_gbs`: the disk's read rate for the bound (default: the H200 host's O_DIRECT rate)."""
+    `disk_gbs`: the disk's read rate for the bound (default: the H200 host's O_DIRECT rate);
+    `max_num_seqs`: the decode batch, which sizes the device cache's staging rows on CUDA (when host
+    RAM holds every expert, serving's default): those rows come out of the slots."""
     dev = torch.device(device)
     rec = manifest.record_bytes  # a tier entry: the longest record
     total = len(manifest.records)
@@ -419,6 +424,11 @@ def build_plan(
     )
     top_k = config_top_k(manifest.config)
     rates, source, more = key_rates(manifest, stats_file, top_k)
+    if dev.type == "cuda" and n_slots and n_slots + n_host >= total:  # the device cache serves (settle's auto)
+        stage = staging_rows(n_slots, top_k, max_num_seqs)
+        n_slots, n_host = n_slots - stage, total - (n_slots - stage)
+        more = [*more, f"{stage} records of the GPU budget are the device cache's staging rows for misses it does "
+                       f"not admit (top-{top_k} x {min(max_num_seqs, STAGE_PICKS)} sequences), not slots"]
     hits = expected_hits(rates, n_slots, n_host)
     # a mixed store's reads are each record's own length: the floor gets picks weighted by length
     read_hits = (expected_hits(rates, n_slots, n_host, {r.index: r.length / rec for r in manifest.records})

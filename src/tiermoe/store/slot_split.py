@@ -14,6 +14,16 @@ from __future__ import annotations
 
 from typing import Sequence
 
+STAGE_PICKS = 4  # staged (not admitted) misses per step are bounded by top_k x this many tokens
+
+
+def staging_rows(slots: int, top_k: int, max_tokens: int, stage_misses: bool = True) -> int:
+    """Rows of a device cache's GPU budget of `slots` records kept for the misses its admission filter
+    does not admit (shared by all layers: stream order): top_k x min(max_tokens, STAGE_PICKS), at most
+    half the budget (moe/device_cache.split_budget; `tiermoe plan` counts them out of the slots)."""
+    want = top_k * max(1, min(int(max_tokens), STAGE_PICKS)) if stage_misses else 0
+    return min(want, max(0, int(slots)) // 2)
+
 
 def split_by_popularity(slots: int, rates: Sequence[Sequence[float]]) -> list[int]:
     """Slots of each layer: how many of the `slots` highest expected-pick rates over all layers
