@@ -66,7 +66,8 @@ def test_cache_step_matches_twin(e, s, tokens, k, admit_max, filt, scratch, devi
         C.cache_step(cache, ids.to(device))
         R.cache_step_ref(st, ids, cache.admit_max, filt, 3, (SCRATCH_BASE, scratch, REC))
         _check_equal(cache, st)
-    lookups, hits, misses, admitted = st["stats"].tolist()
+    lookups, hits, misses, admitted, words = st["stats"].tolist()
+    assert words == misses * (REC // 4)  # every miss moves a whole record here
     assert lookups == hits + misses and admitted <= misses
     if s:
         assert hits > 0 and admitted > 0

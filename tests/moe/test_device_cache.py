@@ -110,8 +110,13 @@ def test_mixed_store_copies_short_records_and_stays_bit_identical(tiny_dir, tmp_
             dc = DeviceCacheExperts(st, slots, rates={}, top_k=2, max_tokens=1)
             words = {layer: c.record_words.tolist() for layer, c in dc.caches.items()}
             got = [dc.forward(layer, *moe_batch(t, seed), decode=t < 17).cpu() for layer, t, seed in trace]
+            c = dc.stats()
         assert all(torch.equal(a, b) for a, b in zip(ref, got)), slots
         assert all(sorted(set(w)) == [2048, 3072] for w in words.values())  # int8 and bf16 records, in words
+        # the bytes the misses move are their own records' (/stats bytes_moved), not whole tier entries
+        assert 8192 * c["misses"] <= c["miss_bytes"] <= rec * c["misses"]
+        if slots == 0:  # every pick a miss, cold ones among them
+            assert c["miss_bytes"] < rec * c["misses"]
 
 
 def test_matrix_vector_decode_path_is_bit_identical_across_budgets(stores, monkeypatch):

@@ -225,7 +225,7 @@ def cache_step_ref(
 
     state keys: ptr_table [E'] i64, host_addr [E] i64, slot_addr [S] i64, slot_expert [S] i32,
     expert_slot [E] i32, ref [S] i32, clock [2] i32 (hand, stamp), copy_src/copy_dst [M] i64,
-    n_copy [1] i32, stats [4] i64 (lookups, hits, misses, admitted), freq [E] i32; a mixed store's
+    n_copy [1] i32, stats [5] i64 (lookups, hits, misses, admitted, miss words), freq [E] i32; a mixed store's
     record_words [E] i32 (each expert's record length in 4-byte words) and copy_len [M] i32 (each copy's).
 
     One decode step of one layer: the distinct routed experts of the batch, in first-pick
@@ -324,7 +324,9 @@ def cache_step_ref(
     for e in on_lane:
         st["step_table"][e] = zero_addr
     st["n_copy"][0] = n + min(len(rejected), rows)
-    st["stats"] += torch.tensor([len(uniq), len(hits), len(misses), n], dtype=st["stats"].dtype)
+    words = sum(int(st["record_words"][e]) for e in misses) if "record_words" in st else len(misses) * (rec // 4)
+    st["stats"] += torch.tensor([len(uniq), len(hits), len(misses), n, words][: st["stats"].numel()],
+                                dtype=st["stats"].dtype)
     return st
 
 

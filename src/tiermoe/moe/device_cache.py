@@ -428,10 +428,11 @@ class DeviceCacheExperts(StoreBackend):
         return sorted(e for e in self.caches[layer].slot_expert.tolist() if e >= 0)
 
     def stats(self) -> dict[str, int]:
-        """Cumulative unique-expert lookups, slot hits, misses and admissions over all layers
-        (decode cache steps only; reading them waits for the queued steps)."""
-        tot = torch.stack([c.stats for c in self.caches.values()]).sum(0).tolist() if self.caches else [0] * 4
-        return dict(zip(("lookups", "hits", "misses", "admitted"), (int(v) for v in tot)))
+        """Cumulative unique-expert lookups, slot hits, misses, admissions and the misses' record bytes
+        over all layers (decode cache steps only; reading them waits for the queued steps)."""
+        tot = torch.stack([c.stats for c in self.caches.values()]).sum(0).tolist() if self.caches else [0] * 5
+        names = ("lookups", "hits", "misses", "admitted", "miss_bytes")
+        return dict(zip(names, (int(v) for v in tot[:4] + [4 * tot[4]])))
 
     def cache_counters(self, stats: dict[str, int] | None = None) -> dict:
         """The cache's own counts (/stats experts.device_cache); stats: a `stats()` just read
@@ -469,5 +470,5 @@ class DeviceCacheExperts(StoreBackend):
             disk = c.setdefault("disk", {})
             disk["reads"] = disk.get("reads", 0) + self.disk.c.decode_reads + self.disk.c.other_reads
             per["disk_reads"] = per.get("disk_reads", 0.0) + disk_reads / tok
-        per["bytes_moved"] = per.get("bytes_moved", 0.0) + s["misses"] * rec / tok  # each miss crosses PCIe once
+        per["bytes_moved"] = per.get("bytes_moved", 0.0) + s["miss_bytes"] / tok  # each miss's record crosses once
         return c

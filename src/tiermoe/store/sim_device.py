@@ -29,7 +29,7 @@ def _layer_state(n_experts: int, n_slots: int, rates: np.ndarray, decay_shift: i
         "slot_expert": torch.full((n_slots,), -1, **i32), "expert_slot": torch.full((n_experts,), -1, **i32),
         "ref": torch.zeros(n_slots, **i32), "clock": torch.zeros(2, **i32),
         "copy_src": torch.zeros(max(1, n_experts), **i64), "copy_dst": torch.zeros(max(1, n_experts), **i64),
-        "n_copy": torch.zeros(1, **i32), "stats": torch.zeros(4, **i64),
+        "n_copy": torch.zeros(1, **i32), "stats": torch.zeros(5, **i64),
         "freq": torch.zeros(n_experts, **i32), "step_table": host.clone(),
     }
     rate_t = torch.tensor(rates, dtype=torch.float64)  # [E] expected picks per token

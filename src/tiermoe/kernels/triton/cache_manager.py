@@ -43,7 +43,8 @@ Contract of the tables (`ExpertCache` owns them, one per layer):
   emark       int32 [E]        stamp of the step that last picked the expert (scratch)
   victims     int32 [S]        victim slots in sweep order (scratch)
   copy_src/copy_dst int64 [M], n_copy int32 [1]   the gather list of the last step
-  stats       int64 [4]        cumulative (lookups, hits, misses, admitted), unique experts
+  stats       int64 [5]        cumulative (lookups, hits, misses, admitted), unique experts, and the
+                               4-byte words of the misses' own records (what they move over PCIe)
   freq        int32 [E]        decayed pick counts (1024 per pick, decay 1 - 2^-shift per step)
   step_table  int64 [E_total]  the table the MoE kernel reads this step (ptr_table + scratch rows)
   smark/saddr int32/int64 [E]  scratch staging marks of the last step (scratch)
@@ -205,6 +206,11 @@ def _cache_step_kernel(
     tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + n_hit.to(tl.int64))
     tl.store(stats_ptr + 2, tl.load(stats_ptr + 2) + n_miss.to(tl.int64))
     tl.store(stats_ptr + 3, tl.load(stats_ptr + 3) + n_adm.to(tl.int64))
+    if VARLEN:
+        miss_words = tl.sum(tl.load(rec_words_ptr + ids, mask=miss, other=0).to(tl.int64), axis=0)
+    else:
+        miss_words = n_miss.to(tl.int64) * (R // 4)
+    tl.store(stats_ptr + 4, tl.load(stats_ptr + 4) + miss_words)
 
 
 @triton.jit
@@ -309,7 +315,7 @@ class ExpertCache:
         # a mixed store: int32 [E] words of each expert's own record, and of each copy (None: all whole)
         self.record_words = None if record_words is None else record_words.to(device=dev, dtype=torch.int32)
         self.copy_len = torch.zeros(max_picks, **i32) if record_words is not None else None
-        self.stats = torch.zeros(4, **i64)
+        self.stats = torch.zeros(5, **i64)
         self.freq = torch.zeros(e, **i32)  # decayed pick counts, 1024 per pick
         self.admission_filter, self.decay_shift = bool(admission_filter), int(decay_shift)
         self.step_table = self.ptr_table.clone()  # what this step's MoE kernel reads
