@@ -24,7 +24,9 @@
 #   serve-glm  per budget in BUDGETS (share of expert bytes on the GPU) and mode in MODES (or the pairs in
 #              CELLS, e.g. "0.11:exact 0.11:fast 0.11:fast:--cpu-lane-threads+14", instead of every budget with
 #              every mode; a third field adds serve flags, + for a space, and names the run; KIND_CELLS
-#              likewise for the kinds step): tiermoe serve
+#              likewise for the kinds step; `--host-share S` there caps host RAM at S times the experts'
+#              bytes, e.g. "0.11:exact:--device-cache+on+--host-share+0.4": the disk tier under the device
+#              cache; the page cache's size before and after each sweep lands in pagecache-TAG.txt): tiermoe serve
 #              with --routing-replay (picks drawn from the real per-layer statistics) and --expert-stats
 #              on the same file (the warm start a user of the real model gives it), a short warm-up
 #              sweep, then `tiermoe bench sweep` (prefill 4k, decode C1 and C4) with /stats before/after
@@ -159,7 +161,14 @@ serve_matrix() {  # NAME STORE STATS EXTRA_FLAGS...
     IFS=: read -r budget mode extra <<< "$cell"
     local tag=$name-$budget-$mode gb flags=()
     [ -n "$extra" ] && { tag=$tag-$(echo "$extra" | tr -c 'A-Za-z0-9.\n' '_' | sed 's/^_*//'); read -ra flags <<< "${extra//+/ }"; }
-    gb=$("$PY" -c "print(round($expert_gb * $budget, 3))")
+    local i  # --host-share S: --host-expert-gb at S times the experts' bytes (RAM capped; the rest on disk)
+    for i in "${!flags[@]}"; do
+      if [ "${flags[$i]}" = --host-share ]; then
+        flags[$i]=--host-expert-gb
+        flags[$((i + 1))]=$("$PY" -c "print(round($(stat -c %s "$store/experts.bin") / 2**30 * ${flags[$((i + 1))]}, 6))")
+      fi
+    done
+    gb=$("$PY" -c "print(round($expert_gb * $budget, 6))")
     local tokens=$MAX_TOKENS
     [ "$mode" = fast ] && tokens=$FAST_MAX_TOKENS
     log "$tag: serve (--gpu-expert-gb $gb of $expert_gb GiB of experts, --mode $mode ${flags[*]}, replay $stats)"
@@ -179,9 +188,11 @@ serve_matrix() {  # NAME STORE STATS EXTRA_FLAGS...
       --reps 1 --concurrency 1,4 --long-prompt 0)
     timeout 200 "${sweep[@]}" --max-tokens 16 --seed 7 > "$WORK/warmup-$tag.log" 2>&1
     get http://127.0.0.1:8121/stats > "$WORK/stats-before-$tag.json"
+    grep -E "^(Cached|MemFree):" /proc/meminfo | sed 's/^/before /' > "$WORK/pagecache-$tag.txt"  # O_DIRECT: no growth
     timeout 400 "${sweep[@]}" --max-tokens "$tokens" --seed 1 --out "$WORK/sweep-$tag.json" > "$WORK/sweep-$tag.log" \
       2>&1
     get http://127.0.0.1:8121/stats > "$WORK/stats-$tag.json"
+    grep -E "^(Cached|MemFree):" /proc/meminfo | sed 's/^/after /' >> "$WORK/pagecache-$tag.txt"
     grep -E "prefill|decode" "$WORK/sweep-$tag.log" | sed "s/^/  $tag: /"
     kill $pid; wait $pid 2>/dev/null
   done

@@ -245,5 +245,6 @@ def test_layer_ahead_reads_are_used_and_a_failed_one_fails_no_request(stores, mo
         finally:
             tier.close()
     assert all(torch.equal(a, b) for a, b in zip(outs, ref))
-    assert c["prefetch_issued"] == 3 and c["prefetch_failed"] == 1 and c["prefetch_used"] == 2, c
+    # 9 entries keep one free for hints (an eighth): 5 (failed, read anew by the request), then 7 (used)
+    assert c["prefetch_issued"] == 2 and c["prefetch_failed"] == 1 and c["prefetch_used"] == 1, c
     assert c["failed_reads"] == 0 and c["requests"] == 2, c

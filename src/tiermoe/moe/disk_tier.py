@@ -85,7 +85,7 @@ class DiskTier:
         # layer-ahead prefetch: reads started into free entries, not yet announced to the device (so an entry
         # here is referenced by no device table); `reserve` free entries are kept for them by each answer
         self._pending: dict[tuple[int, int], tuple[int, object]] = {}  # (row, expert) -> (entry, read)
-        self.reserve = max(0, int(reserve))
+        self.reserve = min(max(0, int(reserve)), self.capacity // 8)  # an eighth of RAM at most: RAM is for hits
         self._hint_seen = 0
         self.lock = threading.Lock()
         self.c = DiskTierCounters()

@@ -208,7 +208,7 @@ def device_cache_plan(manifest, *, device: str, gpu_expert_gb: float | None,
     layer = max(manifest.experts_per_layer.values(), default=0)
     if n_host < layer:
         return 0, 0, (f"host RAM for {n_host} expert records, fewer than one MoE layer's {layer} (raise "
-                      f"--host-expert-gb to at least {layer * rec / GIB:.2f})")
+                      f"--host-expert-gb to at least {layer * rec / GIB:.3g})")
     return n_slots, min(n_host, total), None
 
 
