@@ -188,6 +188,8 @@ class DeviceCacheExperts(StoreBackend):
             tables = [(c.host_addr, c.ptr_table, c.expert_slot) for c in self.caches.values()]
             self.disk_mailbox = ResidencyMailbox(tables, self.max_picks, 2 * self.max_picks, self.disk.zero_addr, dev)
             self.disk.attach(self.disk_mailbox, list(self.caches.values()))
+            self.disk.make_exclusive({row: [e for e in c.slot_expert.tolist() if e >= 0]
+                                      for row, c in enumerate(self.caches.values())})
         lender = SlotLender(self, lent) if share else None
         self.prefill = PrefillStaging(self.entries, self.caches, r, self.prefill_rows, prefill_buffers, dev,
                                       lender=lender)

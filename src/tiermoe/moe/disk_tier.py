@@ -234,6 +234,30 @@ class DiskTier:
                 self._pending[(row, e)] = (entry, self.reader.submit(rec, self.arena.entry(entry)))
                 self.c.prefetch_issued += 1
 
+    def make_exclusive(self, in_slots: Mapping[int, list[int]]) -> None:
+        """Start-up placement as static placement over three tiers: the experts the device cache put in
+        GPU slots (`in_slots`: row -> experts) leave RAM, and RAM (less the read-ahead reserve) holds the
+        most popular of the others (by rate; among equals those it holds already), read now. The
+        device's tables follow (`apply`). RAM then holds the next most popular experts after the
+        slots', not copies of them."""
+        slotted = {(row, e) for row, es in in_slots.items() for e in es}
+        others = [(row, e) for row, n in enumerate(self.sizes) for e in range(n) if (row, e) not in slotted]
+        others.sort(key=lambda k: (-self._rate[k[0]][k[1]], k not in self._entry, k))
+        keep = set(others[: max(0, self.capacity - self.reserve)])
+        updates: list[tuple[int, int, int]] = []
+        with self.lock:
+            for key in sorted(k for k in self._entry if k not in keep):
+                self.free.append(self._entry.pop(key))
+                del self._stamp[key]
+                self.addr[key] = 0
+                updates.append((*key, 0))
+        by_row: dict[int, list[int]] = {}
+        for row, e in sorted(k for k in keep if k not in self._entry):
+            by_row.setdefault(row, []).append(e)
+        for row, es in by_row.items():  # a record that cannot be read now is read (and reported) when picked
+            updates += self.ensure(row, es, decode=False)[0]
+        self.apply(updates)
+
     # -- the device's tables ----------------------------------------------------------------------
     def attach(self, mailbox, caches: list) -> None:
         """The device side: the residency mailbox over `caches` (each row's ExpertCache, whose host_addr
