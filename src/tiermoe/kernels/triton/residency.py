@@ -49,12 +49,9 @@ from tiermoe.kernels.reference import MAILBOX_POSTED, RESIDENCY_NANS
 from tiermoe.kernels.triton.mailbox import DEFAULT_MAX_SPINS, _INTERPRET, _release_store, _wait_kernel
 
 
-@triton.jit(do_not_specialize=["P", "row"])
-def _need_kernel(ids_ptr, P, host_addr_ptr, expert_slot_ptr, seq_ptr, posted_now_ptr, row, ctrl_addr, req_addr,
-                 POSTED: tl.constexpr, NTOK: tl.constexpr, BLOCK_P: tl.constexpr, ASM: tl.constexpr):
-    """One program: the picks neither in a slot nor in RAM -> request; post only if there are any."""
-    ctrl = ctrl_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
-    req = req_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
+@triton.jit
+def _list_on_disk(ids_ptr, P, host_addr_ptr, expert_slot_ptr, out, BLOCK_P: tl.constexpr):
+    """The picks (P of them at ids_ptr) neither in a slot nor in RAM -> out[0..n), in pick order; returns n."""
     offs = tl.arange(0, BLOCK_P)
     m = offs < P
     e = tl.load(ids_ptr + offs, mask=m, other=0)
@@ -62,9 +59,17 @@ def _need_kernel(ids_ptr, P, host_addr_ptr, expert_slot_ptr, seq_ptr, posted_now
     in_ram = tl.load(host_addr_ptr + e, mask=m, other=1) != 0
     need = m & (~in_slot) & (~in_ram)
     flag = need.to(tl.int32)
-    n = tl.sum(flag, axis=0)
-    pos = tl.cumsum(flag, axis=0) - 1
-    tl.store(req + 1 + pos, e, mask=need)
+    tl.store(out + tl.cumsum(flag, axis=0) - 1, e, mask=need)
+    return tl.sum(flag, axis=0)
+
+
+@triton.jit(do_not_specialize=["P", "row"])
+def _need_kernel(ids_ptr, P, host_addr_ptr, expert_slot_ptr, seq_ptr, posted_now_ptr, row, ctrl_addr, req_addr,
+                 POSTED: tl.constexpr, NTOK: tl.constexpr, BLOCK_P: tl.constexpr, ASM: tl.constexpr):
+    """One program: the picks neither in a slot nor in RAM -> request; post only if there are any."""
+    ctrl = ctrl_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
+    req = req_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
+    n = _list_on_disk(ids_ptr, P, host_addr_ptr, expert_slot_ptr, req + 1, BLOCK_P)
     tl.store(req, row)
     posting = (n > 0).to(tl.int64)
     s = tl.load(seq_ptr) + posting
@@ -82,17 +87,9 @@ def _hint_kernel(ids_ptr, P, host_addr_ptr, expert_slot_ptr, hint_seq_ptr, row, 
     (row, count, ids), hint seq += 1, released; nothing waits (layer-ahead prefetch)."""
     hctrl = hctrl_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
     hint = hint_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
-    offs = tl.arange(0, BLOCK_P)
-    m = offs < P
-    e = tl.load(ids_ptr + offs, mask=m, other=0)
-    in_slot = tl.load(expert_slot_ptr + e, mask=m, other=0) >= 0
-    in_ram = tl.load(host_addr_ptr + e, mask=m, other=1) != 0
-    need = m & (~in_slot) & (~in_ram)
-    flag = need.to(tl.int32)
-    pos = tl.cumsum(flag, axis=0) - 1
-    tl.store(hint + 2 + pos, e, mask=need)
+    n = _list_on_disk(ids_ptr, P, host_addr_ptr, expert_slot_ptr, hint + 2, BLOCK_P)
     tl.store(hint, row)
-    tl.store(hint + 1, tl.sum(flag, axis=0))
+    tl.store(hint + 1, n)
     s = tl.load(hint_seq_ptr) + 1
     tl.store(hint_seq_ptr, s)
     tl.debug_barrier()
