@@ -63,7 +63,7 @@ def test_plan_follows_the_hardware():
     assert gpu["decisions"][0]["what"] == "GPU engine on NVIDIA H200"
     assert "cgroup limit" in gpu["decisions"][1]["why"]
     assert any("memlock" in w for w in gpu["warnings"])
-    assert any("upcasts bf16" in d["what"] for d in gpu["decisions"])
+    assert any("CPU lane" in d["what"] and "upcasts bf16" in d["what"] for d in gpu["decisions"])
 
     cpu = doctor.plan(_fake(False, o_direct=False, speed=50.0, memlock=None))
     assert cpu["decisions"][0]["what"] == "CPU engine; experts resident in RAM"
@@ -93,3 +93,21 @@ def test_disk_check_can_be_skipped(capsys, mib):
     report = json.loads(capsys.readouterr().out)
     assert report["disk"]["ok"] is False and "skipped" in report["disk"]["reason"]
     assert any(d["what"] == "no disk tier" for d in report["plan"]["decisions"])
+
+
+def test_doctor_prints_a_stores_tier_plan(capsys, tmp_path, tiny_dir):
+    """--store: the tiers that store gets here (`tiermoe plan`'s table), in text and in JSON."""
+    from tiermoe.store.pack import pack
+
+    store = tmp_path / "store"
+    pack(str(tiny_dir("glm4_moe", "bfloat16")), str(store), quant="int4", group_size=32, progress=False,
+         log=lambda _: None)
+    assert main(["doctor", "--dir", str(tmp_path), "--disk-mib", "0", "--store", str(store)]) == 0
+    out = capsys.readouterr().out
+    tiers = out.split(f"Tiers for {store}\n", 1)[1]
+    assert "tier plan: 16 experts" in tiers and "host RAM" in tiers and "decode upper bound" in tiers
+    assert main(["doctor", "--json", "--disk-mib", "0", "--store", str(store)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["store_plan"]["store"] == str(store) and "tier plan" in report["store_plan"]["table"]
+    assert main(["doctor", "--disk-mib", "0", "--store", str(tmp_path / "nothing")]) == 2
+    assert "neither a packed store" in capsys.readouterr().err

@@ -121,26 +121,38 @@ def _plan_manifest(model: str, quant: str, group_size: int | None):
 
 
 def _plan(args: argparse.Namespace) -> int:
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        raise UserError("--cpu-threads must be at least 1")
+    if args.max_num_seqs < 1:
+        raise UserError("--max-num-seqs must be at least 1")
+    print(plan_table(args.model, device=args.device, gpu_expert_gb=args.gpu_expert_gb,
+                     host_expert_gb=args.host_expert_gb, stats=args.stats, cpu_threads=args.cpu_threads,
+                     max_num_seqs=args.max_num_seqs, disk_gbs=args.disk_gbs, quant=args.quant,
+                     group_size=args.group_size))
+    return 0
+
+
+def plan_table(model: str, *, device: str | None = None, gpu_expert_gb: float | None = None,
+               host_expert_gb: float | None = None, stats: str | None = None, cpu_threads: int | None = None,
+               max_num_seqs: int = DEFAULTS.max_num_seqs, disk_gbs: float | None = None, quant: str = "bf16",
+               group_size: int | None = None) -> str:
+    """`tiermoe plan`'s table for a store (or checkpoint) on this machine (also `tiermoe doctor --store`):
+    with disk-only experts and no `disk_gbs`, the store's own experts.bin is read to measure the disk."""
     import torch
 
     from tiermoe.store.planner import build_plan
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.cpu_threads is not None and args.cpu_threads < 1:
-        raise UserError("--cpu-threads must be at least 1")
-    m = _plan_manifest(args.model, args.quant, args.group_size)
-    if args.max_num_seqs < 1:
-        raise UserError("--max-num-seqs must be at least 1")
-    kw = dict(device=device, gpu_expert_gb=args.gpu_expert_gb, host_expert_gb=args.host_expert_gb,
-              stats_file=args.stats, cpu_threads=args.cpu_threads, max_num_seqs=args.max_num_seqs)
-    plan = build_plan(m, **kw, disk_gbs=args.disk_gbs)
-    if args.disk_gbs is None and plan.n_disk:  # auto: the disk's rate matters, so measure it on the store itself
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    m = _plan_manifest(model, quant, group_size)
+    kw = dict(device=device, gpu_expert_gb=gpu_expert_gb, host_expert_gb=host_expert_gb, stats_file=stats,
+              cpu_threads=cpu_threads, max_num_seqs=max_num_seqs)
+    plan = build_plan(m, **kw, disk_gbs=disk_gbs)
+    if disk_gbs is None and plan.n_disk:  # auto: the disk's rate matters, so measure it on the store itself
         gbs, note = _measure_disk(m)
         if gbs is not None:
             plan = build_plan(m, **kw, disk_gbs=gbs)
         plan.notes.append(note)
-    print(plan.table())
-    return 0
+    return plan.table()
 
 
 def _disk_gbs(text: str) -> float | None:
