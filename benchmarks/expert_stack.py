@@ -76,7 +76,7 @@ def slot_budget(slots_per_layer: int, layers: int, top_k: int, max_tokens: int, 
     """DeviceCacheExperts' `slots` argument (slots of every layer + the staging rows for misses)
     that leaves `slots_per_layer` slots in each layer. Exact when the slots are at least as many
     as the staging rows: the device cache gives staging at most half its budget (tiny stacks)."""
-    from tiermoe.moe.device_cache import STAGE_PICKS
+    from tiermoe.store.slot_split import STAGE_PICKS
 
     stage = top_k * max(1, min(max_tokens, STAGE_PICKS)) if stage_misses else 0
     return slots_per_layer * layers + stage
@@ -170,4 +170,4 @@ class ExpertStack:
 
     def stats(self) -> torch.Tensor:
         """int64 [L, 4]: cumulative (lookups, hits, misses, admitted) of unique routed experts."""
-        return torch.stack([c.stats for c in self.caches])
+        return torch.stack([c.stats[:4] for c in self.caches])

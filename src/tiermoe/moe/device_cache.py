@@ -138,7 +138,9 @@ class DeviceCacheExperts(StoreBackend):
                                  reserve=self.top_k * max(1, int(max_tokens)))
             prefill_rows, borrow_slots = 0, False  # prefill reads in place after its host-synchronous loads
             all_entries = {layer: [] for layer in layers}
-        counts = [store.manifest.experts_per_layer[layer] for layer in layers]
+            counts = list(self.disk.sizes)
+        else:
+            counts = [len(all_entries[layer]) for layer in layers]
         rates_of = [[float(rates.get(store.key(layer, e), 0.0)) for e in range(n)] for layer, n in zip(layers, counts)]
         self.stage_rows, per_layer = split_budget(slots, counts, self.top_k, max_tokens, stage_misses, rates_of)
         self.slots_per_layer: dict[int, int] = dict(zip(layers, per_layer))
