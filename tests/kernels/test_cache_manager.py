@@ -145,9 +145,9 @@ def test_warm_start_then_hits(device):
     st = _twin_state(cache)
     ids = torch.tensor([[5, 6, 0]])
     C.cache_step(cache, ids.to(device))
-    R.cache_step_ref(st, ids, cache.admit_max, True, 3)
+    R.cache_step_ref(st, ids, cache.admit_max, True, 3, (0, 0, REC))
     _check_equal(cache, st)
-    assert cache.stats.tolist() == [3, 2, 1, 1]
+    assert cache.stats.tolist() == [3, 2, 1, 1, REC // 4]  # one miss: one record's words
     # the admitted expert 0 replaced one of the unused warm experts (7 or 8), not 5 or 6
     assert set(cache.slot_expert.tolist()) in ({5, 6, 0, 8}, {5, 6, 7, 0})
 
