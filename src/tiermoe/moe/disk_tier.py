@@ -307,7 +307,7 @@ class DiskTier:
                     self._hint_seen, row, experts = hint
                     self.prefetch(row, experts)
                 else:
-                    time.sleep(2e-5)
+                    time.sleep(1e-4)  # requests wait for disk reads of milliseconds: no need to spin
                 continue
             row, experts = self.mailbox.read_request()
             try:
