@@ -22,13 +22,13 @@ so the CPU only queues kernels and runs ahead of the GPU through the whole forwa
 
 Placement is inclusive: the store's host tier holds every routed expert (pinned, so the GPU
 reads any of them in place) and the GPU slots hold copies of some. An eviction only rewrites a
-table row; an admission is one copy of a record host -> slot. With host RAM for all the experts
-(`--host-expert-gb` >= the experts' size) nothing else moves; with RAM for some (disk=True), host RAM
-is a cache of the disk kept by moe/disk_tier.py and every step first makes its picks resident there
-(`_resident`). The store is opened with no slots of its own and this class owns the GPU budget:
-`--gpu-expert-gb` = slots of every layer + the staging rows (`split_budget`). The store's replacement policy
-(`--expert-policy`) has no slots to manage here: the cache kernel's CLOCK with frequency
-admission decides.
+table row; an admission is one copy of a record host -> slot. That is with host RAM for all the
+experts (`--host-expert-gb` >= the experts' size). With RAM for some (disk=True), host RAM is a
+cache of the disk kept by moe/disk_tier.py (its start-up placement leaves the slots' experts out of
+RAM), and every step first makes its picks resident there (`_resident`). The store is opened with
+no slots of its own and this class owns the GPU budget: `--gpu-expert-gb` = slots of every layer +
+the staging rows (`split_budget`). The store's replacement policy (`--expert-policy`) has no slots
+to manage here: the cache kernel's CLOCK with frequency admission decides.
 
 Exactness: the kernel reads a record's bytes wherever they sit; the tier changes one table
 entry, never the launch configuration or the summation order, so outputs are bit-identical to
@@ -60,7 +60,6 @@ import torch
 from tiermoe.moe.prefill_staging import STAGE_TOKENS, PrefillStaging, SlotLender, lend_share
 from tiermoe.moe.store_backends import StoreBackend
 from tiermoe.store.slot_split import split_by_popularity, staging_rows
-
 
 
 def split_budget(slots: int, experts: list[int], top_k: int, max_tokens: int,
