@@ -275,3 +275,24 @@ def test_start_up_placement_is_static_over_slots_ram_and_disk(stores):
             assert in_ram == want
         finally:
             dc.disk.close()
+
+
+def test_ram_evicts_by_the_devices_pick_counts_once_read(stores):
+    """After refresh_heat (every HEAT_STEPS decode steps) RAM's eviction order is the device cache's own
+    decayed pick counts, not the start-up statistics: the coldest by those goes first."""
+    path, rec = stores["int4"]
+    with _store(path, rec, PER_LAYER) as st:  # RAM: 9 entries, 8 held after start-up placement, 1 free
+        dc = DeviceCacheExperts(st, 0, rates={}, top_k=2, max_tokens=1, disk=True)
+        try:
+            tier, row1, row2 = dc.disk, dc.disk.row_of[1], dc.disk.row_of[2]
+            tier.ensure(row2, [0], decode=False)  # takes the free entry: the next load must evict
+            held = [e for e in range(PER_LAYER) if int(tier.addr[row1, e])]
+            cold = held[len(held) // 2]
+            freq = torch.full((PER_LAYER,), 1 << 20, dtype=torch.int32, device=DEVICE)
+            freq[cold] = 1  # the device has seen layer 1's `cold` picked least of what RAM holds
+            dc.caches[1].freq.copy_(freq)
+            tier.refresh_heat()
+            updates, _, _ = tier.ensure(row2, [5], decode=False)
+            assert (row1, cold, 0) in updates and int(tier.addr[row1, cold]) == 0, updates
+        finally:
+            tier.close()

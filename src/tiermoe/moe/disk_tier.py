@@ -15,9 +15,11 @@ int4 experts on a 128 GB machine), host RAM becomes a cache of the store's disk 
 - Other steps (prefill chunks, decode steps larger than the cache kernel takes): `ensure_now`
   reads the layer's picks back (such a step's host sync; every earlier kernel is then done, so
   other layers' entries may be reused) and loads them in the caller's thread.
-- Eviction: the fewest expected picks per token (the statistics' rates; 0 without) first, then the
-  oldest load. Under steady routing the popular experts stay, as in the static placement that
-  bounds any online policy under independent picks (`tiermoe sim`).
+- Eviction: the coldest first, then the oldest load. Cold is the statistics' expected picks per
+  token at start, then, every HEAT_STEPS decode steps, the device cache's own decayed pick counts
+  (its kernel's `freq`, warm-started from the same statistics), so RAM follows the routing the
+  server really sees. Under steady routing the popular experts stay, as in the static placement
+  that bounds any online policy under independent picks (`tiermoe sim`).
 
 Failures: a record that fails its read or its checksum is answered with the zero record and the
 error mark; `check` (after the step's device work) then raises the store's error, once, after
@@ -36,6 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from tiermoe.errors import StoreError
+
+HEAT_STEPS = 32  # decode steps between readings of the device's pick counts (a small copy after a sync)
 
 
 @dataclass
@@ -87,6 +91,7 @@ class DiskTier:
         self._pending: dict[tuple[int, int], tuple[int, object]] = {}  # (row, expert) -> (entry, read)
         self.reserve = min(max(0, int(reserve)), self.capacity // 8)  # an eighth of RAM at most: RAM is for hits
         self._hint_seen = 0
+        self._checks = 0  # decode steps checked (the heat is read every HEAT_STEPS)
         self.lock = threading.Lock()
         self.c = DiskTierCounters()
         self.failure: BaseException | None = None  # the last failed read, raised by check()
@@ -334,6 +339,9 @@ class DiskTier:
         err = self.mailbox.error()
         if not err:
             self.active.clear()
+            self._checks += 1
+            if self._checks % HEAT_STEPS == 0:
+                self.refresh_heat()
             return
         deadline = time.monotonic() + 60.0  # a late answer lands first, so the host's state is final
         while self.mailbox.pending() and time.monotonic() < deadline:
@@ -347,6 +355,15 @@ class DiskTier:
         if err < 0 and failure is not None:
             raise failure
         raise RuntimeError("the disk tier did not answer a decode step's request in time")
+
+    def refresh_heat(self) -> None:
+        """Eviction order from the device's decayed pick counts (each cache's `freq`, read after the step's
+        sync): the heap is rebuilt over what RAM holds, coldest first."""
+        heat = [c.freq[: n].cpu().tolist() for c, n in zip(self.caches, self.sizes)]
+        with self.lock:
+            self._rate = [[float(f) for f in row] for row in heat]
+            self._heap = [(self._rate[r][e], self._stamp[(r, e)], r, e) for r, e in self._entry]
+            heapq.heapify(self._heap)
 
     def repair(self, row: int, requested: list[int]) -> None:
         """After a failed request of layer row `row`: every row's host_addr from `addr`, experts of the
