@@ -102,12 +102,13 @@ class DiskTier:
         self._thread: threading.Thread | None = None
 
     # -- the host's truth -------------------------------------------------------------------------
-    def _hold(self, row: int, e: int, entry: int) -> None:
+    def _hold(self, row: int, e: int, entry: int, transient: bool = False) -> None:
+        """(row, e) now in `entry`; transient: first in the eviction order (a prefill chunk's load)."""
         self._loads += 1
         self._entry[(row, e)] = entry
         self._stamp[(row, e)] = self._loads
         self.addr[row, e] = self.arena.entry(entry).data_ptr()
-        heapq.heappush(self._heap, (self._rate[row][e], self._loads, row, e))
+        heapq.heappush(self._heap, (-1.0 if transient else self._rate[row][e], self._loads, row, e))
 
     def _victim(self, row: int) -> tuple[int, int, int] | None:
         """(row, expert, entry) to evict: the coldest held expert of another row (None: none)."""
@@ -147,9 +148,11 @@ class DiskTier:
     def row_records(self, row: int) -> "HeldRecords":
         return HeldRecords(self, row)
 
-    def ensure(self, row: int, experts: list[int], decode: bool
+    def ensure(self, row: int, experts: list[int], decode: bool, transient: bool = False
                ) -> tuple[list[tuple[int, int, int]], list[int], BaseException | None]:
-        """Load `experts` of layer row `row` that are on disk only into host entries.
+        """Load `experts` of layer row `row` that are on disk only into host entries (transient: they are
+        evicted first, so a prefill chunk, which picks nearly every expert of each layer, does not push
+        the popular experts out of RAM: it churns about one layer's worth of entries).
 
         Returns (updates, failed experts, error): updates are every (row, expert, address) change
         made, the loads and the evictions (address 0), which the device must apply whatever else
@@ -197,7 +200,7 @@ class DiskTier:
                     self.free.append(entry)
                     self.c.failed_reads += 1
                     continue
-                self._hold(row, e, entry)
+                self._hold(row, e, entry, transient)
                 updates.append((row, e, int(self.addr[row, e])))
                 self.c.bytes_read += rec.length
                 if decode:
@@ -293,7 +296,7 @@ class DiskTier:
         ids = list(dict.fromkeys(int(e) for e in topk_ids.reshape(-1).tolist()))  # the sync
         if all((row, e) in self._entry for e in ids):
             return
-        updates, failed, error = self.ensure(row, ids, decode=False)
+        updates, failed, error = self.ensure(row, ids, decode=False, transient=True)
         self.apply(updates)
         if failed:
             raise error if error is not None else StoreError(f"layer {layer}: experts {failed} could not be read")
