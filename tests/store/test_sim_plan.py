@@ -110,6 +110,8 @@ def test_plan_on_cuda_counts_the_device_caches_staging_rows_out_of_the_slots(pac
     assert build_plan(m, **budget).n_slots == 10 - 5  # 8 sequences: 2 x 4 rows wanted, at most half the budget
     assert build_plan(m, **dict(budget, device="cpu")).n_slots == 10  # no device cache on a CPU
     assert build_plan(m, **dict(budget, host_expert_gb=0)).n_slots == 10  # RAM short: the store path serves
+    # RAM for the 6 experts outside the slots but not for all 16: serving's auto takes the store path too
+    assert build_plan(m, **dict(budget, host_expert_gb=12 * 12288 / 2**30)).n_slots == 10
     assert main(["plan", str(store), "--max-num-seqs", "0"]) == 2
     assert "--max-num-seqs must be at least 1" in capsys.readouterr().err
 

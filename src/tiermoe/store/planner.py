@@ -424,7 +424,10 @@ def build_plan(
     )
     top_k = config_top_k(manifest.config)
     rates, source, more = key_rates(manifest, stats_file, top_k)
-    if dev.type == "cuda" and n_slots and n_slots + n_host >= total:  # the device cache serves (settle's auto)
+    # the device cache serves where settle's auto picks it: its own plan, with RAM for every expert
+    dc_plan = device_cache_plan(manifest, device=device, gpu_expert_gb=gpu_expert_gb, host_expert_gb=host_expert_gb) \
+        if dev.type == "cuda" and n_slots else None
+    if dc_plan is not None and dc_plan[2] is None and dc_plan[1] >= total:
         stage = staging_rows(n_slots, top_k, max_num_seqs)
         n_slots, n_host = n_slots - stage, total - (n_slots - stage)
         more = [*more, f"{stage} records of the GPU budget are the device cache's staging rows for misses it does "
