@@ -156,13 +156,16 @@ def _run(args) -> int:
                 max_num_seqs=1,
                 options=options,
             )
-            if k and engine.runner.spec is None:
-                raise UserError(f"{model}: this model cannot draft (no MTP layer weights)")
-            prompts = _bench_prompts(engine, args)
-            decode_prompts(engine, prompts[:1], 4)  # warm-up (one-time allocations, kernels)
-            before = dict(engine.stats().get("speculative") or {})
-            r = decode_prompts(engine, prompts, args.tokens)
-            spec = engine.stats().get("speculative") or {}
+            try:  # each setting's engine gives its expert tiers back (pinned host memory) before the next
+                if k and engine.runner.spec is None:
+                    raise UserError(f"{model}: this model cannot draft (no MTP layer weights)")
+                prompts = _bench_prompts(engine, args)
+                decode_prompts(engine, prompts[:1], 4)  # warm-up (one-time allocations, kernels)
+                before = dict(engine.stats().get("speculative") or {})
+                r = decode_prompts(engine, prompts, args.tokens)
+                spec = engine.stats().get("speculative") or {}
+            finally:
+                engine.runner.experts.close()
             drafted = spec.get("drafted", 0) - before.get("drafted", 0)
             accepted = spec.get("accepted", 0) - before.get("accepted", 0)
             verify = spec.get("verify_steps", 0) - before.get("verify_steps", 0)

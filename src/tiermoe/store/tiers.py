@@ -18,12 +18,25 @@ queued copy touching a host buffer and `wait()` blocks on it before the CPU writ
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
 from tiermoe.store.disk import aligned_buffer
 
 CHUNK_BYTES = 1 << 30
+
+
+def _release_chunks(chunks: list[torch.Tensor], registered: list[int]) -> None:
+    """Unpin the registered chunks, then drop them. An arena dropped without close() must do this
+    too: freed while still registered, its addresses can come back in a later allocation, whose
+    cudaHostRegister then fails ('already mapped') and leaves that error for the next CUDA check."""
+    if registered:
+        cudart = torch.cuda.cudart()
+        for ptr in registered:
+            cudart.cudaHostUnregister(ptr)
+        registered.clear()
+    chunks.clear()
 
 
 class HostEvents:
@@ -65,6 +78,7 @@ class Arena:
             self._chunks.append(torch.empty((n, record_len), dtype=torch.uint8, device=device))
         self._free = list(range(n - 1, -1, -1))
         self._registered: list[int] = []
+        self._release = weakref.finalize(self, _release_chunks, self._chunks, self._registered)
         self._pin_thread: threading.Thread | None = None
         if pin and n > 0 and torch.cuda.is_available():
             self._pin_thread = threading.Thread(target=self._pin_all, name="tiermoe-pin", daemon=True)
@@ -110,11 +124,7 @@ class Arena:
         self._closing = True
         if self._pin_thread is not None:
             self._pin_thread.join()
-            cudart = torch.cuda.cudart()
-            for ptr in self._registered:
-                cudart.cudaHostUnregister(ptr)
-            self._registered.clear()
-        self._chunks.clear()
+        self._release()
 
 
 class StagingPool:
