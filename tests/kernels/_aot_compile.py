@@ -6,7 +6,7 @@ process has the interpreter on.
 
 1. Record: `JITFunction.run` is replaced by a recorder, then the package's own wrappers
    (fused_moe, paged_decode_attention, ExpertCache.step, gather_records, ResidencyMailbox.ensure,
-   Mailbox.post and wait_add) are called on small CPU tensors. Each launch is kept (kernel, arguments,
+   Mailbox.post and wait_add, mhc_mix) are called on small CPU tensors. Each launch is kept (kernel, arguments,
    constexprs, num_warps/num_stages) instead of run, so the argument types and launch
    configurations are exactly what those wrappers pass on a GPU without a tuned entry in
    configs.json; the entries tuned for a device are recorded for that device's target only.
@@ -44,6 +44,7 @@ from tiermoe.kernels.layout import expert_layout
 from tiermoe.kernels.triton import fused_moe as fm
 from tiermoe.kernels.triton.cache_manager import ExpertCache, gather_records
 from tiermoe.kernels.triton.mailbox import Mailbox
+from tiermoe.kernels.triton.mhc import mhc_mix
 from tiermoe.kernels.triton.residency import ResidencyMailbox
 from tiermoe.kernels.triton.paged_attention import paged_decode_attention
 
@@ -273,6 +274,16 @@ def residency(rec: Recorder) -> None:
                 mb.hint_next(0, picks)
 
 
+def mhc(rec: Recorder) -> None:
+    """The mHC mixing coefficients (accurate exp, IEEE division: what a CUDA device compiles) for glm5_next's 4
+    streams, the widest supported (8) and a padded width (3), 20 Sinkhorn iterations; the token count sets only
+    the grid, so one token stands for every step."""
+    for n in (4, 8, 3):
+        width = (2 + n) * n
+        with rec.tagged(f"mhc N{n}"):
+            mhc_mix(torch.zeros(1, width), torch.zeros(width), torch.ones(3), n, 20, 1e-6)
+
+
 SCENARIOS = (
     fused_moe_defaults,
     fused_moe_k_tiles_spanning_groups,
@@ -282,6 +293,7 @@ SCENARIOS = (
     expert_cache,
     mailbox,
     residency,
+    mhc,
 )
 
 

@@ -8,7 +8,10 @@ scale bounded however deep the stack. Any family with mHC residuals (glm5_next: 
 20 iterations) builds it from plain sizes.
 
 Dtype handling mirrors transformers' `glm5_next`: mixing weights are computed in fp32 from the
-fp32 `base`/`scale` parameters, then cast to the residual's dtype for the mix.
+fp32 `base`/`scale` parameters, then cast to the residual's dtype for the mix. On a CUDA device
+the mixing weights come from one Triton kernel (kernels/triton/mhc.py: the Sinkhorn loop is
+otherwise ~130 launches per sub-block), elsewhere from its plain-torch twin
+(kernels.reference.mhc_mix_ref: the code of transformers' glm5_next, unchanged).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from tiermoe.kernels.reference import mhc_mix_ref
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -44,16 +49,13 @@ class HyperConnection(nn.Module):
         t, n = streams.shape[0], self.n
         flat = unweighted_rms_norm(streams.reshape(t, -1).float(), self.norm_eps)
         mix = F.linear(flat, self.fn.float())  # [T, (2+N)*N]
-        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre_s, post_s, comb_s = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = torch.softmax(comb_w.view(t, n, n) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        # on CUDA one fused launch instead of ~130 tiny ones; the kernel carries no gradient, so
+        # anything that trains through here (mix needs a gradient) takes the twin
+        if mix.is_cuda and not mix.requires_grad:
+            from tiermoe.kernels.triton.mhc import mhc_mix
+        else:
+            mhc_mix = mhc_mix_ref
+        pre, post, comb = mhc_mix(mix, self.base, self.scale, n, self.iters, self.hc_eps)  # [T,N] [T,N] [T,N,N]
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return post, comb, collapsed
 

@@ -1,0 +1,166 @@
+"""The mixing coefficients of a manifold-constrained hyper-connection (mHC) in one launch per sub-block.
+
+`models/blocks/hyperconnection.py` turns each token's projection `mix` [T, (2+N)*N] into the weights
+that collapse, spread and mix its N residual streams: two sigmoids, a softmax and a Sinkhorn loop
+that makes the N x N mixing matrix doubly stochastic. In plain torch that is ~130 tiny kernels per
+sub-block (20 Sinkhorn iterations, each two sums, two adds and two divides), and a model such as
+glm5_next runs 90 sub-blocks per token: at decode every one of them costs a launch of a few
+microseconds even when replayed from a CUDA graph, far more than the arithmetic. Here one program
+per token does it all in registers.
+
+Numerics follow the twin (`kernels.reference.mhc_mix_ref`, the torch code) operation by operation,
+in the same order, so that a GPU run matches what eager torch on the GPU computes as closely as the
+kernel can:
+  - every product and sum is rounded on its own (launched with `enable_fp_fusion=False`: no FMA
+    contraction, which eager torch does not do either);
+  - divisions are IEEE (`tl.div_rn`; Triton's plain `/` on fp32 is an approximate division);
+  - exp is CUDA's accurate `expf` (libdevice; `tl.exp` is `ex2.approx` on the GPU), sigmoid is
+    1 / (1 + exp(-x)) as torch's CUDA kernel writes it. Triton links libdevice flushing subnormals:
+    an exp below ~1e-38 becomes 0 where torch keeps a subnormal, which the + hc_eps after the
+    softmax (and the 1 + in the sigmoid) absorbs either way;
+  - the softmax denominator adds the exps pairwise, halving (the xor-butterfly order of torch's
+    warp softmax for short rows), the Sinkhorn row and column sums add in index order.
+Triton's interpreter (CPU tests) has no libdevice: there exp is numpy's, so interpreter runs differ
+from the torch twin by float32 rounding (tests use a tight tolerance).
+
+No host synchronisation, no data-dependent shapes: the launch is captured in a decode step's CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+MAX_STREAMS = 8  # N up to 8: the [N, N] matrix of one token stays a handful of registers per lane
+
+
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    """exp(x): libdevice's accurate expf compiled (what torch's CUDA kernels call), numpy's interpreted."""
+    if PRECISE:
+        y = libdevice.exp(x)
+    else:
+        y = tl.exp(x)
+    return y
+
+
+@triton.jit
+def _sigmoid(x, PRECISE: tl.constexpr):
+    """1 / (1 + exp(-x)), the form of torch's CUDA sigmoid (saturates to 0 and 1 without NaN)."""
+    return tl.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + _exp(-x, PRECISE))
+
+
+@triton.jit
+def _col(c, idx, j):
+    """Column j of c [BN, BN] as [BN] (rows), exactly: one value plus zeros per row."""
+    return tl.sum(tl.where(idx[None, :] == j, c, 0.0), axis=1)
+
+
+@triton.jit
+def _row(c, idx, i):
+    """Row i of c [BN, BN] as [BN] (columns), exactly."""
+    return tl.sum(tl.where(idx[:, None] == i, c, 0.0), axis=0)
+
+
+@triton.jit
+def _row_sums(c, idx, N: tl.constexpr):
+    """sum_j c[:, j] [BN] in index order: ((c0 + c1) + c2) + ..."""
+    s = _col(c, idx, 0)
+    for j in tl.static_range(1, N):
+        s = s + _col(c, idx, j)
+    return s
+
+
+@triton.jit
+def _col_sums(c, idx, N: tl.constexpr):
+    """sum_i c[i, :] [BN] in index order."""
+    s = _row(c, idx, 0)
+    for i in tl.static_range(1, N):
+        s = s + _row(c, idx, i)
+    return s
+
+
+@triton.jit
+def _halving_row_sums(e, idx, BN: tl.constexpr):
+    """sum_j e[:, j] [BN] pairwise, halving: column j + BN/2 onto column j, then BN/4, ..., the order of
+    torch's warp softmax reduction for rows of up to 8 (padded columns hold 0, as torch's padded lanes)."""
+    if BN == 1:
+        s = _col(e, idx, 0)
+    elif BN == 2:
+        s = _col(e, idx, 0) + _col(e, idx, 1)
+    elif BN == 4:
+        s = (_col(e, idx, 0) + _col(e, idx, 2)) + (_col(e, idx, 1) + _col(e, idx, 3))
+    else:
+        s = (((_col(e, idx, 0) + _col(e, idx, 4)) + (_col(e, idx, 2) + _col(e, idx, 6)))
+             + ((_col(e, idx, 1) + _col(e, idx, 5)) + (_col(e, idx, 3) + _col(e, idx, 7))))
+    return s
+
+
+@triton.jit(do_not_specialize=["iters"])
+def _mhc_mix_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, hc_eps, iters,
+                    N: tl.constexpr, BN: tl.constexpr, PRECISE: tl.constexpr):
+    """One program per token: its mix row [(2+N)*N] -> pre [N], post [N], comb [N, N] (see mhc_mix_ref).
+
+    Padded lanes (N < BN) never enter a sum: the softmax sees -inf there (exp 0, as torch's padded
+    lanes), the Sinkhorn sums run over indices below N only, and nothing padded is stored."""
+    t = tl.program_id(0).to(tl.int64)
+    W: tl.constexpr = (2 + N) * N
+    row = mix_ptr + t * W
+    idx = tl.arange(0, BN)  # [BN]
+    ok = idx < N  # [BN]
+    ok2 = ok[:, None] & ok[None, :]  # [BN, BN]
+    ij = idx[:, None] * N + idx[None, :]  # [BN, BN] offsets of comb[i, j]
+    pre_s = tl.load(scale_ptr).to(tl.float32)
+    post_s = tl.load(scale_ptr + 1).to(tl.float32)
+    comb_s = tl.load(scale_ptr + 2).to(tl.float32)
+
+    pre_w = tl.load(row + idx, mask=ok, other=0.0)  # [BN]
+    pre_b = tl.load(base_ptr + idx, mask=ok, other=0.0).to(tl.float32)
+    pre = _sigmoid(pre_w * pre_s + pre_b, PRECISE) + hc_eps
+    post_w = tl.load(row + N + idx, mask=ok, other=0.0)  # [BN]
+    post_b = tl.load(base_ptr + N + idx, mask=ok, other=0.0).to(tl.float32)
+    post = 2.0 * _sigmoid(post_w * post_s + post_b, PRECISE)
+
+    comb_w = tl.load(row + 2 * N + ij, mask=ok2, other=0.0)  # [BN, BN]
+    comb_b = tl.load(base_ptr + 2 * N + ij, mask=ok2, other=0.0).to(tl.float32)
+    logits = tl.where(ok[None, :], comb_w * comb_s + comb_b, float("-inf"))  # padded rows stay finite
+    top = tl.max(logits, axis=1)  # [BN]
+    e = _exp(logits - top[:, None], PRECISE)  # [BN, BN]
+    comb = tl.div_rn(e, _halving_row_sums(e, idx, BN)[:, None]) + hc_eps  # softmax over j, + eps
+    comb = tl.div_rn(comb, (_col_sums(comb, idx, N) + hc_eps)[None, :])
+    for _ in range(1, iters):  # Sinkhorn: rows, then columns
+        comb = tl.div_rn(comb, (_row_sums(comb, idx, N) + hc_eps)[:, None])
+        comb = tl.div_rn(comb, (_col_sums(comb, idx, N) + hc_eps)[None, :])
+
+    tl.store(pre_ptr + t * N + idx, pre, mask=ok)
+    tl.store(post_ptr + t * N + idx, post, mask=ok)
+    tl.store(comb_ptr + t * (N * N) + ij, comb, mask=ok2)
+
+
+def mhc_mix(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
+            hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mix fp32 [T, (2+N)*N], base fp32 [(2+N)*N], scale fp32 [3] (on the device) ->
+    (pre fp32 [T, N], post fp32 [T, N], comb fp32 [T, N, N]), one launch; twin: mhc_mix_ref.
+
+    Reads base and scale on the device (no host sync) and allocates outputs of fixed shape for T:
+    safe inside CUDA graph capture."""
+    if not 1 <= n <= MAX_STREAMS:
+        raise ValueError(f"{n} streams: the kernel takes 1 to {MAX_STREAMS}")
+    t = mix.shape[0]
+    if mix.dtype != torch.float32 or tuple(mix.shape) != (t, (2 + n) * n):
+        raise ValueError(f"mix must be float32 [T, {(2 + n) * n}], got {mix.dtype} {tuple(mix.shape)}")
+    if base.numel() != (2 + n) * n or scale.numel() != 3:
+        raise ValueError(f"base must hold {(2 + n) * n} values and scale 3, got {base.numel()} and {scale.numel()}")
+    pre = torch.empty(t, n, dtype=torch.float32, device=mix.device)
+    post = torch.empty(t, n, dtype=torch.float32, device=mix.device)
+    comb = torch.empty(t, n, n, dtype=torch.float32, device=mix.device)
+    if t:
+        _mhc_mix_kernel[(t,)](mix.contiguous(), base.contiguous(), scale.contiguous(), pre, post, comb,
+                              float(hc_eps), int(iters), N=n, BN=triton.next_power_of_2(n), PRECISE=not _INTERPRET,
+                              num_warps=1, enable_fp_fusion=False)
+    return pre, post, comb
