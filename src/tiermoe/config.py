@@ -152,6 +152,7 @@ class DeviceCacheConfig:
     stage_misses: bool = True
     lane_cap: int = 0  # most lane experts per layer and step (fast mode)
     disk: bool = False  # host RAM holds only some experts: the rest are read from disk (moe/disk_tier.py)
+    idle_layers: tuple[int, ...] = ()  # MoE layers decode never runs (MTP while drafting is off): no slots
 
 
 @dataclass(frozen=True)

@@ -93,3 +93,27 @@ def test_glm4_moe_script_still_writes_a_loadable_store(tmp_path):
     assert checked == 2 * 16 and not bad and m["moe_layers"] == [1, 2]
     assert m["quantization"]["cold_kind"] == "int3" and sum(m["quantization"]["records_per_layout"]) == 32
     assert (out / "expert-stats.json").is_file()
+
+
+@pytest.mark.parametrize("drafting", [0, 1])
+def test_mtp_layer_gets_no_slots_unless_drafting(store, drafting, monkeypatch):
+    """The MTP layer (5) runs only when drafting: with drafting off the device cache's split and its
+    warm start give its experts no slot (rate 0), and the trunk's layers share the budget."""
+    from tiermoe.engine.build import engine_config
+    from tiermoe.moe.device_cache import split_budget
+    from tiermoe.store.planner import key_rates
+    from tiermoe.store.records import load_manifest
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the device cache's kernels, settled (not run) on the CPU
+    record = load_manifest(store).record_bytes
+    cfg = engine_config(str(store), device="cpu", dtype="bfloat16", max_num_seqs=1,
+                        options={"device_cache": "on", "expert_kernel": "triton", "gpu_expert_gb": 40 * record / 2**30,
+                                 "num_speculative_tokens": drafting})
+    dc = cfg.experts.device_cache
+    assert dc.idle_layers == (() if drafting else (5,))
+    m = load_manifest(store)
+    rates, _, _ = key_rates(m, store / "expert-stats.json", 4, dc.idle_layers)
+    by_layer = {layer: [rates[r.index] for r in m.records if r.layer == layer] for layer in m.moe_layers}
+    _, per_layer = split_budget(dc.slots, [32, 32, 32], 4, 1, dc.stage_misses, list(by_layer.values()))
+    assert (per_layer[2] == 0) == (not drafting) and sum(per_layer) > 0
+    assert all(r == 0.0 for r in by_layer[5]) == (not drafting)

@@ -120,7 +120,7 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
     """Which backend serves the packed store at `path` (moe/backends.py), and its settings."""
     from tiermoe.moe.backends import choose_expert_kernel
     from tiermoe.moe.device_cache import prefill_plan, split_budget
-    from tiermoe.store.planner import config_top_k, device_cache_plan, key_rates
+    from tiermoe.store.planner import config_top_k, decode_idle_layers, device_cache_plan, key_rates
     from tiermoe.store.records import load_manifest
 
     mode = args.mode or "exact"
@@ -162,7 +162,8 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
     store = replace(store, gpu_expert_gb=0.0, host_expert_gb=(host_records + 0.5) * record / GIB)
     experts = [manifest.experts_per_layer[layer] for layer in manifest.moe_layers]
     top_k = config_top_k(manifest.config)
-    rates, _, _ = key_rates(manifest, args.expert_stats, top_k)  # the split the device cache will make
+    idle = decode_idle_layers(manifest, drafting=bool(args.num_speculative_tokens))
+    rates, _, _ = key_rates(manifest, args.expert_stats, top_k, idle)  # the split the device cache will make
     by_record = {(r.layer, r.expert): rates[r.index] for r in manifest.records}
     layer_rates = [[by_record[(layer, e)] for e in range(n)] for layer, n in zip(manifest.moe_layers, experts)]
     _, per_layer = split_budget(slots, experts, top_k, max_num_seqs, args.stage_misses, layer_rates)
@@ -173,7 +174,10 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
     cache = DeviceCacheConfig(slots=slots, max_tokens=max_num_seqs, prefill_rows=rows, prefill_buffers=buffers,
                               borrow_slots=args.prefill_borrow_slots is not False,
                               borrow_slots_asked=bool(args.prefill_borrow_slots), stage_misses=args.stage_misses,
-                              lane_cap=lane.max_experts, disk=disk)
+                              lane_cap=lane.max_experts, disk=disk, idle_layers=idle)
+    if idle:
+        log.info("device cache: MoE layers %s run only when drafting (--num-speculative-tokens): no slots",
+                 list(idle))
     if disk:
         log.info("device cache: host RAM holds %d of the %d expert records; the rest are read from disk when picked",
                  host_records, total)

@@ -97,7 +97,7 @@ def _device_cache(cfg: ExpertsConfig) -> ExpertBackend:
         if torch.device(cfg.store.device).type == "cuda" and not store.wait_pinned():
             raise UserError("--device-cache: the host tier could not be page-locked (cudaHostRegister failed)")
         top_k = config_top_k(store.manifest.config)
-        rates, _, _ = key_rates(store.manifest, cfg.store.stats_file, top_k)
+        rates, _, _ = key_rates(store.manifest, cfg.store.stats_file, top_k, d.idle_layers)
         cache = DeviceCacheExperts(store, d.slots, rates, top_k=top_k, max_tokens=d.max_tokens,
                                    prefill_rows=d.prefill_rows, prefill_buffers=d.prefill_buffers,
                                    stage_misses=d.stage_misses, lane_cap=d.lane_cap, borrow_slots=d.borrow_slots,

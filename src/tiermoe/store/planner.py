@@ -24,7 +24,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Collection, Mapping
 
 import torch
 
@@ -362,11 +362,25 @@ def config_top_k(config: Mapping) -> int:
     return 8
 
 
-def key_rates(manifest, stats_file: str | os.PathLike | None, top_k: int) -> tuple[dict[int, float], str, list[str]]:
+def decode_idle_layers(manifest, drafting: bool) -> tuple[int, ...]:
+    """MoE layers that no decode step runs: the MTP layers while drafting is off. Checkpoints number
+    them from the trunk's num_hidden_layers on (DeepSeek-V3, GLM); their experts need no GPU slot."""
+    if drafting:
+        return ()
+    tc = manifest.config.get("text_config") if isinstance(manifest.config.get("text_config"), dict) else manifest.config
+    trunk = tc.get("num_hidden_layers")
+    if not isinstance(trunk, int):
+        return ()
+    return tuple(layer for layer in manifest.moe_layers if layer >= trunk)
+
+
+def key_rates(manifest, stats_file: str | os.PathLike | None, top_k: int, idle: Collection[int] = ()
+              ) -> tuple[dict[int, float], str, list[str]]:
     """Expected picks per token of every record key, from a stats file or uniform routing.
 
     Returns (rates, source description, notes). Stats layers are matched to the store's MoE
-    layers by layer number; layers the file lacks fall back to uniform.
+    layers by layer number; layers the file lacks fall back to uniform. Layers in `idle` (not run
+    by decode: `decode_idle_layers`) are picked at rate 0, so placement gives them nothing.
     """
     notes: list[str] = []
     per_layer: dict[int, list[float]] = {}
@@ -389,6 +403,8 @@ def key_rates(manifest, stats_file: str | os.PathLike | None, top_k: int) -> tup
     for r in manifest.records:
         layer_rates = per_layer.get(r.layer)
         rates[r.index] = layer_rates[r.expert] if layer_rates else top_k / manifest.experts_per_layer[r.layer]
+        if r.layer in idle:
+            rates[r.index] = 0.0
     return rates, source, notes
 
 
