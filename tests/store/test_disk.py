@@ -39,6 +39,51 @@ def test_reader_verify_first_hashes_once(packed_bf16):
         assert r.reads == 3 and r.checks == 1
 
 
+def test_records_read_in_pieces_hash_in_order(packed_bf16, monkeypatch):
+    """A record read as several preads in flight at once (4096-byte pieces of 12288-byte records) gives
+    the file's bytes and the manifest's hash; a corrupt last piece fails its check; an I/O error in
+    the middle piece fails the read only after every piece has finished (no write into the caller's
+    buffer after the error reaches it)."""
+    store, _ = packed_bf16
+    m = load_manifest(store)
+    raw = open(m.experts_path, "rb").read()
+    with DiskReader(m.experts_path, threads=2, piece_bytes=4096) as r:
+        for rec in m.records[:6]:
+            buf = r.read(rec, aligned_buffer(rec.length))
+            assert bytes(buf.numpy()[: rec.length]) == raw[rec.offset: rec.offset + rec.length]
+        assert r.submit(m.records[3], aligned_buffer(m.layout.length), check=False).result() == m.records[3].sha256
+        real = os.preadv
+        rec = m.records[7]
+        landed = []
+
+        def flaky(fd, bufs, offset):
+            if offset == rec.offset + 4096:
+                raise OSError(errno.EIO, "Input/output error")
+            n = real(fd, bufs, offset)
+            if rec.offset <= offset < rec.offset + rec.length:
+                landed.append(offset)
+            return n
+
+        monkeypatch.setattr(os, "preadv", flaky)
+        with pytest.raises(StoreIOError, match="I/O error"):
+            r.read(rec, aligned_buffer(rec.length))
+        assert sorted(landed) == [rec.offset, rec.offset + 8192] and r.in_flight == 0
+    with DiskReader(m.experts_path, threads=2, piece_bytes=4096) as r:
+        bad = m.records[8]
+
+        def corrupt_last(fd, bufs, offset):
+            n = real(fd, bufs, offset)
+            if offset == bad.offset + 8192:
+                bufs[0][0] ^= 0xFF
+            return n
+
+        monkeypatch.setattr(os, "preadv", corrupt_last)
+        with pytest.raises(disk.StoreIntegrityError, match="checksum mismatch"):
+            r.read(bad, aligned_buffer(bad.length))
+    with pytest.raises(ValueError):
+        DiskReader(m.experts_path, piece_bytes=1000)
+
+
 def test_short_read_is_a_clear_error(packed_bf16, monkeypatch):
     store, _ = packed_bf16
     real = os.preadv
