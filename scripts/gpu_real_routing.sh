@@ -32,8 +32,9 @@
 #              sweep, then `tiermoe bench sweep` (prefill 4k, decode C1 and C4) with /stats before/after
 #   glm5-trunk glm5_next's own layers at full width (issue: non-MoE decode time of all 45 layers): `bench make-glm5
 #              --moe-layers 42 --experts 16` at --top-k 8 and 1 (the routed experts' share of a token's time is
-#              what the two differ by, times 8/7), each served resident by `bench decode` (C1, C4), then MTP
-#              drafting off/1/2 on the top-8 one (`bench mtp`); G5_ARGS adds make-glm5 flags (--small for a dry run)
+#              what the two differ by, times 8/7), each served resident by `bench decode` (C1, C4), then on the
+#              top-8 one scripts/profile_engine_decode.py (trunk-profile/) and MTP drafting off/1/2 (`bench mtp`);
+#              G5_ARGS adds make-glm5 flags (--small for a dry run)
 #   glm5       after the glm steps (the disk holds one store): `bench make-glm5 --moe-layers GLM5_LAYERS` (default 12)
 #              at full width, served as serve-glm with GLM5_CELLS (default "0.11:exact 0.11:fast")
 #   qwen       the Qwen3-235B-shaped side-by-side store of results section 13 (24 layers), after the GLM
@@ -208,17 +209,23 @@ step_glm5_trunk() {  # 45 layers at full width, 16 experts a layer: the trunk's 
   local k
   for k in 8 1; do
     rm -rf "$WORK/trunk"
-    "$PY" -m tiermoe.cli bench make-glm5 "$WORK/trunk" --moe-layers 42 --experts 16 --top-k $k --device "${G5_DEVICE:-cuda}" \
-      ${G5_ARGS:-} > "$WORK/trunk-build-$k.log" 2>&1 || { log "trunk top-$k build failed: $(tail -2 "$WORK/trunk-build-$k.log")"; continue; }
+    "$PY" -m tiermoe.cli bench make-glm5 "$WORK/trunk" --moe-layers 42 --experts 16 --top-k $k \
+      --device "${G5_DEVICE:-cuda}" ${G5_ARGS:-} > "$WORK/trunk-build-$k.log" 2>&1 \
+      || { log "trunk top-$k build failed: $(tail -2 "$WORK/trunk-build-$k.log")"; continue; }
     log "trunk top-$k store: $(tail -1 "$WORK/trunk-build-$k.log")"
     "$PY" -m tiermoe.cli bench decode --model "$WORK/trunk" --dtype bfloat16 --batch-sizes 1,4 --tokens 64 \
       --max-model-len 4096 --gpu-expert-gb 1000 $SERVE_ARGS --out "$WORK/trunk-decode-$k.json" \
       > "$WORK/trunk-decode-$k.log" 2>&1 || log "trunk top-$k decode failed: $(tail -2 "$WORK/trunk-decode-$k.log")"
     log "trunk top-$k decode: $(grep "^decode" "$WORK/trunk-decode-$k.log" | tr '\n' ' ')"
-    if [ $k = 8 ]; then
+    if [ $k = 8 ]; then  # where the trunk's decode step goes (kernels by device time, host time), then MTP
+      "$PY" scripts/profile_engine_decode.py "$WORK/trunk" "$WORK/trunk-profile" --dtype bfloat16 --max-model-len 4096 \
+        --gpu-expert-gb 1000 $SERVE_ARGS > "$WORK/trunk-profile.log" 2>&1 \
+        || log "trunk profile failed: $(tail -2 "$WORK/trunk-profile.log")"
+      log "trunk profile: $(grep -m2 -E "ms per step|device busy" "$WORK/trunk-profile.log" | tr '\n' ' ')"
       "$PY" -m tiermoe.cli bench mtp --model "$WORK/trunk" --dtype bfloat16 --tokens 32 --prompts 2 --num-draft 1,2 \
         --max-model-len 4096 --gpu-expert-gb 1000 $SERVE_ARGS \
-        --out "$WORK/trunk-mtp.json" > "$WORK/trunk-mtp.log" 2>&1 || log "trunk mtp failed: $(tail -2 "$WORK/trunk-mtp.log")"
+        --out "$WORK/trunk-mtp.json" > "$WORK/trunk-mtp.log" 2>&1 \
+        || log "trunk mtp failed: $(tail -2 "$WORK/trunk-mtp.log")"
       log "trunk mtp:"; tail -4 "$WORK/trunk-mtp.log"
     fi
   done
@@ -228,7 +235,8 @@ step_glm5_trunk() {  # 45 layers at full width, 16 experts a layer: the trunk's 
 step_glm5() {  # the end-to-end full-width glm5_next store (3 dense + GLM5_LAYERS MoE layers) through the server
   rm -rf "$WORK/glm" "$WORK/glm5"
   "$PY" -m tiermoe.cli bench make-glm5 "$WORK/glm5" --moe-layers "${GLM5_LAYERS:-12}" --device "${G5_DEVICE:-cuda}" \
-    ${G5_ARGS:-} > "$WORK/glm5-build.log" 2>&1 || { log "glm5 store failed: $(tail -3 "$WORK/glm5-build.log")"; return 1; }
+    ${G5_ARGS:-} > "$WORK/glm5-build.log" 2>&1 \
+    || { log "glm5 store failed: $(tail -3 "$WORK/glm5-build.log")"; return 1; }
   log "glm5 store: $(tail -1 "$WORK/glm5-build.log")"
   cp "$WORK/glm5/expert-stats.json" "$WORK/glm5-expert-stats.json"
   CELLS=${GLM5_CELLS:-0.11:exact 0.11:fast} serve_matrix glm5-synthetic "$WORK/glm5" "$WORK/glm5/expert-stats.json"
