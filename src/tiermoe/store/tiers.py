@@ -79,6 +79,7 @@ class Arena:
         self._free = list(range(n - 1, -1, -1))
         self._registered: list[int] = []
         self._release = weakref.finalize(self, _release_chunks, self._chunks, self._registered)
+        self._release.atexit = False  # at exit the process's pinned pages go with it; CUDA may be gone
         self._pin_thread: threading.Thread | None = None
         if pin and n > 0 and torch.cuda.is_available():
             self._pin_thread = threading.Thread(target=self._pin_all, name="tiermoe-pin", daemon=True)
