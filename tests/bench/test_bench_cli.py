@@ -52,3 +52,13 @@ def test_default_extra_modules_include_the_in_process_benchmarks():
     assert {"tiermoe.bench.decode", "benchmarks.moe_gpu"} <= set(bench_cli.BENCH_EXTRA_MODULES)
     for name in bench_cli.BENCH_EXTRA_MODULES:  # every listed module exists and registers
         assert callable(importlib.import_module(name).register)
+
+
+def test_bench_decode_says_whether_graphs_ran():
+    """`bench decode` prints whether its steps replayed decode graphs (its figures mean little without)."""
+    from tiermoe.bench.decode import describe_graphs
+
+    assert describe_graphs(None) == "decode CUDA graphs: off (eager steps)"
+    assert "failed (recording batch size 1 failed" in describe_graphs({"failed": "recording batch size 1 failed"})
+    assert describe_graphs({"captured_batch_sizes": [1, 4], "replays": 130, "failed": None}) == (
+        "decode CUDA graphs: batch sizes [1, 4] recorded, 130 replays")

@@ -73,9 +73,21 @@ def _run(args) -> int:
     for r in results:
         print(f"decode batch {r['batch']}: {r['tok_per_s']:.1f} tok/s aggregate, "
               f"{r['per_stream_tok_per_s']:.1f} tok/s per stream ({r['tokens']} tokens in {r['seconds']} s)")
+    graphs = engine.stats().get("decode_graphs")  # None where no graph is recorded (CPU, --enforce-eager)
+    print(describe_graphs(graphs))
     report = {"model": args.model or f"tiny:{args.tiny}", "device": str(engine.model.device),
-              "dtype": str(engine.model.dtype).replace("torch.", ""), "results": results}
+              "dtype": str(engine.model.dtype).replace("torch.", ""), "results": results, "decode_graphs": graphs}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
     return 0
+
+
+def describe_graphs(graphs: dict | None) -> str:
+    """One line: did the timed steps replay decode CUDA graphs (a figure means little without it)."""
+    if not graphs:
+        return "decode CUDA graphs: off (eager steps)"
+    if graphs.get("failed"):
+        return f"decode CUDA graphs: failed ({graphs['failed']}); eager steps"
+    return (f"decode CUDA graphs: batch sizes {graphs.get('captured_batch_sizes')} recorded, "
+            f"{graphs.get('replays', 0)} replays")
