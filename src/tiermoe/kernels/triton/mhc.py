@@ -62,12 +62,6 @@ def _col(c, idx, j):
 
 
 @triton.jit
-def _row(c, idx, i):
-    """Row i of c [BN, BN] as [BN] (columns), exactly."""
-    return tl.sum(tl.where(idx[:, None] == i, c, 0.0), axis=0)
-
-
-@triton.jit
 def _row_sums(c, idx, N: tl.constexpr):
     """sum_j c[:, j] [BN] in index order: ((c0 + c1) + c2) + ..."""
     s = _col(c, idx, 0)
@@ -78,11 +72,8 @@ def _row_sums(c, idx, N: tl.constexpr):
 
 @triton.jit
 def _col_sums(c, idx, N: tl.constexpr):
-    """sum_i c[i, :] [BN] in index order."""
-    s = _row(c, idx, 0)
-    for i in tl.static_range(1, N):
-        s = s + _row(c, idx, i)
-    return s
+    """sum_i c[i, :] [BN] in index order: the row sums of c's transpose."""
+    return _row_sums(tl.trans(c), idx, N)
 
 
 @triton.jit
