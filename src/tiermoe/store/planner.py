@@ -344,7 +344,7 @@ def dense_bytes_per_token(manifest) -> int:
             total = int(json.loads((root / dense["index"]).read_text())["metadata"]["total_size"])
         except (OSError, ValueError, KeyError, TypeError):
             total = sum((root / n).stat().st_size for n in dense.get("shards", []) if (root / n).is_file())
-    tc = manifest.config.get("text_config") if isinstance(manifest.config.get("text_config"), dict) else manifest.config
+    tc = text_config(manifest.config)
     vocab, hidden = tc.get("vocab_size"), tc.get("hidden_size")
     if not tc.get("tie_word_embeddings", False) and isinstance(vocab, int) and isinstance(hidden, int):
         itemsize = 4 if data.get("source_dtype", data.get("dtype")) == "float32" else 2
@@ -352,9 +352,14 @@ def dense_bytes_per_token(manifest) -> int:
     return int(total)
 
 
+def text_config(config: Mapping) -> Mapping:
+    """The text part of a model config: its text_config where it has one (multimodal checkpoints)."""
+    return config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+
+
 def config_top_k(config: Mapping) -> int:
     """Experts per token from a model config (text part), default 8."""
-    tc = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    tc = text_config(config)
     for key in ("num_experts_per_tok", "moe_top_k", "top_k", "num_selected_experts"):
         v = tc.get(key)
         if isinstance(v, int) and v > 0:
@@ -367,7 +372,7 @@ def decode_idle_layers(manifest, drafting: bool) -> tuple[int, ...]:
     them from the trunk's num_hidden_layers on (DeepSeek-V3, GLM); their experts need no GPU slot."""
     if drafting:
         return ()
-    tc = manifest.config.get("text_config") if isinstance(manifest.config.get("text_config"), dict) else manifest.config
+    tc = text_config(manifest.config)
     trunk = tc.get("num_hidden_layers")
     if not isinstance(trunk, int):
         return ()
