@@ -3,6 +3,13 @@
 Both scoring schemes mirror transformers op for op (dtype of the logits, where the softmax
 is taken in fp32, where weights are renormalised), since routing decisions are discrete and
 a flipped pick would break exactness.
+
+The sigmoid scheme's routing after its fp32 projection is one Triton launch on CUDA
+(kernels/triton/router.py: ~12 tiny kernels per layer otherwise) and its plain-torch twin
+elsewhere (kernels.reference_router.sigmoid_topk_route_ref: the transformers code, unchanged).
+The two pick the same expert set. The kernel's ids come in descending biased-score order, the
+twin's in torch.topk(sorted=False)'s unspecified order: callers treat a token's ids as a set
+(fused_moe adds the picks in pick order, so the order moves only fp32 rounding).
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tiermoe.kernels.reference_router import sigmoid_topk_route_ref
 from tiermoe.models.blocks.common import empty_param
 from tiermoe.models.spec import MoESpec
 
@@ -48,19 +56,13 @@ class Router(nn.Module):
     def _sigmoid_noaux(self, x, replay_ids=None):
         m = self.moe
         logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
-        scores = logits.sigmoid()
-        choice = scores + self.e_score_correction_bias.float()
-        if m.n_group > 1:
-            t = choice.shape[0]
-            group_scores = choice.view(t, m.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
-            group_idx = torch.topk(group_scores, k=m.topk_group, dim=-1, sorted=False)[1]
-            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-            score_mask = group_mask.unsqueeze(-1).expand(t, m.n_group, m.num_experts // m.n_group).reshape(t, -1)
-            choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
-        ids = torch.topk(choice, k=m.top_k, dim=-1, sorted=False)[1]
-        if replay_ids is not None:
-            ids = replay_ids
-        weights = scores.gather(1, ids)
-        if m.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return ids, weights * m.routed_scaling_factor
+        bias = self.e_score_correction_bias
+        # on CUDA one fused launch instead of ~12 tiny ones per layer; the kernel carries no gradient, so
+        # anything that trains through here takes the twin (the torch code, also the CPU path)
+        needs_grad = torch.is_grad_enabled() and (logits.requires_grad or bias.requires_grad)
+        if logits.is_cuda and not needs_grad:
+            from tiermoe.kernels.triton.router import sigmoid_topk_route as route
+        else:
+            route = sigmoid_topk_route_ref
+        return route(logits, bias.float(), m.top_k, m.n_group, m.topk_group, m.norm_topk_prob,
+                     m.routed_scaling_factor, replay_ids)
