@@ -30,11 +30,14 @@
 #              with --routing-replay (picks drawn from the real per-layer statistics) and --expert-stats
 #              on the same file (the warm start a user of the real model gives it), a short warm-up
 #              sweep, then `tiermoe bench sweep` (prefill 4k, decode C1 and C4) with /stats before/after
+#   parity5    `tiermoe eval parity --tiny glm5_next --device cuda --dtype bfloat16`, as prefill chunks and with
+#              --decode-from 0 (every position a decode step: the decode kernels and graphs), against transformers
 #   glm5-trunk glm5_next's own layers at full width (issue: non-MoE decode time of all 45 layers): `bench make-glm5
 #              --moe-layers 42 --experts 16` at --top-k 8 and 1 (the routed experts' share of a token's time is
 #              what the two differ by, times 8/7), each served resident by `bench decode` (C1, C4), then on the
 #              top-8 one scripts/profile_engine_decode.py (trunk-profile/) and MTP drafting off/1/2 (`bench mtp`);
-#              G5_ARGS adds make-glm5 flags (--small for a dry run)
+#              G5_ARGS adds make-glm5 flags (--small for a dry run); TRUNK_TOPK (default "8 1") the stores,
+#              TRUNK_MTP=0 skips `bench mtp`
 #   glm5       after the glm steps (the disk holds one store): `bench make-glm5 --moe-layers GLM5_LAYERS` (default 12)
 #              at full width, served as serve-glm with GLM5_CELLS (default "0.11:exact 0.11:fast")
 #   qwen       the Qwen3-235B-shaped side-by-side store of results section 13 (24 layers), after the GLM
@@ -205,9 +208,19 @@ serve_matrix() {  # NAME STORE STATS EXTRA_FLAGS...
   done
 }
 
+step_parity5() {  # a tiny glm5_next in bf16 on the GPU against transformers: prefill chunks, then decode steps
+  local mode flag
+  for mode in chunked decode; do
+    flag=""; [ $mode = decode ] && flag="--decode-from 0"
+    timeout 600 "$PY" -m tiermoe.cli eval parity --tiny glm5_next --device cuda --dtype bfloat16 $flag \
+      > "$WORK/parity5-$mode.log" 2>&1 || log "parity5 $mode failed: $(tail -2 "$WORK/parity5-$mode.log")"
+    log "parity5 $mode: $(tail -1 "$WORK/parity5-$mode.log")"
+  done
+}
+
 step_glm5_trunk() {  # 45 layers at full width, 16 experts a layer: the trunk's decode time, experts resident
   local k
-  for k in 8 1; do
+  for k in ${TRUNK_TOPK:-8 1}; do
     rm -rf "$WORK/trunk"
     "$PY" -m tiermoe.cli bench make-glm5 "$WORK/trunk" --moe-layers 42 --experts 16 --top-k $k \
       --device "${G5_DEVICE:-cuda}" ${G5_ARGS:-} > "$WORK/trunk-build-$k.log" 2>&1 \
@@ -221,7 +234,8 @@ step_glm5_trunk() {  # 45 layers at full width, 16 experts a layer: the trunk's 
       "$PY" scripts/profile_engine_decode.py "$WORK/trunk" "$WORK/trunk-profile" --dtype bfloat16 --max-model-len 4096 \
         --gpu-expert-gb 1000 $SERVE_ARGS > "$WORK/trunk-profile.log" 2>&1 \
         || log "trunk profile failed: $(tail -2 "$WORK/trunk-profile.log")"
-      log "trunk profile: $(grep -m2 -E "ms per step|device busy" "$WORK/trunk-profile.log" | tr '\n' ' ')"
+      log "trunk profile: $(grep -E "wall per decode step|device busy" "$WORK/trunk-profile.log" | tr '\n' ' ')"
+      [ "${TRUNK_MTP:-1}" = 1 ] || continue
       "$PY" -m tiermoe.cli bench mtp --model "$WORK/trunk" --dtype bfloat16 --tokens 32 --prompts 2 --num-draft 1,2 \
         --max-model-len 4096 --gpu-expert-gb 1000 $SERVE_ARGS \
         --out "$WORK/trunk-mtp.json" > "$WORK/trunk-mtp.log" 2>&1 \
@@ -322,6 +336,7 @@ run_all() {
   want glm && step_glm
   want lane-wide && step_lane_wide
   [ -n "$tests_pid" ] && { wait "$tests_pid"; log "tests: $(tail -1 "$WORK/gpu-tests.log")"; }
+  want parity5 && step_parity5
   want serve-glm && serve_matrix glm-synthetic "$WORK/glm" "$WORK/glm/expert-stats.json"
   want glm5-trunk && { rm -rf "$WORK/glm"; step_glm5_trunk; }
   want glm5 && step_glm5

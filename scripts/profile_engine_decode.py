@@ -99,12 +99,16 @@ def main() -> int:
         ka = prof.key_averages()
         say(f"--- batch {batch}: top operators by self host time (8 steps)")
         say(ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
-        dev_us = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) for e in ka)
-        say(f"--- batch {batch}: device busy {dev_us / 8 / 1e3:.2f} ms per step; top kernels by device time (8 steps)")
+        dev = [getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) for e in ka]
+        dev_us = sum(dev)
+        # launches that did device work (kernels, copies; the aten rows that own them have no self device time)
+        launches = sum(e.count for e, us in zip(ka, dev) if us > 0 and not e.key.startswith("aten::"))
+        say(f"--- batch {batch}: device busy {dev_us / 8 / 1e3:.2f} ms per step, {launches / 8:.0f} device launches "
+            f"per step; top kernels by device time (8 steps)")
         try:
-            say(ka.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=60))
+            say(ka.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=90))
         except Exception:  # older profilers name it cuda
-            say(ka.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+            say(ka.table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=90))
         while eng.has_unfinished_requests():
             eng.step()
     if args.prefill_tokens:  # one prefill chunk of that many tokens: wall time and top kernels

@@ -37,3 +37,20 @@ def test_parity_bf16_bit_identical(arch, tiny_dir):
     result = run_parity(str(tiny_dir(arch)), None, "cpu", "bfloat16", arch=arch, fp32_floor=False)
     assert result["positions"] >= 256
     assert result["top1"] == 1.0 and result["max_abs_logit_diff"] == 0.0
+
+
+def test_parity_decode_steps_glm5_next(tiny_dir):
+    """Every position as its own decode step (the path decode CUDA graphs replay on a GPU: KDA's
+    recurrent step, MLA's gathered attention) agrees with the reference as prefill chunks do."""
+    result = run_parity(str(tiny_dir("glm5_next")), None, "cpu", "float32", arch="glm5_next", decode_from=0)
+    assert result["positions"] >= 256 and result["decode_from"] == 0
+    assert result["top1"] == 1.0
+    assert result["kl_mean"] < 1e-6
+
+
+@pytest.mark.parametrize("flag", [["--chunk", "0"], ["--decode-from", "-3"]])
+def test_eval_parity_cli_rejects_bad_sizes(flag):
+    proc = subprocess.run([sys.executable, "-m", "tiermoe.cli", "eval", "parity", "--tiny", "glm4_moe", *flag],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and flag[0] in proc.stderr

@@ -17,6 +17,9 @@ def register(subparsers) -> None:
     par.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     par.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
     par.add_argument("--chunk", type=int, default=32, help="prefill chunk size of our engine (tokens)")
+    par.add_argument("--decode-from", type=int, default=None, metavar="N",
+                     help="from token N on (rounded up to the model's chunk multiple; 0: every token), one "
+                          "token a forward: the decode path and its CUDA graphs instead of prefill chunks")
     par.set_defaults(handler=_parity)
     _register_tiers(sub)
     from tiermoe.eval.paired_kl import register_paired_kl
@@ -26,8 +29,13 @@ def register(subparsers) -> None:
 
 def _parity(args) -> int:
     from tiermoe.engine.build import resolve_device
+    from tiermoe.errors import UserError
     from tiermoe.eval.parity import format_result, run_parity
 
+    if args.chunk < 1:
+        raise UserError(f"--chunk must be at least 1 token, not {args.chunk}")
+    if args.decode_from is not None and args.decode_from < 0:
+        raise UserError(f"--decode-from must be 0 or more, not {args.decode_from}")
     device = resolve_device(args.device)
     dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
     if args.tiny:
@@ -35,9 +43,11 @@ def _parity(args) -> int:
 
         with tempfile.TemporaryDirectory(prefix="tiermoe-tiny-") as tmp:
             write_tiny(args.tiny, tmp)
-            result = run_parity(tmp, None, device, dtype, arch=args.tiny, chunk=args.chunk)
+            result = run_parity(tmp, None, device, dtype, arch=args.tiny, chunk=args.chunk,
+                                decode_from=args.decode_from)
     else:
-        result = run_parity(args.model, args.reference, device, dtype, chunk=args.chunk)
+        result = run_parity(args.model, args.reference, device, dtype, chunk=args.chunk,
+                            decode_from=args.decode_from)
     print(format_result(result))
     return 0
 

@@ -34,18 +34,25 @@ def parity_prompts(tokenizer, vocab_size: int, min_positions: int = 256, seed: i
     return prompts
 
 
-def engine_logits(engine, ids: list[int], chunk: int = 32) -> torch.Tensor:
-    """Logits [len(ids), V] fp32 from our engine, computed chunk by chunk through the KV cache."""
+def engine_logits(engine, ids: list[int], chunk: int = 32, decode_from: int | None = None) -> torch.Tensor:
+    """Logits [len(ids), V] fp32 from our engine, computed chunk by chunk through the KV cache.
+
+    decode_from: from this token on, one token a forward: decode steps, which take the decode
+    path (and its CUDA graphs, when on) rather than the prefill one."""
     req = Request("parity", list(ids), SamplingParams(max_tokens=1), 1)
     req.slot = 0  # the engine serves nothing else here; recurrent families keep state per slot
     if not engine.kv.allocate(req.pages, len(ids)):
         raise RuntimeError("KV cache too small for a parity prompt")
     out = []
     try:
-        for start in range(0, len(ids), chunk):
-            n = min(chunk, len(ids) - start)
+        start = 0
+        while start < len(ids):
+            n = 1 if decode_from is not None and start >= decode_from else min(chunk, len(ids) - start)
+            if decode_from is not None and start < decode_from:
+                n = min(n, decode_from - start)
             out.append(engine.runner.forward([(req, n)], all_logits=True).cpu())
             req.num_computed += n
+            start += n
     finally:
         engine.kv.release(req.pages)
     return torch.cat(out)
@@ -82,7 +89,7 @@ def reference_logits(ref_path: str | Path, prompts: list[list[int]], device: str
 
 
 def run_parity(model: str, reference: str | None, device: str, dtype_name: str, arch: str | None = None,
-               chunk: int = 32, fp32_floor: bool = True) -> dict:
+               chunk: int = 32, fp32_floor: bool = True, decode_from: int | None = None) -> dict:
     """Our engine vs transformers at the same dtype. For reduced precision (bf16/fp16) also
     reports both sides against the transformers fp32 logits ("noise floor"): how far the
     reference's own low-precision run is from fp32, next to how far ours is."""
@@ -102,11 +109,16 @@ def run_parity(model: str, reference: str | None, device: str, dtype_name: str, 
         raise UserError(f"parity prompts need a context of {longest + 1} tokens")
     multiple = engine.scheduler.chunk_multiple  # the engine never cuts a prompt off a block edge
     chunk = -(-chunk // multiple) * multiple
-    ours = torch.cat([engine_logits(engine, p, chunk) for p in prompts])
+    if decode_from is not None:  # a prompt is cut on block edges only
+        decode_from = -(-decode_from // multiple) * multiple
+    ours = torch.cat([engine_logits(engine, p, chunk, decode_from) for p in prompts])
     refs = torch.cat(reference_logits(reference, prompts, str(engine.model.device), dtype))
     result = compare(refs, ours)
     out = {"arch": arch or engine.model.spec.arch, "dtype": str(dtype).replace("torch.", ""),
            "device": str(engine.model.device), "chunk": chunk, **result}
+    if decode_from is not None:
+        out["decode_from"] = decode_from
+        out["decode_graphs"] = engine.runner.graphs is not None
     if fp32_floor and dtype != torch.float32:
         exact = torch.cat(reference_logits(reference, prompts, str(engine.model.device), torch.float32))
         out["ours_vs_ref_fp32"] = compare(exact, ours)
