@@ -9,18 +9,20 @@ arithmetic. Here one program per token does it all in registers; the projection 
 Selection. Every candidate gets one int64 key: its biased score's bits mapped to an integer of the same
 order (high half) and 2**31 - 1 - its expert id (low half). Keys are distinct, so a top-k is k rounds of
 "take the largest key, retire it" (one reduction a round), and among equal scores the lower expert id has
-the larger key: ties go to the lower index, the choice torch.topk usually makes (torch does not promise
-one). Every NaN ranks above +inf, as in torch.topk; -0 ties +0.
+the larger key: ties go to the lower index. torch promises no tie rule; its CUDA topk fills its last slots
+with the values equal to the k-th in index order (the same choice), its CPU topk (the twin's) may take
+others. Every NaN ranks above +inf, as in torch.topk; -0 ties +0.
   - n_group > 1: the experts form n_group equal groups of consecutive ids; a group's score is the sum of
     its two best biased scores (the two largest keys of the group: a tied best counts twice, as with
     torch's topk(2)), the topk_group best groups stay (ties: lower group index) and the others' experts
     compete at -inf, as the twin's masked_fill leaves them.
-  - Ids come out in descending biased-score order (torch.topk(sorted=False) on CUDA gives an order of its
-    own). The set is what routing means; the order reaches only summation and bookkeeping order:
-    fused_moe and the CPU lane add the top-k in pick order (fp32, so the last bits of an output can
-    differ from another order's), cache_step dedups picks in first-pick order (which miss meets which
-    victim slot), routing recording stores the ids as given. Nothing assumes sorted ids or a torch order;
-    combine_experts visits experts in ascending id whatever the order.
+  - Ids come out in descending biased-score order. torch.topk(sorted=False) on CUDA has an order of its own
+    (for rows this short: the larger values in index order, then the ties), the twin's CPU topk another.
+    The set is what routing means; the order reaches only summation and bookkeeping: fused_moe adds the
+    top-k in pick order (fp32: the last bits of an output may differ from another order's), cache_step
+    dedups picks in first-pick order (which miss meets which victim slot), routing recording stores the
+    ids as given. Nothing assumes sorted ids or torch's order; combine_experts and the CPU lane visit
+    experts in ascending id whatever the order.
   - replay_ids (routing replay): the token's ids are those, with the weights this router gives them. The
     selection still runs, as Router.forward promises (the router's cost stays in the step): a replayed id
     outside [0, E) would fall back to the router's own pick (replay tables are checked against the expert
