@@ -1,4 +1,4 @@
-"""The mHC mixing kernel (kernels/triton/mhc.py) against its plain-torch twin (kernels.reference.mhc_mix_ref,
+"""The mHC mixing kernel (kernels/triton/mhc.py) against its plain-torch twin (kernels.reference_mhc.mhc_mix_ref,
 the code models/blocks/hyperconnection.py runs on CPU), through Triton's interpreter on CPU.
 
 Not bit for bit: the interpreter's exp is numpy's and torch's CPU sigmoid and softmax use their own
@@ -13,7 +13,7 @@ saturated sigmoids (subnormal values where each ulp is a large relative step).
 import pytest
 import torch
 
-from tiermoe.kernels.reference import mhc_mix_ref
+from tiermoe.kernels.reference_mhc import mhc_mix_ref
 from tiermoe.kernels.triton.mhc import MAX_STREAMS, mhc_mix
 
 EPS = 1e-6  # glm5_next's hc_eps

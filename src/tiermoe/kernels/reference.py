@@ -434,27 +434,3 @@ def residency_apply_ref(updates: list[tuple[int, int, int]],
         if int(slots[e]) < 0:
             table[e] = addr
 
-
-# ----------------------------------------------------------------------------- hyper-connections
-
-
-def mhc_mix_ref(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
-                hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Twin of kernels/triton/mhc.py, and the CPU path of models/blocks/hyperconnection.py (written
-    as transformers' glm5_next computes it, so the CPU parity tests against it stay as they are):
-    mix fp32 [T, (2+N)*N], base fp32 [(2+N)*N], scale fp32 [3] -> (pre [T, N], post [T, N], comb [T, N, N]).
-
-    pre and post are sigmoid gates; comb is a softmax made doubly stochastic by `iters` Sinkhorn
-    normalisations (the first one columns only), each sum offset by hc_eps."""
-    t = mix.shape[0]
-    pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.split([n, n, n * n])
-    pre_s, post_s, comb_s = scale.unbind(0)
-    pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc_eps
-    post = 2 * torch.sigmoid(post_w * post_s + post_b)
-    comb = torch.softmax(comb_w.view(t, n, n) * comb_s + comb_b.view(n, n), dim=-1) + hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    return pre, post, comb

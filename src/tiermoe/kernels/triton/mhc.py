@@ -8,7 +8,7 @@ glm5_next runs 90 sub-blocks per token: at decode every one of them costs a laun
 microseconds even when replayed from a CUDA graph, far more than the arithmetic. Here one program
 per token does it all in registers.
 
-Numerics follow the twin (`kernels.reference.mhc_mix_ref`, the torch code) operation by operation,
+Numerics follow the twin (`kernels.reference_mhc.mhc_mix_ref`, the torch code) operation by operation,
 in the same order, so that a GPU run matches what eager torch on the GPU computes as closely as the
 kernel can:
   - every product and sum is rounded on its own (launched with `enable_fp_fusion=False`: no FMA

@@ -9,9 +9,13 @@ scale bounded however deep the stack. Any family with mHC residuals (glm5_next: 
 
 Dtype handling mirrors transformers' `glm5_next`: mixing weights are computed in fp32 from the
 fp32 `base`/`scale` parameters, then cast to the residual's dtype for the mix. On a CUDA device
-the mixing weights come from one Triton kernel (kernels/triton/mhc.py: the Sinkhorn loop is
-otherwise ~130 launches per sub-block), elsewhere from its plain-torch twin
-(kernels.reference.mhc_mix_ref: the code of transformers' glm5_next, unchanged).
+(with no gradient to carry) each sub-block's connection is four Triton launches plus the
+projection in cuBLAS: the flat norm of the streams and the collapse + the sub-block's RMSNorm
+and the spread + mix (kernels/triton/mhc_fused.py), the mixing weights (kernels/triton/mhc.py:
+the Sinkhorn loop is otherwise ~130 launches). Eager torch would issue ~150 tiny kernels per
+sub-block, each a few microseconds at decode even replayed from a CUDA graph. Elsewhere the
+plain-torch twins run (kernels/reference_mhc.py: the code of transformers' glm5_next, unchanged,
+so CPU results are bit for bit the reference's).
 """
 
 from __future__ import annotations
@@ -20,20 +24,22 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tiermoe.kernels.reference import mhc_mix_ref
+from tiermoe.kernels.reference_mhc import hc_collapse_norm_ref, hc_flat_norm_ref, hc_post_ref, mhc_mix_ref
 
 
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D] / rms(x) without a weight: the norm in front of the mHC mixing projection."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+def fused(*tensors: torch.Tensor) -> bool:
+    """Whether the Triton kernels serve these inputs: on a CUDA device, with no gradient to carry (the
+    kernels define no backward, so anything that trains through here takes the twins)."""
+    return tensors[0].is_cuda and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 class HyperConnection(nn.Module):
     """Manifold-constrained hyper-connection (mHC) around one sub-block.
 
-    The residual is `hc_mult` streams per token ([T, N, D]). `pre` collapses them into the
-    sub-block input, `post` spreads the sub-block output back over the streams and `comb`
-    (made doubly stochastic by Sinkhorn iterations) mixes the old streams into the new ones.
+    The residual is `hc_mult` streams per token ([T, N, D]). `pre_norm` collapses them into the
+    sub-block input (and applies the sub-block's input RMSNorm), `post` spreads the sub-block
+    output back over the streams and `comb` (made doubly stochastic by Sinkhorn iterations)
+    mixes the old streams into the new ones.
     """
 
     def __init__(self, hc_mult: int, hidden: int, iters: int, hc_eps: float, norm_eps: float):
@@ -44,10 +50,13 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.empty((2 + n) * n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
 
-    def pre(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [T, N, D] -> (post [T, N] fp32, comb [T, N, N] fp32, collapsed [T, D])."""
-        t, n = streams.shape[0], self.n
-        flat = unweighted_rms_norm(streams.reshape(t, -1).float(), self.norm_eps)
+    def coefficients(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [T, N, D] -> (pre [T, N], post [T, N], comb [T, N, N]), all fp32."""
+        if fused(streams):
+            from tiermoe.kernels.triton.mhc_fused import hc_flat_norm
+        else:
+            hc_flat_norm = hc_flat_norm_ref
+        flat = hc_flat_norm(streams, self.norm_eps)  # [T, N*D] fp32
         mix = F.linear(flat, self.fn.float())  # [T, (2+N)*N]
         # on CUDA one fused launch instead of ~130 tiny ones; the kernel carries no gradient, so
         # anything that trains through here (mix needs a gradient) takes the twin
@@ -55,14 +64,24 @@ class HyperConnection(nn.Module):
             from tiermoe.kernels.triton.mhc import mhc_mix
         else:
             mhc_mix = mhc_mix_ref
-        pre, post, comb = mhc_mix(mix, self.base, self.scale, n, self.iters, self.hc_eps)  # [T,N] [T,N] [T,N,N]
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        return mhc_mix(mix, self.base, self.scale, self.n, self.iters, self.hc_eps)  # [T,N] [T,N] [T,N,N]
+
+    def pre_norm(self, streams: torch.Tensor, norm_weight: torch.Tensor,
+                 norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [T, N, D], the sub-block's input RMSNorm (weight [D], eps) -> (post [T, N] fp32,
+        comb [T, N, N] fp32, normed [T, D]): the collapsed streams, already normalised, in one launch on CUDA."""
+        pre, post, comb = self.coefficients(streams)
+        if fused(streams, pre, norm_weight):
+            from tiermoe.kernels.triton.mhc_fused import hc_collapse_norm
+        else:
+            hc_collapse_norm = hc_collapse_norm_ref
+        return post, comb, hc_collapse_norm(streams, pre, norm_weight, norm_eps)
 
     @staticmethod
     def post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """out [T, D], residual [T, N, D] -> new streams [T, N, D]."""
-        dtype = residual.dtype
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
-            comb.to(dtype).transpose(-1, -2), residual
-        )
+        """out [T, D], residual [T, N, D] -> new streams [T, N, D] (the kernel needs out in the residual's dtype)."""
+        if fused(out, residual, post, comb) and out.dtype == residual.dtype:
+            from tiermoe.kernels.triton.mhc_fused import hc_post
+        else:
+            hc_post = hc_post_ref
+        return hc_post(out, residual, post, comb)

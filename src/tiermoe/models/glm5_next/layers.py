@@ -2,7 +2,9 @@
 
 Every function mirrors the dtype handling of transformers' `glm5_next` so that fp32 results
 agree to rounding and bf16 results agree to bf16 rounding: norms compute in fp32 and cast back
-before the weight multiply. The mHC hyper-connection is the shared block
+before the weight multiply. The math is the plain-torch twins' (kernels/reference_norm.py), which
+is also the CPU path; on a CUDA device each is one Triton launch (kernels/triton/norm.py) instead of
+a handful of tiny kernels. The mHC hyper-connection is the shared block
 `models/blocks/hyperconnection.py`.
 """
 
@@ -10,7 +12,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from tiermoe.kernels.reference_norm import clamped_swiglu_ref, rms_norm_ref
+
+
+def _fused(*tensors: torch.Tensor) -> bool:
+    """Whether the Triton kernels serve these inputs: on a CUDA device, with no gradient to carry (the
+    kernels define no backward, so anything that trains through here takes the twins)."""
+    return tensors[0].is_cuda and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 class RMSNorm(nn.Module):
@@ -22,16 +31,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        """x [..., D] -> [..., D]; one Triton launch on CUDA (no gradient), the twin's ~8 torch ops elsewhere."""
+        if _fused(x, self.weight):
+            from tiermoe.kernels.triton.norm import rms_norm
+        else:
+            rms_norm = rms_norm_ref
+        return rms_norm(x, self.weight, self.eps)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(min(gate, limit)) * clamp(up, -limit, limit): GLM-5.3's swiglu_limit, applied to the
-    dense MLPs, the shared expert and every routed expert alike."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    """silu(min(gate, limit)) * clamp(up, -limit, limit) [..., I]: GLM-5.3's swiglu_limit, applied to the
+    dense MLPs and the shared expert here (routed experts apply it in their own backend). One Triton
+    launch on CUDA (no gradient), the twin's four torch ops elsewhere."""
+    if _fused(gate, up) and gate.dtype == up.dtype:
+        from tiermoe.kernels.triton.norm import clamped_swiglu as swiglu
+    else:
+        swiglu = clamped_swiglu_ref
+    return swiglu(gate, up, limit)
 
 
 class MLP(nn.Module):

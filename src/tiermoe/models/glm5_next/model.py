@@ -42,16 +42,16 @@ class DecoderLayer(nn.Module):
         self, streams: torch.Tensor, batch: SeqBatch, cache, prev_sel: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """streams [T, N, D] -> (streams [T, N, D], DSA selection handed to the next layer)."""
-        post, comb, h = self.attn_hc.pre(streams)
-        h = self.input_layernorm(h)
+        ln = self.input_layernorm
+        post, comb, h = self.attn_hc.pre_norm(streams, ln.weight, ln.eps)  # h: input_layernorm(collapsed) [T, D]
         sel = None
         if self.is_kda:
             h = self.self_attn(h, batch, cache.kda)
         else:
             h, sel = self.self_attn(h, batch, cache, prev_sel)
         streams = HyperConnection.post(h, streams, post, comb)
-        post, comb, h = self.ffn_hc.pre(streams)
-        h = self.post_attention_layernorm(h)
+        ln = self.post_attention_layernorm
+        post, comb, h = self.ffn_hc.pre_norm(streams, ln.weight, ln.eps)
         h = self.mlp(h)
         return HyperConnection.post(h, streams, post, comb), sel
 

@@ -1,0 +1,166 @@
+"""glm5_next's weighted RMSNorm and clamped SwiGLU activation, each in one launch instead of ~8 torch kernels.
+
+At decode every torch op is a launch of a few microseconds even replayed from a CUDA graph, far more than
+its arithmetic: RMSNorm is float, pow, mean, add, rsqrt, mul, cast and the weight mul; the clamped SwiGLU
+is two clamps, silu and a mul. models/glm5_next/layers.py runs these kernels on CUDA (no gradient) and the
+twins (kernels/reference_norm.py: rms_norm_ref, clamped_swiglu_ref) elsewhere. The helpers below
+(rounding to the model dtype, rsqrt, the weighted norm of one row) are shared with mhc_fused.py.
+
+Numerics follow what eager torch computes on a CUDA device, operation by operation:
+  - fp32 statistics: the mean is the sum times fp32(1 / D) (torch's CUDA mean multiplies by that
+    factor; its CPU mean divides: the same value whenever D is a power of two), + eps, rsqrt;
+  - rsqrt is libdevice's (`rsqrt.approx`, what CUDA's rsqrtf is), silu is x / (1 + exp(-x)) with
+    the accurate expf and an IEEE division, as torch's CUDA silu writes it;
+  - every product and sum is rounded on its own (launched with `enable_fp_fusion=False`);
+  - every cast to the model dtype rounds to nearest even, where torch rounds: the normalised value
+    before the weight, the weighted result, the silu and the product.
+The one difference left is the order of the fp32 sum of squares (a tree in registers here, torch's own
+reduction tree there): the statistic may differ in its last bit, which after the rsqrt and the rounding
+to bf16 moves a rare element by one bf16 ulp.
+
+Under Triton's interpreter (CPU tests) libdevice is absent: rsqrt is numpy's 1 / sqrt, exp numpy's, and
+a float32 -> bfloat16 cast truncates there, so `round_to` rounds bf16 by its bits instead (the same
+result as the GPU's cvt.rn). Batch-invariant (one program per token, or per block of elements for the
+elementwise activation), no host synchronisation, fixed shapes: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from tiermoe.kernels.triton.mhc import _exp
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+PRECISE = not _INTERPRET  # libdevice when compiled, tl.* under the interpreter
+MAX_DIM = 16384  # one row in registers: 16 warps hold 16384 fp32 values at 32 a lane
+
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr, PRECISE: tl.constexpr):
+    """fp32 x -> x rounded to nearest even in DTYPE, as a DTYPE tensor (what torch's `.to(dtype)` gives).
+
+    Compiled, a plain cast (cvt.rn). The interpreter truncates float32 -> bfloat16, so there the
+    rounding is done on the bits: add 0x7FFF plus the lowest kept bit, drop the low half (NaN kept)."""
+    if DTYPE == tl.float32:
+        y = x
+    elif PRECISE or DTYPE != tl.bfloat16:
+        y = x.to(DTYPE)
+    else:
+        u = x.to(tl.uint32, bitcast=True)
+        r = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        y = tl.where(x != x, x, r).to(DTYPE)
+    return y
+
+
+@triton.jit
+def rsqrt_f32(x, PRECISE: tl.constexpr):
+    """1 / sqrt(x): libdevice's rsqrtf compiled (what torch's CUDA rsqrt calls), numpy's 1 / sqrt interpreted."""
+    if PRECISE:
+        y = libdevice.rsqrt(x)
+    else:
+        y = tl.rsqrt(x)
+    return y
+
+
+@triton.jit
+def weighted_rms_norm_row(x, w, inv_d, eps, DTYPE: tl.constexpr, OUT: tl.constexpr, PRECISE: tl.constexpr):
+    """One row, x fp32 [BLOCK] (values of DTYPE, 0 in padded lanes), w fp32 [BLOCK] -> OUT [BLOCK]:
+    OUT(w * DTYPE(x * rsqrt(sum(x * x) * inv_d + eps))), rms_norm_ref's operations in its order."""
+    ms = tl.sum(x * x, axis=0) * inv_d
+    h = round_to(x * rsqrt_f32(ms + eps, PRECISE), DTYPE, PRECISE).to(tl.float32)
+    return round_to(w * h, OUT, PRECISE)
+
+
+@functools.lru_cache(maxsize=None)
+def inv_count(d: int) -> float:
+    """fp32(1 / d) as a Python float (exact as a kernel's fp32 argument): torch's CUDA mean factor."""
+    return (torch.ones((), dtype=torch.float32) / d).item()
+
+
+def row_warps(block: int) -> int:
+    """Warps for one row of `block` fp32 values in registers: about 16 values a lane, 1 to 16 warps."""
+    return max(1, min(16, block // 512))
+
+
+def check_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _TL_DTYPE:
+        raise ValueError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, inv_d, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                     PRECISE: tl.constexpr):
+    """One program per row: x [D] (row stride stride_x) -> out [D] (contiguous), see rms_norm_ref."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    ok = offs < D
+    x = tl.load(x_ptr + t * stride_x + offs, mask=ok, other=0.0).to(tl.float32)  # [BLOCK_D]
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    y = weighted_rms_norm_row(x, w, inv_d, eps, x_ptr.dtype.element_ty, out_ptr.dtype.element_ty, PRECISE)
+    tl.store(out_ptr + t * D + offs, y, mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D], weight [D] (on the device) -> weight * x.dtype(x / rms(x)) [..., D] in the promoted dtype of
+    weight and x, one launch (one program per row); twin: reference_norm.rms_norm_ref.
+
+    Rows may be strided (a column slice of a wider projection is read in place)."""
+    check_dtype("x", x)
+    check_dtype("weight", weight)
+    d = x.shape[-1]
+    if weight.shape != (d,):
+        raise ValueError(f"weight must be [{d}], got {tuple(weight.shape)}")
+    if not 1 <= d <= MAX_DIM:
+        raise ValueError(f"rows of {d} values: the kernel takes 1 to {MAX_DIM}")
+    rows = x.reshape(-1, d)  # [R, D], a view where the layout allows
+    if rows.shape[0] and rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)  # [R, D]
+    if rows.shape[0]:
+        block = triton.next_power_of_2(d)
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight.contiguous(), out, rows.stride(0), inv_count(d), float(eps),
+                                           D=d, BLOCK_D=block, PRECISE=PRECISE, num_warps=row_warps(block),
+                                           enable_fp_fusion=False)
+    return out.reshape(x.shape)
+
+
+@triton.jit
+def _clamped_swiglu_kernel(g_ptr, u_ptr, out_ptr, numel, limit, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+    """BLOCK elements a program: out = silu(min(g, limit)) * clamp(u, -limit, limit), see clamped_swiglu_ref."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    ok = offs < numel
+    dtype = g_ptr.dtype.element_ty
+    nan = tl.PropagateNan.ALL  # torch's clamp keeps a NaN
+    g = tl.minimum(tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32), limit, propagate_nan=nan)
+    silu = round_to(tl.div_rn(g, 1.0 + _exp(-g, PRECISE)), dtype, PRECISE).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit, propagate_nan=nan), limit, propagate_nan=nan)
+    tl.store(out_ptr + offs, round_to(silu * u, dtype, PRECISE), mask=ok)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """gate, up [..., I] of one dtype -> silu(min(gate, limit)) * clamp(up, -limit, limit) [..., I], one launch;
+    twin: reference_norm.clamped_swiglu_ref.
+
+    The limit is rounded to the inputs' dtype first, as torch's clamp rounds its scalar bounds."""
+    check_dtype("gate", gate)
+    if up.shape != gate.shape or up.dtype != gate.dtype:
+        raise ValueError(f"gate and up must match, got {gate.dtype} {tuple(gate.shape)} and {up.dtype} "
+                         f"{tuple(up.shape)}")
+    lim = torch.tensor(limit, dtype=torch.float32).to(gate.dtype).item()  # host scalar, no device sync
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    if gate.numel():
+        block = 1024
+        _clamped_swiglu_kernel[(triton.cdiv(gate.numel(), block),)](
+            gate, up, out, gate.numel(), float(lim), BLOCK=block, PRECISE=PRECISE, num_warps=4,
+            enable_fp_fusion=False)
+    return out
