@@ -27,7 +27,7 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(n)] for n in (3, 29, 17)]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "glm5_next"])  # glm5_next: MLA's static decode path
 def test_paged_decode_gives_the_sdpa_tokens_and_is_batch_invariant(arch, tiny_dir):
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     sdpa, paged = _engine(tiny_dir(arch)), _engine(tiny_dir(arch), decode_attention="paged")

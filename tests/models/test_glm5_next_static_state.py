@@ -197,7 +197,8 @@ def test_decode_graph_eligibility_follows_the_expert_backend(ckpt):
         assert em.decode_graph_unsupported() is None
     finally:
         del backend.graph_unsupported
-    assert "latent attention" in em.paged_decode_attention_unsupported()
+    assert em.paged_decode_attention_unsupported(4096) is None  # MLA attends through block tables
+    assert "--max-model-len 202752" in em.paged_decode_attention_unsupported(202752)
 
 
 # A last piece of <= mla.GATHER_MAX_TOKENS tokens attends in absorbed latent space, the uncut prompt
@@ -227,3 +228,53 @@ def test_prompt_cut_at_chunk_boundaries_keeps_tokens(ckpt, cuts):
         return tokens
 
     assert generate(cuts) == generate([])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_through_block_tables_matches_the_per_sequence_cores(ckpt, dtype):
+    """Decode steps that carry block tables (the runner's paged decode attention) take MLA's
+    static path (selection and attention batched over sequences, every table position pooled):
+    the same DSA selections, so the same tokens and logits to rounding, and nothing breaks the
+    graph recording (no eager core)."""
+    cores, tables = _Pair(ckpt, dtype), _Pair(ckpt, dtype)
+    prompts = _prompts()
+    first = {0: prompts[0], 1: prompts[1], 2: prompts[2]}
+    h, _ = cores.step(first)
+    tables.step(first)
+    rows = [len(prompts[0]) - 1, len(prompts[0]) + len(prompts[1]) - 1, h.shape[0] - 1]
+    nxt = _next_ids(cores, h[rows], [0, 1, 2])
+    for seqs in ([0, 1, 2], [2, 0], [1], [0, 1, 2], [2, 1, 0], [0, 2]):
+        want, _ = cores.step({i: nxt[i] for i in seqs})
+        fb = build_forward_batch(tables.chunks({i: nxt[i] for i in seqs}), PAGE, "cpu", table_blocks=PAGES_PER_SLOT)
+        rec = _RealBatchCores(fb)
+        graph_break.set_recorder(rec)
+        try:
+            got = tables.em(fb, tables.kv)
+        finally:
+            graph_break.set_recorder(None)
+        for i in seqs:
+            tables.lens[i] += 1
+        assert rec.breaks == 0
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol), seqs
+        assert _next_ids(tables, got, seqs) == _next_ids(cores, want, seqs)
+        nxt.update(_next_ids(cores, want, seqs))
+    for layer in tables.em.kda.kda_layers:  # the KDA path is the same either way
+        assert torch.allclose(tables.em.kda.ssm_rows[layer].float(), cores.em.kda.ssm_rows[layer].float(), atol=1e-4)
+
+
+def test_static_selection_equals_per_sequence_selection(ckpt):
+    """DSAIndexer.select_decode over a padded table gives each sequence `select`'s exact list, on
+    both sides of every pool edge and of the top-k cut (the tiny model: 4-token pools, top 8 tokens)."""
+    em = build_model(ckpt, device="cpu", dtype=torch.float32)
+    indexer = next(layer.self_attn.indexer for layer in em.model.layers if not layer.is_kda)
+    gen = torch.Generator().manual_seed(3)
+    lmax = 48
+    lens = torch.tensor([1, 3, 4, 5, 7, 8, 9, 12, 13, 17, 30, 47, 48])
+    b, nh, d = lens.shape[0], indexer.n_heads, indexer.head_dim
+    q, w = torch.randn(b, nh, d, generator=gen), torch.randn(b, nh, generator=gen)
+    rows = torch.randn(b, lmax, 2 * d, generator=gen)
+    got = indexer.select_decode(q, w, rows, lens)
+    for i, n in enumerate(lens.tolist()):
+        want = indexer.select(q[i:i + 1], w[i:i + 1], rows[i, :n], n - 1)
+        assert torch.equal(got[i:i + 1], want), n

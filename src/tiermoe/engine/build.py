@@ -76,9 +76,10 @@ def add_sizing_args(p, max_num_seqs: int = DEFAULTS.max_num_seqs) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="never replay decode steps from CUDA graphs (default: captured where the model allows)")
     p.add_argument("--decode-attention", choices=("auto", "sdpa", "paged"), default=DEFAULTS.decode_attention,
-                   help="attention of decode steps: paged (Triton kernel over block tables, static shapes: a whole "
-                        "decode step in one CUDA graph; grouped-query attention only), sdpa (torch, per sequence) "
-                        "or auto (default: paged on a CUDA device where the model allows, else sdpa)")
+                   help="attention of decode steps: paged (through block tables, static shapes: a whole decode step "
+                        "in one CUDA graph; a Triton kernel for grouped-query attention, batched torch ops for "
+                        "glm5_next's MLA up to a 65536-token --max-model-len; not deepseek_v3's MLA), sdpa (torch, "
+                        "per sequence) or auto (default: paged on a CUDA device where the model allows, else sdpa)")
     p.add_argument("--num-speculative-tokens", type=int, default=DEFAULTS.num_speculative_tokens, choices=(0, 1, 2),
                    help="MTP draft tokens verified per greedy decode step (0: off; models with an MTP head)")
 

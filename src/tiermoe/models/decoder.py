@@ -70,7 +70,7 @@ class CausalLM(ServingModel):
     def decode_graph_unsupported(self) -> str | None:
         return self.expert_backend.graph_unsupported()
 
-    def paged_decode_attention_unsupported(self) -> str | None:
+    def paged_decode_attention_unsupported(self, max_model_len: int) -> str | None:
         mods = list(self.modules())
         if any(isinstance(m, MLAttention) for m in mods) or not any(isinstance(m, GQAttention) for m in mods):
             return "only grouped-query attention has a paged decode kernel (this model uses latent attention)"

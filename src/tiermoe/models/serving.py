@@ -65,9 +65,10 @@ class ServingModel(nn.Module):
         a one-line reason. Device checks are the runner's."""
         raise NotImplementedError
 
-    def paged_decode_attention_unsupported(self) -> str | None:
-        """None when decode attention can read the context through block tables with the paged
-        decode kernel (grouped-query attention only), else a one-line reason."""
+    def paged_decode_attention_unsupported(self, max_model_len: int) -> str | None:
+        """None when pure decode steps may read the context through block tables of
+        ceil(max_model_len / page_size) entries (static shapes: the whole step in one CUDA graph),
+        else a one-line reason."""
         raise NotImplementedError
 
     def prepare_decode_step(self, batch: ForwardBatch) -> None:

@@ -15,13 +15,13 @@ Replays launch the same kernels on the same shapes as eager steps, so logits are
 to the eager engine (tests/runner/test_decode_graph.py on a GPU).
 
 With `--decode-attention paged` (ModelRunner.use_paged_decode_attention) a decode step reads
-its context through block tables of a fixed width with the paged decode kernel: no attention
-core breaks the capture and program(B) = [one graph]; the static batch's slot mapping, block
-table and lengths are refilled before each replay.
+its context through block tables of a fixed width (the paged decode kernel; glm5_next's MLA
+layers batched torch ops): no attention core breaks the capture and program(B) = [one graph];
+the static batch's slot mapping, block table and lengths are refilled before each replay.
 
 What may be captured: a model whose `decode_graph_unsupported()` is None (models/serving.py
 ServingModel; the decoder families' CausalLM and glm5_next, whose KDA state rows are read by
-slot-id tensors and whose MLA + DSA core is the break) when its expert backend says so
+slot-id tensors and whose MLA + DSA core is the break without block tables) when its expert backend says so
 (`ExpertBackend.graph_unsupported()` is None: the device-cache backend, exact or fast
 mode, with no host sync in the MoE layer; fast mode's CPU lane answers through a mapped-memory
 mailbox, moe/device_lane.py; the store backends' Python policy reads the picks back to the

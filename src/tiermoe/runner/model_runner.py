@@ -88,10 +88,11 @@ class ModelRunner:
         return why
 
     def use_paged_decode_attention(self, max_model_len: int) -> str | None:
-        """Attend pure decode steps with the paged decode kernel (kernels/triton/paged_attention.py):
+        """Attend pure decode steps through block tables (grouped-query attention: the paged decode
+        kernel, kernels/triton/paged_attention.py; glm5_next's MLA: batched static torch ops):
         static shapes, so a decode step needs no eager attention between graph pieces. Returns
-        None when switched on, else why the model cannot (only grouped-query attention can)."""
-        why = self.model.paged_decode_attention_unsupported()
+        None when switched on, else why the model cannot."""
+        why = self.model.paged_decode_attention_unsupported(max_model_len)
         if why is not None:
             return why
         if self.page_size < 16 or self.page_size & (self.page_size - 1):

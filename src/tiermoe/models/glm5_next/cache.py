@@ -283,6 +283,14 @@ class Glm5NextCache:
         """Per sequence: (first row in the flat tokens, tokens already held, new tokens)."""
         return [(batch.cu[b], batch.starts[b], batch.lens[b]) for b in range(len(batch.lens))]
 
+    @staticmethod
+    def decode_tables(layer: int, batch: SeqBatch) -> None:
+        """No block tables here: MLA layers take their per-sequence cores."""
+        return None
+
+    def decode_rows(self, name: str, layer: int, batch: SeqBatch, rows: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("the self-contained cache has no block tables (decode_tables is None)")
+
     def mla_rows(self, name: str, layer: int, batch: SeqBatch, b: int, rows: torch.Tensor) -> torch.Tensor:
         """Store rows [n, W] at the sequence's new positions; return all its rows [start+n, W]."""
         buf = self.rows[name, layer][batch.slots[b]]

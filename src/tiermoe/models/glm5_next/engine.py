@@ -86,6 +86,10 @@ def build_spec(hf_config, path: str) -> Glm5NextSpec:
     )
 
 
+# Longest context for which pure decode steps attend through block tables (paged_decode_attention_unsupported).
+STATIC_DECODE_MAX_LEN = 65536
+
+
 class _PagedRows:
     """MLA rows in the engine's paged KV cache, addressed through a ForwardBatch: the row store
     of the attention cores. It holds no per-step state, so a decode graph keeps the one it was
@@ -105,6 +109,24 @@ class _PagedRows:
         s = fb.seqs[b]
         flat[fb.slot_mapping[s.q_start:s.q_start + s.q_len]] = rows.to(flat.dtype)
         return flat[s.kv_index]
+
+    def decode_tables(self, layer: int, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A pure decode step that carries block tables (the runner's paged decode attention):
+        (seq_lens [B], the cache row of every table position [B, blocks * page_size], page 0's rows
+        past a sequence's length), built on the device from the step's static tensors, so the MLA
+        layers attend with shapes set by B alone and a decode graph needs no eager core. Else None."""
+        if fb.block_table is None:
+            return None
+        page = self.kv[layer]["latent"].shape[1]
+        offsets = torch.arange(page, device=fb.block_table.device)
+        return fb.seq_lens, (fb.block_table.long()[:, :, None] * page + offsets).flatten(1)
+
+    def decode_rows(self, name: str, layer: int, fb: ForwardBatch, rows: torch.Tensor) -> torch.Tensor:
+        """Store a decode step's rows [B, W] (one a sequence) and return the layer's flat cache [slots, W]."""
+        cache = self.kv[layer][name]
+        flat = cache.view(-1, cache.shape[-1])  # [pages * page_size, W]
+        flat[fb.slot_mapping] = rows.to(flat.dtype)
+        return flat
 
 
 class _PagedView:
@@ -167,8 +189,15 @@ class Glm5NextEngineModel(ServingModel):
         expert) has static shapes and no host sync."""
         return self.model.expert_backend.graph_unsupported()
 
-    def paged_decode_attention_unsupported(self) -> str | None:
-        return "only grouped-query attention has a paged decode kernel (glm5_next uses latent attention)"
+    def paged_decode_attention_unsupported(self, max_model_len: int) -> str | None:
+        """Block tables let the MLA layers attend a decode step with static shapes (no eager core
+        between graph pieces), but their DSA indexer then pools every table position each step:
+        work and workspace grow with max_model_len rather than with each sequence's length, so
+        past STATIC_DECODE_MAX_LEN the per-sequence cores are kept."""
+        if max_model_len > STATIC_DECODE_MAX_LEN:
+            return (f"--max-model-len {max_model_len} > {STATIC_DECODE_MAX_LEN}: the static MLA decode path would "
+                    "pool every table position each step; MLA layers keep their per-sequence cores")
+        return None
 
     @staticmethod
     def _seq_batch(batch: ForwardBatch, keep_states: list[bool] | None = None) -> SeqBatch:

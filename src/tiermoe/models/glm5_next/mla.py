@@ -18,10 +18,13 @@ A "shared" layer reuses the selection of the full layer just before it. The sele
 index list [S, index_topk + P - 1] padded with -1, exactly as transformers builds it; one
 forward's selections are rows of one [T, W] tensor (the layer hands it to the next).
 
-In a decode CUDA graph (runner/decode_graph.py) everything up to the per-sequence part is
-captured; that part (rows written, selection, attention: shapes that change every step) is the
-eager core between two graph pieces. The indexer's top-k sorts over the sequence's pools, whose
-count grows with its length, so it stays in the core too.
+A pure decode step that carries block tables (the runner's paged decode attention, on a CUDA
+device up to engine.STATIC_DECODE_MAX_LEN) runs the whole layer with static shapes: rows stored
+at the step's slot mapping, every table position's indexer rows pooled and scored (pools not yet
+complete masked, a stable sort puts them after every real candidate: `DSAIndexer.select_decode`
+gives each sequence `select`'s exact list) and the absorbed attention batched over sequences, so
+a decode CUDA graph captures the step whole. Other steps run the per-sequence core (rows written,
+selection, attention: shapes that change every step), the eager part between two graph pieces.
 """
 
 from __future__ import annotations
@@ -86,16 +89,26 @@ class MLAttention(nn.Module):
         q = self.q_b_proj(q_resid).view(t, self.num_heads, self.dk)
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)[:, : self.r])  # [T, r]
         step, rows = cache.attention_step(batch)
+        tables = rows.decode_tables(self.layer_idx, step)  # a decode step through block tables: no break
         if self.indexer is not None:
             index_rows = self.indexer.token_rows(x)  # [T, 2d]
             iq, iw = self.indexer.queries(x, q_resid)  # [T, nh, d], [T, nh]
-            sel = torch.empty(t, self.indexer.width, dtype=torch.long, device=x.device)  # the core fills it
-            out = graph_break(self._core_indexed, (q, latent, index_rows, iq, iw, sel), step, rows)
+            if tables is not None:
+                lat_flat = rows.decode_rows("latent", self.layer_idx, step, latent)  # [slots, r]
+                idx_flat = rows.decode_rows("index", self.layer_idx, step, index_rows)  # [slots, 2d]
+                sel = self.indexer.select_decode(iq, iw, idx_flat[tables[1]], tables[0])  # [B, W]
+                out = self._attend_decode(q, lat_flat, sel, tables)
+            else:
+                sel = torch.empty(t, self.indexer.width, dtype=torch.long, device=x.device)  # the core fills it
+                out = graph_break(self._core_indexed, (q, latent, index_rows, iq, iw, sel), step, rows)
         elif prev_sel is None:
             raise RuntimeError(f"layer {self.layer_idx}: shared DSA layer without a previous selection")
         else:
             sel = prev_sel
-            out = graph_break(self._core_shared, (q, latent, sel), step, rows)
+            if tables is not None:
+                out = self._attend_decode(q, rows.decode_rows("latent", self.layer_idx, step, latent), sel, tables)
+            else:
+                out = graph_break(self._core_shared, (q, latent, sel), step, rows)
         y = self.o_proj(out.reshape(t, -1))  # out [T, H, dv]
         return y, (sel if self.hands_on else None)
 
@@ -140,14 +153,27 @@ class MLAttention(nn.Module):
         )  # [1, H, S, dv]
         return o[0].transpose(0, 1)
 
+    def _attend_decode(self, q: torch.Tensor, lat_flat: torch.Tensor, sel: torch.Tensor,
+                       tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """A decode step through block tables: q [B, H, dk] (one token a sequence), lat_flat [slots, r]
+        (the layer's whole row cache), sel [B, W], tables (seq_lens [B], each position's row [B, Lmax])
+        -> [B, H, dv]. The rows and mask `_attend_gather` gives each sequence, for all at once."""
+        seq_lens, slots = tables
+        ok = (sel >= 0) & (sel < seq_lens[:, None].long())  # [B, W]
+        return self._absorbed(q, lat_flat[slots.gather(1, sel.clamp(min=0))], ok)  # rows [B, W, r]
+
     def _attend_gather(self, q: torch.Tensor, lat: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
-        """Absorbed MLA over the selected latent rows only: q is mapped into latent space through
-        kv_b_proj's key half and the latent-weighted sum through its value half."""
+        """Absorbed MLA over the selected latent rows only of one sequence's lat [L, r]."""
+        ok = (sel >= 0) & (sel < lat.shape[0])  # [S, W]
+        return self._absorbed(q, lat[sel.clamp(0, lat.shape[0] - 1)], ok)  # rows [S, W, r]
+
+    def _absorbed(self, q: torch.Tensor, rows: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+        """q [S, H, dk], rows [S, W, r] (each query's selected latent rows), ok [S, W] -> [S, H, dv]:
+        q is mapped into latent space through kv_b_proj's key half and the latent-weighted sum
+        through its value half."""
         h = self.num_heads
         wkv = self.kv_b_proj.weight.view(h, self.dk + self.dv, self.r)
         w_uk, w_uv = wkv[:, : self.dk], wkv[:, self.dk:]  # [H, dk, r], [H, dv, r]
-        ok = (sel >= 0) & (sel < lat.shape[0])  # [S, W]
-        rows = lat[sel.clamp(0, lat.shape[0] - 1)]  # [S, W, r]
         q_lat = torch.einsum("shd,hdr->shr", q, w_uk)
         scores = torch.einsum("shr,swr->shw", q_lat, rows).float() * self.scaling
         scores = scores.masked_fill(~ok[:, None, :], float("-inf"))
