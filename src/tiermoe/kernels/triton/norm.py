@@ -47,16 +47,17 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 def round_to(x, DTYPE: tl.constexpr, PRECISE: tl.constexpr):
     """fp32 x -> x rounded to nearest even in DTYPE, as a DTYPE tensor (what torch's `.to(dtype)` gives).
 
-    Compiled, a plain cast (cvt.rn). The interpreter truncates float32 -> bfloat16, so there the
-    rounding is done on the bits: add 0x7FFF plus the lowest kept bit, drop the low half (NaN kept)."""
+    Compiled, a plain cast (cvt.rn). The interpreter truncates float32 -> bfloat16 (and loses
+    subnormals), so there the rounding is done on the bits: add 0x7FFF plus the lowest kept bit, keep
+    the high half (a NaN keeps its high half, made quiet)."""
     if DTYPE == tl.float32:
         y = x
     elif PRECISE or DTYPE != tl.bfloat16:
         y = x.to(DTYPE)
     else:
         u = x.to(tl.uint32, bitcast=True)
-        r = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-        y = tl.where(x != x, x, r).to(DTYPE)
+        hi = tl.where(x != x, (u >> 16) | 0x40, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+        y = hi.to(tl.uint16).to(DTYPE, bitcast=True)
     return y
 
 
@@ -138,11 +139,12 @@ def _clamped_swiglu_kernel(g_ptr, u_ptr, out_ptr, numel, limit, BLOCK: tl.conste
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     ok = offs < numel
     dtype = g_ptr.dtype.element_ty
-    nan = tl.PropagateNan.ALL  # torch's clamp keeps a NaN
-    g = tl.minimum(tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32), limit, propagate_nan=nan)
+    g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)  # torch's clamp keeps a NaN
     silu = round_to(tl.div_rn(g, 1.0 + _exp(-g, PRECISE)), dtype, PRECISE).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    u = tl.minimum(tl.maximum(u, -limit, propagate_nan=nan), limit, propagate_nan=nan)
+    u = tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL)
+    u = tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL)
     tl.store(out_ptr + offs, round_to(silu * u, dtype, PRECISE), mask=ok)
 
 
