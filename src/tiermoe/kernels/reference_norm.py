@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D], weight [D] -> weight * bf16-or-x.dtype(x / rms(x)) [..., D].
+    """x [..., D], weight [D] -> weight * (x / rms(x)) [..., D].
 
     fp32 statistics, the normalised value cast back to x's dtype, then the weight multiply in the
     promoted dtype of (weight, x) (bf16 * bf16 at bf16: one rounding of an exact product)."""

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from tiermoe.kernels.triton.mhc import MAX_STREAMS
-from tiermoe.kernels.triton.norm import (PRECISE, MAX_DIM, check_dtype, inv_count, round_to, row_warps, rsqrt_f32,
+from tiermoe.kernels.triton.norm import (MAX_DIM, PRECISE, check_dtype, inv_count, round_to, row_warps, rsqrt_f32,
                                          weighted_rms_norm_row)
 
 FLAT_BLOCK = 4096  # values of a token's flattened streams per step of the flat norm's two passes

@@ -133,6 +133,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
+@functools.lru_cache(maxsize=None)
+def _bound(limit: float, dtype: torch.dtype) -> float:
+    """limit rounded to dtype, as torch's CPU clamp converts a scalar bound (on the host: no device sync)."""
+    return torch.tensor(limit, dtype=torch.float32).to(dtype).item()
+
+
 @triton.jit
 def _clamped_swiglu_kernel(g_ptr, u_ptr, out_ptr, numel, limit, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
     """BLOCK elements a program: out = silu(min(g, limit)) * clamp(u, -limit, limit), see clamped_swiglu_ref."""
@@ -152,17 +158,17 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     """gate, up [..., I] of one dtype -> silu(min(gate, limit)) * clamp(up, -limit, limit) [..., I], one launch;
     twin: reference_norm.clamped_swiglu_ref.
 
-    The limit is rounded to the inputs' dtype first, as torch's clamp rounds its scalar bounds."""
+    The limit is rounded to the inputs' dtype first, as torch's CPU clamp rounds its scalar bounds (its
+    CUDA clamp compares in fp32 and rounds the result: for inputs of that dtype both give the same values)."""
     check_dtype("gate", gate)
     if up.shape != gate.shape or up.dtype != gate.dtype:
         raise ValueError(f"gate and up must match, got {gate.dtype} {tuple(gate.shape)} and {up.dtype} "
                          f"{tuple(up.shape)}")
-    lim = torch.tensor(limit, dtype=torch.float32).to(gate.dtype).item()  # host scalar, no device sync
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
     if gate.numel():
         block = 1024
         _clamped_swiglu_kernel[(triton.cdiv(gate.numel(), block),)](
-            gate, up, out, gate.numel(), float(lim), BLOCK=block, PRECISE=PRECISE, num_warps=4,
+            gate, up, out, gate.numel(), _bound(float(limit), gate.dtype), BLOCK=block, PRECISE=PRECISE, num_warps=4,
             enable_fp_fusion=False)
     return out

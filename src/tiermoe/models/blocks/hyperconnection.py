@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tiermoe.kernels.reference_mhc import hc_collapse_norm_ref, hc_flat_norm_ref, hc_post_ref, mhc_mix_ref
 
 
-def fused(*tensors: torch.Tensor) -> bool:
+def _fused(*tensors: torch.Tensor) -> bool:
     """Whether the Triton kernels serve these inputs: on a CUDA device, with no gradient to carry (the
     kernels define no backward, so anything that trains through here takes the twins)."""
     return tensors[0].is_cuda and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
@@ -52,7 +52,7 @@ class HyperConnection(nn.Module):
 
     def coefficients(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, N, D] -> (pre [T, N], post [T, N], comb [T, N, N]), all fp32."""
-        if fused(streams):
+        if _fused(streams):
             from tiermoe.kernels.triton.mhc_fused import hc_flat_norm
         else:
             hc_flat_norm = hc_flat_norm_ref
@@ -71,7 +71,7 @@ class HyperConnection(nn.Module):
         """streams [T, N, D], the sub-block's input RMSNorm (weight [D], eps) -> (post [T, N] fp32,
         comb [T, N, N] fp32, normed [T, D]): the collapsed streams, already normalised, in one launch on CUDA."""
         pre, post, comb = self.coefficients(streams)
-        if fused(streams, pre, norm_weight):
+        if _fused(streams, pre, norm_weight):
             from tiermoe.kernels.triton.mhc_fused import hc_collapse_norm
         else:
             hc_collapse_norm = hc_collapse_norm_ref
@@ -80,7 +80,7 @@ class HyperConnection(nn.Module):
     @staticmethod
     def post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """out [T, D], residual [T, N, D] -> new streams [T, N, D] (the kernel needs out in the residual's dtype)."""
-        if fused(out, residual, post, comb) and out.dtype == residual.dtype:
+        if _fused(out, residual, post, comb) and out.dtype == residual.dtype:
             from tiermoe.kernels.triton.mhc_fused import hc_post
         else:
             hc_post = hc_post_ref
