@@ -215,7 +215,25 @@ class KDAStates:
         self.hist.pop(slot, None)
 
 
-class Glm5NextCache:
+class SequenceRows:
+    """The row-store side of a cache whose MLA rows are kept per sequence (no block tables): the
+    MLA layers always take their per-sequence cores (mla.py; the engine's paged store is
+    engine._PagedRows)."""
+
+    @staticmethod
+    def segments(batch: SeqBatch) -> list[tuple[int, int, int]]:
+        """Per sequence: (first row in the flat tokens, tokens already held, new tokens)."""
+        return [(batch.cu[b], batch.starts[b], batch.lens[b]) for b in range(len(batch.lens))]
+
+    @staticmethod
+    def decode_tables(layer: int, batch: SeqBatch) -> None:
+        return None
+
+    def decode_rows(self, name: str, layer: int, batch: SeqBatch, rows: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a per-sequence row store has no block tables (decode_tables is None)")
+
+
+class Glm5NextCache(SequenceRows):
     """Self-contained state for `num_slots` sequences of up to `max_len` tokens.
 
     MLA rows are stored contiguously per slot ([num_slots, max_len, W] per layer and kind);
@@ -277,19 +295,6 @@ class Glm5NextCache:
     def attention_step(self, batch: SeqBatch) -> tuple[SeqBatch, "Glm5NextCache"]:
         """What an MLA attention core reads: the batch itself, and this cache as its row store."""
         return batch, self
-
-    @staticmethod
-    def segments(batch: SeqBatch) -> list[tuple[int, int, int]]:
-        """Per sequence: (first row in the flat tokens, tokens already held, new tokens)."""
-        return [(batch.cu[b], batch.starts[b], batch.lens[b]) for b in range(len(batch.lens))]
-
-    @staticmethod
-    def decode_tables(layer: int, batch: SeqBatch) -> None:
-        """No block tables here: MLA layers take their per-sequence cores."""
-        return None
-
-    def decode_rows(self, name: str, layer: int, batch: SeqBatch, rows: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("the self-contained cache has no block tables (decode_tables is None)")
 
     def mla_rows(self, name: str, layer: int, batch: SeqBatch, b: int, rows: torch.Tensor) -> torch.Tensor:
         """Store rows [n, W] at the sequence's new positions; return all its rows [start+n, W]."""

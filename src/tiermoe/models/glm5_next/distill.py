@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from tiermoe.errors import UserError
 
-from .cache import SeqBatch
+from .cache import SeqBatch, SequenceRows
 from .loader import layer_key_candidates, load_model
 from .model import Glm5NextModel
 from .speculative import greedy_generate
@@ -47,7 +47,7 @@ class DistillReport:
         return asdict(self)
 
 
-class _TrainRows:
+class _TrainRows(SequenceRows):
     """Cache stand-in for whole fresh sequences: the rows of a sequence are exactly the rows of
     this forward (start 0), returned as they are so gradients flow through attention."""
 
@@ -55,10 +55,6 @@ class _TrainRows:
 
     def attention_step(self, batch: SeqBatch) -> tuple[SeqBatch, "_TrainRows"]:
         return batch, self
-
-    @staticmethod
-    def segments(batch: SeqBatch) -> list[tuple[int, int, int]]:
-        return [(batch.cu[b], batch.starts[b], batch.lens[b]) for b in range(len(batch.lens))]
 
     def mla_rows(self, name: str, layer: int, batch: SeqBatch, b: int, rows: torch.Tensor) -> torch.Tensor:
         if batch.starts[b] != 0:
