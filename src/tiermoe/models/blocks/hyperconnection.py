@@ -49,6 +49,19 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.empty((2 + n) * n, n * hidden))
         self.base = nn.Parameter(torch.empty((2 + n) * n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
+        self._fn32: tuple[tuple, torch.Tensor] | None = None  # (fn's identity, fn in fp32)
+
+    def _fn_fp32(self) -> torch.Tensor:
+        """fn [(2+N)*N, N*D] in fp32 for the mixing projection. In a bf16 model the exact cast is kept
+        between calls while fn is unchanged (same storage, same version): recast, it would be one more
+        launch and a 3 MB write in each of glm5_next's 90 sub-blocks a token."""
+        fn = self.fn
+        if fn.dtype == torch.float32 or (torch.is_grad_enabled() and fn.requires_grad):
+            return fn.float()
+        key = (fn.device, fn.data_ptr(), fn._version)
+        if self._fn32 is None or self._fn32[0] != key:
+            self._fn32 = (key, fn.detach().float())
+        return self._fn32[1]
 
     def coefficients(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, N, D] -> (pre [T, N], post [T, N], comb [T, N, N]), all fp32."""
@@ -57,7 +70,7 @@ class HyperConnection(nn.Module):
         else:
             hc_flat_norm = hc_flat_norm_ref
         flat = hc_flat_norm(streams, self.norm_eps)  # [T, N*D] fp32
-        mix = F.linear(flat, self.fn.float())  # [T, (2+N)*N]
+        mix = F.linear(flat, self._fn_fp32())  # [T, (2+N)*N]
         # on CUDA one fused launch instead of ~130 tiny ones; the kernel carries no gradient, so
         # anything that trains through here (mix needs a gradient) takes the twin
         if mix.is_cuda and not mix.requires_grad:
