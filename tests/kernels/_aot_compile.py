@@ -6,7 +6,9 @@ process has the interpreter on.
 
 1. Record: `JITFunction.run` is replaced by a recorder, then the package's own wrappers
    (fused_moe, paged_decode_attention, ExpertCache.step, gather_records, ResidencyMailbox.ensure,
-   Mailbox.post and wait_add, mhc_mix) are called on small CPU tensors. Each launch is kept (kernel, arguments,
+   Mailbox.post and wait_add, mhc_mix, kda_conv_step and kda_recurrent_step, hc_flat_norm, hc_collapse_norm,
+   hc_post, rms_norm, clamped_swiglu, sigmoid_topk_route) are called on small CPU
+   tensors. Each launch is kept (kernel, arguments,
    constexprs, num_warps/num_stages) instead of run, so the argument types and launch
    configurations are exactly what those wrappers pass on a GPU without a tuned entry in
    configs.json; the entries tuned for a device are recorded for that device's target only.
@@ -43,9 +45,13 @@ from triton.runtime.jit import JITFunction
 from tiermoe.kernels.layout import expert_layout
 from tiermoe.kernels.triton import fused_moe as fm
 from tiermoe.kernels.triton.cache_manager import ExpertCache, gather_records
+from tiermoe.kernels.triton.kda_decode import kda_conv_step, kda_recurrent_step
 from tiermoe.kernels.triton.mailbox import Mailbox
 from tiermoe.kernels.triton.mhc import mhc_mix
+from tiermoe.kernels.triton.mhc_fused import hc_collapse_norm, hc_flat_norm, hc_post
+from tiermoe.kernels.triton.norm import clamped_swiglu, rms_norm
 from tiermoe.kernels.triton.residency import ResidencyMailbox
+from tiermoe.kernels.triton.router import sigmoid_topk_route
 from tiermoe.kernels.triton.paged_attention import paged_decode_attention
 
 # compute capability of each target; sm_86 / sm_89: RTX 3090 / 4090, sm_90: H100 / H200
@@ -284,6 +290,60 @@ def mhc(rec: Recorder) -> None:
             mhc_mix(torch.zeros(1, width), torch.zeros(width), torch.ones(3), n, 20, 1e-6)
 
 
+def kda_decode(rec: Recorder) -> None:
+    """The KDA decode step at glm5_next's size (3C = 24576 channels, K = 4; 64 heads of 128, bf16), both forget
+    gate forms, and a padded head dim (24); the batch sets only the grid, so one token stands for every step."""
+    for h, d in ((64, 128), (2, 24)):
+        c = h * d
+        ids = torch.zeros(1, dtype=torch.long)
+        with rec.tagged(f"kda conv C{c}"):
+            kda_conv_step(torch.zeros(1, 3 * c, dtype=torch.bfloat16), torch.zeros(1, 3 * c, 3, dtype=torch.bfloat16),
+                          ids, torch.zeros(3 * c, 1, 4))
+        q = torch.zeros(1, h, d, dtype=torch.bfloat16)
+        for lower_bound in (-5.0, None):
+            with rec.tagged(f"kda recurrent H{h} d{d} lower_bound {lower_bound}"):
+                kda_recurrent_step(q, q, q, q.view(1, c), torch.zeros(c), torch.zeros(h), lower_bound,
+                                   torch.zeros(1, h, dtype=torch.bfloat16), q.view(1, c), torch.zeros(1, h, d, d), ids,
+                                   torch.ones(d, dtype=torch.bfloat16), 1e-5)
+
+
+def mhc_fused(rec: Recorder) -> None:
+    """The fused mHC kernels around each sub-block (flat norm, collapse + RMSNorm, spread + mix) and glm5_next's
+    RMSNorm and clamped SwiGLU (accurate exp, IEEE division, libdevice rsqrt: what a CUDA device compiles), in
+    bf16 and fp32, at glm5_next's full width (4 streams of 4096) and a padded one (3 streams of 80); RMSNorm
+    also on the strided 512-wide latent slice of kv_a_layernorm, 1536-wide q_a rows and with an fp32 weight.
+    The token count sets only the grid, so two tokens stand for every step."""
+    for dtype in (torch.bfloat16, torch.float32):
+        for n, d in ((4, 4096), (3, 80)):
+            streams = torch.zeros(2, n, d, dtype=dtype)  # [T, N, D]
+            pre, post, comb = torch.ones(2, n), torch.ones(2, n), torch.ones(2, n, n)
+            weight = torch.ones(d, dtype=dtype)
+            with rec.tagged(f"mhc_fused {dtype} N{n} D{d}"):
+                hc_flat_norm(streams, 1e-6)
+                hc_collapse_norm(streams, pre, weight, 1e-6)
+                hc_post(streams[:, 0].contiguous(), streams, post, comb)
+                rms_norm(streams[:, 0].contiguous(), weight, 1e-6)
+                clamped_swiglu(streams[:, 0].contiguous(), streams[:, 1].contiguous(), 10.0)
+    with rec.tagged("rms_norm bf16 strided 512, 1536, fp32 weight"):
+        latent = torch.zeros(2, 512 + 64, dtype=torch.bfloat16)
+        rms_norm(latent[:, :512], torch.ones(512, dtype=torch.bfloat16), 1e-6)
+        rms_norm(torch.zeros(2, 1536, dtype=torch.bfloat16), torch.ones(1536, dtype=torch.bfloat16), 1e-6)
+        rms_norm(torch.zeros(2, 4096, dtype=torch.bfloat16), torch.ones(4096), 1e-6)
+
+
+def router(rec: Recorder) -> None:
+    """The sigmoid noaux_tc routing (accurate exp, IEEE division: what a CUDA device compiles): glm5_next's 288
+    experts top-8 in one group, a DeepSeek-V3 layer (256 experts, 8 groups keeping 4) and a small grouped one
+    (64 experts, 8 groups keeping 4, top-6), with and without renormalisation, and with replayed ids; the token
+    count sets only the grid, so one token stands for every step."""
+    for e, k, groups, keep in ((288, 8, 1, 1), (256, 8, 8, 4), (64, 6, 8, 4)):
+        with rec.tagged(f"router E{e} top{k} G{groups}/{keep}"):
+            logits, bias = torch.zeros(1, e), torch.zeros(e)
+            for norm in (True, False):
+                sigmoid_topk_route(logits, bias, k, groups, keep, norm, 2.5)
+            sigmoid_topk_route(logits, bias, k, groups, keep, True, 2.5, torch.zeros(1, k, dtype=torch.long))
+
+
 SCENARIOS = (
     fused_moe_defaults,
     fused_moe_k_tiles_spanning_groups,
@@ -294,6 +354,9 @@ SCENARIOS = (
     mailbox,
     residency,
     mhc,
+    mhc_fused,
+    router,
+    kda_decode,
 )
 
 

@@ -68,7 +68,7 @@ def _sigmoid(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _key(v, idx):
+def _order_key(v, idx):
     """fp32 v, int32 idx (same shape) -> int64 keys ordered by v, then by lower idx: sorting integers instead of
     (value, index) pairs makes a top-k step one max reduction. Negative floats get their magnitude bits
     flipped so that signed integer order is float order; NaN maps to the largest value, -0 to +0."""
@@ -80,14 +80,14 @@ def _key(v, idx):
 
 
 @triton.jit
-def _key_value(key):
-    """The fp32 value of a key (the inverse of _key's high half; exact)."""
+def _order_key_value(key):
+    """The fp32 value of a key (the inverse of _order_key's high half; exact)."""
     o = (key >> 32).to(tl.int32)
     return (o ^ ((o >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _key_index(key):
+def _order_key_index(key):
     """The index of a key (its low half)."""
     return 0x7FFFFFFF - (key & 0xFFFFFFFF).to(tl.int32)
 
@@ -109,25 +109,25 @@ def _route_kernel(logits_ptr, bias_ptr, replay_ptr, ids_ptr, w_ptr, scale,
     x = tl.load(row + eid, mask=ok, other=0.0)  # [BG, BGS]
     bias = tl.load(bias_ptr + eid, mask=ok, other=0.0).to(tl.float32)
     choice = _sigmoid(x, PRECISE) + bias  # [BG, BGS]
-    key = tl.where(ok, _key(choice, eid), NONE_KEY)  # [BG, BGS]
+    key = tl.where(ok, _order_key(choice, eid), NONE_KEY)  # [BG, BGS]
 
     if G > 1:  # group pre-selection: a group's score is the sum of its two best
         k1 = tl.max(key, axis=1)  # [BG]
         k2 = tl.max(tl.where(key == k1[:, None], NONE_KEY, key), axis=1)  # [BG] (GS >= 2)
-        gkey = tl.where(g < G, _key(_key_value(k1) + _key_value(k2), g), NONE_KEY)  # [BG]
+        gkey = tl.where(g < G, _order_key(_order_key_value(k1) + _order_key_value(k2), g), NONE_KEY)  # [BG]
         keep = g < 0  # [BG] no group yet
         for _ in tl.static_range(TOPK_GROUP):
             best = tl.max(gkey, axis=0)
             keep = keep | (gkey == best)
             gkey = tl.where(gkey == best, NONE_KEY, gkey)
         dropped = ok & ~keep[:, None]  # [BG, BGS]
-        key = tl.where(dropped, _key(tl.full(choice.shape, float("-inf"), tl.float32), eid), key)
+        key = tl.where(dropped, _order_key(tl.full(choice.shape, float("-inf"), tl.float32), eid), key)
 
     kr = tl.arange(0, BK)  # [BK] pick slots
     ids = tl.zeros([BK], dtype=tl.int32)  # [BK]
     for i in tl.static_range(K):  # top-k: the largest key, K times
         best = tl.max(tl.max(key, axis=1), axis=0)
-        ids = tl.where(kr == i, _key_index(best), ids)
+        ids = tl.where(kr == i, _order_key_index(best), ids)
         key = tl.where(key == best, NONE_KEY, key)
     if REPLAY:
         rep = tl.load(replay_ptr + t * K + kr, mask=kr < K, other=0)  # [BK]

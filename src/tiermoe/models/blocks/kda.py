@@ -8,9 +8,14 @@ Both live in a state store of static per-slot rows (`KDAStateStore`; glm5_next's
 
 Prefill (several new tokens) uses the chunked (WY) form with 64-token chunks; single-token
 decode uses the recurrent form, batched over all decoding sequences: their rows of the store's
-[num_slots, ...] tensors are gathered and scattered back by the batch's device tensor of slot
-ids, so a pure decode step has no per-sequence Python, no host sync and fixed addresses (a CUDA
-graph records it once and replays it for any slots). Speculative verification
+[num_slots, ...] tensors are addressed by the batch's device tensor of slot ids, so a pure decode
+step has no per-sequence Python, no host sync and fixed addresses (a CUDA graph records it once
+and replays it for any slots). A pure decode step (every sequence one token, none `keep`) runs
+everything between the projections and o_proj as two Triton launches on CUDA
+(kernels/triton/kda_decode.py: conv window step; delta-rule step on the state rows in place plus
+the output norm and gate), elsewhere or wherever a gradient is needed as their plain-torch twins
+(kernels/reference_kda.py, which also holds the delta rule, forget gate and output norm this
+module uses); the decode tokens of a mixed batch gather and scatter their rows. Speculative verification
 (`batch.keep[b]`) runs the recurrent form and records the state after every token, so the
 store can roll back to any accepted prefix. Math and dtype handling follow transformers'
 reference (`chunk_kimi_delta_attention` / `recurrent_kimi_delta_attention`).
@@ -26,6 +31,16 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from tiermoe.kernels.reference_kda import (
+    kda_conv_step_ref,
+    kda_decode_core_ref,
+    kda_forget_gate_ref,
+    kda_output_ref,
+    kda_recurrent,
+    kda_recurrent_step_ref,
+    l2norm,
+)
 
 
 class KDABatch(Protocol):
@@ -62,35 +77,6 @@ class KDAStateStore(Protocol):
 
 
 KDA_CHUNK = 64  # tokens per block of the chunked (WY) prefill form, as in the reference
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps), the FLA convention (not F.normalize's clamp)."""
-    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def kda_recurrent(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor, keep_states: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Step-by-step delta rule. q,k,g [B,S,H,dk], v [B,S,H,dv], beta [B,S,H], state [B,H,dk,dv].
-
-    Returns (out [B,S,H,dv] fp32, final state, per-step states [S+1,B,H,dk,dv] or None)."""
-    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
-    q = l2norm(q) * (q.shape[-1] ** -0.5)
-    k = l2norm(k)
-    s = state.float()
-    out = torch.zeros(*v.shape, dtype=torch.float32, device=v.device)
-    hist = [s] if keep_states else None
-    for i in range(q.shape[1]):
-        s = s * g[:, i].exp()[..., None]
-        kv_mem = (s * k[:, i, ..., None]).sum(dim=-2)  # [B,H,dv]
-        delta = (v[:, i] - kv_mem) * beta[:, i, :, None]
-        s = s + k[:, i].unsqueeze(-1) * delta.unsqueeze(-2)
-        out[:, i] = (s * q[:, i].unsqueeze(-1)).sum(dim=-2)
-        if hist is not None:
-            hist.append(s)
-    return out, s, (torch.stack(hist) if hist is not None else None)
 
 
 def kda_chunked(
@@ -164,12 +150,8 @@ class ForgetGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> g [T, H, dk] fp32 (log decay, <= 0)."""
-        t = x.shape[0]
-        g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(t, -1, self.head_dim)
-        a = torch.exp(self.A_log.float()).view(1, -1, 1)
-        if self.lower_bound is not None:
-            return self.lower_bound * torch.sigmoid(a * g)
-        return -a * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+        return kda_forget_gate_ref(self.f_b_proj(self.f_a_proj(x)), self.dt_bias, self.A_log, self.lower_bound,
+                                   self.head_dim)
 
 
 class KDAttention(nn.Module):
@@ -213,23 +195,25 @@ class KDAttention(nn.Module):
         rows = torch.tensor([batch.cu[b] for b in decode], dtype=torch.long, device=device)
         return decode, rows, batch.slot_ids.index_select(0, torch.tensor(decode, dtype=torch.long, device=device))
 
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether a pure decode step takes the Triton kernels (kernels/triton/kda_decode.py): on CUDA when
+        nothing needs a gradient (the kernels carry none); elsewhere the twins, the same torch code as
+        before the kernels (kernels/reference_kda.py)."""
+        return x.is_cuda and not (torch.is_grad_enabled()
+                                  and (x.requires_grad or any(p.requires_grad for p in self.parameters())))
+
     def _conv(self, qkv: torch.Tensor, batch: KDABatch, states: KDAStateStore) -> torch.Tensor:
-        """Causal depthwise conv + SiLU over each sequence, continuing its cached window."""
+        """Causal depthwise conv + SiLU over each sequence, continuing its cached window (batches other
+        than a pure decode step, which `_decode_step` takes whole)."""
         w = self.conv1d.weight  # [3C, 1, K] fp32
         out = torch.empty_like(qkv)  # [T, 3C]
         layer = self.layer_idx
         decode, rows, ids = self._decoding(batch, qkv.device)
-        if decode:
-            cached = states.conv_rows[layer]  # [num_slots, 3C, K-1]
-            past = cached.index_select(0, ids)  # [B, 3C, K-1]
-            new = qkv if rows is None else qkv[rows]  # [B, 3C]
-            win = torch.cat([past, new.unsqueeze(-1)], dim=-1)  # [B, 3C, K]
-            y = F.silu(F.conv1d(win.to(w.dtype), w, groups=w.shape[0]))[..., 0].to(qkv.dtype)  # [B, 3C]
+        if decode:  # the single-token sequences: one window step for all of them
+            y = kda_conv_step_ref(qkv if rows is None else qkv[rows], states.conv_rows[layer], ids, w)
             if rows is None:
-                out.copy_(y)
-            else:
-                out[rows] = y
-            cached.index_copy_(0, ids, win[..., 1:])
+                return y
+            out[rows] = y
         for b, n in enumerate(batch.lens):
             if n == 1 and not batch.keep[b]:
                 continue
@@ -240,10 +224,35 @@ class KDAttention(nn.Module):
             states.set_conv(layer, batch, b, win)
         return out
 
+    def _decode_step(self, x: torch.Tensor, ids: torch.Tensor, states: KDAStateStore) -> torch.Tensor:
+        """A pure decode step (every sequence one token, none `keep`, rows in batch order): x [B, hidden]
+        -> [B, hidden]. On CUDA without gradients two Triton launches do everything between the
+        projections and o_proj, reading and writing the state rows in place; elsewhere their twins, the
+        torch operations this step ran before the kernels existed, in the same order (bit-identical)."""
+        bsz = x.shape[0]
+        h, d, layer = self.num_heads, self.head_dim, self.layer_idx
+        if self._fused(x):
+            from tiermoe.kernels.triton.kda_decode import kda_conv_step as conv_step
+            from tiermoe.kernels.triton.kda_decode import kda_recurrent_step as recurrent_step
+        else:
+            conv_step, recurrent_step = kda_conv_step_ref, kda_recurrent_step_ref
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, 3C]
+        qkv = conv_step(qkv, states.conv_rows[layer], ids, self.conv1d.weight)
+        q, k, v = (z.reshape(bsz, h, d) for z in qkv.split(self.qkv_dim, dim=-1))
+        fg = self.forget_gate
+        y = recurrent_step(
+            q, k, v, fg.f_b_proj(fg.f_a_proj(x)), fg.dt_bias, fg.A_log, fg.lower_bound, self.b_proj(x),
+            self.g_b_proj(self.g_a_proj(x)), states.ssm_rows[layer], ids, self.o_norm.weight, self.eps,
+        )  # [B, H*dv]
+        return self.o_proj(y)
+
     def forward(self, x: torch.Tensor, batch: KDABatch, states: KDAStateStore) -> torch.Tensor:
         """x [T, hidden] (flat tokens of the batch) -> [T, hidden]; updates the slots' states."""
         t = x.shape[0]
         h, d, layer = self.num_heads, self.head_dim, self.layer_idx
+        decode, rows, ids = self._decoding(batch, x.device)
+        if decode and rows is None:
+            return self._decode_step(x, ids, states)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3C]
         qkv = self._conv(qkv, batch, states)
         q, k, v = (z.reshape(t, h, d) for z in qkv.split(self.qkv_dim, dim=-1))
@@ -251,18 +260,9 @@ class KDAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x))  # [T, H]
         core = torch.empty(t, h, d, dtype=torch.float32, device=x.device)
 
-        decode, rows, ids = self._decoding(batch, x.device)
-        if decode:  # all single-token sequences in one recurrent step
-            cached = states.ssm_rows[layer]  # [num_slots, H, dk, dv] fp32
-            s0 = cached.index_select(0, ids)  # [B, H, dk, dv]
-            # [B, 1, ...] contiguous copies, as a row gather makes them (same reduction layout)
-            q1, k1, v1, g1, b1 = ((z if rows is None else z[rows])[:, None].contiguous() for z in (q, k, v, g, beta))
-            o, s1, _ = kda_recurrent(q1, k1, v1, g1, b1, s0)
-            if rows is None:
-                core.copy_(o[:, 0])
-            else:
-                core[rows] = o[:, 0]
-            cached.index_copy_(0, ids, s1)
+        if decode:  # the single-token sequences of a mixed batch: one recurrent step for all of them
+            core[rows] = kda_decode_core_ref(q[rows], k[rows], v[rows], g[rows], beta[rows], states.ssm_rows[layer],
+                                             ids)
         for b, n in enumerate(batch.lens):
             if n == 1 and not batch.keep[b]:
                 continue
@@ -277,9 +277,6 @@ class KDAttention(nn.Module):
                 states.set_ssm(layer, batch, b, s1[0])
             core[lo:hi] = o[0]
 
-        core = core.to(x.dtype)
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d)
-        y = core.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = (self.o_norm.weight.float() * y * torch.sigmoid(gate.float())).to(x.dtype)
+        y = kda_output_ref(core.to(x.dtype), gate, self.o_norm.weight, self.eps)
         return self.o_proj(y.reshape(t, -1))

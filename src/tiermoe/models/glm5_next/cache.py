@@ -84,8 +84,9 @@ class KDAStates:
 
     Per KDA layer one conv tensor [num_slots, 3C, K-1] and one delta-state tensor
     [num_slots, H, dk, dv] fp32, allocated once: a decode step reads and writes its sequences'
-    rows by a device tensor of slot ids (`index_select` / `index_copy_`), with no per-slot Python
-    and no host sync, so a CUDA graph can record it and replay it for any slots. Host-side
+    rows by a device tensor of slot ids (on CUDA the fused decode kernels read and write the rows in
+    place, kernels/triton/kda_decode.py; elsewhere `index_select` / `index_copy_`), with no per-slot
+    Python and no host sync, so a CUDA graph can record it and replay it for any slots. Host-side
     bookkeeping (tokens held per slot, the recorded states of a verification) stays in lists.
 
     Until `reserve` fixes the slot count, a slot beyond it grows the tensors (tests and tools
