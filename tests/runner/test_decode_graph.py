@@ -234,17 +234,18 @@ def _glm5_store(tiny_dir, tmp_path):
     return store
 
 
-def _glm5_logits(store, eager: bool, batch: int, steps: int = 8, warm: bool = False,
-                 drafts: int = 0) -> tuple[list[torch.Tensor], dict | None, dict, list[list[int]]]:
+def _glm5_logits(store, eager: bool, batch: int, steps: int = 8, warm: bool = False, drafts: int = 0,
+                 attention: str = "auto") -> tuple[list[torch.Tensor], dict | None, dict, list[list[int]]]:
     """Every step's logits [N, V] (cloned as the runner computes them) of `batch` greedy requests
     decoded together on CUDA, the graphs' counters with each program's pieces, the expert
     backend's counters and each request's tokens. warm: the start-up warm-up first; drafts:
-    MTP speculative tokens per step (verify steps run eagerly, plain decode steps replay)."""
+    MTP speculative tokens per step (verify steps run eagerly, plain decode steps replay);
+    attention: --decode-attention (auto: block tables, MLA's static path)."""
     from tiermoe.engine.build import build_engine_core
     from tiermoe.protocol import SamplingParams
 
     opts = {"expert_kernel": "triton", "gpu_expert_gb": 64 * REC / GIB, "host_expert_gb": 64 * REC / GIB,
-            "mode": "exact", "enforce_eager": eager, "num_speculative_tokens": drafts}
+            "mode": "exact", "enforce_eager": eager, "num_speculative_tokens": drafts, "decode_attention": attention}
     eng = build_engine_core(str(store), device="cuda", dtype="bfloat16", max_num_seqs=3, options=opts)
     if warm:
         assert eng.warm_up() > 3
@@ -275,21 +276,22 @@ def _glm5_logits(store, eager: bool, batch: int, steps: int = 8, warm: bool = Fa
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA (TIERMOE_KERNEL_TESTS_ON_GPU=1)")
 def test_glm5_next_graph_decode_logits_bit_identical_to_eager(tiny_dir, tmp_path):
     """glm5_next's decode steps replayed from graphs (KDA state rows by slot-id tensors, mHC,
-    MoE through the device cache captured; each MLA layer's rows + DSA selection + attention an
-    eager core) give the eager steps' logits bit for bit, at batch 1 and 3 over several steps."""
+    MoE through the device cache captured; with block tables the MLA layers too, one graph a step,
+    without them each MLA layer's rows + DSA selection + attention an eager core) give the eager
+    steps' logits bit for bit, at batch 1 and 3 over several steps."""
     store = _glm5_store(tiny_dir, tmp_path)
     mla_layers = 3  # tiny trunk: layers 2 (own indexer), 3 (shared), 7 (own indexer)
-    for batch in (1, 3):
-        want, graphs, _, _ = _glm5_logits(store, True, batch)
+    for batch, attention in ((1, "auto"), (3, "auto"), (3, "sdpa")):
+        want, graphs, _, _ = _glm5_logits(store, True, batch, attention=attention)
         assert graphs is None
-        got, graphs, experts, _ = _glm5_logits(store, False, batch)
+        got, graphs, experts, _ = _glm5_logits(store, False, batch, attention=attention)
         assert graphs is not None and graphs["failed"] is None, graphs
         assert len(got) == len(want) == 8, batch  # the prefill step and 7 decode steps
         for i, (g, w) in enumerate(zip(got, want)):
             assert torch.equal(g, w), (batch, i, (g - w).abs().max().item())
         # the first decode step runs eagerly, the second records; replays from then on
         assert graphs["captured_batch_sizes"] == [batch] and graphs["replays"] >= 5, graphs
-        assert graphs["programs"][batch].count("eager") == mla_layers, graphs
+        assert graphs["programs"][batch].count("eager") == (mla_layers if attention == "sdpa" else 0), graphs
         assert experts["device_cache"]["graph_replays"] == graphs["replays"], experts
 
 

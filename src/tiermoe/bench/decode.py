@@ -68,7 +68,8 @@ def _run(args) -> int:
             model = str(write_tiny(args.tiny, tmp))
         engine = build_engine_core(model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                                    max_num_seqs=max(sizes), options=vars(args))
-        measure(engine, 1, 4, args.prompt_len, seed=99)  # warm-up
+        for b in dict.fromkeys(sizes):  # warm-up: each batch size's first decode steps compile and record its graph
+            measure(engine, b, 4, args.prompt_len, seed=99)
         results = [measure(engine, b, args.tokens, args.prompt_len) for b in sizes]
     for r in results:
         print(f"decode batch {r['batch']}: {r['tok_per_s']:.1f} tok/s aggregate, "
