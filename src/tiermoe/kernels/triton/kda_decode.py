@@ -43,37 +43,16 @@ batch 4 18.1 against 214.0, batch 8 31.6 against 336.9. The recurrent kernel is 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from tiermoe.kernels.triton.precise import PRECISE, precise_exp, precise_log, precise_sigmoid
+
 CONV_BLOCK = 256  # channels per conv program: glm5_next's 3C = 24576 gives 96 programs per token (H200: 1.8 us
 # at batch 1 against 5.1 us for blocks of 1024)
 MAX_HEAD_DIM = 128  # the [dk, dv] fp32 state tile of one program: 64 KiB, 128 registers a lane at 4 warps
-
-
-@triton.jit
-def _exp(x, PRECISE: tl.constexpr):
-    """exp(x): libdevice's accurate expf compiled (what torch's CUDA kernels call), numpy's interpreted."""
-    if PRECISE:
-        y = libdevice.exp(x)
-    else:
-        y = tl.exp(x)
-    return y
-
-
-@triton.jit
-def _log(x, PRECISE: tl.constexpr):
-    """log(x): libdevice's logf compiled, numpy's interpreted."""
-    if PRECISE:
-        y = libdevice.log(x)
-    else:
-        y = tl.log(x)
-    return y
 
 
 @triton.jit
@@ -84,12 +63,6 @@ def _rsqrt(x, PRECISE: tl.constexpr):
     else:
         y = tl.div_rn(tl.full(x.shape, 1.0, tl.float32), tl.sqrt_rn(x))
     return y
-
-
-@triton.jit
-def _sigmoid(x, PRECISE: tl.constexpr):
-    """1 / (1 + exp(-x)), the form of torch's CUDA sigmoid (saturates to 0 and 1 without NaN)."""
-    return tl.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + _exp(-x, PRECISE))
 
 
 @triton.jit
@@ -121,7 +94,7 @@ def _conv_step_kernel(qkv_ptr, rows_ptr, ids_ptr, w_ptr, y_ptr, qkv_stride, y_st
     for j in tl.static_range(1, K - 1):
         acc = acc + tl.load(w + j, mask=ok, other=0.0) * tl.load(row + j, mask=ok, other=0.0).to(tl.float32)
     acc = acc + tl.load(w + (K - 1), mask=ok, other=0.0) * new.to(tl.float32)
-    y = tl.div_rn(acc, 1.0 + _exp(-acc, PRECISE))  # silu, torch's CUDA form
+    y = tl.div_rn(acc, 1.0 + precise_exp(-acc, PRECISE))  # silu, torch's CUDA form
     tl.store(y_ptr + b * y_stride + c, _to(y, y_ptr.dtype.element_ty, PRECISE), mask=ok)
     # shift the window: column j <- column j + 1, the last <- new (each column read before it is written,
     # by the same lane: one [BLOCK] layout for every load and store here)
@@ -158,14 +131,14 @@ def _recurrent_step_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, f_
     # forget gate: log decay g [dk] of this head
     g = tl.load(f_ptr + b * f_stride + hd + i, mask=oki, other=0.0).to(tl.float32) \
         + tl.load(dt_ptr + hd + i, mask=oki, other=0.0).to(tl.float32)
-    a = _exp(tl.load(alog_ptr + h).to(tl.float32), PRECISE)
+    a = precise_exp(tl.load(alog_ptr + h).to(tl.float32), PRECISE)
     if LOWER:
-        g = lower_bound * _sigmoid(a * g, PRECISE)
+        g = lower_bound * precise_sigmoid(a * g, PRECISE)
     else:
-        g = -a * tl.where(g > 20.0, g, _log(1.0 + _exp(g, PRECISE), PRECISE))
-    decay = _exp(g, PRECISE)
+        g = -a * tl.where(g > 20.0, g, precise_log(1.0 + precise_exp(g, PRECISE), PRECISE))
+    decay = precise_exp(g, PRECISE)
     # beta: the sigmoid of a model-dtype tensor is a model-dtype tensor
-    beta = _sigmoid(tl.load(beta_ptr + b * beta_stride + h).to(tl.float32), PRECISE)
+    beta = precise_sigmoid(tl.load(beta_ptr + b * beta_stride + h).to(tl.float32), PRECISE)
     beta = _to(beta, beta_ptr.dtype.element_ty, PRECISE).to(tl.float32)
 
     # one delta-rule step on the state row, in place
@@ -182,7 +155,7 @@ def _recurrent_step_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, f_
     y = o * _rsqrt(ms + eps, PRECISE)
     w = tl.load(w_ptr + j, mask=okj, other=0.0).to(tl.float32)
     gate = tl.load(gate_ptr + b * gate_stride + hd + j, mask=okj, other=0.0).to(tl.float32)
-    y = w * y * _sigmoid(gate, PRECISE)
+    y = w * y * precise_sigmoid(gate, PRECISE)
     tl.store(y_ptr + b * y_stride + hd + j, _to(y, y_ptr.dtype.element_ty, PRECISE), mask=okj)
 
 
@@ -222,7 +195,7 @@ def kda_conv_step(qkv: torch.Tensor, conv_rows: torch.Tensor, slot_ids: torch.Te
     if b:
         grid = (b, triton.cdiv(ch, CONV_BLOCK))
         _conv_step_kernel[grid](qkv, conv_rows, slot_ids, weight.contiguous(), y, qkv_stride, ch, ch,
-                                K=km1 + 1, BLOCK=CONV_BLOCK, PRECISE=not _INTERPRET, num_warps=4,
+                                K=km1 + 1, BLOCK=CONV_BLOCK, PRECISE=PRECISE, num_warps=4,
                                 enable_fp_fusion=False)
     return y
 
@@ -258,6 +231,6 @@ def kda_recurrent_step(
             q, k, v, *strides, f, f_stride, dt_bias.contiguous(), a_log.contiguous(), beta_logits, beta_stride,
             gate, gate_stride, ssm_rows, slot_ids, norm_weight.contiguous(), y, h * d,
             float(lower_bound) if lower_bound is not None else 0.0, float(d ** -0.5), float(eps),
-            H=h, D=d, BD=bd, LOWER=lower_bound is not None, PRECISE=not _INTERPRET,
+            H=h, D=d, BD=bd, LOWER=lower_bound is not None, PRECISE=PRECISE,
             num_warps=4, enable_fp_fusion=False)
     return y

@@ -28,31 +28,13 @@ No host synchronisation, no data-dependent shapes: the launch is captured in a d
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from tiermoe.kernels.triton.precise import PRECISE, precise_exp, precise_sigmoid
+
 MAX_STREAMS = 8  # N up to 8: the [N, N] matrix of one token stays a handful of registers per lane
-
-
-@triton.jit
-def _exp(x, PRECISE: tl.constexpr):
-    """exp(x): libdevice's accurate expf compiled (what torch's CUDA kernels call), numpy's interpreted."""
-    if PRECISE:
-        y = libdevice.exp(x)
-    else:
-        y = tl.exp(x)
-    return y
-
-
-@triton.jit
-def _sigmoid(x, PRECISE: tl.constexpr):
-    """1 / (1 + exp(-x)), the form of torch's CUDA sigmoid (saturates to 0 and 1 without NaN)."""
-    return tl.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + _exp(-x, PRECISE))
 
 
 @triton.jit
@@ -112,16 +94,16 @@ def _mhc_mix_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, h
 
     pre_w = tl.load(row + idx, mask=ok, other=0.0)  # [BN]
     pre_b = tl.load(base_ptr + idx, mask=ok, other=0.0).to(tl.float32)
-    pre = _sigmoid(pre_w * pre_s + pre_b, PRECISE) + hc_eps
+    pre = precise_sigmoid(pre_w * pre_s + pre_b, PRECISE) + hc_eps
     post_w = tl.load(row + N + idx, mask=ok, other=0.0)  # [BN]
     post_b = tl.load(base_ptr + N + idx, mask=ok, other=0.0).to(tl.float32)
-    post = 2.0 * _sigmoid(post_w * post_s + post_b, PRECISE)
+    post = 2.0 * precise_sigmoid(post_w * post_s + post_b, PRECISE)
 
     comb_w = tl.load(row + 2 * N + ij, mask=ok2, other=0.0)  # [BN, BN]
     comb_b = tl.load(base_ptr + 2 * N + ij, mask=ok2, other=0.0).to(tl.float32)
     logits = tl.where(ok[None, :], comb_w * comb_s + comb_b, float("-inf"))  # padded rows stay finite
     top = tl.max(logits, axis=1)  # [BN]
-    e = _exp(logits - top[:, None], PRECISE)  # [BN, BN]
+    e = precise_exp(logits - top[:, None], PRECISE)  # [BN, BN]
     comb = tl.div_rn(e, _halving_row_sums(e, idx, BN)[:, None]) + hc_eps  # softmax over j, + eps
     comb = tl.div_rn(comb, (_col_sums(comb, idx, N) + hc_eps)[None, :])
     for _ in range(1, iters):  # Sinkhorn: rows, then columns
@@ -152,6 +134,6 @@ def mhc_mix(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, 
     comb = torch.empty(t, n, n, dtype=torch.float32, device=mix.device)
     if t:
         _mhc_mix_kernel[(t,)](mix.contiguous(), base.contiguous(), scale.contiguous(), pre, post, comb,
-                              float(hc_eps), int(iters), N=n, BN=triton.next_power_of_2(n), PRECISE=not _INTERPRET,
+                              float(hc_eps), int(iters), N=n, BN=triton.next_power_of_2(n), PRECISE=PRECISE,
                               num_warps=1, enable_fp_fusion=False)
     return pre, post, comb

@@ -27,17 +27,14 @@ elementwise activation), no host synchronisation, fixed shapes: CUDA-graph captu
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from tiermoe.kernels.triton.mhc import _exp
+from tiermoe.kernels.triton.precise import PRECISE, precise_exp
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-PRECISE = not _INTERPRET  # libdevice when compiled, tl.* under the interpreter
 MAX_DIM = 16384  # one row in registers: 16 warps hold 16384 fp32 values at 32 a lane
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -147,7 +144,7 @@ def _clamped_swiglu_kernel(g_ptr, u_ptr, out_ptr, numel, limit, BLOCK: tl.conste
     dtype = g_ptr.dtype.element_ty
     g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)  # torch's clamp keeps a NaN
-    silu = round_to(tl.div_rn(g, 1.0 + _exp(-g, PRECISE)), dtype, PRECISE).to(tl.float32)
+    silu = round_to(tl.div_rn(g, 1.0 + precise_exp(-g, PRECISE)), dtype, PRECISE).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL)
     u = tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL)

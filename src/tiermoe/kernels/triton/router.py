@@ -40,31 +40,13 @@ synchronisation, no data-dependent shapes: the launch is captured in a decode st
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from tiermoe.kernels.triton.precise import PRECISE, precise_sigmoid
+
 NONE_KEY: tl.constexpr = tl.constexpr(-(2**63))  # below every real key: retired or padded candidates
-
-
-@triton.jit
-def _exp(x, PRECISE: tl.constexpr):
-    """exp(x): libdevice's accurate expf compiled (what torch's CUDA kernels call), numpy's interpreted."""
-    if PRECISE:
-        y = libdevice.exp(x)
-    else:
-        y = tl.exp(x)
-    return y
-
-
-@triton.jit
-def _sigmoid(x, PRECISE: tl.constexpr):
-    """1 / (1 + exp(-x)), the form of torch's CUDA sigmoid (saturates to 0 and 1 without NaN)."""
-    return tl.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + _exp(-x, PRECISE))
 
 
 @triton.jit
@@ -108,7 +90,7 @@ def _route_kernel(logits_ptr, bias_ptr, replay_ptr, ids_ptr, w_ptr, scale,
     row = logits_ptr + t * E
     x = tl.load(row + eid, mask=ok, other=0.0)  # [BG, BGS]
     bias = tl.load(bias_ptr + eid, mask=ok, other=0.0).to(tl.float32)
-    choice = _sigmoid(x, PRECISE) + bias  # [BG, BGS]
+    choice = precise_sigmoid(x, PRECISE) + bias  # [BG, BGS]
     key = tl.where(ok, _order_key(choice, eid), NONE_KEY)  # [BG, BGS]
 
     if G > 1:  # group pre-selection: a group's score is the sum of its two best
@@ -133,7 +115,7 @@ def _route_kernel(logits_ptr, bias_ptr, replay_ptr, ids_ptr, w_ptr, scale,
         rep = tl.load(replay_ptr + t * K + kr, mask=kr < K, other=0)  # [BK]
         ids = tl.where((rep >= 0) & (rep < E), rep, ids).to(tl.int32)
 
-    w = _sigmoid(tl.load(row + ids, mask=kr < K, other=0.0), PRECISE)  # [BK] the scores of the picks
+    w = precise_sigmoid(tl.load(row + ids, mask=kr < K, other=0.0), PRECISE)  # [BK] the scores of the picks
     if NORM:
         s = tl.sum(tl.where(kr == 0, w, 0.0), axis=0)
         for i in tl.static_range(1, K):  # in pick order
@@ -176,6 +158,6 @@ def sigmoid_topk_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_g
                             E=e, K=top_k, G=g, GS=gs, TOPK_GROUP=topk_group if g > 1 else 1,
                             BG=triton.next_power_of_2(g), BGS=triton.next_power_of_2(gs),
                             BK=triton.next_power_of_2(top_k), NORM=bool(norm_topk_prob),
-                            REPLAY=replay_ids is not None, PRECISE=not _INTERPRET,
+                            REPLAY=replay_ids is not None, PRECISE=PRECISE,
                             num_warps=1 if width <= 1024 else 4, enable_fp_fusion=False)
     return ids, weights
