@@ -31,8 +31,9 @@ import triton
 import triton.language as tl
 
 from tiermoe.kernels.triton.mhc import MAX_STREAMS
-from tiermoe.kernels.triton.norm import (MAX_DIM, PRECISE, check_dtype, inv_count, round_to, row_warps, rsqrt_f32,
+from tiermoe.kernels.triton.norm import (MAX_DIM, PRECISE, check_dtype, inv_count, round_to, row_warps,
                                          weighted_rms_norm_row)
+from tiermoe.kernels.triton.precise import precise_rsqrt
 
 FLAT_BLOCK = 4096  # values of a token's flattened streams per step of the flat norm's two passes
 POST_BLOCK = 512  # columns of D per hc_post program: D = 4096 spreads one token over 8 programs
@@ -50,7 +51,7 @@ def _flat_norm_kernel(x_ptr, out_ptr, inv_l, eps, L: tl.constexpr, BLOCK: tl.con
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(src + offs, mask=offs < L, other=0.0).to(tl.float32)
         acc = acc + x * x
-    r = rsqrt_f32(tl.sum(acc, axis=0) * inv_l + eps, PRECISE)
+    r = precise_rsqrt(tl.sum(acc, axis=0) * inv_l + eps, PRECISE)
     for start in range(0, L, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(src + offs, mask=offs < L, other=0.0).to(tl.float32)

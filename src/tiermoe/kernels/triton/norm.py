@@ -31,9 +31,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from tiermoe.kernels.triton.precise import PRECISE, precise_exp
+from tiermoe.kernels.triton.precise import PRECISE, precise_exp, precise_rsqrt
 
 MAX_DIM = 16384  # one row in registers: 16 warps hold 16384 fp32 values at 32 a lane
 
@@ -59,21 +58,11 @@ def round_to(x, DTYPE: tl.constexpr, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def rsqrt_f32(x, PRECISE: tl.constexpr):
-    """1 / sqrt(x): libdevice's rsqrtf compiled (what torch's CUDA rsqrt calls), numpy's 1 / sqrt interpreted."""
-    if PRECISE:
-        y = libdevice.rsqrt(x)
-    else:
-        y = tl.rsqrt(x)
-    return y
-
-
-@triton.jit
 def weighted_rms_norm_row(x, w, inv_d, eps, DTYPE: tl.constexpr, OUT: tl.constexpr, PRECISE: tl.constexpr):
     """One row, x fp32 [BLOCK] (values of DTYPE, 0 in padded lanes), w fp32 [BLOCK] -> OUT [BLOCK]:
     OUT(w * DTYPE(x * rsqrt(sum(x * x) * inv_d + eps))), rms_norm_ref's operations in its order."""
     ms = tl.sum(x * x, axis=0) * inv_d
-    h = round_to(x * rsqrt_f32(ms + eps, PRECISE), DTYPE, PRECISE).to(tl.float32)
+    h = round_to(x * precise_rsqrt(ms + eps, PRECISE), DTYPE, PRECISE).to(tl.float32)
     return round_to(w * h, OUT, PRECISE)
 
 

@@ -42,3 +42,13 @@ def precise_log(x, PRECISE: tl.constexpr):
 def precise_sigmoid(x, PRECISE: tl.constexpr):
     """1 / (1 + exp(-x)), the form of torch's CUDA sigmoid (saturates to 0 and 1 without NaN)."""
     return tl.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + precise_exp(-x, PRECISE))
+
+
+@triton.jit
+def precise_rsqrt(x, PRECISE: tl.constexpr):
+    """1 / sqrt(x): libdevice's rsqrtf compiled (what torch's CUDA rsqrt calls), numpy's 1 / sqrt interpreted."""
+    if PRECISE:
+        y = libdevice.rsqrt(x)
+    else:
+        y = tl.rsqrt(x)
+    return y
