@@ -309,21 +309,20 @@ def kda_decode(rec: Recorder) -> None:
 
 def mhc_fused(rec: Recorder) -> None:
     """The fused mHC kernels around each sub-block (flat norm, collapse + RMSNorm, spread + mix) and glm5_next's
-    RMSNorm and clamped SwiGLU (accurate exp, IEEE division, libdevice rsqrt: what a CUDA device compiles), in
-    bf16 and fp32, at glm5_next's full width (4 streams of 4096) and a padded one (3 streams of 80); RMSNorm
-    also on the strided 512-wide latent slice of kv_a_layernorm, 1536-wide q_a rows and with an fp32 weight.
-    The token count sets only the grid, so two tokens stand for every step."""
-    for dtype in (torch.bfloat16, torch.float32):
-        for n, d in ((4, 4096), (3, 80)):
-            streams = torch.zeros(2, n, d, dtype=dtype)  # [T, N, D]
-            pre, post, comb = torch.ones(2, n), torch.ones(2, n), torch.ones(2, n, n)
-            weight = torch.ones(d, dtype=dtype)
-            with rec.tagged(f"mhc_fused {dtype} N{n} D{d}"):
-                hc_flat_norm(streams, 1e-6)
-                hc_collapse_norm(streams, pre, weight, 1e-6)
-                hc_post(streams[:, 0].contiguous(), streams, post, comb)
-                rms_norm(streams[:, 0].contiguous(), weight, 1e-6)
-                clamped_swiglu(streams[:, 0].contiguous(), streams[:, 1].contiguous(), 10.0)
+    RMSNorm and clamped SwiGLU (accurate exp, IEEE division, libdevice rsqrt: what a CUDA device compiles): bf16
+    at glm5_next's full width (4 streams of 4096), fp32 at a padded one (3 streams of 80); RMSNorm also on the
+    strided 512-wide latent slice of kv_a_layernorm, 1536-wide q_a rows and with an fp32 weight. The token
+    count sets only the grid, so two tokens stand for every step."""
+    for dtype, n, d in ((torch.bfloat16, 4, 4096), (torch.float32, 3, 80)):
+        streams = torch.zeros(2, n, d, dtype=dtype)  # [T, N, D]
+        pre, post, comb = torch.ones(2, n), torch.ones(2, n), torch.ones(2, n, n)
+        weight = torch.ones(d, dtype=dtype)
+        with rec.tagged(f"mhc_fused {dtype} N{n} D{d}"):
+            hc_flat_norm(streams, 1e-6)
+            hc_collapse_norm(streams, pre, weight, 1e-6)
+            hc_post(streams[:, 0].contiguous(), streams, post, comb)
+            rms_norm(streams[:, 0].contiguous(), weight, 1e-6)
+            clamped_swiglu(streams[:, 0].contiguous(), streams[:, 1].contiguous(), 10.0)
     with rec.tagged("rms_norm bf16 strided 512, 1536, fp32 weight"):
         latent = torch.zeros(2, 512 + 64, dtype=torch.bfloat16)
         rms_norm(latent[:, :512], torch.ones(512, dtype=torch.bfloat16), 1e-6)
@@ -332,16 +331,15 @@ def mhc_fused(rec: Recorder) -> None:
 
 
 def router(rec: Recorder) -> None:
-    """The sigmoid noaux_tc routing (accurate exp, IEEE division: what a CUDA device compiles): glm5_next's 288
-    experts top-8 in one group, a DeepSeek-V3 layer (256 experts, 8 groups keeping 4) and a small grouped one
-    (64 experts, 8 groups keeping 4, top-6), with and without renormalisation, and with replayed ids; the token
-    count sets only the grid, so one token stands for every step."""
-    for e, k, groups, keep in ((288, 8, 1, 1), (256, 8, 8, 4), (64, 6, 8, 4)):
+    """The sigmoid noaux_tc routing (accurate exp, IEEE division: what a CUDA device compiles), each switch of the
+    kernel once: glm5_next's 288 experts top-8 in one group (renormalised), a DeepSeek-V3 layer (256 experts, 8
+    groups keeping 4; not renormalised) and a small grouped one (64 experts, 8 groups keeping 4, top-6) with
+    replayed ids; the token count sets only the grid, so one token stands for every step."""
+    ids = torch.zeros(1, 6, dtype=torch.long)
+    for e, k, groups, keep, norm, replay in ((288, 8, 1, 1, True, None), (256, 8, 8, 4, False, None),
+                                             (64, 6, 8, 4, True, ids)):
         with rec.tagged(f"router E{e} top{k} G{groups}/{keep}"):
-            logits, bias = torch.zeros(1, e), torch.zeros(e)
-            for norm in (True, False):
-                sigmoid_topk_route(logits, bias, k, groups, keep, norm, 2.5)
-            sigmoid_topk_route(logits, bias, k, groups, keep, True, 2.5, torch.zeros(1, k, dtype=torch.long))
+            sigmoid_topk_route(torch.zeros(1, e), torch.zeros(e), k, groups, keep, norm, 2.5, replay)
 
 
 SCENARIOS = (
