@@ -92,11 +92,13 @@ STATIC_DECODE_MAX_LEN = 65536
 
 class _PagedRows:
     """MLA rows in the engine's paged KV cache, addressed through a ForwardBatch: the row store
-    of the attention cores. It holds no per-step state, so a decode graph keeps the one it was
-    recorded with and hands the core each replayed step's ForwardBatch."""
+    of the attention cores. Its only per-step state is the step's decode tables, computed once for
+    all MLA layers and keyed by the step, so a decode graph keeps the one it was recorded with and
+    hands the core each replayed step's ForwardBatch."""
 
     def __init__(self, kv_caches: list[dict[str, torch.Tensor]] | dict[int, dict[str, torch.Tensor]]):
         self.kv = kv_caches
+        self._tables: tuple[ForwardBatch, tuple[torch.Tensor, torch.Tensor]] | None = None  # (step, its tables)
 
     @staticmethod
     def segments(fb: ForwardBatch) -> list[tuple[int, int, int]]:
@@ -117,9 +119,11 @@ class _PagedRows:
         layers attend with shapes set by B alone and a decode graph needs no eager core. Else None."""
         if fb.block_table is None:
             return None
-        page = self.kv[layer]["latent"].shape[1]
-        offsets = torch.arange(page, device=fb.block_table.device)
-        return fb.seq_lens, (fb.block_table.long()[:, :, None] * page + offsets).flatten(1)
+        if self._tables is None or self._tables[0] is not fb:  # once a step, for every MLA layer
+            page = self.kv[layer]["latent"].shape[1]
+            offsets = torch.arange(page, device=fb.block_table.device)
+            self._tables = (fb, (fb.seq_lens, (fb.block_table.long()[:, :, None] * page + offsets).flatten(1)))
+        return self._tables[1]
 
     def decode_rows(self, name: str, layer: int, fb: ForwardBatch, rows: torch.Tensor) -> torch.Tensor:
         """Store a decode step's rows [B, W] (one a sequence) and return the layer's flat cache [slots, W]."""
