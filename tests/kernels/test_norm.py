@@ -93,6 +93,18 @@ def test_clamped_swiglu_matches_twin(t, inter, dtype, limit, device):
     check_rounded(got, clamped_swiglu_ref(gate, up, limit))
 
 
+@pytest.mark.parametrize("t", [1, 3])
+def test_clamped_swiglu_reads_the_halves_of_a_merged_projection_in_place(t, device):
+    """gate and up as the two column halves of one [T, 2I] GEMM output (rows strided 2I): the rows the twin
+    gives for contiguous copies, in a contiguous [T, I] result."""
+    merged = _rows(t, 2 * 80, torch.bfloat16, device, seed=3, scale=4.0)
+    gate, up = merged.chunk(2, dim=-1)
+    got = clamped_swiglu(gate, up, 7.0)
+    assert got.is_contiguous() and got.shape == (t, 80)
+    assert torch.equal(got.cpu(), clamped_swiglu(gate.contiguous(), up.contiguous(), 7.0).cpu())
+    check_rounded(got, clamped_swiglu_ref(gate, up, 7.0))
+
+
 def test_clamped_swiglu_keeps_nan_and_inf_as_torch_does(device):
     special = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 100.0, -100.0])
     gate = special.repeat_interleave(7).to(torch.bfloat16).to(device)  # [49]: every (gate, up) pair

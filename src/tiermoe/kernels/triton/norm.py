@@ -126,18 +126,28 @@ def _bound(limit: float, dtype: torch.dtype) -> float:
 
 
 @triton.jit
-def _clamped_swiglu_kernel(g_ptr, u_ptr, out_ptr, numel, limit, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
-    """BLOCK elements a program: out = silu(min(g, limit)) * clamp(u, -limit, limit), see clamped_swiglu_ref."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-    ok = offs < numel
+def _clamped_swiglu_kernel(g_ptr, u_ptr, out_ptr, g_stride, u_stride, width, limit, BLOCK: tl.constexpr,
+                           PRECISE: tl.constexpr):
+    """Grid (rows, column blocks): out = silu(min(g, limit)) * clamp(u, -limit, limit) over BLOCK columns of one
+    row (g and u rows strided, out contiguous), see clamped_swiglu_ref."""
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    ok = offs < width
     dtype = g_ptr.dtype.element_ty
-    g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + r * g_stride + offs, mask=ok, other=0.0).to(tl.float32)
     g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)  # torch's clamp keeps a NaN
     silu = round_to(tl.div_rn(g, 1.0 + precise_exp(-g, PRECISE)), dtype, PRECISE).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + r * u_stride + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL)
     u = tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL)
-    tl.store(out_ptr + offs, round_to(silu * u, dtype, PRECISE), mask=ok)
+    tl.store(out_ptr + r * width + offs, round_to(silu * u, dtype, PRECISE), mask=ok)
+
+
+def _row_view(x: torch.Tensor) -> torch.Tensor:
+    """x [..., I] as rows [R, I] with contiguous columns, without a copy where x already is (a column slice of
+    a wider projection, e.g. the halves of a merged gate|up GEMM's output, is read in place)."""
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    return rows if rows.stride(-1) == 1 or rows.shape[-1] <= 1 else rows.contiguous()
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -150,11 +160,12 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     if up.shape != gate.shape or up.dtype != gate.dtype:
         raise ValueError(f"gate and up must match, got {gate.dtype} {tuple(gate.shape)} and {up.dtype} "
                          f"{tuple(up.shape)}")
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)  # contiguous [..., I]
     if gate.numel():
+        g, u = _row_view(gate), _row_view(up)  # [R, I] each
         block = 1024
-        _clamped_swiglu_kernel[(triton.cdiv(gate.numel(), block),)](
-            gate, up, out, gate.numel(), _bound(float(limit), gate.dtype), BLOCK=block, PRECISE=PRECISE, num_warps=4,
-            enable_fp_fusion=False)
+        width = g.shape[1]
+        _clamped_swiglu_kernel[(g.shape[0], triton.cdiv(width, block))](
+            g, u, out, g.stride(0), u.stride(0), width, _bound(float(limit), gate.dtype), BLOCK=block,
+            PRECISE=PRECISE, num_warps=4, enable_fp_fusion=False)
     return out

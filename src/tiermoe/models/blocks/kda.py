@@ -15,7 +15,8 @@ everything between the projections and o_proj as two Triton launches on CUDA
 (kernels/triton/kda_decode.py: conv window step; delta-rule step on the state rows in place plus
 the output norm and gate), elsewhere or wherever a gradient is needed as their plain-torch twins
 (kernels/reference_kda.py, which also holds the delta rule, forget gate and output norm this
-module uses); the decode tokens of a mixed batch gather and scatter their rows. Speculative verification
+module uses); the decode tokens of a mixed batch gather and scatter their rows. On a CUDA device the
+layer's input projections are merged GEMMs (`_project`, blocks/fused_linear.py). Speculative verification
 (`batch.keep[b]`) runs the recurrent form and records the state after every token, so the
 store can roll back to any accepted prefix. Math and dtype handling follow transformers'
 reference (`chunk_kimi_delta_attention` / `recurrent_kimi_delta_attention`).
@@ -41,6 +42,7 @@ from tiermoe.kernels.reference_kda import (
     kda_recurrent_step_ref,
     l2norm,
 )
+from tiermoe.models.blocks.fused_linear import ProjectionGroup
 
 
 class KDABatch(Protocol):
@@ -135,8 +137,9 @@ class _Conv(nn.Module):
 
 
 class ForgetGate(nn.Module):
-    """Per-channel log-decay g = lower_bound * sigmoid(exp(A_log) * (f_b(f_a(x)) + dt_bias)),
-    or -exp(A_log) * softplus(...) without a lower bound."""
+    """The forget gate's weights. Per-channel log-decay g = lower_bound * sigmoid(exp(A_log) * (f_b(f_a(x)) +
+    dt_bias)), or -exp(A_log) * softplus(...) without a lower bound: `kda_forget_gate_ref` of f_b(f_a(x)), whose
+    projections `KDAttention._project` computes with the layer's others."""
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, lower_bound: float | None):
         super().__init__()
@@ -147,11 +150,6 @@ class ForgetGate(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(c, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.empty(num_heads, dtype=torch.float32))
         self.lower_bound = lower_bound
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> g [T, H, dk] fp32 (log decay, <= 0)."""
-        return kda_forget_gate_ref(self.f_b_proj(self.f_a_proj(x)), self.dt_bias, self.A_log, self.lower_bound,
-                                   self.head_dim)
 
 
 class KDAttention(nn.Module):
@@ -182,6 +180,33 @@ class KDAttention(nn.Module):
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(self.head_dim))
         self.o_proj = nn.Linear(c, hid, bias=False)
+        fg = self.forget_gate
+        # x's six projections as one GEMM on a CUDA device, and the two gates' second halves as one batched
+        # GEMM (blocks/fused_linear.py); q, k, v first and adjacent, so their rows are one [T, 3C] slice
+        self.in_group = ProjectionGroup([(self.q_proj, "weight"), (self.k_proj, "weight"), (self.v_proj, "weight"),
+                                         (fg.f_a_proj, "weight"), (self.g_a_proj, "weight"), (self.b_proj, "weight")])
+        self.gate_group = ProjectionGroup([(fg.f_b_proj, "weight"), (self.g_b_proj, "weight")])
+
+    def fuse_projections(self) -> None:
+        """Merge the projection weights into the groups' buffers (no extra memory; see fused_linear.py)."""
+        self.in_group.fuse()
+        self.gate_group.fuse()
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (qkv [T, 3C] pre-conv, forget-gate input f [T, C], beta logits [T, H], output gate
+        [T, C]). Merged on a CUDA device (three GEMMs become two launches, nine become three); elsewhere each
+        projection alone, as the reference computes them."""
+        fg, c, d = self.forget_gate, self.qkv_dim, self.head_dim
+        if not self.in_group.active(x):
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3C]
+            return qkv, fg.f_b_proj(fg.f_a_proj(x)), self.b_proj(x), self.g_b_proj(self.g_a_proj(x))
+        qkv, halves, beta_logits = self.in_group(x).split([3 * c, 2 * d, self.num_heads], dim=-1)
+        halves = halves.unflatten(-1, (2, d)).transpose(0, 1)  # [2, T, d]: f_a's and g_a's outputs
+        if self.gate_group.active(halves):
+            f, gate = self.gate_group.batched(halves)  # [T, C] each
+        else:
+            f, gate = fg.f_b_proj(halves[0]), self.g_b_proj(halves[1])
+        return qkv, f, beta_logits, gate
 
     @staticmethod
     def _decoding(batch: KDABatch, device: torch.device) -> tuple[list[int], torch.Tensor | None, torch.Tensor]:
@@ -236,13 +261,13 @@ class KDAttention(nn.Module):
             from tiermoe.kernels.triton.kda_decode import kda_recurrent_step as recurrent_step
         else:
             conv_step, recurrent_step = kda_conv_step_ref, kda_recurrent_step_ref
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, 3C]
+        qkv, f, beta_logits, gate = self._project(x)
         qkv = conv_step(qkv, states.conv_rows[layer], ids, self.conv1d.weight)
         q, k, v = (z.reshape(bsz, h, d) for z in qkv.split(self.qkv_dim, dim=-1))
         fg = self.forget_gate
         y = recurrent_step(
-            q, k, v, fg.f_b_proj(fg.f_a_proj(x)), fg.dt_bias, fg.A_log, fg.lower_bound, self.b_proj(x),
-            self.g_b_proj(self.g_a_proj(x)), states.ssm_rows[layer], ids, self.o_norm.weight, self.eps,
+            q, k, v, f, fg.dt_bias, fg.A_log, fg.lower_bound, beta_logits, gate, states.ssm_rows[layer], ids,
+            self.o_norm.weight, self.eps,
         )  # [B, H*dv]
         return self.o_proj(y)
 
@@ -253,11 +278,12 @@ class KDAttention(nn.Module):
         decode, rows, ids = self._decoding(batch, x.device)
         if decode and rows is None:
             return self._decode_step(x, ids, states)
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3C]
+        qkv, f, beta_logits, gate = self._project(x)
         qkv = self._conv(qkv, batch, states)
         q, k, v = (z.reshape(t, h, d) for z in qkv.split(self.qkv_dim, dim=-1))
-        g = self.forget_gate(x)  # [T, H, dk] fp32
-        beta = torch.sigmoid(self.b_proj(x))  # [T, H]
+        fg = self.forget_gate
+        g = kda_forget_gate_ref(f, fg.dt_bias, fg.A_log, fg.lower_bound, d)  # [T, H, dk] fp32
+        beta = torch.sigmoid(beta_logits)  # [T, H]
         core = torch.empty(t, h, d, dtype=torch.float32, device=x.device)
 
         if decode:  # the single-token sequences of a mixed batch: one recurrent step for all of them
@@ -277,6 +303,5 @@ class KDAttention(nn.Module):
                 states.set_ssm(layer, batch, b, s1[0])
             core[lo:hi] = o[0]
 
-        gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d)
-        y = kda_output_ref(core.to(x.dtype), gate, self.o_norm.weight, self.eps)
+        y = kda_output_ref(core.to(x.dtype), gate.view(t, h, d), self.o_norm.weight, self.eps)
         return self.o_proj(y.reshape(t, -1))

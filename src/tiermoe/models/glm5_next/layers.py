@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from tiermoe.kernels.reference_norm import clamped_swiglu_ref, rms_norm_ref
+from tiermoe.models.blocks.fused_linear import ProjectionGroup
 
 
 def _fused(*tensors: torch.Tensor) -> bool:
@@ -59,6 +60,16 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.limit = limit
+        self.gate_up = ProjectionGroup([(self.gate_proj, "weight"), (self.up_proj, "weight")])  # one GEMM on CUDA
+
+    def fuse_projections(self) -> None:
+        """Merge gate and up into one weight buffer (no extra memory; see blocks/fused_linear.py)."""
+        self.gate_up.fuse()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        """x [T, hidden] -> [T, hidden]."""
+        if self.gate_up.active(x):
+            gate, up = self.gate_up(x).chunk(2, dim=-1)  # [T, I] each, strided rows of one GEMM's output
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(clamped_swiglu(gate, up, self.limit))

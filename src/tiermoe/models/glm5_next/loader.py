@@ -138,6 +138,8 @@ def load_model(
     model.set_expert_backend(expert_backend)
     model.checkpoint_prefix = prefix
     model.dtype, model.device = dtype, torch.device(device)
+    if model.device.type == "cuda":
+        model.fuse_projections()
     return model.eval()
 
 
@@ -177,4 +179,6 @@ def attach_mtp(model: Glm5NextModel, model_dir: str | Path) -> bool:
         backend.add_layer(layer, *load_expert_layer(ck, prefix, layer, cfg.n_routed_experts, dtype, device))
     mtp.mlp.backend = backend
     model.mtp = mtp.eval()
+    if model.device.type == "cuda":
+        model.fuse_projections()
     return True

@@ -18,7 +18,7 @@ from tiermoe.moe.experts import ExpertBackend, ResidentExperts
 
 from .cache import Glm5NextCache, SeqBatch
 from .config import Glm5NextConfig
-from .kda import kda_attention
+from .kda import KDAttention, kda_attention
 from .layers import MLP, RMSNorm
 from .mla import MLAttention
 from .moe import MoE
@@ -116,6 +116,14 @@ class Glm5NextModel(nn.Module):
         for m in self.moe_layers():
             m.backend = backend
         backend.attach(self.moe_layers())
+
+    def fuse_projections(self) -> None:
+        """Merge each layer's projections of one input into one weight buffer (models/blocks/fused_linear.py),
+        trunk and MTP layer. The loader calls it on a CUDA device, the only place the merged GEMMs run; the
+        parameters keep their names and shapes (views of the buffers)."""
+        for m in self.modules():
+            if isinstance(m, (KDAttention, MLP)):
+                m.fuse_projections()
 
     def new_cache(self, num_slots: int, max_len: int) -> Glm5NextCache:
         p = self.embed_tokens.weight
