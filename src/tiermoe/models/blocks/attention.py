@@ -279,45 +279,30 @@ class DSAIndexer(nn.Module):
         return F.pad(idx, (0, self.width - idx.shape[-1]), value=-1)[:, : self.width]
 
     def select_decode(
-        self, q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
+        self, q: torch.Tensor, w: torch.Tensor, idx_rows: torch.Tensor, table_rows: torch.Tensor,
+        seq_lens: torch.Tensor,
     ) -> torch.Tensor:
-        """One query a sequence, at its last position: q [B, nh, d], w [B, nh], rows [B, Lmax, 2d] (every
-        position of each sequence's block table; those past its length are padding), seq_lens [B] ->
-        token indices [B, width].
+        """One query a sequence, at its last position: q [B, nh, d], w [B, nh], idx_rows [S, 2d] (the layer's
+        whole row cache), table_rows [B, Lmax] (the row of every position of each sequence's block table;
+        those past its length are padding), seq_lens [B] -> token indices [B, width].
 
         The lists `select` gives each sequence alone, with shapes set by B and Lmax only (a decode CUDA
         graph captures it whole): every table pool is scored, those not complete by the query masked
         out, which a stable sort puts after every real candidate; the tail goes where `select` puts it,
-        right after the sequence's own min(topk / P, L // P) pool slots."""
-        b, d, p = q.shape[0], self.head_dim, self.kpool
-        dev = q.device
-        seen = seq_lens.long()  # [B] tokens of each sequence, the query's included
-        pos = seen - 1
-        npools = rows.shape[1] // p
-        k = min(self.topk // p, npools)
-        if npools > 0:
-            keys = rows[:, : npools * p, :d].view(b, npools, p, d)
-            gates = rows[:, : npools * p, d:].view(b, npools, p, d)
-            prob = (gates.float() + self.index_kpool_compress_ape.float()[None, None]).softmax(dim=2).to(keys.dtype)
-            pool_keys = (prob * keys).sum(dim=2)  # [B, np, d]
-            scores = torch.matmul(q.float()[:, None], pool_keys.transpose(-1, -2).float().unsqueeze(1))  # [B,1,nh,np]
-            scores = F.relu(scores * (d ** -0.5))
-            index_scores = torch.matmul(w[:, None].unsqueeze(-2), scores).squeeze(-2)  # [B, 1, np]
-            pool_end = torch.arange(npools, device=dev) * p + (p - 1)
-            valid = pool_end[None, None, :] <= pos[:, None, None]  # [B, 1, np]
-            index_scores = index_scores.masked_fill(~valid, torch.finfo(index_scores.dtype).min)
-            chosen = torch.sort(index_scores, dim=-1, descending=True, stable=True).indices[..., :k]  # [B, 1, k]
-            chosen_ok = valid.gather(-1, chosen)
-            tokens = chosen[..., None] * p + torch.arange(p, device=dev)  # [B, 1, k, P]
-            idx = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(-2)[:, 0]  # [B, k*P]
+        right after the sequence's own min(topk / P, L // P) pool slots.
+
+        On a CUDA device with no gradient to carry that is two Triton launches reading the rows through
+        the table (kernels/triton/dsa_decode.py), where torch issues a [B, Lmax, 2d] gather, ~60 tiny
+        kernels and a radix sort per layer; elsewhere the twins (kernels/reference_dsa.py: this method's
+        torch code, so CPU results are unchanged). Both give the same integers wherever the pool scores
+        are not so close that float32 rounding reorders them."""
+        grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, w, idx_rows,
+                                                                          self.index_kpool_compress_ape))
+        if q.is_cuda and not grads:
+            from tiermoe.kernels.triton.dsa_decode import dsa_pool_scores as pool_scores
+            from tiermoe.kernels.triton.dsa_decode import dsa_select as select
         else:
-            idx = torch.empty(b, 0, dtype=torch.long, device=dev)
-        if self.tail and p > 1:
-            count = seen.remainder(p)
-            offs = torch.arange(p - 1, device=dev)
-            tail = (seen - count)[:, None] + offs  # [B, P-1]
-            tail = tail.masked_fill(~(offs[None, :] < count[:, None]), -1)
-            at = (torch.clamp(seen // p, max=k) * p)[:, None] + offs  # [B, P-1] columns `select` gives it
-            pad = torch.full((b, p - 1), -1, dtype=torch.long, device=dev)
-            idx = torch.cat([idx, pad], dim=-1).scatter(1, at, tail)
-        return F.pad(idx, (0, self.width - idx.shape[-1]), value=-1)[:, : self.width]
+            from tiermoe.kernels.reference_dsa import dsa_pool_scores_ref as pool_scores
+            from tiermoe.kernels.reference_dsa import dsa_select_ref as select
+        scores = pool_scores(q, w, idx_rows, table_rows, seq_lens, self.index_kpool_compress_ape, self.kpool)
+        return select(scores, seq_lens, self.topk // self.kpool, self.kpool, self.tail, self.width)  # [B, W]

@@ -96,7 +96,7 @@ class MLAttention(nn.Module):
             if tables is not None:
                 lat_flat = rows.decode_rows("latent", self.layer_idx, step, latent)  # [slots, r]
                 idx_flat = rows.decode_rows("index", self.layer_idx, step, index_rows)  # [slots, 2d]
-                sel = self.indexer.select_decode(iq, iw, idx_flat[tables[1]], tables[0])  # [B, W]
+                sel = self.indexer.select_decode(iq, iw, idx_flat, tables[1], tables[0])  # [B, W]
                 out = self._attend_decode(q, lat_flat, sel, tables)
             else:
                 sel = torch.empty(t, self.indexer.width, dtype=torch.long, device=x.device)  # the core fills it
