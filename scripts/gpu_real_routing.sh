@@ -31,7 +31,8 @@
 #              on the same file (the warm start a user of the real model gives it), a short warm-up
 #              sweep, then `tiermoe bench sweep` (prefill 4k, decode C1 and C4) with /stats before/after
 #   parity5    `tiermoe eval parity --tiny glm5_next --device cuda --dtype bfloat16`, as prefill chunks and with
-#              --decode-from 0 (every position a decode step: the decode kernels and graphs), against transformers
+#              --decode-from 0 (every position a decode step: the decode kernels and graphs), against transformers;
+#              then the same on a confident tiny (write_tiny_checkpoint(branch_scale=0.25), --model)
 #   glm5-trunk glm5_next's own layers at full width (issue: non-MoE decode time of all 45 layers): `bench make-glm5
 #              --moe-layers 42 --experts 16` at --top-k 8 and 1 (the routed experts' share of a token's time is
 #              what the two differ by, times 8/7), each served resident by `bench decode` (C1, C4), then on the
@@ -208,11 +209,16 @@ serve_matrix() {  # NAME STORE STATS EXTRA_FLAGS...
   done
 }
 
-step_parity5() {  # a tiny glm5_next in bf16 on the GPU against transformers: prefill chunks, then decode steps
-  local mode flag
-  for mode in chunked decode; do
-    flag=""; [ $mode = decode ] && flag="--decode-from 0"
-    timeout 600 "$PY" -m tiermoe.cli eval parity --tiny glm5_next --device cuda --dtype bfloat16 $flag \
+step_parity5() {  # a tiny glm5_next in bf16 on the GPU against transformers: prefill chunks, then decode steps;
+  # the default tiny (near-tie logits: transformers' own bf16 agrees with its fp32 at ~0.73) and a confident one
+  # (residual branches scaled by 0.25, so each position's own token dominates as in trained models)
+  local mode flag src
+  "$PY" -c "import sys; from tiermoe.models.glm5_next.tiny import write_tiny_checkpoint as w; w(sys.argv[1], branch_scale=0.25)" \
+    "$WORK/tiny-confident" > /dev/null 2>&1 || log "parity5: writing the confident tiny failed"
+  for mode in chunked decode confident-chunked confident-decode; do
+    flag=""; case $mode in *decode) flag="--decode-from 0";; esac
+    src="--tiny glm5_next"; case $mode in confident*) src="--model $WORK/tiny-confident";; esac
+    timeout 600 "$PY" -m tiermoe.cli eval parity $src --device cuda --dtype bfloat16 $flag \
       > "$WORK/parity5-$mode.log" 2>&1 || log "parity5 $mode failed: $(tail -2 "$WORK/parity5-$mode.log")"
     log "parity5 $mode: $(tail -1 "$WORK/parity5-$mode.log")"
   done
