@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tiermoe.kernels.reference_mhc import mhc_mix_ref
-from tiermoe.kernels.triton.mhc import MAX_STREAMS, mhc_mix
+from tiermoe.kernels.triton.mhc import MAX_STREAMS, mhc_mix, mhc_mix_partials
 
 EPS = 1e-6  # glm5_next's hc_eps
 RTOL, ATOL = 1e-5, 1e-12
@@ -65,6 +65,25 @@ def test_comb_is_doubly_stochastic_after_sinkhorn(device):
     torch.testing.assert_close(comb.sum(-2), ones, rtol=0, atol=1e-5)  # the loop ends on the columns
 
 
+@pytest.mark.parametrize("n, splits", [(4, 5), (3, 1)])
+def test_partials_are_summed_then_scaled_by_the_norm(n, splits, device):
+    """mhc_mix_partials = mhc_mix_ref of the partials' dots summed over the splits, times rsqrt(their sum of
+    squares * inv_l + eps). The partials are multiples of 1/64, so their sum is exact in any order and only
+    the rsqrt and the mixing round (splits: not a power of two, and one; n = 3: padded lanes)."""
+    t, width, length = 3, (2 + n) * n, 256
+    gen = torch.Generator().manual_seed(5 * n + splits)
+    dots = torch.randint(-64, 65, (t, splits, width), generator=gen) / 64  # [T, S, W]
+    sumsq = torch.rand(t, splits, 1, generator=gen) * length  # [T, S, 1]
+    partials = torch.cat([dots, sumsq], dim=-1)  # [T, S, W + 1]
+    _, base, scale = _inputs(t, n, "cpu")
+    norm_eps, inv_l = 1e-6, 1 / length
+    mix = dots.sum(1) * torch.rsqrt(sumsq.sum(1) * inv_l + norm_eps)  # [T, W]
+    want = mhc_mix_ref(mix, base, scale, n, 20, EPS)
+    got = mhc_mix_partials(partials.to(device), base.to(device), scale.to(device), n, 20, EPS, inv_l, norm_eps)
+    for name, g, w in zip(("pre", "post", "comb"), got, want):
+        torch.testing.assert_close(g.cpu(), w, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_no_tokens(device):
     mix, base, scale = _inputs(1, 4, device)
     pre, post, comb = mhc_mix(mix[:0], base, scale, 4, 20, EPS)
@@ -80,3 +99,7 @@ def test_rejects_what_it_cannot_compute(device):
         mhc_mix(mix[:, :-1], base, scale, 4, 20, EPS)
     with pytest.raises(ValueError, match="mix"):
         mhc_mix(mix.double(), base, scale, 4, 20, EPS)
+    with pytest.raises(ValueError, match="partials"):
+        mhc_mix_partials(mix[:, None], base, scale, 4, 20, EPS, 1.0, EPS)  # no sum of squares column
+    with pytest.raises(ValueError, match="partials"):
+        mhc_mix_partials(torch.zeros(1, 0, 25, device=device), base, scale, 4, 20, EPS, 1.0, EPS)

@@ -1,15 +1,14 @@
-"""The fused mHC kernels (kernels/triton/mhc_fused.py) against their plain-torch twins (kernels/reference_mhc.py,
-the code models/blocks/hyperconnection.py runs on CPU), through Triton's interpreter on CPU.
+"""The fused mHC kernels around a sub-block (kernels/triton/mhc_fused.py: hc_collapse_norm, hc_post) against their
+plain-torch twins (kernels/reference_mhc.py, the code models/blocks/hyperconnection.py runs on CPU), through
+Triton's interpreter on CPU; hc_mix_coefficients has test_mhc_projection.py.
 
 Tolerances, and why they are not zero:
-  - hc_flat_norm (fp32 out): the kernel adds the squares in a tree of its own, torch's CPU sum in
-    another, and multiplies the sum by fp32(1 / count) where torch's CPU mean divides. The statistic
-    may differ by a few float32 ulps, the rsqrt (1 / sqrt on both sides here) passes that on: rtol 1e-5.
   - hc_collapse_norm (out in the model dtype): the collapse adds the same fp32 products in the same
-    stream order as torch, so it is exact; only the RMS statistic differs (as in the flat norm). At
-    bf16 an element whose normalised value lies within a few fp32 ulps of a rounding boundary can land
-    one bf16 ulp away: checked as at most 1 ulp anywhere and bit for bit on 99% of the values. At fp32
-    the statistic's few ulps pass straight through: rtol 1e-5.
+    stream order as torch, so it is exact; only the RMS statistic differs: the kernel adds the squares
+    in a tree of its own, torch's CPU sum in another, and multiplies the sum by fp32(1 / count) where
+    torch's CPU mean divides, a few float32 ulps. At bf16 an element whose normalised value lies within
+    a few fp32 ulps of a rounding boundary can land one bf16 ulp away: checked as at most 1 ulp anywhere
+    and bit for bit on 99% of the values. At fp32 the statistic's few ulps pass straight through: rtol 1e-5.
   - hc_post: bf16 products of bf16 values are exact in fp32 and the mix adds them in stream order, as
     torch's K = N matmul does, so bf16 results could differ by 1 ulp only through a summation order
     (the bf16 check above). At fp32 torch's CPU matmul contracts into FMAs and the kernel does not (it
@@ -23,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tiermoe.kernels.reference_mhc import hc_collapse_norm_ref, hc_flat_norm_ref, hc_post_ref
-from tiermoe.kernels.triton.mhc_fused import hc_collapse_norm, hc_flat_norm, hc_post
+from tiermoe.kernels.reference_mhc import hc_collapse_norm_ref, hc_post_ref
+from tiermoe.kernels.triton.mhc_fused import hc_collapse_norm, hc_post
 from tiermoe.kernels.triton.norm import PRECISE, round_to
 
 EPS = 1e-6  # glm5_next's rms_norm_eps
@@ -69,15 +68,6 @@ def _coefficients(t: int, n: int, device, seed: int = 1) -> tuple[torch.Tensor, 
     return pre.to(device), post.to(device), comb.to(device)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t, n, d", SHAPES)
-def test_flat_norm_matches_twin(t, n, d, dtype, device):
-    streams = _streams(t, n, d, dtype, device)
-    got = hc_flat_norm(streams, EPS)
-    assert got.shape == (t, n * d) and got.dtype == torch.float32
-    torch.testing.assert_close(got, hc_flat_norm_ref(streams, EPS), rtol=1e-5, atol=1e-12)
-
-
 @pytest.mark.parametrize("weight_dtype", ["same", torch.float32])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t, n, d", SHAPES)
@@ -117,11 +107,10 @@ def test_each_token_alone_gives_the_same_bits(device):
     out = _streams(t, 1, d, torch.bfloat16, device, seed=7)[:, 0]
     pre, post, comb = _coefficients(t, n, device)
     weight = torch.linspace(0.5, 1.5, d).to(torch.bfloat16).to(device)
-    batch = (hc_flat_norm(streams, EPS), hc_collapse_norm(streams, pre, weight, EPS), hc_post(out, streams, post, comb))
+    batch = (hc_collapse_norm(streams, pre, weight, EPS), hc_post(out, streams, post, comb))
     for i in range(t):
         s = slice(i, i + 1)
-        alone = (hc_flat_norm(streams[s], EPS), hc_collapse_norm(streams[s], pre[s], weight, EPS),
-                 hc_post(out[s], streams[s], post[s], comb[s]))
+        alone = (hc_collapse_norm(streams[s], pre[s], weight, EPS), hc_post(out[s], streams[s], post[s], comb[s]))
         for b, a in zip(batch, alone):
             assert torch.equal(b[s], a)
 
@@ -130,7 +119,6 @@ def test_no_tokens(device):
     streams = _streams(1, 4, 64, torch.bfloat16, device)[:0]
     pre, post, comb = (x[:0] for x in _coefficients(1, 4, device))
     weight = torch.ones(64, dtype=torch.bfloat16, device=device)
-    assert hc_flat_norm(streams, EPS).shape == (0, 256)
     assert hc_collapse_norm(streams, pre, weight, EPS).shape == (0, 64)
     assert hc_post(streams[:, 0], streams, post, comb).shape == (0, 4, 64)
 
@@ -140,9 +128,9 @@ def test_rejects_what_it_cannot_compute(device):
     pre, post, comb = _coefficients(2, 4, device)
     weight = torch.ones(64, dtype=torch.bfloat16, device=device)
     with pytest.raises(ValueError, match="streams"):
-        hc_flat_norm(streams[:, 0], EPS)
+        hc_collapse_norm(streams[:, 0], pre, weight, EPS)
     with pytest.raises(ValueError, match="streams"):
-        hc_flat_norm(streams.to(torch.int32), EPS)
+        hc_collapse_norm(streams.to(torch.int32), pre, weight, EPS)
     with pytest.raises(ValueError, match="pre"):
         hc_collapse_norm(streams, pre.double(), weight, EPS)
     with pytest.raises(ValueError, match="weight"):

@@ -5,17 +5,19 @@ glm5_next computes the hyper-connection (same operations, same order, same dtype
 stay bit for bit what the reference computes; the kernels are judged against this code. Around one
 sub-block the pieces run in this order:
 
-  flat  = hc_flat_norm_ref(streams)                       fp32 [T, N*D], unweighted RMS norm
-  mix   = F.linear(flat, fn.float())                      fp32 [T, (2+N)*N] (cuBLAS, not a twin here)
-  pre, post, comb = mhc_mix_ref(mix, base, scale, ...)    sigmoid gates, Sinkhorn-normalised mix
-  h     = hc_collapse_norm_ref(streams, pre, w, eps)      collapse to [T, D], then the weighted RMSNorm
+  pre, post, comb = hc_mix_coefficients_ref(streams, fn, ...)   the mixing coefficients, fp32:
+      flat = hc_flat_norm_ref(streams)                          fp32 [T, N*D], unweighted RMS norm
+      mix  = F.linear(flat, fn.float())                         fp32 [T, (2+N)*N]
+      mhc_mix_ref(mix, base, scale, ...)                        sigmoid gates, Sinkhorn-normalised mix
+  h     = hc_collapse_norm_ref(streams, pre, w, eps)            collapse to [T, D], then the weighted RMSNorm
   out   = sub_block(h)
-  new   = hc_post_ref(out, streams, post, comb)           spread out over the streams + mix the old ones
+  new   = hc_post_ref(out, streams, post, comb)                 spread out over the streams + mix the old ones
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tiermoe.kernels.reference_norm import rms_norm_ref
 
@@ -42,10 +44,22 @@ def mhc_mix_ref(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: i
 
 
 def hc_flat_norm_ref(streams: torch.Tensor, eps: float) -> torch.Tensor:
-    """Twin of mhc_fused.hc_flat_norm: streams [T, N, D] -> fp32 [T, N*D], each token's N*D values in
-    fp32 divided by their root mean square (no weight): the input of the mixing projection."""
+    """streams [T, N, D] -> fp32 [T, N*D], each token's N*D values in fp32 divided by their root mean square
+    (no weight): the input of the mixing projection in hc_mix_coefficients_ref."""
     x = streams.reshape(streams.shape[0], -1).float()  # [T, N*D]
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def hc_mix_coefficients_ref(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, base: torch.Tensor,
+                            scale: torch.Tensor, n: int, iters: int,
+                            hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Twin of mhc_fused.hc_mix_coefficients: streams [T, N, D], fn [(2+N)*N, N*D], base fp32 [(2+N)*N],
+    scale fp32 [3] -> (pre [T, N], post [T, N], comb [T, N, N]), all fp32.
+
+    The flat norm of the streams, its projection by fn in fp32 (cuBLAS on a GPU, which the kernels replace;
+    fn.float() is fn itself when it is fp32 already) and mhc_mix_ref."""
+    mix = F.linear(hc_flat_norm_ref(streams, norm_eps), fn.float())  # [T, (2+N)*N]
+    return mhc_mix_ref(mix, base, scale, n, iters, hc_eps)
 
 
 def hc_collapse_norm_ref(streams: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor,

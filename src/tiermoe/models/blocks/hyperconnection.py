@@ -9,22 +9,27 @@ scale bounded however deep the stack. Any family with mHC residuals (glm5_next: 
 
 Dtype handling mirrors transformers' `glm5_next`: mixing weights are computed in fp32 from the
 fp32 `base`/`scale` parameters, then cast to the residual's dtype for the mix. On a CUDA device
-(with no gradient to carry) each sub-block's connection is four Triton launches plus the
-projection in cuBLAS: the flat norm of the streams and the collapse + the sub-block's RMSNorm
-and the spread + mix (kernels/triton/mhc_fused.py), the mixing weights (kernels/triton/mhc.py:
-the Sinkhorn loop is otherwise ~130 launches). Eager torch would issue ~150 tiny kernels per
-sub-block, each a few microseconds at decode even replayed from a CUDA graph. Elsewhere the
-plain-torch twins run (kernels/reference_mhc.py: the code of transformers' glm5_next, unchanged,
-so CPU results are bit for bit the reference's).
+(with no gradient to carry) each sub-block's connection is four Triton launches. Two give the mixing
+weights (kernels/triton/mhc_fused.py's hc_mix_coefficients): the first splits each token's flattened
+streams into slices over many programs, each reading its columns of the fp32 projection weight and
+writing partial dot products and a partial sum of squares; the second (kernels/triton/mhc.py) adds the
+partials in a fixed order, applies the flat RMS norm's scale and runs the gates, softmax and Sinkhorn
+loop (~130 launches in torch). Not a flat norm kernel then cuBLAS: that is two launches more, and
+cuBLAS's fp32 GEMV rounds differently for different row counts, whereas here a token's coefficients do
+not depend on the batch around it, so speculative decoding's verify steps compute the coefficients plain
+decoding does. The other two launches
+(mhc_fused.py) are the collapse + the sub-block's RMSNorm, and the spread + mix. Eager torch would issue
+~150 tiny kernels per sub-block, each a few microseconds at decode even replayed from a CUDA graph.
+Elsewhere the plain-torch twins run (kernels/reference_mhc.py: the code of transformers' glm5_next,
+unchanged, so CPU results are bit for bit the reference's).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from tiermoe.kernels.reference_mhc import hc_collapse_norm_ref, hc_flat_norm_ref, hc_post_ref, mhc_mix_ref
+from tiermoe.kernels.reference_mhc import hc_collapse_norm_ref, hc_mix_coefficients_ref, hc_post_ref
 
 
 def _fused(*tensors: torch.Tensor) -> bool:
@@ -64,20 +69,14 @@ class HyperConnection(nn.Module):
         return self._fn32[1]
 
     def coefficients(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [T, N, D] -> (pre [T, N], post [T, N], comb [T, N, N]), all fp32."""
-        if _fused(streams):
-            from tiermoe.kernels.triton.mhc_fused import hc_flat_norm
+        """streams [T, N, D] -> (pre [T, N], post [T, N], comb [T, N, N]), all fp32: the flat RMS norm of the
+        streams, its projection by fn in fp32 and the gates + Sinkhorn mix (two launches on CUDA)."""
+        fn = self._fn_fp32()  # [(2+N)*N, N*D] fp32
+        if _fused(streams, fn, self.base, self.scale):
+            from tiermoe.kernels.triton.mhc_fused import hc_mix_coefficients
         else:
-            hc_flat_norm = hc_flat_norm_ref
-        flat = hc_flat_norm(streams, self.norm_eps)  # [T, N*D] fp32
-        mix = F.linear(flat, self._fn_fp32())  # [T, (2+N)*N]
-        # on CUDA one fused launch instead of ~130 tiny ones; the kernel carries no gradient, so
-        # anything that trains through here (mix needs a gradient) takes the twin
-        if mix.is_cuda and not mix.requires_grad:
-            from tiermoe.kernels.triton.mhc import mhc_mix
-        else:
-            mhc_mix = mhc_mix_ref
-        return mhc_mix(mix, self.base, self.scale, self.n, self.iters, self.hc_eps)  # [T,N] [T,N] [T,N,N]
+            hc_mix_coefficients = hc_mix_coefficients_ref
+        return hc_mix_coefficients(streams, fn, self.norm_eps, self.base, self.scale, self.n, self.iters, self.hc_eps)
 
     def pre_norm(self, streams: torch.Tensor, norm_weight: torch.Tensor,
                  norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
