@@ -78,8 +78,7 @@ def _pool_scores_kernel(q_ptr, w_ptr, rows_ptr, table_ptr, lens_ptr, ape_ptr, ou
         q = tl.load(q_ptr + b * (NH * D) + h[:, None] * D + c[None, :], mask=hc, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + b * NH + h, mask=h < NH, other=0.0)  # [BH] fp32
         ape = tl.load(ape_ptr + t[:, None] * D + c[None, :], mask=tc, other=0.0).to(tl.float32)  # [BP, BD]
-        for i in range(0, tl.minimum(BJ, n_valid - j0)):
-            j = j0 + i
+        for j in range(j0, tl.minimum(n_valid, j0 + BJ)):  # the block's complete pools
             r = tl.load(table_ptr + b * table_stride + j * P + t, mask=t < P, other=0)  # [BP] rows of the pool
             row = rows_ptr + r.to(tl.int64)[:, None] * row_stride + c[None, :]  # [BP, BD]
             key = tl.load(row, mask=tc, other=0.0).to(tl.float32)  # values of KEY_DT
