@@ -8,9 +8,16 @@ glm5_next runs 90 sub-blocks per token: at decode every one of them costs a laun
 microseconds even when replayed from a CUDA graph, far more than the arithmetic. Here one program
 per token does it all in registers.
 
-Numerics follow the twin (`kernels.reference_mhc.mhc_mix_ref`, the torch code) operation by operation,
-in the same order, so that a GPU run matches what eager torch on the GPU computes as closely as the
-kernel can:
+The kernel takes mix in one of two forms (a constexpr switch): the mix rows themselves (`mhc_mix`), or
+the partials of the projection that mhc_fused.hc_mix_coefficients writes, one per slice of a token's
+flattened streams (`mhc_mix_partials`: dot products with fn's rows and a sum of squares). Then it first
+adds the slices in one fixed order (a reduction tree set by their count alone, so a token's result does
+not depend on the batch) and multiplies the dots by the flat RMS norm's rsqrt: the projection and the
+coefficients cost two launches per sub-block, and no cuBLAS GEMV whose rounding varies with the row count.
+
+From mix on, numerics follow the twin (`kernels.reference_mhc.mhc_mix_ref`, the torch code) operation by
+operation, in the same order, so that a GPU run matches what eager torch on the GPU computes as closely as
+the kernel can:
   - every product and sum is rounded on its own (launched with `enable_fp_fusion=False`: no FMA
     contraction, which eager torch does not do either);
   - divisions are IEEE (`tl.div_rn`; Triton's plain `/` on fp32 is an approximate division);

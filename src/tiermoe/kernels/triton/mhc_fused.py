@@ -58,7 +58,8 @@ def _proj_partials_kernel(x_ptr, fn_ptr, ws_ptr, L: tl.constexpr, W: tl.constexp
     slice with the same columns of fn's W rows ([W, L]) and its sum of squares -> ws[t, k] [W + 1], fp32.
 
     Each value's products accumulate in a [BW, BLOCK] tile over the slice's steps, then one reduction tree
-    along the columns: the same order for every token whatever T is."""
+    along the columns: the same order for every token whatever T is. Launched with FMA contraction (named, not
+    left to Triton's changing default): the dots need not round as cuBLAS does, only the same for every T."""
     t = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1)
     rows = tl.arange(0, BW)  # [BW] rows of fn, padded to a power of two
@@ -113,7 +114,7 @@ def hc_mix_coefficients(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float
     if t:
         _proj_partials_kernel[(t, splits)](streams.contiguous(), fn.contiguous(), ws, L=length, W=width,
                                            BW=triton.next_power_of_2(width), SPLITS=splits, SLICE=piece,
-                                           BLOCK=min(piece, PROJ_BLOCK), num_warps=4)
+                                           BLOCK=min(piece, PROJ_BLOCK), num_warps=4, enable_fp_fusion=True)
     return mhc_mix_partials(ws, base, scale, n, iters, hc_eps, inv_count(length), norm_eps)
 
 
