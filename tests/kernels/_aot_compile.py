@@ -6,7 +6,7 @@ process has the interpreter on.
 
 1. Record: `JITFunction.run` is replaced by a recorder, then the package's own wrappers
    (fused_moe, paged_decode_attention, ExpertCache.step, gather_records, ResidencyMailbox.ensure,
-   Mailbox.post and wait_add, mhc_mix, kda_conv_step and kda_recurrent_step, hc_flat_norm, hc_collapse_norm,
+   Mailbox.post and wait_add, mhc_mix, kda_conv_step and kda_recurrent_step, hc_mix_coefficients, hc_collapse_norm,
    hc_post, rms_norm, clamped_swiglu, sigmoid_topk_route) are called on small CPU
    tensors. Each launch is kept (kernel, arguments,
    constexprs, num_warps/num_stages) instead of run, so the argument types and launch
@@ -48,7 +48,7 @@ from tiermoe.kernels.triton.cache_manager import ExpertCache, gather_records
 from tiermoe.kernels.triton.kda_decode import kda_conv_step, kda_recurrent_step
 from tiermoe.kernels.triton.mailbox import Mailbox
 from tiermoe.kernels.triton.mhc import mhc_mix
-from tiermoe.kernels.triton.mhc_fused import hc_collapse_norm, hc_flat_norm, hc_post
+from tiermoe.kernels.triton.mhc_fused import hc_collapse_norm, hc_mix_coefficients, hc_post
 from tiermoe.kernels.triton.norm import clamped_swiglu, rms_norm
 from tiermoe.kernels.triton.residency import ResidencyMailbox
 from tiermoe.kernels.triton.router import sigmoid_topk_route
@@ -308,7 +308,9 @@ def kda_decode(rec: Recorder) -> None:
 
 
 def mhc_fused(rec: Recorder) -> None:
-    """The fused mHC kernels around each sub-block (flat norm, collapse + RMSNorm, spread + mix) and glm5_next's
+    """The fused mHC kernels around each sub-block (the mixing coefficients from the streams: split-K projection
+    partials + the mixing kernel reducing them, glm5_next's size with its bf16 fn only, the kernel's other form is
+    mhc's; collapse + RMSNorm, spread + mix) and glm5_next's
     RMSNorm and clamped SwiGLU (accurate exp, IEEE division, libdevice rsqrt: what a CUDA device compiles): bf16
     at glm5_next's full width (4 streams of 4096), fp32 at a padded one (3 streams of 80); RMSNorm also on the
     strided 512-wide latent slice of kv_a_layernorm, 1536-wide q_a rows and with an fp32 weight. The token
@@ -318,11 +320,14 @@ def mhc_fused(rec: Recorder) -> None:
         pre, post, comb = torch.ones(2, n), torch.ones(2, n), torch.ones(2, n, n)
         weight = torch.ones(d, dtype=dtype)
         with rec.tagged(f"mhc_fused {dtype} N{n} D{d}"):
-            hc_flat_norm(streams, 1e-6)
             hc_collapse_norm(streams, pre, weight, 1e-6)
             hc_post(streams[:, 0].contiguous(), streams, post, comb)
             rms_norm(streams[:, 0].contiguous(), weight, 1e-6)
             clamped_swiglu(streams[:, 0].contiguous(), streams[:, 1].contiguous(), 10.0)
+    with rec.tagged("mhc coefficients bf16 N4 D4096"):
+        fn = torch.zeros(24, 4 * 4096, dtype=torch.bfloat16)  # [(2+N)*N, N*D] in the model's dtype
+        hc_mix_coefficients(torch.zeros(2, 4, 4096, dtype=torch.bfloat16), fn, 1e-6, torch.zeros(24), torch.ones(3), 4,
+                            20, 1e-6)
     with rec.tagged("rms_norm bf16 strided 512, 1536, fp32 weight"):
         latent = torch.zeros(2, 512 + 64, dtype=torch.bfloat16)
         rms_norm(latent[:, :512], torch.ones(512, dtype=torch.bfloat16), 1e-6)

@@ -57,9 +57,10 @@ class HyperConnection(nn.Module):
         self._fn32: tuple[tuple, torch.Tensor] | None = None  # (fn's identity, fn in fp32)
 
     def _fn_fp32(self) -> torch.Tensor:
-        """fn [(2+N)*N, N*D] in fp32 for the mixing projection. In a bf16 model the exact cast is kept
-        between calls while fn is unchanged (same storage, same version): recast, it would be one more
-        launch and a 3 MB write in each of glm5_next's 90 sub-blocks a token."""
+        """fn [(2+N)*N, N*D] in fp32 for the twin's projection. In a bf16 model the exact cast is kept between
+        calls while fn is unchanged (same storage, same version): recast, it would be one more launch and a
+        3 MB write in each of glm5_next's 90 sub-blocks a token. The kernels read fn as it is (each value
+        widened exactly), so on a CUDA device no copy is made at all."""
         fn = self.fn
         if fn.dtype == torch.float32 or (torch.is_grad_enabled() and fn.requires_grad):
             return fn.float()
@@ -70,13 +71,13 @@ class HyperConnection(nn.Module):
 
     def coefficients(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, N, D] -> (pre [T, N], post [T, N], comb [T, N, N]), all fp32: the flat RMS norm of the
-        streams, its projection by fn in fp32 and the gates + Sinkhorn mix (two launches on CUDA)."""
-        fn = self._fn_fp32()  # [(2+N)*N, N*D] fp32
-        if _fused(streams, fn, self.base, self.scale):
+        streams, its projection by fn in fp32 and the gates + Sinkhorn mix (two launches on CUDA, reading fn in
+        its own dtype: half the bytes of an fp32 copy in a bf16 model, the same products)."""
+        args = (self.norm_eps, self.base, self.scale, self.n, self.iters, self.hc_eps)
+        if _fused(streams, self.fn, self.base, self.scale):
             from tiermoe.kernels.triton.mhc_fused import hc_mix_coefficients
-        else:
-            hc_mix_coefficients = hc_mix_coefficients_ref
-        return hc_mix_coefficients(streams, fn, self.norm_eps, self.base, self.scale, self.n, self.iters, self.hc_eps)
+            return hc_mix_coefficients(streams, self.fn, *args)
+        return hc_mix_coefficients_ref(streams, self._fn_fp32(), *args)
 
     def pre_norm(self, streams: torch.Tensor, norm_weight: torch.Tensor,
                  norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
