@@ -1,6 +1,6 @@
-"""Plain-torch twin of the sigmoid "noaux_tc" routing kernel (kernels/triton/router.py).
+"""Plain-torch twins of the sigmoid "noaux_tc" routing kernels (kernels/triton/router.py).
 
-This is the routing of transformers' DeepSeek-V3 / GLM MoE gates after their fp32 projection,
+This is the routing of transformers' DeepSeek-V3 / GLM MoE gates, their fp32 projection included,
 operation by operation (models/blocks/router.py runs it on CPU, and wherever a gradient is
 needed): routing decisions are discrete, so a different rounding anywhere could flip a pick and
 break exactness against the reference. Kept apart from reference.py (the expert-path twins) so
@@ -10,6 +10,7 @@ the router's code path reads on its own.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def sigmoid_topk_route_ref(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
@@ -40,3 +41,17 @@ def sigmoid_topk_route_ref(logits: torch.Tensor, bias: torch.Tensor, top_k: int,
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return ids, weights * routed_scaling_factor
+
+
+def sigmoid_topk_route_from_hidden_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
+                                       n_group: int, topk_group: int, norm_topk_prob: bool,
+                                       routed_scaling_factor: float,
+                                       replay_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of router.sigmoid_topk_route_from_hidden: x [T, H], weight [E, H] (the gate), bias [E] ->
+    (ids [T, k] long, weights fp32 [T, k]).
+
+    The gate's projection in fp32 (x and weight cast first, as transformers does; cuBLAS on a GPU, which the
+    kernels replace; weight.float() is the weight itself when it is fp32 already), then sigmoid_topk_route_ref."""
+    logits = F.linear(x.float(), weight.float())  # [T, E] fp32
+    return sigmoid_topk_route_ref(logits, bias.float(), top_k, n_group, topk_group, norm_topk_prob,
+                                  routed_scaling_factor, replay_ids)

@@ -4,12 +4,20 @@ Both scoring schemes mirror transformers op for op (dtype of the logits, where t
 is taken in fp32, where weights are renormalised), since routing decisions are discrete and
 a flipped pick would break exactness.
 
-The sigmoid scheme's routing after its fp32 projection is one Triton launch on CUDA
-(kernels/triton/router.py: ~12 tiny kernels per layer otherwise) and its plain-torch twin
-elsewhere (kernels.reference_router.sigmoid_topk_route_ref: the transformers code, unchanged).
-The two pick the same expert set. The kernel's ids come in descending biased-score order, the
-twin's in torch.topk(sorted=False)'s unspecified order: callers treat a token's ids as a set
-(fused_moe adds the picks in pick order, so the order moves only fp32 rounding).
+The sigmoid scheme (fp32 projection, then sigmoid, bias, group pre-selection, top-k and
+renormalisation) is two Triton launches on CUDA when nothing needs a gradient
+(kernels/triton/router.py's sigmoid_topk_route_from_hidden: split-K projection partials, then the
+routing kernel adding them in a fixed order), where torch issues ~12 tiny kernels per layer after
+the projection and an fp32 copy of x plus cuBLAS's GEMV (two kernels at decode) for it. Besides
+the launches, cuBLAS's fp32 GEMV rounds differently for different row counts, so a token verified
+in a batch of draft tokens could route otherwise than decoded alone; the kernels' result for a
+token does not depend on the batch. Elsewhere (CPU, training) the plain-torch twin runs
+(kernels.reference_router.sigmoid_topk_route_from_hidden_ref: the transformers code, unchanged,
+so CPU results are bit for bit the reference's). The kernels' logits match the twin's to fp32
+rounding, not bit for bit: the two pick the same expert set unless biased scores lie within that
+rounding of each other. The kernel's ids come in descending biased-score order, the twin's in
+torch.topk(sorted=False)'s unspecified order: callers treat a token's ids as a set (fused_moe adds
+the picks in pick order, so the order moves only fp32 rounding).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tiermoe.kernels.reference_router import sigmoid_topk_route_ref
+from tiermoe.kernels.reference_router import sigmoid_topk_route_from_hidden_ref
 from tiermoe.models.blocks.common import empty_param
 from tiermoe.models.spec import MoESpec
 
@@ -54,15 +62,16 @@ class Router(nn.Module):
         return ids, (weights if self.moe.fp32_combine_weights else weights.to(logits.dtype))
 
     def _sigmoid_noaux(self, x, replay_ids=None):
+        """x [T, H] -> (ids [T, k] long, weights fp32 [T, k]): logits = x.float() @ weight.float().T, then the
+        noaux_tc routing. On CUDA two launches reading x, the weight and the bias in their own dtypes (no fp32
+        copies); the kernels carry no gradient, so anything that trains through here takes the twin (the torch
+        code, also the CPU path)."""
         m = self.moe
-        logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
-        bias = self.e_score_correction_bias
-        # on CUDA one fused launch instead of ~12 tiny ones per layer; the kernel carries no gradient, so
-        # anything that trains through here takes the twin (the torch code, also the CPU path)
-        needs_grad = torch.is_grad_enabled() and (logits.requires_grad or bias.requires_grad)
-        if logits.is_cuda and not needs_grad:
-            from tiermoe.kernels.triton.router import sigmoid_topk_route as route
+        weight, bias = self.weight, self.e_score_correction_bias
+        needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in (x, weight, bias))
+        if x.is_cuda and not needs_grad:
+            from tiermoe.kernels.triton.router import sigmoid_topk_route_from_hidden as route
         else:
-            route = sigmoid_topk_route_ref
-        return route(logits, bias.float(), m.top_k, m.n_group, m.topk_group, m.norm_topk_prob,
-                     m.routed_scaling_factor, replay_ids)
+            route = sigmoid_topk_route_from_hidden_ref
+        return route(x, weight, bias, m.top_k, m.n_group, m.topk_group, m.norm_topk_prob, m.routed_scaling_factor,
+                     replay_ids)
