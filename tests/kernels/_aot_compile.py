@@ -7,7 +7,7 @@ process has the interpreter on.
 1. Record: `JITFunction.run` is replaced by a recorder, then the package's own wrappers
    (fused_moe, paged_decode_attention, ExpertCache.step, gather_records, ResidencyMailbox.ensure,
    Mailbox.post and wait_add, mhc_mix, kda_conv_step and kda_recurrent_step, hc_mix_coefficients, hc_collapse_norm,
-   hc_post, rms_norm, clamped_swiglu, sigmoid_topk_route) are called on small CPU
+   hc_post, rms_norm, clamped_swiglu, sigmoid_topk_route, dsa_pool_scores and dsa_select) are called on small CPU
    tensors. Each launch is kept (kernel, arguments,
    constexprs, num_warps/num_stages) instead of run, so the argument types and launch
    configurations are exactly what those wrappers pass on a GPU without a tuned entry in
@@ -45,6 +45,7 @@ from triton.runtime.jit import JITFunction
 from tiermoe.kernels.layout import expert_layout
 from tiermoe.kernels.triton import fused_moe as fm
 from tiermoe.kernels.triton.cache_manager import ExpertCache, gather_records
+from tiermoe.kernels.triton.dsa_decode import dsa_pool_scores, dsa_select
 from tiermoe.kernels.triton.kda_decode import kda_conv_step, kda_recurrent_step
 from tiermoe.kernels.triton.mailbox import Mailbox
 from tiermoe.kernels.triton.mhc import mhc_mix
@@ -347,6 +348,23 @@ def router(rec: Recorder) -> None:
             sigmoid_topk_route(torch.zeros(1, e), torch.zeros(e), k, groups, keep, norm, 2.5, replay)
 
 
+def dsa_decode(rec: Recorder) -> None:
+    """The DSA indexer's decode selection (accurate exp, IEEE division: what a CUDA device compiles) at
+    glm5_next's size (32 heads of 128, 16-token pools, the best 128 pools, bf16 rows, tail on) for a table of
+    16384 positions (1024 pools: the serving default's context; a table's pool count is a constexpr, and the
+    selection's sort network grows with it, so the 65536-position maximum is compiled where it runs, not here,
+    where it costs minutes of compile time for the same code); a padded shape (3 heads of 24, 3-token pools, fp32
+    rows, no tail) with fewer pools than k. The batch sets only the grid, so one sequence stands for every step."""
+    for nh, d, p, k, lmax, dtype, tail in ((32, 128, 16, 128, 16384, torch.bfloat16, True),
+                                           (3, 24, 3, 4, 9, torch.float32, False)):
+        lens = torch.ones(1, dtype=torch.int32)
+        with rec.tagged(f"dsa decode H{nh} d{d} P{p} k{k} L{lmax} {str(dtype)[6:]} tail {tail}"):
+            scores = dsa_pool_scores(torch.zeros(1, nh, d, dtype=dtype), torch.zeros(1, nh),
+                                     torch.zeros(64, 2 * d, dtype=dtype), torch.zeros(1, lmax, dtype=torch.long),
+                                     lens, torch.zeros(p, d, dtype=dtype), p)
+            dsa_select(scores, lens, k, p, tail, k * p + (p - 1 if tail else 0))
+
+
 SCENARIOS = (
     fused_moe_defaults,
     fused_moe_k_tiles_spanning_groups,
@@ -360,6 +378,7 @@ SCENARIOS = (
     mhc_fused,
     router,
     kda_decode,
+    dsa_decode,
 )
 
 

@@ -274,7 +274,8 @@ def test_static_selection_equals_per_sequence_selection(ckpt):
     b, nh, d = lens.shape[0], indexer.n_heads, indexer.head_dim
     q, w = torch.randn(b, nh, d, generator=gen), torch.randn(b, nh, generator=gen)
     rows = torch.randn(b, lmax, 2 * d, generator=gen)
-    got = indexer.select_decode(q, w, rows, lens)
+    table = torch.arange(b * lmax).view(b, lmax)  # each sequence's positions at rows of its own
+    got = indexer.select_decode(q, w, rows.view(b * lmax, 2 * d), table, lens)
     for i, n in enumerate(lens.tolist()):
         want = indexer.select(q[i:i + 1], w[i:i + 1], rows[i, :n], n - 1)
         assert torch.equal(got[i:i + 1], want), n
