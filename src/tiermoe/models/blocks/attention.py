@@ -231,15 +231,25 @@ class DSAIndexer(nn.Module):
         """Indices per query: topk tokens of whole pools, plus P-1 for the incomplete tail pool."""
         return self.topk + (self.kpool - 1 if self.tail else 0)
 
-    def token_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-token cache rows [T, 2d]: LayerNormed indexer key | k-pool gate score."""
-        return torch.cat([self.k_norm(self.wk(x)), F.linear(x, self.index_kpool_compress_gate)], dim=-1)
+    def projections(self) -> list[tuple[nn.Module, str]]:
+        """The weights that project the layer input x, in `project`'s order, as (module, attribute): the
+        attention merges them with its own x-projections into one GEMM on a CUDA device (fused_linear.py)."""
+        return [(self.wk, "weight"), (self, "index_kpool_compress_gate"), (self.weights_proj, "weight")]
 
-    def queries(self, x: torch.Tensor, q_resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q [T, nh, d], head weights [T, nh] fp32)."""
-        q = self.wq_b(q_resid).view(x.shape[0], self.n_heads, self.head_dim)
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads ** -0.5)
-        return q, w
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (raw keys [T, d], k-pool gate scores [T, d], head logits [T, nh]), one at a time."""
+        heads = self.weights_proj(x.to(self.weights_proj.weight.dtype))
+        return self.wk(x), F.linear(x, self.index_kpool_compress_gate), heads
+
+    def token_rows(self, keys: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """Per-token cache rows [T, 2d] from `project`'s keys and gate scores: LayerNormed key | gate score."""
+        return torch.cat([self.k_norm(keys), gates], dim=-1)
+
+    def queries(self, q_resid: torch.Tensor, heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_resid [T, q_lora] (the attention's normed q latent), `project`'s head logits [T, nh] ->
+        (q [T, nh, d], head weights [T, nh] fp32)."""
+        q = self.wq_b(q_resid).view(q_resid.shape[0], self.n_heads, self.head_dim)
+        return q, heads.float() * (self.n_heads ** -0.5)
 
     def select(self, q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, start: int) -> torch.Tensor:
         """q [S, nh, d], w [S, nh], rows [L, 2d] (all cached rows) -> token indices [S, width]."""

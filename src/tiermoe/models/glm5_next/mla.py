@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tiermoe.models.blocks.attention import DSAIndexer
+from tiermoe.models.blocks.fused_linear import ProjectionGroup
 from tiermoe.models.blocks.graph_break import graph_break
 
 from .cache import SeqBatch
@@ -71,6 +72,25 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(h * self.dv, hid, bias=cfg.attention_bias)
         self.indexer = None if cfg.shares_topk(layer_idx) else dsa_indexer(cfg)
         self.hands_on = layer_idx < cfg.num_hidden_layers and cfg.hands_topk_on(layer_idx)
+        # every projection of x as one GEMM on a CUDA device (blocks/fused_linear.py); not with biases, which the
+        # merged product would leave out
+        owners = [(self.q_a_proj, "weight"), (self.kv_a_proj_with_mqa, "weight")]
+        owners += self.indexer.projections() if self.indexer is not None else []
+        self.x_group = None if cfg.attention_bias else ProjectionGroup(owners)
+
+    def fuse_projections(self) -> None:
+        """Merge the x-projections into one weight buffer (no extra memory; see blocks/fused_linear.py)."""
+        if self.x_group is not None:
+            self.x_group.fuse()
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+        """x [T, hidden] -> (q_a [T, q_lora], kv_a [T, r + rope], the indexer's `project` of x or None): one
+        merged GEMM on a CUDA device, elsewhere each projection alone as the reference computes it."""
+        if self.x_group is not None and self.x_group.active(x):
+            q_a, kv_a, *index = self.x_group(x).split(self.x_group.sizes, dim=-1)
+            return q_a, kv_a, (tuple(index) if self.indexer is not None else None)
+        index = self.indexer.project(x) if self.indexer is not None else None
+        return self.q_a_proj(x), self.kv_a_proj_with_mqa(x), index
 
     def forward(
         self, x: torch.Tensor, batch: SeqBatch, cache, prev_sel: torch.Tensor | None,
@@ -85,14 +105,16 @@ class MLAttention(nn.Module):
         `mla_rows(name, layer, step, b, rows)` stores this forward's rows of sequence b and
         returns all of its rows (see cache.py)."""
         t = x.shape[0]
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))  # [T, q_lora]
+        q_a, kv_a, index = self._project(x)
+        q_resid = self.q_a_layernorm(q_a)  # [T, q_lora]
         q = self.q_b_proj(q_resid).view(t, self.num_heads, self.dk)
-        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)[:, : self.r])  # [T, r]
+        latent = self.kv_a_layernorm(kv_a[:, : self.r])  # [T, r]
         step, rows = cache.attention_step(batch)
         tables = rows.decode_tables(self.layer_idx, step)  # a decode step through block tables: no break
         if self.indexer is not None:
-            index_rows = self.indexer.token_rows(x)  # [T, 2d]
-            iq, iw = self.indexer.queries(x, q_resid)  # [T, nh, d], [T, nh]
+            keys, gates, heads = index
+            index_rows = self.indexer.token_rows(keys, gates)  # [T, 2d]
+            iq, iw = self.indexer.queries(q_resid, heads)  # [T, nh, d], [T, nh]
             if tables is not None:
                 lat_flat = rows.decode_rows("latent", self.layer_idx, step, latent)  # [slots, r]
                 idx_flat = rows.decode_rows("index", self.layer_idx, step, index_rows)  # [slots, 2d]

@@ -122,7 +122,7 @@ class Glm5NextModel(nn.Module):
         trunk and MTP layer. The loader calls it on a CUDA device, the only place the merged GEMMs run; the
         parameters keep their names and shapes (views of the buffers)."""
         for m in self.modules():
-            if isinstance(m, (KDAttention, MLP)):
+            if isinstance(m, (KDAttention, MLP, MLAttention)):
                 m.fuse_projections()
 
     def new_cache(self, num_slots: int, max_len: int) -> Glm5NextCache:
