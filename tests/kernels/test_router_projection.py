@@ -17,10 +17,13 @@ Batch invariance is checked exactly.
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tiermoe.kernels import reference_router
 from tiermoe.kernels.triton import router
 from tiermoe.kernels.triton.router import sigmoid_topk_route_from_hidden
+from tiermoe.models.blocks.router import Router
+from tiermoe.models.spec import MoESpec
 
 RTOL, ATOL = 2e-6, 0.0
 RTOL_REPLAY = 2e-5  # weights of replayed ids with logits far below 0
@@ -156,3 +159,23 @@ def test_rejects_what_it_cannot_compute(device):
     with pytest.raises(ValueError, match="replay_ids"):
         sigmoid_topk_route_from_hidden(x, weight, bias, 6, 8, 4, True, SCALE,
                                        torch.zeros(2, 5, dtype=torch.long, device=device))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_router_on_cpu_is_the_old_torch_code(grad):
+    """models/blocks/router.py on CPU (and wherever a gradient is needed) computes what it computed before the
+    kernels took the projection: F.linear(x.float(), weight.float()), then sigmoid_topk_route_ref, bit for bit;
+    bf16 x and a bf16 gate weight (older transformers' glm4_moe / deepseek_v3) take the casts."""
+    spec = MoESpec(num_experts=64, top_k=6, intermediate_size=8, scoring="sigmoid_noaux", norm_topk_prob=True,
+                   routed_scaling_factor=SCALE, n_group=8, topk_group=4)
+    layer = Router(spec, 32)
+    gen = torch.Generator().manual_seed(8)
+    layer.weight = torch.nn.Parameter(torch.randn(64, 32, generator=gen).to(torch.bfloat16), requires_grad=grad)
+    layer.e_score_correction_bias = torch.nn.Parameter(torch.randn(64, generator=gen) * 0.1, requires_grad=False)
+    x = torch.randn(5, 32, generator=gen).to(torch.bfloat16)
+    with torch.set_grad_enabled(grad):
+        ids, w = layer(x)
+        want = reference_router.sigmoid_topk_route_ref(F.linear(x.float(), layer.weight.float()),
+                                                       layer.e_score_correction_bias.float(), 6, 8, 4, True, SCALE)
+    assert torch.equal(ids, want[0]) and torch.equal(w, want[1])
+    assert w.requires_grad == grad

@@ -1,11 +1,11 @@
 """The sigmoid "noaux_tc" MoE routing (DeepSeek-V3, GLM) from the hidden states, two launches per layer.
 
 `models/blocks/router.py` turns each token's hidden state x [H] into its top-k expert ids and combine
-weights: the fp32 gate projection (logits [E] = x.float() @ weight.T), sigmoid, + e_score_correction_bias,
-the group pre-selection (n_group > 1), top-k, gather, sum, divide, scale. In torch that is ~12 tiny kernels
-per MoE layer after the projection and three or four for it (x's fp32 copy, cuBLAS's GEMV, often as a dot and
-a reduce kernel); glm5_next runs 43 MoE layers per token with its MTP layer, each launch a few microseconds
-even replayed from a CUDA graph, far more than the arithmetic. Here:
+weights: the fp32 gate projection (logits [E] = x.float() @ weight.float().T), sigmoid,
++ e_score_correction_bias, the group pre-selection (n_group > 1), top-k, gather, sum, divide, scale. In torch
+that is ~12 tiny kernels per MoE layer after the projection and three for it at decode (x's fp32 copy, cuBLAS's
+fp32 GEMV as a dot and a reduce kernel); glm5_next runs 43 MoE layers per token with its MTP layer, each launch
+a few microseconds even replayed from a CUDA graph, far more than the arithmetic. Here:
 
   sigmoid_topk_route_from_hidden(x, weight, bias, ...)   projection + routing, 2 launches
   sigmoid_topk_route(logits, bias, ...)                   routing of logits computed elsewhere, 1 launch
@@ -20,6 +20,8 @@ allowed in the dots), they match it to fp32 rounding, so picks agree wherever bi
 that rounding of each other. What cuBLAS cannot give is kept instead: slices and blocks depend on E and H
 alone, so a token's logits, ids and weights do not depend on T or the other tokens (cuBLAS's fp32 GEMV rounds
 differently for one row and for two): a draft token verified in a batch routes as it does decoded alone.
+The price is at prefill: every token's programs read the whole weight (from L2 once it is there), where a
+GEMM would share each weight tile between tokens.
 
 Selection. Every candidate gets one int64 key: its biased score's bits mapped to an integer of the same
 order (high half) and 2**31 - 1 - its expert id (low half). Keys are distinct, so a top-k is k rounds of
@@ -45,10 +47,10 @@ others. Every NaN ranks above +inf, as in torch.topk; -0 ties +0.
 
 Weights are the plain sigmoid scores of the chosen ids (the logit read again, from the logits or from the
 row summed from the partials: the same function of the same value, the same bits as in the selection),
-renormalised as w / (sum + 1e-20) when
-norm_topk_prob, the sum taken in pick order, then times routed_scaling_factor. Numerics as mhc.py:
-sigmoid 1 / (1 + exp(-x)) with libdevice's accurate expf compiled (numpy's exp under the interpreter),
-IEEE division (tl.div_rn), no FMA contraction (enable_fp_fusion=False).
+renormalised as w / (sum + 1e-20) when norm_topk_prob, the sum taken in pick order, then times
+routed_scaling_factor. The routing kernel's numerics as mhc.py's: sigmoid 1 / (1 + exp(-x)) with libdevice's
+accurate expf compiled (numpy's exp under the interpreter), IEEE division (tl.div_rn), no FMA contraction
+(enable_fp_fusion=False).
 
 Twins: kernels.reference_router.sigmoid_topk_route_ref and sigmoid_topk_route_from_hidden_ref (the torch
 code, also the CPU path). No host synchronisation, no data-dependent shapes (workspace and outputs of fixed
