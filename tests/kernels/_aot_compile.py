@@ -7,7 +7,7 @@ process has the interpreter on.
 1. Record: `JITFunction.run` is replaced by a recorder, then the package's own wrappers
    (fused_moe, paged_decode_attention, ExpertCache.step, gather_records, ResidencyMailbox.ensure,
    Mailbox.post and wait_add, mhc_mix, kda_conv_step and kda_recurrent_step, hc_mix_coefficients, hc_collapse_norm,
-   hc_post, rms_norm, clamped_swiglu, sigmoid_topk_route, dsa_pool_scores and dsa_select) are called on small CPU
+   hc_post, rms_norm, clamped_swiglu, sigmoid_topk_route, sigmoid_topk_route_from_hidden, dsa_pool_scores and dsa_select) are called on small CPU
    tensors. Each launch is kept (kernel, arguments,
    constexprs, num_warps/num_stages) instead of run, so the argument types and launch
    configurations are exactly what those wrappers pass on a GPU without a tuned entry in
@@ -52,7 +52,7 @@ from tiermoe.kernels.triton.mhc import mhc_mix
 from tiermoe.kernels.triton.mhc_fused import hc_collapse_norm, hc_mix_coefficients, hc_post
 from tiermoe.kernels.triton.norm import clamped_swiglu, rms_norm
 from tiermoe.kernels.triton.residency import ResidencyMailbox
-from tiermoe.kernels.triton.router import sigmoid_topk_route
+from tiermoe.kernels.triton.router import sigmoid_topk_route, sigmoid_topk_route_from_hidden
 from tiermoe.kernels.triton.paged_attention import paged_decode_attention
 
 # compute capability of each target; sm_86 / sm_89: RTX 3090 / 4090, sm_90: H100 / H200
@@ -338,14 +338,19 @@ def mhc_fused(rec: Recorder) -> None:
 
 def router(rec: Recorder) -> None:
     """The sigmoid noaux_tc routing (accurate exp, IEEE division: what a CUDA device compiles), each switch of the
-    kernel once: glm5_next's 288 experts top-8 in one group (renormalised), a DeepSeek-V3 layer (256 experts, 8
-    groups keeping 4; not renormalised) and a small grouped one (64 experts, 8 groups keeping 4, top-6) with
-    replayed ids; the token count sets only the grid, so one token stands for every step."""
+    routing kernel once: on logits, glm5_next's 288 experts top-8 in one group (renormalised), a DeepSeek-V3 layer
+    (256 experts, 8 groups keeping 4; not renormalised) and a small grouped one (64 experts, 8 groups keeping 4,
+    top-6) with replayed ids; from the hidden states (split-K projection partials, then the routing kernel adding
+    them) at GLM-5.3's size: bf16 x [T, 4096], the fp32 gate [288, 4096]. The token count sets only the grid, so
+    one token stands for every step."""
     ids = torch.zeros(1, 6, dtype=torch.long)
     for e, k, groups, keep, norm, replay in ((288, 8, 1, 1, True, None), (256, 8, 8, 4, False, None),
                                              (64, 6, 8, 4, True, ids)):
         with rec.tagged(f"router E{e} top{k} G{groups}/{keep}"):
             sigmoid_topk_route(torch.zeros(1, e), torch.zeros(e), k, groups, keep, norm, 2.5, replay)
+    with rec.tagged("router from hidden bf16 H4096 E288 top8"):
+        sigmoid_topk_route_from_hidden(torch.zeros(1, 4096, dtype=torch.bfloat16), torch.zeros(288, 4096),
+                                       torch.zeros(288), 8, 1, 1, True, 2.5)
 
 
 def dsa_decode(rec: Recorder) -> None:
