@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 HOST ?= 127.0.0.1
 PORT ?= 8000
+# pytest workers (pytest-xdist): one per core up to 4; each test file runs whole in one worker (--dist loadfile),
+# so a module's fixtures are built once. TEST_WORKERS=0 runs the suite in this process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 .PHONY: serve test install chromium
 
@@ -34,7 +37,7 @@ serve: $(STAMP)
 	$(BIN)/tiermoe serve --host $(HOST) --port $(PORT) $(ARGS)
 
 test: $(STAMP) chromium
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 # Headless Chromium for the web page's browser test (tests/server/test_web_browser.py), from Debian's
 # packages, installed once where apt-get runs as root; elsewhere that test skips and says why.
