@@ -152,6 +152,23 @@ def test_counts_draws_follow_counts_distinct_and_seeded(tmp_path):
     assert all(len(set(row)) == 4 for row in d.reshape(-1, 4).tolist())
 
 
+def test_counts_of_the_models_own_layers_are_matched_by_number(tmp_path):
+    """A file listing the model's MoE layers and one more (glm5_next's MTP layer, 6 here) replays each
+    layer with its own counts, as the warm start and the tier plan read them; spread by position, layer 5
+    would take layer 6's. Without the model's layer numbers in the file, the spread stays."""
+    hot = {3: 0, 4: 2, 5: 4, 6: 6}  # each layer's favourite expert
+    counts = {f"model.layers.{L}.mlp": [300 if e == hot[L] else 1 for e in range(E)] for L in hot}
+    f = tmp_path / "own.json"
+    f.write_text(json.dumps(counts))
+    table, info = replay_tables(str(f), num_layers=3, num_experts=E, top_k=K, table_tokens=400, layer_ids=[3, 4, 5])
+    assert info["file_layer_of"] == [3, 4, 5]
+    for i, layer in enumerate((3, 4, 5)):
+        assert np.bincount(table[i].reshape(-1), minlength=E).argmax() == hot[layer], layer
+    spread, info = replay_tables(str(f), num_layers=3, num_experts=E, top_k=K, table_tokens=400, layer_ids=[7, 8, 9])
+    assert info["file_layer_of"] == [3, 5, 6]  # not the model's layers: first to first, last to last
+    assert np.bincount(spread[2].reshape(-1), minlength=E).argmax() == hot[6]
+
+
 def test_counts_replay_through_the_model(tiny_dir, tmp_path):
     """The model's layers take the table rows in order; a seed gives the same picks again."""
     f = tmp_path / "c.json"

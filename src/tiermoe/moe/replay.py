@@ -18,9 +18,14 @@ FILE is either
   recorded order (prefill and decode), so its temporal locality is kept, wrapping around at the
   end. Its expert count and top-k must be the model's. The seed plays no part.
 
-Layers: model MoE layer i of n takes file layer round(i * (m - 1) / max(1, n - 1)) of m
-(store/planner.spread_layers); a counts file with another expert count has its popularity
-curve resampled to the model's (planner.counts_for_model). The MTP layer of a model that
+Layers: a counts file that lists every one of the model's MoE layers by number (the model's own
+statistics, e.g. `--expert-stats` of the same model, or a store's expert-stats.json) gives each layer
+its own counts, as the tier plan and the device cache's warm start read the same file
+(planner.key_rates): matched by position instead, a file with one layer more (glm5_next's MTP layer)
+would replay most layers with a neighbour's counts while the slots hold their own layer's favourites.
+Otherwise (another model's statistics, a trace) model MoE layer i of n takes file layer
+round(i * (m - 1) / max(1, n - 1)) of m (store/planner.spread_layers); a counts file with another
+expert count has its popularity curve resampled to the model's (planner.counts_for_model). The MTP layer of a model that
 drafts (glm5_next) keeps its own router and is not recorded: only `spec.moe_layers` are.
 
 Device side, no host sync (so decode CUDA graphs capture it; runner/decode_graph.py):
@@ -69,9 +74,12 @@ def _is_trace(path: Path) -> bool:
 
 
 def replay_tables(path: str, *, num_layers: int, num_experts: int, top_k: int, seed: int = 0,
-                  table_tokens: int = TABLE_TOKENS) -> tuple[np.ndarray, dict]:
+                  table_tokens: int = TABLE_TOKENS, layer_ids: list[int] | None = None) -> tuple[np.ndarray, dict]:
     """(ids [num_layers, N, top_k] in [0, num_experts), int16 (int32 beyond 32767 experts),
-    info for /stats) from FILE; a one-line UserError for a file this model cannot replay."""
+    info for /stats, with `file_layer_of`: the file layer each model layer replays, a counts file's layer number
+    or a trace's layer position) from FILE; a
+    one-line UserError for a file this model cannot replay. layer_ids: the model's MoE layer numbers, which
+    a counts file listing all of them is matched by."""
     p = Path(path)
     id_dtype = np.int16 if num_experts <= 32767 else np.int32
     if not 0 < top_k <= num_experts:
@@ -88,7 +96,7 @@ def replay_tables(path: str, *, num_layers: int, num_experts: int, top_k: int, s
         src = _spread(num_layers, picks.shape[1])
         table = np.ascontiguousarray(picks[:, src, :].transpose(1, 0, 2), dtype=id_dtype)  # [L, N, k]
         info = {"kind": "trace", "file_layers": int(picks.shape[1]), "file_experts": int(header["num_experts"]),
-                "trace_model": header["model"]}
+                "trace_model": header["model"], "file_layer_of": src}
         return table, info
     from tiermoe.store.planner import counts_for_model, load_stats
     from tiermoe.store.sim import sample_trace
@@ -102,13 +110,19 @@ def replay_tables(path: str, *, num_layers: int, num_experts: int, top_k: int, s
         if nonzero < top_k:
             raise UserError(f"{p}: layer {layer} has {nonzero} experts with a nonzero count (of {len(c)}), fewer "
                             f"than the model's top-k {top_k}")
-    counts = counts_for_model(stats, num_layers, num_experts)  # [E] float64 per model layer
+    file_layers = sorted(stats)
+    if layer_ids is not None and len(layer_ids) == num_layers and set(layer_ids) <= set(stats):
+        of = list(layer_ids)  # the model's own statistics: each layer its own counts, by number
+    else:
+        of = [file_layers[j] for j in _spread(num_layers, len(file_layers))]
+    counts = counts_for_model({i: stats[L] for i, L in enumerate(of)}, num_layers, num_experts)  # [E] per layer
     t0 = time.perf_counter()
     keys = sample_trace({i: c.tolist() for i, c in enumerate(counts)}, table_tokens, top_k, seed, SMOOTHING)
     table = (keys - (np.arange(num_layers) * num_experts)[None, :, None]).transpose(1, 0, 2)  # [L, N, k]
     log.info("routing replay: %d tokens x %d layers drawn from %s in %.1f s", table_tokens, num_layers, p,
              time.perf_counter() - t0)
-    info = {"kind": "counts", "file_layers": len(stats), "file_experts": sorted({len(c) for c in stats.values()})}
+    info = {"kind": "counts", "file_layers": len(stats), "file_experts": sorted({len(c) for c in stats.values()}),
+            "file_layer_of": of}
     return np.ascontiguousarray(table, dtype=id_dtype), info
 
 
@@ -201,9 +215,10 @@ class RoutingPlan:
         self.id_dtype = torch.int16 if e <= 32767 else torch.int32
         self.tables, self.replay = None, None
         if replay:
-            self.tables, info = replay_tables(replay, num_layers=n, num_experts=e, top_k=k, seed=int(seed or 0))
+            self.tables, info = replay_tables(replay, num_layers=n, num_experts=e, top_k=k, seed=int(seed or 0),
+                                              layer_ids=self.layers)
             self.replay = {"file": str(replay), **info, "seed": int(seed or 0), "layers": n,
-                           "table_tokens": int(self.tables.shape[1]), "file_layer_of": _spread(n, info["file_layers"])}
+                           "table_tokens": int(self.tables.shape[1])}
         self.record, self.record_max_tokens, self.max_step_tokens = record, int(record_max_tokens), max_step_tokens
         self.header = None
         if record:
