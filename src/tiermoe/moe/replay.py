@@ -25,8 +25,8 @@ its own counts, as the tier plan and the device cache's warm start read the same
 would replay most layers with a neighbour's counts while the slots hold their own layer's favourites.
 Otherwise (another model's statistics, a trace) model MoE layer i of n takes file layer
 round(i * (m - 1) / max(1, n - 1)) of m (store/planner.spread_layers); a counts file with another
-expert count has its popularity curve resampled to the model's (planner.counts_for_model). The MTP layer of a model that
-drafts (glm5_next) keeps its own router and is not recorded: only `spec.moe_layers` are.
+expert count has its popularity curve resampled to the model's (planner.counts_for_model). The MTP
+layer of a model that drafts (glm5_next) keeps its own router and is not recorded: only `spec.moe_layers` are.
 
 Device side, no host sync (so decode CUDA graphs capture it; runner/decode_graph.py):
 tables [L, N, k] (int16; int32 beyond 32767 experts) and cursors [L] int64 on the model's
@@ -77,9 +77,8 @@ def replay_tables(path: str, *, num_layers: int, num_experts: int, top_k: int, s
                   table_tokens: int = TABLE_TOKENS, layer_ids: list[int] | None = None) -> tuple[np.ndarray, dict]:
     """(ids [num_layers, N, top_k] in [0, num_experts), int16 (int32 beyond 32767 experts),
     info for /stats, with `file_layer_of`: the file layer each model layer replays, a counts file's layer number
-    or a trace's layer position) from FILE; a
-    one-line UserError for a file this model cannot replay. layer_ids: the model's MoE layer numbers, which
-    a counts file listing all of them is matched by."""
+    or a trace's layer position) from FILE; a one-line UserError for a file this model cannot replay.
+    layer_ids: the model's MoE layer numbers, which a counts file listing all of them is matched by."""
     p = Path(path)
     id_dtype = np.int16 if num_experts <= 32767 else np.int32
     if not 0 < top_k <= num_experts:
