@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tiermoe.models.batch import ForwardBatch
-from tiermoe.models.blocks.common import Linear, RMSNorm
+from tiermoe.models.blocks.common import Linear, RMSNorm, device_kernels
 from tiermoe.models.blocks.graph_break import graph_break
 from tiermoe.models.blocks.rope import apply_rotary, apply_rotary_interleaved
 from tiermoe.models.spec import ModelSpec
@@ -306,9 +306,7 @@ class DSAIndexer(nn.Module):
         kernels and a radix sort per layer; elsewhere the twins (kernels/reference_dsa.py: this method's
         torch code, so CPU results are unchanged). Both give the same integers wherever the pool scores
         are not so close that float32 rounding reorders them."""
-        grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, w, idx_rows,
-                                                                          self.index_kpool_compress_ape))
-        if q.is_cuda and not grads:
+        if device_kernels(q, w, idx_rows, self.index_kpool_compress_ape):
             from tiermoe.kernels.triton.dsa_decode import dsa_pool_scores as pool_scores
             from tiermoe.kernels.triton.dsa_decode import dsa_select as select
         else:

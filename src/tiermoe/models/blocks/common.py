@@ -11,6 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def device_kernels(*tensors: torch.Tensor) -> bool:
+    """Whether the Triton kernels serve these inputs: on a CUDA device (the first tensor's), with no gradient to
+    carry (the kernels define no backward, so anything that trains through them takes their plain-torch twins)."""
+    return tensors[0].is_cuda and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 def empty_param(*shape: int) -> nn.Parameter:
     """A parameter slot with no storage; the loader assigns the checkpoint tensor."""
     return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)

@@ -30,12 +30,8 @@ import torch
 import torch.nn as nn
 
 from tiermoe.kernels.reference_mhc import hc_collapse_norm_ref, hc_mix_coefficients_ref, hc_post_ref
+from tiermoe.models.blocks.common import device_kernels
 
-
-def _fused(*tensors: torch.Tensor) -> bool:
-    """Whether the Triton kernels serve these inputs: on a CUDA device, with no gradient to carry (the
-    kernels define no backward, so anything that trains through here takes the twins)."""
-    return tensors[0].is_cuda and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 class HyperConnection(nn.Module):
@@ -74,7 +70,7 @@ class HyperConnection(nn.Module):
         streams, its projection by fn in fp32 and the gates + Sinkhorn mix (two launches on CUDA, reading fn in
         its own dtype: half the bytes of an fp32 copy in a bf16 model, the same products)."""
         args = (self.norm_eps, self.base, self.scale, self.n, self.iters, self.hc_eps)
-        if _fused(streams, self.fn, self.base, self.scale):
+        if device_kernels(streams, self.fn, self.base, self.scale):
             from tiermoe.kernels.triton.mhc_fused import hc_mix_coefficients
             return hc_mix_coefficients(streams, self.fn, *args)
         return hc_mix_coefficients_ref(streams, self._fn_fp32(), *args)
@@ -84,7 +80,7 @@ class HyperConnection(nn.Module):
         """streams [T, N, D], the sub-block's input RMSNorm (weight [D], eps) -> (post [T, N] fp32,
         comb [T, N, N] fp32, normed [T, D]): the collapsed streams, already normalised, in one launch on CUDA."""
         pre, post, comb = self.coefficients(streams)
-        if _fused(streams, pre, norm_weight):
+        if device_kernels(streams, pre, norm_weight):
             from tiermoe.kernels.triton.mhc_fused import hc_collapse_norm
         else:
             hc_collapse_norm = hc_collapse_norm_ref
@@ -93,7 +89,7 @@ class HyperConnection(nn.Module):
     @staticmethod
     def post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """out [T, D], residual [T, N, D] -> new streams [T, N, D] (the kernel needs out in the residual's dtype)."""
-        if _fused(out, residual, post, comb) and out.dtype == residual.dtype:
+        if device_kernels(out, residual, post, comb) and out.dtype == residual.dtype:
             from tiermoe.kernels.triton.mhc_fused import hc_post
         else:
             hc_post = hc_post_ref

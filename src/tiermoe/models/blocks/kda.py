@@ -42,6 +42,7 @@ from tiermoe.kernels.reference_kda import (
     kda_recurrent_step_ref,
     l2norm,
 )
+from tiermoe.models.blocks.common import device_kernels
 from tiermoe.models.blocks.fused_linear import ProjectionGroup
 
 
@@ -224,8 +225,7 @@ class KDAttention(nn.Module):
         """Whether a pure decode step takes the Triton kernels (kernels/triton/kda_decode.py): on CUDA when
         nothing needs a gradient (the kernels carry none); elsewhere the twins, the same torch code as
         before the kernels (kernels/reference_kda.py)."""
-        return x.is_cuda and not (torch.is_grad_enabled()
-                                  and (x.requires_grad or any(p.requires_grad for p in self.parameters())))
+        return device_kernels(x, *self.parameters())
 
     def _conv(self, qkv: torch.Tensor, batch: KDABatch, states: KDAStateStore) -> torch.Tensor:
         """Causal depthwise conv + SiLU over each sequence, continuing its cached window (batches other

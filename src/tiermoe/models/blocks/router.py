@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiermoe.kernels.reference_router import sigmoid_topk_route_from_hidden_ref
-from tiermoe.models.blocks.common import empty_param
+from tiermoe.models.blocks.common import device_kernels, empty_param
 from tiermoe.models.spec import MoESpec
 
 
@@ -68,8 +68,7 @@ class Router(nn.Module):
         code, also the CPU path)."""
         m = self.moe
         weight, bias = self.weight, self.e_score_correction_bias
-        needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in (x, weight, bias))
-        if x.is_cuda and not needs_grad:
+        if device_kernels(x, weight, bias):
             from tiermoe.kernels.triton.router import sigmoid_topk_route_from_hidden as route
         else:
             route = sigmoid_topk_route_from_hidden_ref

@@ -14,13 +14,9 @@ import torch
 import torch.nn as nn
 
 from tiermoe.kernels.reference_norm import clamped_swiglu_ref, rms_norm_ref
+from tiermoe.models.blocks.common import device_kernels
 from tiermoe.models.blocks.fused_linear import ProjectionGroup
 
-
-def _fused(*tensors: torch.Tensor) -> bool:
-    """Whether the Triton kernels serve these inputs: on a CUDA device, with no gradient to carry (the
-    kernels define no backward, so anything that trains through here takes the twins)."""
-    return tensors[0].is_cuda and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 class RMSNorm(nn.Module):
@@ -33,7 +29,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] -> [..., D]; one Triton launch on CUDA (no gradient), the twin's ~8 torch ops elsewhere."""
-        if _fused(x, self.weight):
+        if device_kernels(x, self.weight):
             from tiermoe.kernels.triton.norm import rms_norm
         else:
             rms_norm = rms_norm_ref
@@ -44,7 +40,7 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     """silu(min(gate, limit)) * clamp(up, -limit, limit) [..., I]: GLM-5.3's swiglu_limit, applied to the
     dense MLPs and the shared expert here (routed experts apply it in their own backend). One Triton
     launch on CUDA (no gradient), the twin's four torch ops elsewhere."""
-    if _fused(gate, up) and gate.dtype == up.dtype:
+    if device_kernels(gate, up) and gate.dtype == up.dtype:
         from tiermoe.kernels.triton.norm import clamped_swiglu as swiglu
     else:
         swiglu = clamped_swiglu_ref
