@@ -343,7 +343,10 @@ def gather_records_ref(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[i
 # writes DONE on its own 64-byte line; ERR > 0: the device timed out waiting for that number,
 # ERR < 0: the host's compute failed for -ERR. POLLS: the polls the device's waits made before their
 # answer was there, summed (the device writes it after each wait; the host reads it without a sync).
+# DEV_NS / WAIT_NS (CUDA only; 0 elsewhere): the device's nanoseconds from each post to the start of its wait
+# (its own work on the layer meanwhile) and in the wait itself, summed over the slot's waits.
 MAILBOX_CTRL, MAILBOX_POSTED, MAILBOX_NTOK, MAILBOX_DONE, MAILBOX_ERR, MAILBOX_POLLS = 16, 0, 1, 8, 9, 10
+MAILBOX_DEV_NS, MAILBOX_WAIT_NS = 11, 12
 RESIDENCY_NANS = 2  # the disk tier's control row (kernels/triton/residency.py): answers published
 
 

@@ -174,6 +174,20 @@ class CpuLane:
         self._exec = ThreadPoolExecutor(self.workers, thread_name_prefix="tiermoe-cpu-lane",
                                         initializer=torch.set_num_threads, initargs=(per_worker,))
 
+    def layout_of(self, layer: int) -> torch.Tensor | None:
+        """int8 [E]: the layout index of each expert of a mixed store's `layer` (None: one layout)."""
+        return self._layout_of.get(layer)
+
+    def count_posted(self, experts: int, layers: int, busy_s: float, weight_bytes: int) -> None:
+        """Add the work a native mailbox server did for this lane (kernels/cpu/native.NativeMailboxServer)
+        to its counters: what compute_posted counts when it runs in Python."""
+        with self._count_lock:
+            self.c.experts += experts
+            self.c.decode_experts += experts
+            self.c.layers += layers
+            self.c.busy_s += busy_s
+            self.c.weight_bytes += weight_bytes
+
     @staticmethod
     def _weight_bytes(layout: RecordLayout, klayout) -> int:
         if klayout is not None:
@@ -277,12 +291,7 @@ class CpuLane:
                 n = self.pool.run_posted(klay, meta, lane_cap, top_k, rec_of, layout_of, idx, x, out, self.round_bf16,
                                          self.swiglu_limit)
                 experts, weight_bytes = experts + n, weight_bytes + n * self.weight_bytes_of[idx]
-        with self._count_lock:
-            self.c.experts += experts
-            self.c.decode_experts += experts
-            self.c.layers += 1
-            self.c.busy_s += time.perf_counter() - t0
-            self.c.weight_bytes += weight_bytes
+        self.count_posted(experts, 1, time.perf_counter() - t0, weight_bytes)
         return out
 
     def _run(self, layer: int, x: torch.Tensor, work: list) -> torch.Tensor:

@@ -16,6 +16,12 @@ Arithmetic: out = dtype(fp32(device part) + fp32(lane part)), as in the host-syn
 path; which experts the lane takes is the device cache's choice (its decayed pick counts), so
 fast mode here is not the same selection as the store path's `CpuLane.assign`.
 
+Who answers: where the lane's compiled kernel reads every layout of the store (CpuLane.posted_native),
+a native thread (kernels/cpu/native.NativeMailboxServer) polls and computes without Python's interpreter
+lock; otherwise a Python MailboxServer thread calls CpuLane.compute_posted. A Python thread polling
+between a step's layers holds that lock, so every return of the engine's or the HTTP server's threads
+from a call that released it waits for the lock, and each answer waits whenever they hold it.
+
 Failures: a compute_fn error zeroes that answer and marks the slot; a device wait that runs out
 of polls leaves `out` without the lane's part and marks the slot. Neither can stop a replayed
 graph, so `check()` runs after each lane step's device work, before its tokens are read
@@ -41,10 +47,11 @@ class DeviceLane(LaneHandoff):
     device cache's LaneHandoff (DeviceCacheExperts.lane_handoff).
 
     device_cache: DeviceCacheExperts (its caches carry lane_cap lane rows); lane: CpuLane;
-    max_tokens: largest decode batch handed to the lane.
+    max_tokens: largest decode batch handed to the lane; native: answer with the native server
+    (None: wherever the lane's compiled kernel reads the store's records; False: the Python one).
     """
 
-    def __init__(self, device_cache, lane, max_tokens: int) -> None:
+    def __init__(self, device_cache, lane, max_tokens: int, native: bool | None = None) -> None:
         self.dc, self.lane = device_cache, lane
         self.layers = list(device_cache.caches)
         self.slot_of = {layer: i for i, layer in enumerate(self.layers)}
@@ -54,11 +61,22 @@ class DeviceLane(LaneHandoff):
         words = self.lane_cap + 2 * int(max_tokens) * self.top_k  # lane ids | topk ids | weights (fp32 bits)
         self.mailbox = Mailbox(max(1, len(self.layers)), self.hidden, int(max_tokens),
                                device_cache.scratch.device, meta_words=words)
-        self.active = threading.Event()  # set from a lane step's start to its check: the server polls only then
-        self.server = MailboxServer(self.mailbox, self._compute, threads=lane.threads, active=self.active,
-                                    cpu=lane.caller_cpu).start()
         # each layer's host record addresses and records by expert id (a disk tier keeps both current)
         self.records = {layer: device_cache.lane_records(layer) for layer in self.layers}
+        self.native = lane.posted_native and native is not False
+        self.polling = False  # from a lane step's start to its check: the server polls only then
+        if self.native:
+            from tiermoe.kernels.cpu.native import NativeMailboxServer
+
+            slots = [(self.records[layer][0], lane.layout_of(layer)) for layer in self.layers]
+            self.server = NativeMailboxServer(lane.pool, self.mailbox, slots, lane.klayouts, lane.weight_bytes_of,
+                                              lane_cap=self.lane_cap, top_k=self.top_k, round_bf16=lane.round_bf16,
+                                              cpu=lane.caller_cpu).start()
+        else:
+            self.server = MailboxServer(self.mailbox, self._compute, threads=lane.threads, active=threading.Event(),
+                                        cpu=lane.caller_cpu).start()
+        self._limit: tuple | None = None  # the SwiGLU clamp the native server has (None: not set yet)
+        self._folded = (0, 0, 0, 0)  # the native server's (experts, layers, busy ns, weight bytes) counted already
         self.timeouts = 0  # device waits that ran out of polls (seen by check)
         device_cache.device_lane = self  # its counters report the mailbox's
 
@@ -75,7 +93,11 @@ class DeviceLane(LaneHandoff):
     def begin(self) -> None:
         """A step that may hand work to the lane starts: the server polls until `check`. The
         device cache's host tier holds every expert for good: no repack to prune."""
-        self.active.set()
+        if self.native and self._limit != (self.lane.swiglu_limit,):  # set by the model's attach, after us
+            self.server.set_limit(self.lane.swiglu_limit)
+            self._limit = (self.lane.swiglu_limit,)
+        self.polling = True
+        self.server.set_active(True)
 
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]: one fast-mode decode layer (DeviceCacheExperts.lane_forward)."""
@@ -94,7 +116,9 @@ class DeviceLane(LaneHandoff):
         the next step is served normally."""
         if self.mailbox.device.type == "cuda":
             torch.cuda.current_stream(self.mailbox.device).synchronize()
-        self.active.clear()  # every post of the step is answered: the server may sleep
+        self.polling = False
+        self.server.set_active(False)  # every post of the step is answered: the server may sleep
+        self._fold_native_counters()
         if not self.server.alive:
             raise RuntimeError("CPU lane stopped: its mailbox server thread is not running")
         failure, err = self.server.failure, self.mailbox.errors()
@@ -107,6 +131,24 @@ class DeviceLane(LaneHandoff):
             raise RuntimeError(f"CPU lane failed: {failure}")
         raise RuntimeError("CPU lane answer timed out on the device")
 
+    def _fold_native_counters(self) -> None:
+        """The native server's work since the last fold, into the lane's counters (the Python server's
+        compute_posted counts as it goes)."""
+        if not self.native:
+            return
+        st = self.server.stats()
+        now = (int(st.experts), int(st.layers), int(st.busy_ns), int(st.weight_bytes))
+        d = [a - b for a, b in zip(now, self._folded)]
+        self._folded = now
+        if d[1]:
+            self.lane.count_posted(d[0], d[1], d[2] / 1e9, d[3])
+
+    def balance(self) -> tuple[float, float]:
+        """(seconds the lane spent answering, seconds the device worked on its own part of the same
+        layers: from each post to its wait), summed since the start; both 0 where the device has no
+        clock (CPU)."""
+        return self.server.serve_s, self.mailbox.device_seconds()[0]
+
     def counters(self) -> dict[str, int | float]:
         """The hand-off's own counts (no device sync): posts
         the device published, answers the server made, posts not answered yet, the server's
@@ -117,10 +159,12 @@ class DeviceLane(LaneHandoff):
         unanswered == 0; a lost answer shows as unanswered (or a timeout), a doubled one as
         served > posts."""
         posted, done = self.mailbox.posted(), self.mailbox.done()
+        own_s, wait_s = self.mailbox.device_seconds()
         return {"posts": int(posted.sum()), "served": self.server.served,
                 "unanswered": int((posted - done).clip(min=0).sum()), "timeouts": self.timeouts,
                 "failed": self.server.failed, "serve_s": round(self.server.serve_s, 6),
-                "device_wait_polls": self.mailbox.wait_polls()}
+                "device_wait_polls": self.mailbox.wait_polls(), "device_own_s": round(own_s, 6),
+                "device_wait_s": round(wait_s, 6), "server": "native" if self.native else "python"}
 
     def adjust_counters(self, c: dict) -> None:
         """Lane experts are read by the CPU where they sit, not over PCIe: take them out of the
@@ -134,5 +178,6 @@ class DeviceLane(LaneHandoff):
         and the store it reads from are closed)."""
         if self.mailbox.device.type == "cuda":
             torch.cuda.synchronize(self.mailbox.device)
-        self.active.clear()
+        self.polling = False
+        self.server.set_active(False)
         self.server.stop(timeout=None)

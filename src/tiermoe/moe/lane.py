@@ -55,6 +55,11 @@ class LaneHandoff(abc.ABC):
         """After a lane step's device work: raise if the lane's part failed."""
 
     @abc.abstractmethod
+    def balance(self) -> tuple[float, float] | None:
+        """(the lane's seconds answering, the device's seconds on its own part of the same layers),
+        cumulative, for the share's feedback (lane_cost.ServiceShare); None: not measured here."""
+
+    @abc.abstractmethod
     def adjust_counters(self, c: dict) -> None:
         """Correct the backend's /stats counters for what the lane did instead."""
 
@@ -79,6 +84,9 @@ class HostLaneHandoff(LaneHandoff):
 
     def begin(self) -> None:
         pass  # the lane reads host records in place: nothing to prepare per step
+
+    def balance(self) -> None:
+        return None  # each layer waits on the host for its lane job: the service rate is the feedback
 
     def forward(self, layer, x, topk_ids, topk_weights):
         be, lane = self.backend, self.lane
@@ -190,7 +198,7 @@ class LaneExperts(ExpertBackend):
         if self._lane_step:
             self.handoff.check()
             if self.service is not None:  # the share follows the lane's rate in service
-                share = self.service.update(self.lane.c.busy_s, self.lane.c.weight_bytes)
+                share = self.service.update(self.lane.c.busy_s, self.lane.c.weight_bytes, self.handoff.balance())
                 if share is not None:
                     self.handoff.set_share(share)
 

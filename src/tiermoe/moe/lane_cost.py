@@ -62,15 +62,22 @@ class LaneBandwidths:
 
 @dataclass
 class ServiceShare:
-    """The share re-derived from the rate the lane reaches in service.
+    """The share re-derived from what the two sides take in service.
 
     The start-up figures time the lane on a few records while nothing else runs; in service it
     shares the cores with the engine and the server and reads records spread over all of host
     memory, and it can run at a fraction of that rate. A share set too high makes the lane the
     slower side of every layer. So after each `window_bytes` of lane work the share moves halfway
-    to lane / (pcie + lane) with the lane's service rate (weight bytes per busy second over the
-    window) and the start-up PCIe rate beside the lane; a change under `min_step` is not applied
-    (each one is a device write)."""
+    to a target; a change under `min_step` is not applied (each one is a device write).
+
+    Target, where the hand-off reports both sides' times (`balance`: the lane's seconds answering
+    and the device's seconds on its own part of the same layers, from each post to its wait; the
+    device mailbox on CUDA): with ratio rho = lane seconds / device seconds over the window and s
+    the share in force, s / (s + (1 - s) rho), the share at which both would take equal time if
+    each side's time grew with its experts. Its fixed point is rho = 1, so fixed costs on either
+    side (the lane's hand-off, the device's kernels on its slot hits) are balanced too. Otherwise
+    lane / (pcie + lane) with the lane's service rate (weight bytes per busy second over the window)
+    and the start-up PCIe rate beside the lane."""
 
     pcie_gbs: float  # copies while the lane computes (LaneBandwidths.pcie_shared_gbs)
     share: float  # the share in force
@@ -78,17 +85,27 @@ class ServiceShare:
     min_step: float = 0.01
     service_gbs: float | None = None  # the last window's lane rate
     updates: int = 0
+    rho: float | None = None  # the last window's lane seconds / device seconds (None: not measured)
     _busy_s: float = 0.0
     _bytes: int = 0
+    _balance: tuple[float, float] = (0.0, 0.0)
 
-    def update(self, busy_s: float, weight_bytes: int) -> float | None:
-        """The lane's cumulative busy seconds and weight bytes now -> the new share, or None to keep it."""
+    def update(self, busy_s: float, weight_bytes: int, balance: tuple[float, float] | None = None) -> float | None:
+        """The lane's cumulative busy seconds and weight bytes, and the hand-off's cumulative (lane,
+        device) seconds (None: not measured) now -> the new share, or None to keep it."""
         done, busy = weight_bytes - self._bytes, busy_s - self._busy_s
         if done < self.window_bytes or busy <= 0:
             return None
         self._busy_s, self._bytes = busy_s, weight_bytes
         self.service_gbs = done / busy / 1e9
-        target = self.service_gbs / (self.pcie_gbs + self.service_gbs) if self.pcie_gbs > 0 else 1.0
+        lane_s, device_s = (balance[0] - self._balance[0], balance[1] - self._balance[1]) if balance else (0.0, 0.0)
+        self._balance = balance or self._balance
+        if lane_s > 0 and device_s > 0:
+            self.rho = lane_s / device_s
+            s = min(0.98, max(0.02, self.share))  # never stuck at either end
+            target = s / (s + (1 - s) * self.rho)
+        else:
+            target = self.service_gbs / (self.pcie_gbs + self.service_gbs) if self.pcie_gbs > 0 else 1.0
         new = self.share + (target - self.share) / 2
         if abs(new - self.share) < self.min_step:
             return None
@@ -96,7 +113,7 @@ class ServiceShare:
         return new
 
     def as_dict(self) -> dict:
-        return {"share": self.share, "service_gbs": self.service_gbs, "updates": self.updates,
+        return {"share": self.share, "service_gbs": self.service_gbs, "rho": self.rho, "updates": self.updates,
                 "window_bytes": self.window_bytes}
 
 

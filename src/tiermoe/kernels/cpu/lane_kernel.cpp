@@ -27,7 +27,7 @@
 
 #include "lane_dot.h"
 
-enum { TM_ABI = 7 };
+enum { TM_ABI = 8 };
 
 struct TmLaneJob {  // read through ctypes (kernels/cpu/native.py)
   int32_t kind, hidden, inter, group;
@@ -517,3 +517,5 @@ uint64_t tm_read(void* pool, const void* ptr, int64_t nbytes) {
 }
 
 }  // extern "C"
+
+#include "lane_server.h"

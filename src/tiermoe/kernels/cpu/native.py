@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("lane_kernel.cpp", "lane_dot.h")
-ABI = 7  # TM_ABI of lane_kernel.cpp: a library of another ABI is rebuilt
+SOURCES = ("lane_kernel.cpp", "lane_dot.h", "lane_server.h")
+ABI = 8  # TM_ABI of lane_kernel.cpp: a library of another ABI is rebuilt
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 ISA_NAMES = ("scalar", "avx2", "avx512", "avx512bf16")
 KINDS = {"bf16": 0, "int4": 1, "int8": 2, "int3": 3}  # record kinds the kernel reads (KIND_* of lane_dot.h)
@@ -58,6 +58,36 @@ class TmPostedJob(ctypes.Structure):
     _fields_ = [("job", TmLaneJob), ("meta", ctypes.c_void_p), ("lane_cap", ctypes.c_int32),
                 ("top_k", ctypes.c_int32), ("rec_of", ctypes.c_void_p), ("layout_of", ctypes.c_void_p),
                 ("n_experts", ctypes.c_int32), ("layout", ctypes.c_int32), ("xb", ctypes.c_void_p)]
+
+
+class TmServerLayout(ctypes.Structure):
+    """struct TmServerLayout of lane_server.h."""
+
+    _fields_ = [("job", TmLaneJob), ("weight_bytes", ctypes.c_int64)]
+
+
+class TmServerSlot(ctypes.Structure):
+    """struct TmServerSlot of lane_server.h."""
+
+    _fields_ = [("rec_of", ctypes.c_void_p), ("layout_of", ctypes.c_void_p), ("n_experts", ctypes.c_int32)]
+
+
+class TmServerSpec(ctypes.Structure):
+    """struct TmServerSpec of lane_server.h."""
+
+    _fields_ = [("ctrl", ctypes.c_void_p), ("x", ctypes.c_void_p), ("result", ctypes.c_void_p),
+                ("meta", ctypes.c_void_p)] + [(n, ctypes.c_int32) for n in (
+                    "slots", "ctrl_words", "hidden", "max_tokens", "meta_words", "lane_cap", "top_k", "n_layouts",
+                    "w_posted", "w_ntok", "w_done", "w_err", "cpu")] + [
+                ("layouts", ctypes.c_void_p), ("slot_specs", ctypes.c_void_p)]
+
+
+class TmServerStats(ctypes.Structure):
+    """struct TmServerStats of lane_server.h."""
+
+    _fields_ = [(n, ctypes.c_int64) for n in ("served", "failed", "experts", "layers", "weight_bytes", "busy_ns",
+                                              "serve_ns")] + [("last_error", ctypes.c_int32),
+                                                              ("alive", ctypes.c_int32)]
 
 
 def find_compiler() -> str | None:
@@ -140,6 +170,12 @@ def load_library(path: Path) -> ctypes.CDLL:
         lib.tm_lane_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmLaneJob)]
         lib.tm_lane_posted.restype = ctypes.c_int32
         lib.tm_lane_posted.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmPostedJob), ctypes.POINTER(ctypes.c_int32)]
+        lib.tm_server_start.restype = ctypes.c_void_p
+        lib.tm_server_start.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmServerSpec)]
+        lib.tm_server_active.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+        lib.tm_server_limit.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_float]
+        lib.tm_server_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmServerStats)]
+        lib.tm_server_stop.argtypes = [ctypes.c_void_p]
         lib.tm_read.restype = ctypes.c_uint64
         lib.tm_read.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         _LOADED[path] = lib
@@ -249,3 +285,107 @@ class LanePool:
 
     def __del__(self) -> None:
         self.close()
+
+
+LANE_ERRORS = {-1: "a record shape, expert id or routing it does not take", -2: "out of memory"}
+
+
+class NativeMailboxServer:
+    """The CPU lane's mailbox server as a native thread (lane_server.h): it polls a Mailbox
+    (kernels/triton/mailbox.py) and answers each post with the pool's posted-job kernel, the
+    arithmetic of CpuLane.compute_posted, without taking Python's interpreter lock (module doc of
+    lane_server.h says why). Same attributes as MailboxServer: served, failed, serve_s, failure
+    (the last failure's reason, until set to None), alive, start(), stop(); plus set_active (poll
+    or park), set_limit (the SwiGLU clamp) and stats().
+
+    slots: per mailbox slot, (rec_of int64 [E] each expert's record address, read at every post,
+    so a view the owner updates in place stays current; layout_of int8 [E] or None); layouts:
+    kernels.layout.ExpertLayout per layout index, weight_bytes their expert weight bytes. The
+    tensors must stay alive as long as the server (it keeps references)."""
+
+    def __init__(self, pool: LanePool, mailbox, slots: list, layouts: list, weight_bytes: list[int], *,
+                 lane_cap: int, top_k: int, round_bf16: bool, cpu: int | None = None) -> None:
+        from tiermoe.kernels.reference import MAILBOX_CTRL, MAILBOX_DONE, MAILBOX_ERR, MAILBOX_NTOK, MAILBOX_POSTED
+
+        if len(slots) != mailbox.slots:
+            raise ValueError(f"{len(slots)} slot specs for a mailbox of {mailbox.slots} slots")
+        self.pool, self.mailbox, self.lib = pool, mailbox, pool.lib
+        self._keep = [t for pair in slots for t in pair if t is not None]  # what the thread reads, kept alive
+        for rec_of, layout_of in slots:
+            if rec_of.dtype != torch.int64 or not rec_of.is_contiguous() or (
+                    layout_of is not None and (layout_of.dtype != torch.int8 or layout_of.numel() != rec_of.numel())):
+                raise ValueError("a slot takes a contiguous int64 rec_of and an int8 layout_of of the same length")
+        self._slots = (TmServerSlot * max(1, len(slots)))(*[
+            TmServerSlot(r.data_ptr(), lo.data_ptr() if lo is not None else None, r.numel()) for r, lo in slots])
+        self._layouts = (TmServerLayout * len(layouts))(*[
+            TmServerLayout(TmLaneJob(KINDS[lay.kind], lay.hidden, lay.inter, lay.group_size, lay.gate_up_q,
+                                     lay.gate_up_s, lay.down_q, lay.down_s, 0, 0, None, None, None, None, None, None,
+                                     int(bool(round_bf16)), 0, 0.0), int(wb))
+            for lay, wb in zip(layouts, weight_bytes)])
+        mb = mailbox
+        self._spec = TmServerSpec(mb.ctrl.data_ptr(), mb.x_host.data_ptr(), mb.result.data_ptr(), mb.meta.data_ptr(),
+                                  mb.slots, MAILBOX_CTRL, mb.hidden, mb.max_tokens, mb.meta.shape[1], int(lane_cap),
+                                  int(top_k), len(layouts), MAILBOX_POSTED, MAILBOX_NTOK, MAILBOX_DONE, MAILBOX_ERR,
+                                  -1 if cpu is None else int(cpu), ctypes.addressof(self._layouts),
+                                  ctypes.addressof(self._slots))
+        self._srv = None
+        self._acknowledged = 0  # failures already reported
+
+    def start(self) -> "NativeMailboxServer":
+        if self._srv is None:
+            self._srv = self.lib.tm_server_start(self.pool._pool, ctypes.byref(self._spec))
+            if not self._srv:
+                raise NativeUnavailable("could not start the lane's mailbox server thread")
+        return self
+
+    def set_active(self, on: bool) -> None:
+        """Poll without pause (a step that may post runs) or park between such steps."""
+        if self._srv is not None:
+            self.lib.tm_server_active(self._srv, int(bool(on)))
+
+    def set_limit(self, limit: float | None) -> None:
+        """The SwiGLU clamp of the answers that follow (None: none)."""
+        if self._srv is not None:
+            self.lib.tm_server_limit(self._srv, int(limit is not None), float(limit or 0.0))
+
+    def stats(self) -> TmServerStats:
+        s = TmServerStats()
+        if self._srv is not None:
+            self.lib.tm_server_stats(self._srv, ctypes.byref(s))
+        return s
+
+    @property
+    def alive(self) -> bool:
+        return self._srv is not None and bool(self.stats().alive)
+
+    @property
+    def served(self) -> int:
+        return int(self.stats().served)
+
+    @property
+    def failed(self) -> int:
+        return int(self.stats().failed)
+
+    @property
+    def serve_s(self) -> float:
+        return self.stats().serve_ns / 1e9
+
+    @property
+    def failure(self) -> str | None:
+        """The reason of the last failed answer not yet reported (None: none)."""
+        s = self.stats()
+        if s.failed <= self._acknowledged:
+            return None
+        return f"lane kernel failed: {LANE_ERRORS.get(s.last_error, f'error {s.last_error}')}"
+
+    @failure.setter
+    def failure(self, value: None) -> None:
+        if value is not None:
+            raise ValueError("a native server's failure can only be acknowledged (set to None)")
+        self._acknowledged = int(self.stats().failed)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop polling and join the thread (after its current answer; `timeout` is not used)."""
+        if self._srv is not None:
+            self.lib.tm_server_stop(self._srv)
+            self._srv = None

@@ -56,8 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tiermoe.kernels.reference import (MAILBOX_CTRL, MAILBOX_DONE, MAILBOX_ERR, MAILBOX_NTOK, MAILBOX_POLLS,
-                                       MAILBOX_POSTED)
+from tiermoe.kernels.reference import (MAILBOX_CTRL, MAILBOX_DEV_NS, MAILBOX_DONE, MAILBOX_ERR, MAILBOX_NTOK,
+                                       MAILBOX_POLLS, MAILBOX_POSTED, MAILBOX_WAIT_NS)
 
 log = logging.getLogger("tiermoe.kernels")
 
@@ -92,6 +92,18 @@ def _acquire_load(ptr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _device_ns(ptr, ASM: tl.constexpr):
+    """The device's nanosecond clock (%globaltimer) on CUDA; 0 in the interpreter. ptr: any pointer (an
+    operand the asm does not read: inline asm takes its shape from its arguments)."""
+    if ASM:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [ptr], dtype=tl.int64, is_pure=False,
+                                      pack=1)
+    else:
+        t = tl.load(ptr) * 0
+    return t
+
+
+@triton.jit
 def _bf16_rne(v):
     """fp32 -> bf16 rounding to nearest even, in integer ops: the same bits as torch's cast on a
     GPU and in the interpreter (whose own float cast truncates)."""
@@ -115,6 +127,7 @@ def _post_kernel(
     n_elem,
     ntok,
     seq_ptr,
+    tpost_ptr,
     slot,
     req_addr,
     ctrl_addr,
@@ -128,7 +141,7 @@ def _post_kernel(
     ASM: tl.constexpr,
 ):
     """One program: x (n_elem values) and meta (n_meta int32 words) -> the slot's request and
-    meta areas, seq[slot] += 1, then posted = seq."""
+    meta areas, seq[slot] += 1, tpost[slot] = the device clock, then posted = seq."""
     req = req_addr.to(tl.int64).to(tl.pointer_type(tl.bfloat16))
     ctrl = ctrl_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
     for off in range(0, n_elem, BLOCK):
@@ -145,21 +158,26 @@ def _post_kernel(
         tl.store(meta_out + offs, tl.load(meta_ptr + offs, mask=m), mask=m)
     s = tl.load(seq_ptr + slot) + 1
     tl.store(seq_ptr + slot, s)
+    tl.store(tpost_ptr + slot, _device_ns(seq_ptr, ASM))
     tl.store(ctrl + NTOK, ntok.to(tl.int64))
     tl.debug_barrier()  # every thread's request stores happen before the release below
     _release_store(ctrl + POSTED, s, ASM)
 
 
 @triton.jit(do_not_specialize=["slot"])
-def _wait_kernel(seq_ptr, slot, ok_ptr, ctrl_addr, max_spins, DONE: tl.constexpr, ERR: tl.constexpr,
-                 POLLS: tl.constexpr, ASM: tl.constexpr):
+def _wait_kernel(seq_ptr, slot, ok_ptr, ctrl_addr, max_spins, tpost_ptr, acc_ptr, DONE: tl.constexpr,
+                 ERR: tl.constexpr, POLLS: tl.constexpr, ASM: tl.constexpr, TIMED: tl.constexpr = False,
+                 DEV_NS: tl.constexpr = 0, WAIT_NS: tl.constexpr = 0):
     """One program of one warp spins until done >= seq[slot] (bounded); ok[slot] = 1 or 0; the slot's
     POLLS word += the polls it made after the first read (0: the answer was there: no wait).
+    TIMED: acc [S, 2] int64 (device) += (wait start - tpost[slot], wait end - wait start) in device
+    nanoseconds, mirrored to the slot's DEV_NS / WAIT_NS words (stores only: no read crosses PCIe).
 
     One poller on purpose: every warp that reads the same host word costs a serialized trip
     over PCIe per poll, and those trips queue behind one another."""
     ctrl = ctrl_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
     target = tl.load(seq_ptr + slot)
+    t0 = _device_ns(seq_ptr, ASM)
     d = _acquire_load(ctrl + DONE, ASM)
     i = 0
     while (d < target) & (i < max_spins):
@@ -168,6 +186,14 @@ def _wait_kernel(seq_ptr, slot, ok_ptr, ctrl_addr, max_spins, DONE: tl.constexpr
     tl.store(ok_ptr + slot, (d >= target).to(tl.int32))
     tl.store(ctrl + ERR, target, mask=d < target)
     tl.store(ctrl + POLLS, tl.load(ctrl + POLLS, volatile=True) + i)
+    if TIMED:
+        t1 = _device_ns(seq_ptr, ASM)
+        dev = tl.load(acc_ptr + 2 * slot) + (t0 - tl.load(tpost_ptr + slot))
+        waited = tl.load(acc_ptr + 2 * slot + 1) + (t1 - t0)
+        tl.store(acc_ptr + 2 * slot, dev)
+        tl.store(acc_ptr + 2 * slot + 1, waited)
+        tl.store(ctrl + DEV_NS, dev)
+        tl.store(ctrl + WAIT_NS, waited)
 
 
 @triton.jit(do_not_specialize=["slot"])
@@ -207,6 +233,8 @@ class Mailbox:
         self.meta = torch.zeros(s, max(1, self.meta_words), dtype=torch.int32, pin_memory=pin)  # [S, M] side data
         self.seq = torch.zeros(s, dtype=torch.int64, device=self.device)  # [S] last posted number
         self.ok = torch.zeros(s, dtype=torch.int32, device=self.device)  # [S] last wait succeeded
+        self.t_post = torch.zeros(s, dtype=torch.int64, device=self.device)  # [S] device clock at the last post
+        self.timing = torch.zeros(s, 2, dtype=torch.int64, device=self.device)  # [S, 2] ns: own work, waiting
         self._ctrl_np = self.ctrl.numpy()
         self._asm = pin and not _INTERPRET
 
@@ -255,6 +283,7 @@ class Mailbox:
             x.numel(),
             x.shape[0],
             self.seq,
+            self.t_post,
             slot,
             self._req_addr(slot),
             self._ctrl_addr(slot),
@@ -281,10 +310,15 @@ class Mailbox:
             self.ok,
             self._ctrl_addr(slot),
             int(max_spins),
+            self.t_post,
+            self.timing,
             DONE=MAILBOX_DONE,
             POLLS=MAILBOX_POLLS,
             ERR=MAILBOX_ERR,
             ASM=self._asm,
+            TIMED=True,
+            DEV_NS=MAILBOX_DEV_NS,
+            WAIT_NS=MAILBOX_WAIT_NS,
             num_warps=1,
         )
         block = 4096 if _INTERPRET else 1024
@@ -317,10 +351,17 @@ class Mailbox:
         """Polls the device's waits made, over every slot, before their answers were there."""
         return int(self._ctrl_np[:, MAILBOX_POLLS].sum())
 
+    def device_seconds(self) -> tuple[float, float]:
+        """(seconds the device worked on its own between each post and its wait, seconds it waited),
+        summed over every slot's waits; read without a sync (CUDA only: zeros elsewhere)."""
+        return (float(self._ctrl_np[:, MAILBOX_DEV_NS].sum()) / 1e9,
+                float(self._ctrl_np[:, MAILBOX_WAIT_NS].sum()) / 1e9)
+
     def reset(self) -> None:
         """Zero every counter (device and host); no request may be in flight."""
         self.seq.zero_()
         self.ctrl.zero_()
+        self.timing.zero_()
 
 
 class MailboxServer:
@@ -362,6 +403,11 @@ class MailboxServer:
         self.failure: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def set_active(self, on: bool) -> None:
+        """Poll (a step that may post runs) or park between such steps (the `active` event)."""
+        if self.active is not None:
+            self.active.set() if on else self.active.clear()
 
     def start(self) -> "MailboxServer":
         if self._thread is None:

@@ -203,8 +203,8 @@ class ResidencyMailbox:
         _need_kernel[(1,)](ids, p, host, slots, self.seq, self.posted_now, row, self._ctrl_addr(),
                            self._req_addr(), POSTED=MAILBOX_POSTED, NTOK=MAILBOX_NTOK,
                            BLOCK_P=max(16, triton.next_power_of_2(p)), ASM=self._asm, num_warps=4)
-        _wait_kernel[(1,)](self.seq, 0, self.ok, self._ctrl_addr(), int(max_spins), DONE=MAILBOX_DONE,
-                           ERR=MAILBOX_ERR, POLLS=MAILBOX_POLLS, ASM=self._asm, num_warps=1)
+        _wait_kernel[(1,)](self.seq, 0, self.ok, self._ctrl_addr(), int(max_spins), self.seq, self.seq,  # untimed
+                           DONE=MAILBOX_DONE, ERR=MAILBOX_ERR, POLLS=MAILBOX_POLLS, ASM=self._asm, num_warps=1)
         _apply_kernel[(1,)](self.posted_now, self.ok, self._ctrl_addr(), self._ans_addr(),
                             self._req_addr(), self.host_ptrs, self.table_ptrs, self.slot_ptrs,
                             self.zero_addr, NANS=RESIDENCY_NANS, NTOK=MAILBOX_NTOK, BLOCK=64,
