@@ -26,7 +26,8 @@
 #              every mode; a third field adds serve flags, + for a space, and names the run; KIND_CELLS
 #              likewise for the kinds step; `--host-share S` there caps host RAM at S times the experts'
 #              bytes, e.g. "0.11:exact:--device-cache+on+--host-share+0.4": the disk tier under the device
-#              cache; the page cache's size before and after each sweep lands in pagecache-TAG.txt): tiermoe serve
+#              cache; `--sweep-prefill P` there makes that cell's sweeps prefill P instead of PREFILL; the
+#              page cache's size before and after each sweep lands in pagecache-TAG.txt): tiermoe serve
 #              with --routing-replay (picks drawn from the real per-layer statistics) and --expert-stats
 #              on the same file (the warm start a user of the real model gives it), a short warm-up
 #              sweep, then `tiermoe bench sweep` (prefill 4k, decode C1 and C4) with /stats before/after
@@ -172,13 +173,19 @@ serve_matrix() {  # NAME STORE STATS EXTRA_FLAGS...
     IFS=: read -r budget mode extra <<< "$cell"
     local tag=$name-$budget-$mode gb flags=()
     [ -n "$extra" ] && { tag=$tag-$(echo "$extra" | tr -c 'A-Za-z0-9.\n' '_' | sed 's/^_*//'); read -ra flags <<< "${extra//+/ }"; }
-    local i  # --host-share S: --host-expert-gb at S times the experts' bytes (RAM capped; the rest on disk)
+    local i prefill=$PREFILL  # --host-share S: --host-expert-gb at S times the experts' bytes (RAM capped; the
+    # rest on disk); --sweep-prefill P: this cell's sweeps prefill P instead of PREFILL (not a serve flag)
     for i in "${!flags[@]}"; do
+      [ -n "${flags[$i]+set}" ] || continue  # a value --sweep-prefill took
       if [ "${flags[$i]}" = --host-share ]; then
         flags[$i]=--host-expert-gb
         flags[$((i + 1))]=$("$PY" -c "print(round($(stat -c %s "$store/experts.bin") / 2**30 * ${flags[$((i + 1))]}, 6))")
+      elif [ "${flags[$i]}" = --sweep-prefill ]; then
+        prefill=${flags[$((i + 1))]}
+        unset "flags[$i]" "flags[$((i + 1))]"
       fi
     done
+    flags=("${flags[@]}")
     gb=$("$PY" -c "print(round($expert_gb * $budget, 6))")
     local tokens=$MAX_TOKENS
     [ "$mode" = fast ] && tokens=$FAST_MAX_TOKENS
@@ -195,7 +202,7 @@ serve_matrix() {  # NAME STORE STATS EXTRA_FLAGS...
     done
     if [ $ok = 0 ]; then log "$tag: server did not start: $(tail -3 "$WORK/server-$tag.log")"; kill $pid; continue; fi
     local sweep=("$PY" -m tiermoe.cli bench sweep --url http://127.0.0.1:8121 --model "$name" \
-      --prefill-sizes "$PREFILL" \
+      --prefill-sizes "$prefill" \
       --reps 1 --concurrency 1,4 --long-prompt 0)
     timeout 200 "${sweep[@]}" --max-tokens 16 --seed 7 > "$WORK/warmup-$tag.log" 2>&1
     get http://127.0.0.1:8121/stats > "$WORK/stats-before-$tag.json"
