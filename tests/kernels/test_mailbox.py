@@ -181,8 +181,14 @@ def test_wait_add_matches_twin_bit_for_bit(device, dtype):
     _sync(device)
     assert not R.mailbox_wait_add_ref(mb.result, ctrl_r, mb.seq, 1, out_r, max_spins=5)
     assert torch.equal(out_k, out_r) and torch.equal(out_k, base)
+    timed = [R.MAILBOX_DEV_NS, R.MAILBOX_WAIT_NS]  # the device clock's sums: the twin keeps no clock
+    own, waited = mb.ctrl[:, timed].clone().unbind(1)
+    mb.ctrl[:, timed] = 0
     assert torch.equal(mb.ctrl, ctrl_r)  # same error marks, and the timed-out wait's 5 polls
     assert mb.wait_polls() == 5
+    on_gpu = torch.device(device).type == "cuda"  # %globaltimer: CUDA only; zeros in the interpreter
+    assert bool((own > 0).all()) == on_gpu and bool(waited[1] > 0) == on_gpu
+    assert mb.device_seconds() == (0.0, 0.0)  # read back from the words just cleared
 
 
 def test_shape_checks(device):

@@ -77,6 +77,7 @@ class DeviceLane(LaneHandoff):
                                         cpu=lane.caller_cpu).start()
         self._limit: tuple | None = None  # the SwiGLU clamp the native server has (None: not set yet)
         self._folded = (0, 0, 0, 0)  # the native server's (experts, layers, busy ns, weight bytes) counted already
+        self._fold_lock = threading.Lock()
         self.timeouts = 0  # device waits that ran out of polls (seen by check)
         device_cache.device_lane = self  # its counters report the mailbox's
 
@@ -136,10 +137,11 @@ class DeviceLane(LaneHandoff):
         compute_posted counts as it goes)."""
         if not self.native:
             return
-        st = self.server.stats()
-        now = (int(st.experts), int(st.layers), int(st.busy_ns), int(st.weight_bytes))
-        d = [a - b for a, b in zip(now, self._folded)]
-        self._folded = now
+        with self._fold_lock:  # the engine's thread (check) and /stats (counters) both fold
+            st = self.server.stats()
+            now = (int(st.experts), int(st.layers), int(st.busy_ns), int(st.weight_bytes))
+            d = [a - b for a, b in zip(now, self._folded)]
+            self._folded = now
         if d[1]:
             self.lane.count_posted(d[0], d[1], d[2] / 1e9, d[3])
 
@@ -168,7 +170,9 @@ class DeviceLane(LaneHandoff):
 
     def adjust_counters(self, c: dict) -> None:
         """Lane experts are read by the CPU where they sit, not over PCIe: take them out of the
-        bytes the device cache counted as moved per decode token."""
+        bytes the device cache counted as moved per decode token (the native server's work counted
+        first: a caller may read counters without steps that end with `check`)."""
+        self._fold_native_counters()
         per, tok = c.setdefault("per_decode_token", {}), max(1, int(c.get("decode_tokens") or 0))
         moved = per.get("bytes_moved", 0.0) - self.lane.c.experts * self.dc.store.record_bytes / tok
         per["bytes_moved"] = max(0.0, moved)
