@@ -34,6 +34,9 @@
 #   parity5    `tiermoe eval parity --tiny glm5_next --device cuda --dtype bfloat16`, as prefill chunks and with
 #              --decode-from 0 (every position a decode step: the decode kernels and graphs), against transformers;
 #              then the same on a confident tiny (write_tiny_checkpoint(branch_scale=0.25), --model)
+#   parity-kernels  scripts/parity_kernels.py on the confident tiny (prefill chunks, then decode steps): top-1 against
+#              transformers bf16 with the Triton kernels and the merged projections on and off, and in one chunk
+#              (PARITY_MODES: default "chunked decode")
 #   glm5-trunk glm5_next's own layers at full width (issue: non-MoE decode time of all 45 layers): `bench make-glm5
 #              --moe-layers 42 --experts 16` at --top-k 8 and 1 (the routed experts' share of a token's time is
 #              what the two differ by, times 8/7), each served resident by `bench decode` (C1, C4), then on the
@@ -231,6 +234,19 @@ step_parity5() {  # a tiny glm5_next in bf16 on the GPU against transformers: pr
   done
 }
 
+step_parity_kernels() {  # which GPU path parts from transformers: the confident tiny with the Triton kernels and the
+  # merged projections on and off, and in one chunk (scripts/parity_kernels.py), prefill chunks then decode steps
+  local mode flag
+  "$PY" -c "import sys; from tiermoe.models.glm5_next.tiny import write_tiny_checkpoint as w; w(sys.argv[1], branch_scale=0.25)" \
+    "$WORK/tiny-confident" > /dev/null 2>&1 || log "parity-kernels: writing the confident tiny failed"
+  for mode in ${PARITY_MODES:-chunked decode}; do
+    flag=""; [ $mode = decode ] && flag="--decode-from 0"
+    timeout 400 "$PY" scripts/parity_kernels.py "$WORK/tiny-confident" $flag > "$WORK/parity-kernels-$mode.log" 2>&1 \
+      || log "parity-kernels $mode failed: $(tail -2 "$WORK/parity-kernels-$mode.log")"
+    log "parity-kernels $mode:"; grep '^{' "$WORK/parity-kernels-$mode.log"
+  done
+}
+
 step_glm5_trunk() {  # 45 layers at full width, 16 experts a layer: the trunk's decode time, experts resident
   local k
   for k in ${TRUNK_TOPK:-8 1}; do
@@ -350,6 +366,7 @@ run_all() {
   want lane-wide && step_lane_wide
   [ -n "$tests_pid" ] && { wait "$tests_pid"; log "tests: $(tail -1 "$WORK/gpu-tests.log")"; }
   want parity5 && step_parity5
+  want parity-kernels && step_parity_kernels
   want serve-glm && serve_matrix glm-synthetic "$WORK/glm" "$WORK/glm/expert-stats.json"
   want glm5-trunk && { rm -rf "$WORK/glm"; step_glm5_trunk; }
   want glm5 && step_glm5
