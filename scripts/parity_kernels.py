@@ -25,13 +25,14 @@ KERNEL_GATES = ("tiermoe.models.blocks.common", "tiermoe.models.blocks.hyperconn
 
 
 @contextlib.contextmanager
-def patched(kernels: bool, fuse: bool):
-    """Within: the Triton kernels off (their twins) unless `kernels`; no merged projections unless `fuse`."""
+def patched(kernels: bool, fuse: bool, gates: tuple[str, ...] = KERNEL_GATES):
+    """Within: the Triton kernels off (their twins) in `gates` unless `kernels`; no merged projections unless
+    `fuse`."""
     from tiermoe.models.glm5_next.model import Glm5NextModel
 
     saved = []
     if not kernels:
-        for name in KERNEL_GATES:
+        for name in gates:
             mod = importlib.import_module(name)
             saved.append((mod, "device_kernels", mod.device_kernels))
             mod.device_kernels = lambda *tensors: False
@@ -58,8 +59,10 @@ def main() -> None:
     variants = [("default", True, True, args.chunk), ("no-merged-projections", True, False, args.chunk),
                 ("no-triton-kernels", False, True, args.chunk), ("neither", False, False, args.chunk),
                 ("one-chunk", True, True, 4096), ("one-chunk-neither", False, False, 4096)]
-    for name, kernels, fuse, chunk in variants:
-        with patched(kernels, fuse):
+    variants = [(*v, KERNEL_GATES) for v in variants] + [
+        (f"twins-in-{g.rsplit('.', 1)[1]}-only", False, True, args.chunk, (g,)) for g in KERNEL_GATES[1:]]
+    for name, kernels, fuse, chunk, gates in variants:
+        with patched(kernels, fuse, gates):
             try:
                 out = run_parity(args.model, None, args.device, "bfloat16", chunk=chunk, fp32_floor=False,
                                  decode_from=args.decode_from)
