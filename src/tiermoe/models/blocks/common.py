@@ -6,15 +6,43 @@ then scale), because every family is held to top-1 == 1.0 and KL < 1e-6 against 
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
+class _ReferenceOps(threading.local):
+    on = False  # inside `reference_ops`: the twins everywhere, in this thread
+
+
+_REFERENCE_OPS = _ReferenceOps()
+
+
+@contextlib.contextmanager
+def reference_ops(on: bool = True) -> Iterator[None]:
+    """Within (when `on`): `device_kernels` answers False, so every block computes with its plain-torch twin, which
+    are transformers' own ops. Why: a prefill step then gives transformers' bf16 logits bit for bit on a GPU too
+    (the Triton kernels round in their own order, and at near-ties that flips a top-1), at little cost, since a
+    prefill chunk's work is a few large launches either way; decode steps keep the kernels (one graph, few
+    launches, rows independent of the batch)."""
+    before = _REFERENCE_OPS.on
+    _REFERENCE_OPS.on = bool(on)
+    try:
+        yield
+    finally:
+        _REFERENCE_OPS.on = before
+
+
 def device_kernels(*tensors: torch.Tensor) -> bool:
-    """Whether the Triton kernels serve these inputs: on a CUDA device (the first tensor's), with no gradient to
-    carry (the kernels define no backward, so anything that trains through them takes their plain-torch twins)."""
-    return tensors[0].is_cuda and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    """Whether the Triton kernels serve these inputs: on a CUDA device (the first tensor's), outside
+    `reference_ops`, with no gradient to carry (the kernels define no backward, so anything that trains through
+    them takes their plain-torch twins)."""
+    return tensors[0].is_cuda and not _REFERENCE_OPS.on and not (
+        torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 def empty_param(*shape: int) -> nn.Parameter:

@@ -53,12 +53,13 @@ class HyperConnection(nn.Module):
         self._fn32: tuple[tuple, torch.Tensor] | None = None  # (fn's identity, fn in fp32)
 
     def _fn_fp32(self) -> torch.Tensor:
-        """fn [(2+N)*N, N*D] in fp32 for the twin's projection. In a bf16 model the exact cast is kept between
-        calls while fn is unchanged (same storage, same version): recast, it would be one more launch and a
-        3 MB write in each of glm5_next's 90 sub-blocks a token. The kernels read fn as it is (each value
-        widened exactly), so on a CUDA device no copy is made at all."""
+        """fn [(2+N)*N, N*D] in fp32 for the twin's projection. In a bf16 model on a CPU the exact cast is kept
+        between calls while fn is unchanged (same storage, same version): recast, it would be one more launch and
+        a 3 MB write in each of glm5_next's 90 sub-blocks a token. On a CUDA device the kernels read fn as it
+        is (each value widened exactly) and the twin runs only for prefill chunks (reference_ops), where a cast
+        per call is small beside the chunk's work, so no copy is kept (270 MB of HBM at full width)."""
         fn = self.fn
-        if fn.dtype == torch.float32 or (torch.is_grad_enabled() and fn.requires_grad):
+        if fn.dtype == torch.float32 or fn.is_cuda or (torch.is_grad_enabled() and fn.requires_grad):
             return fn.float()
         key = (fn.device, fn.data_ptr(), fn._version)
         if self._fn32 is None or self._fn32[0] != key:

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tiermoe.models.blocks.common import reference_ops
 from tiermoe.models.blocks.hyperconnection import HyperConnection
 from tiermoe.moe.experts import ExpertBackend, ResidentExperts
 
@@ -91,6 +92,12 @@ class MTPLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def prefill_shaped(batch: SeqBatch) -> bool:
+    """A step that prefills: some sequence adds more than one token, other than a speculative verify (whose
+    sequences keep their states to roll back)."""
+    return any(n > 1 and not keep for n, keep in zip(batch.lens, batch.keep))
+
+
 class Glm5NextModel(nn.Module):
     """glm5_next causal LM over explicit per-slot caches."""
 
@@ -156,13 +163,17 @@ class Glm5NextModel(nn.Module):
 
     @torch.no_grad()
     def layers_forward(self, input_ids: torch.Tensor, batch: SeqBatch, cache: Glm5NextCache) -> torch.Tensor:
-        """The device work of `forward` (what a decode graph records): [T] -> hidden [T, D]."""
+        """The device work of `forward` (what a decode graph records): [T] -> hidden [T, D]. A prefill step (a
+        sequence adding several tokens, not a speculative verify) computes with the blocks' plain-torch twins,
+        transformers' own ops (blocks/common.reference_ops): its bf16 logits then equal transformers' on a GPU
+        too. Decode and verify steps keep the Triton kernels."""
         x = F.embedding(input_ids, self.embed_tokens.weight)  # [T, D]
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, N, D]
         sel = None
-        for layer in self.layers:
-            streams, sel = layer(streams, batch, cache, sel)
-        return self.norm(streams.mean(dim=1))
+        with reference_ops(prefill_shaped(batch)):
+            for layer in self.layers:
+                streams, sel = layer(streams, batch, cache, sel)
+            return self.norm(streams.mean(dim=1))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, D] -> logits [T, V] in the model dtype."""
