@@ -33,7 +33,8 @@
 #              sweep, then `tiermoe bench sweep` (prefill 4k, decode C1 and C4) with /stats before/after
 #   parity5    `tiermoe eval parity --tiny glm5_next --device cuda --dtype bfloat16`, as prefill chunks and with
 #              --decode-from 0 (every position a decode step: the decode kernels and graphs), against transformers;
-#              then the same on a confident tiny (write_tiny_checkpoint(branch_scale=0.25), --model)
+#              then the same on a confident tiny (write_tiny_checkpoint(branch_scale=0.25), --model); PARITY5_MODES
+#              picks among "chunked decode confident-chunked confident-decode" (default: all four)
 #   parity-kernels  scripts/parity_kernels.py on the confident tiny (prefill chunks, then decode steps): top-1 against
 #              transformers bf16 with the Triton kernels and the merged projections on and off, and in one chunk
 #              (PARITY_MODES: default "chunked decode")
@@ -72,7 +73,7 @@ BUDGETS=${BUDGETS:-0.11 0.33}
 MODES=${MODES:-exact fast}
 RUN_STEPS=${RUN_STEPS:-pcie glm serve-glm}
 MAX_TOKENS=${MAX_TOKENS:-128}
-FAST_MAX_TOKENS=${FAST_MAX_TOKENS:-48}
+FAST_MAX_TOKENS=${FAST_MAX_TOKENS:-128}  # as exact's: C4 aggregates count each request's first token, so equal lengths
 PREFILL=${PREFILL:-4k}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-8192}
 SERVE_ARGS=${SERVE_ARGS:-}           # more serve flags, e.g. "--device cpu --no-direct-io" for a CPU dry run
@@ -225,7 +226,7 @@ step_parity5() {  # a tiny glm5_next in bf16 on the GPU against transformers: pr
   local mode flag src
   "$PY" -c "import sys; from tiermoe.models.glm5_next.tiny import write_tiny_checkpoint as w; w(sys.argv[1], branch_scale=0.25)" \
     "$WORK/tiny-confident" > /dev/null 2>&1 || log "parity5: writing the confident tiny failed"
-  for mode in chunked decode confident-chunked confident-decode; do
+  for mode in ${PARITY5_MODES:-chunked decode confident-chunked confident-decode}; do
     flag=""; case $mode in *decode) flag="--decode-from 0";; esac
     src="--tiny glm5_next"; case $mode in confident*) src="--model $WORK/tiny-confident";; esac
     timeout 600 "$PY" -m tiermoe.cli eval parity $src --device cuda --dtype bfloat16 $flag \
