@@ -15,6 +15,7 @@ the lane then computes with its plain-torch twin (reference.lane_experts_ref).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
@@ -23,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +36,9 @@ ABI = 8  # TM_ABI of lane_kernel.cpp: a library of another ABI is rebuilt
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 ISA_NAMES = ("scalar", "avx2", "avx512", "avx512bf16")
 KINDS = {"bf16": 0, "int4": 1, "int8": 2, "int3": 3}  # record kinds the kernel reads (KIND_* of lane_dot.h)
+
+
+LANE_ERRORS = {-1: "a record shape, expert id or routing it does not take", -2: "out of memory"}  # posted jobs
 
 
 class NativeUnavailable(RuntimeError):
@@ -264,8 +269,7 @@ class LanePool:
         computed = ctypes.c_int32(0)
         rc = self.lib.tm_lane_posted(self._pool, ctypes.byref(posted), ctypes.byref(computed))
         if rc != 0:
-            why = {-1: "a record shape, expert id or routing it does not take", -2: "out of memory"}.get(
-                rc, f"error {rc}")
+            why = LANE_ERRORS.get(rc, f"error {rc}")
             raise RuntimeError(f"lane kernel failed: {why}")
         return computed.value
 
@@ -286,8 +290,6 @@ class LanePool:
     def __del__(self) -> None:
         self.close()
 
-
-LANE_ERRORS = {-1: "a record shape, expert id or routing it does not take", -2: "out of memory"}
 
 
 class NativeMailboxServer:
@@ -336,6 +338,7 @@ class NativeMailboxServer:
             self._srv = self.lib.tm_server_start(self.pool._pool, ctypes.byref(self._spec))
             if not self._srv:
                 raise NativeUnavailable("could not start the lane's mailbox server thread")
+            _RUNNING.add(self)
         return self
 
     def set_active(self, on: bool) -> None:
@@ -389,3 +392,15 @@ class NativeMailboxServer:
         if self._srv is not None:
             self.lib.tm_server_stop(self._srv)
             self._srv = None
+        _RUNNING.discard(self)
+
+
+# Servers still running at interpreter exit are stopped first: their thread reads the mailbox's pinned memory,
+# which the interpreter's teardown frees.
+_RUNNING: "weakref.WeakSet[NativeMailboxServer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running_servers() -> None:
+    for server in list(_RUNNING):
+        server.stop()
