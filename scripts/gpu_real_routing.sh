@@ -220,12 +220,17 @@ serve_matrix() {  # NAME STORE STATS EXTRA_FLAGS...
   done
 }
 
+write_confident_tiny() {  # STEP: $WORK/tiny-confident, a tiny glm5_next whose residual branches are scaled by 0.25
+  "$PY" -c "import sys; from tiermoe.models.glm5_next.tiny import write_tiny_checkpoint as w
+w(sys.argv[1], branch_scale=0.25)" "$WORK/tiny-confident" > /dev/null 2>&1 \
+    || log "$1: writing the confident tiny failed"
+}
+
 step_parity5() {  # a tiny glm5_next in bf16 on the GPU against transformers: prefill chunks, then decode steps;
   # the default tiny (near-tie logits: transformers' own bf16 agrees with its fp32 at ~0.73) and a confident one
   # (residual branches scaled by 0.25, so each position's own token dominates as in trained models)
   local mode flag src
-  "$PY" -c "import sys; from tiermoe.models.glm5_next.tiny import write_tiny_checkpoint as w; w(sys.argv[1], branch_scale=0.25)" \
-    "$WORK/tiny-confident" > /dev/null 2>&1 || log "parity5: writing the confident tiny failed"
+  write_confident_tiny parity5
   for mode in ${PARITY5_MODES:-chunked decode confident-chunked confident-decode}; do
     flag=""; case $mode in *decode) flag="--decode-from 0";; esac
     src="--tiny glm5_next"; case $mode in confident*) src="--model $WORK/tiny-confident";; esac
@@ -238,8 +243,7 @@ step_parity5() {  # a tiny glm5_next in bf16 on the GPU against transformers: pr
 step_parity_kernels() {  # which GPU path parts from transformers: the confident tiny with the Triton kernels and the
   # merged projections on and off, and in one chunk (scripts/parity_kernels.py), prefill chunks then decode steps
   local mode flag
-  "$PY" -c "import sys; from tiermoe.models.glm5_next.tiny import write_tiny_checkpoint as w; w(sys.argv[1], branch_scale=0.25)" \
-    "$WORK/tiny-confident" > /dev/null 2>&1 || log "parity-kernels: writing the confident tiny failed"
+  write_confident_tiny parity-kernels
   for mode in ${PARITY_MODES:-chunked decode}; do
     flag=""; [ $mode = decode ] && flag="--decode-from 0"
     timeout 400 "$PY" scripts/parity_kernels.py "$WORK/tiny-confident" $flag > "$WORK/parity-kernels-$mode.log" 2>&1 \

@@ -18,10 +18,9 @@ import contextlib
 import importlib
 import json
 
-# modules that import the predicate by name (models/blocks/common.device_kernels)
-KERNEL_GATES = ("tiermoe.models.blocks.common", "tiermoe.models.blocks.hyperconnection",
-                "tiermoe.models.blocks.router", "tiermoe.models.blocks.attention", "tiermoe.models.blocks.kda",
-                "tiermoe.models.glm5_next.layers")
+# modules that import the predicate by name (models/blocks/common.device_kernels): each is patched where it is read
+KERNEL_GATES = ("tiermoe.models.blocks.hyperconnection", "tiermoe.models.blocks.router",
+                "tiermoe.models.blocks.attention", "tiermoe.models.blocks.kda", "tiermoe.models.glm5_next.layers")
 
 
 @contextlib.contextmanager
@@ -60,7 +59,7 @@ def main() -> None:
                 ("no-triton-kernels", False, True, args.chunk), ("neither", False, False, args.chunk),
                 ("one-chunk", True, True, 4096), ("one-chunk-neither", False, False, 4096)]
     variants = [(*v, KERNEL_GATES) for v in variants] + [
-        (f"twins-in-{g.rsplit('.', 1)[1]}-only", False, True, args.chunk, (g,)) for g in KERNEL_GATES[1:]]
+        (f"twins-in-{g.rsplit('.', 1)[1]}-only", False, True, args.chunk, (g,)) for g in KERNEL_GATES]
     for name, kernels, fuse, chunk, gates in variants:
         with patched(kernels, fuse, gates):
             try:

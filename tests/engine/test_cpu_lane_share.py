@@ -162,6 +162,9 @@ def test_service_share_balances_the_two_sides_times():
     # a share at 0 is not stuck there: a lane with time to spare gets experts again
     low = ServiceShare(pcie_gbs=50.0, share=0.0, window_bytes=gb)
     assert low.update(1.0, 2 * gb, balance=(0.1, 1.0)) > 0.05
+    # and a slow lane keeps the floor, so its windows keep closing and it is measured again
+    slow = ServiceShare(pcie_gbs=50.0, share=0.12, window_bytes=gb)
+    assert slow.update(1.0, 2 * gb, balance=(10.0, 1.0)) == slow.floor == 0.1
 
 
 def test_beside_a_gpu_the_measured_share_follows_the_lane_in_service(store, monkeypatch):

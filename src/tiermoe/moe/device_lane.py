@@ -33,6 +33,7 @@ lane's threads).
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import torch
@@ -40,6 +41,8 @@ import torch
 from tiermoe.kernels.reference import MAILBOX_ERR
 from tiermoe.kernels.triton.mailbox import Mailbox, MailboxServer
 from tiermoe.moe.lane import LaneHandoff
+
+log = logging.getLogger("tiermoe.moe")
 
 
 class DeviceLane(LaneHandoff):
@@ -63,16 +66,10 @@ class DeviceLane(LaneHandoff):
                                device_cache.scratch.device, meta_words=words)
         # each layer's host record addresses and records by expert id (a disk tier keeps both current)
         self.records = {layer: device_cache.lane_records(layer) for layer in self.layers}
-        self.native = lane.posted_native and native is not False
         self.polling = False  # from a lane step's start to its check: the server polls only then
-        if self.native:
-            from tiermoe.kernels.cpu.native import NativeMailboxServer
-
-            slots = [(self.records[layer][0], lane.layout_of(layer)) for layer in self.layers]
-            self.server = NativeMailboxServer(lane.pool, self.mailbox, slots, lane.klayouts, lane.weight_bytes_of,
-                                              lane_cap=self.lane_cap, top_k=self.top_k, round_bf16=lane.round_bf16,
-                                              cpu=lane.caller_cpu).start()
-        else:
+        self.server = self._native_server() if lane.posted_native and native is not False and self.layers else None
+        self.native = self.server is not None
+        if self.server is None:
             self.server = MailboxServer(self.mailbox, self._compute, threads=lane.threads, active=threading.Event(),
                                         cpu=lane.caller_cpu).start()
         self._limit: tuple | None = None  # the SwiGLU clamp the native server has (None: not set yet)
@@ -80,6 +77,22 @@ class DeviceLane(LaneHandoff):
         self._fold_lock = threading.Lock()
         self.timeouts = 0  # device waits that ran out of polls (seen by check)
         device_cache.device_lane = self  # its counters report the mailbox's
+
+    def _native_server(self):
+        """The native server for this mailbox, or None where its thread cannot start (logged; the Python
+        server answers instead)."""
+        from tiermoe.kernels.cpu.native import NativeMailboxServer, NativeUnavailable
+
+        lane = self.lane
+        slots = [(self.records[layer][0], lane.layout_of(layer)) for layer in self.layers]
+        server = NativeMailboxServer(lane.pool, self.mailbox, slots, lane.klayouts, lane.weight_bytes_of,
+                                     lane_cap=self.lane_cap, top_k=self.top_k, round_bf16=lane.round_bf16,
+                                     cpu=lane.caller_cpu)
+        try:
+            return server.start()
+        except NativeUnavailable as exc:
+            log.warning("CPU lane: %s; its mailbox is answered by a Python thread instead", exc)
+            return None
 
     def set_experts(self, experts: int) -> None:
         """The cache step picks up to `experts` lane experts per layer (0: exact mode)."""
@@ -140,9 +153,11 @@ class DeviceLane(LaneHandoff):
         with self._fold_lock:  # the engine's thread (check) and /stats (counters) both fold
             st = self.server.stats()
             now = (int(st.experts), int(st.layers), int(st.busy_ns), int(st.weight_bytes))
-            d = [a - b for a, b in zip(now, self._folded)]
-            self._folded = now
-        if d[1]:
+            # each counter separately: a read while the thread answers may see one counter's increment before
+            # another's, and the next fold's delta carries the rest (cumulative counters never go down)
+            d = [max(0, a - b) for a, b in zip(now, self._folded)]
+            self._folded = tuple(max(a, b) for a, b in zip(now, self._folded))
+        if any(d):
             self.lane.count_posted(d[0], d[1], d[2] / 1e9, d[3])
 
     def balance(self) -> tuple[float, float]:
@@ -180,8 +195,10 @@ class DeviceLane(LaneHandoff):
     def close(self) -> None:
         """Let queued device waits be answered, then stop the serving thread (before the lane
         and the store it reads from are closed)."""
-        if self.mailbox.device.type == "cuda":
-            torch.cuda.synchronize(self.mailbox.device)
-        self.polling = False
-        self.server.set_active(False)
-        self.server.stop(timeout=None)
+        try:
+            if self.mailbox.device.type == "cuda":
+                torch.cuda.synchronize(self.mailbox.device)
+        finally:  # stopped whatever the device says: its thread must not outlive the lane's pool
+            self.polling = False
+            self.server.set_active(False)
+            self.server.stop(timeout=None)

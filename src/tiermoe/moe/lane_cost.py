@@ -75,14 +75,17 @@ class ServiceShare:
     device mailbox on CUDA): with ratio rho = lane seconds / device seconds over the window and s
     the share in force, s / (s + (1 - s) rho), the share at which both would take equal time if
     each side's time grew with its experts. Its fixed point is rho = 1, so fixed costs on either
-    side (the lane's hand-off, the device's kernels on its slot hits) are balanced too. Otherwise
+    side are balanced too (the device's kernels on its slot hits; the lane's set-up, but not the
+    few microseconds a post and its answer take to cross PCIe, which neither clock sees). Otherwise
     lane / (pcie + lane) with the lane's service rate (weight bytes per busy second over the window)
-    and the start-up PCIe rate beside the lane."""
+    and the start-up PCIe rate beside the lane. The share never goes under `floor`: a window
+    closes only on lane work, so a lane given no experts would never be measured again."""
 
     pcie_gbs: float  # copies while the lane computes (LaneBandwidths.pcie_shared_gbs)
     share: float  # the share in force
     window_bytes: int = 1 << 30
     min_step: float = 0.01
+    floor: float = 0.1  # the least share the feedback sets (at five misses a layer still one expert)
     service_gbs: float | None = None  # the last window's lane rate
     updates: int = 0
     rho: float | None = None  # the last window's lane seconds / device seconds (None: not measured)
@@ -106,7 +109,7 @@ class ServiceShare:
             target = s / (s + (1 - s) * self.rho)
         else:
             target = self.service_gbs / (self.pcie_gbs + self.service_gbs) if self.pcie_gbs > 0 else 1.0
-        new = self.share + (target - self.share) / 2
+        new = max(self.floor, self.share + (target - self.share) / 2)
         if abs(new - self.share) < self.min_step:
             return None
         self.share, self.updates = new, self.updates + 1

@@ -91,13 +91,14 @@ struct Server {
         n_exp += n, bytes += int64_t(n) * layouts[li].weight_bytes;
       }
     }
-    if (rc != 0) {
+    if (rc != 0) {  // nothing of a failed answer is counted as lane work (as the Python server's)
       std::memset(res, 0, sizeof(float) * size_t(std::max(0, std::min(t, spec.max_tokens))) * spec.hidden);
       __atomic_store_n(ctrl(s) + spec.w_err, -seq, __ATOMIC_RELAXED);
       last_error.store(rc);
       failed.fetch_add(1);
+    } else {
+      experts.fetch_add(n_exp), layers.fetch_add(1), weight_bytes.fetch_add(bytes), busy_ns.fetch_add(busy);
     }
-    experts.fetch_add(n_exp), layers.fetch_add(1), weight_bytes.fetch_add(bytes), busy_ns.fetch_add(busy);
     serve_ns.fetch_add(now_ns() - t0);
     served.fetch_add(1);  // counted before the answer is published, as MailboxServer does
     __atomic_store_n(ctrl(s) + spec.w_done, seq, __ATOMIC_RELEASE);
@@ -114,7 +115,7 @@ struct Server {
     }
     std::vector<int64_t> answered(spec.slots);
     for (int s = 0; s < spec.slots; ++s) answered[s] = __atomic_load_n(ctrl(s) + spec.w_done, __ATOMIC_ACQUIRE);
-    while (!stop.load(std::memory_order_relaxed)) {
+    for (uint64_t spins = 1; !stop.load(std::memory_order_relaxed); ++spins) {
       bool any = false;
       for (int s = 0; s < spec.slots; ++s) {
         const int64_t posted = __atomic_load_n(ctrl(s) + spec.w_posted, __ATOMIC_ACQUIRE);
@@ -126,7 +127,10 @@ struct Server {
       }
       if (any) continue;
       if (active.load(std::memory_order_acquire)) {
-        cpu_relax();
+        if (spec.cpu < 0 && spins % 4096 == 0)
+          std::this_thread::yield();  // not on a core of its own: let the threads it shares one with run
+        else
+          cpu_relax();
       } else {
         std::unique_lock<std::mutex> lock(m);
         cv.wait_for(lock, std::chrono::milliseconds(50), [&] { return active.load() || stop.load(); });
@@ -183,13 +187,15 @@ void tm_server_stats(void* server, TmServerStats* out) {
                        srv.alive.load()};
 }
 
-// Stop polling, join the thread (after its current answer) and free the server.
-void tm_server_stop(void* server) {
+// Stop polling, join the thread (after its current answer), write its final counters to *last (unless null)
+// and free the server.
+void tm_server_stop(void* server, TmServerStats* last) {
   Server* srv = static_cast<Server*>(server);
   srv->stop.store(true);
   { std::lock_guard<std::mutex> lock(srv->m); }
   srv->cv.notify_all();
   if (srv->thread.joinable()) srv->thread.join();
+  if (last) tm_server_stats(srv, last);
   delete srv;
 }
 

@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,7 +179,7 @@ def load_library(path: Path) -> ctypes.CDLL:
         lib.tm_server_active.argtypes = [ctypes.c_void_p, ctypes.c_int32]
         lib.tm_server_limit.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_float]
         lib.tm_server_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmServerStats)]
-        lib.tm_server_stop.argtypes = [ctypes.c_void_p]
+        lib.tm_server_stop.argtypes = [ctypes.c_void_p, ctypes.POINTER(TmServerStats)]
         lib.tm_read.restype = ctypes.c_uint64
         lib.tm_read.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         _LOADED[path] = lib
@@ -291,7 +290,6 @@ class LanePool:
         self.close()
 
 
-
 class NativeMailboxServer:
     """The CPU lane's mailbox server as a native thread (lane_server.h): it polls a Mailbox
     (kernels/triton/mailbox.py) and answers each post with the pool's posted-job kernel, the
@@ -331,14 +329,19 @@ class NativeMailboxServer:
                                   -1 if cpu is None else int(cpu), ctypes.addressof(self._layouts),
                                   ctypes.addressof(self._slots))
         self._srv = None
+        self._last = TmServerStats()  # the counters at stop (what stats() reads afterwards)
+        self._lock = threading.Lock()  # stats() (any thread: /stats) against stop() freeing the server
         self._acknowledged = 0  # failures already reported
 
     def start(self) -> "NativeMailboxServer":
-        if self._srv is None:
-            self._srv = self.lib.tm_server_start(self.pool._pool, ctypes.byref(self._spec))
-            if not self._srv:
-                raise NativeUnavailable("could not start the lane's mailbox server thread")
-            _RUNNING.add(self)
+        """Start the thread (parked until set_active(True); a post while parked is answered within 50 ms).
+        Until stop() the server is kept alive here too: its thread reads memory the wrapper holds."""
+        with self._lock:
+            if self._srv is None:
+                self._srv = self.lib.tm_server_start(self.pool._pool, ctypes.byref(self._spec))
+                if not self._srv:
+                    raise NativeUnavailable("could not start the lane's mailbox server thread")
+                _RUNNING.add(self)
         return self
 
     def set_active(self, on: bool) -> None:
@@ -352,14 +355,17 @@ class NativeMailboxServer:
             self.lib.tm_server_limit(self._srv, int(limit is not None), float(limit or 0.0))
 
     def stats(self) -> TmServerStats:
-        s = TmServerStats()
-        if self._srv is not None:
+        """The thread's counters now (cumulative; after stop(), its final ones)."""
+        with self._lock:
+            if self._srv is None:
+                return TmServerStats.from_buffer_copy(self._last)
+            s = TmServerStats()
             self.lib.tm_server_stats(self._srv, ctypes.byref(s))
-        return s
+            return s
 
     @property
     def alive(self) -> bool:
-        return self._srv is not None and bool(self.stats().alive)
+        return bool(self.stats().alive)
 
     @property
     def served(self) -> int:
@@ -389,15 +395,17 @@ class NativeMailboxServer:
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop polling and join the thread (after its current answer; `timeout` is not used)."""
-        if self._srv is not None:
-            self.lib.tm_server_stop(self._srv)
-            self._srv = None
+        with self._lock:
+            if self._srv is not None:
+                srv, self._srv = self._srv, None
+                self.lib.tm_server_stop(srv, ctypes.byref(self._last))
+                self._last.alive = 0
         _RUNNING.discard(self)
 
 
-# Servers still running at interpreter exit are stopped first: their thread reads the mailbox's pinned memory,
-# which the interpreter's teardown frees.
-_RUNNING: "weakref.WeakSet[NativeMailboxServer]" = weakref.WeakSet()
+# Servers started and not stopped: kept alive (their thread reads the mailbox's pinned memory, the records'
+# addresses and the pool, which the wrapper holds) and stopped at interpreter exit, before the teardown frees them.
+_RUNNING: "set[NativeMailboxServer]" = set()
 
 
 @atexit.register
