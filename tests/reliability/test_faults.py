@@ -267,8 +267,9 @@ def test_absurd_kv_cache_is_one_line(store, capsys):
 def test_sigterm_drains_real_model_under_zero_memlock(store):
     """`tiermoe serve` on the packed store with RLIMIT_MEMLOCK 0 (nothing to pin on CPU, so it
     starts); SIGTERM mid-stream lets the stream finish, then the process exits 0."""
+    # a drain long enough for the 120 tokens on a loaded 2-core machine (the default 30 s cut them off there once)
     server = ServeProcess([str(store), "--device", "cpu", "--max-num-seqs", "2", "--log-level", "warning",
-                           "--served-model-name", "tiny"])
+                           "--served-model-name", "tiny", "--drain-timeout", "150"])
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     resource.setrlimit(resource.RLIMIT_MEMLOCK, (0, hard))  # inherited by the child
     try:
@@ -302,8 +303,8 @@ def test_sigterm_drains_real_model_under_zero_memlock(store):
         while "started" not in result and time.monotonic() < deadline:
             time.sleep(0.01)
         server.proc.send_signal(signal.SIGTERM)
-        t.join(60)
-        rc = server.proc.wait(60)
+        t.join(160)
+        rc = server.proc.wait(160)
     finally:
         server.stop()
     assert result.get("finish") == "length" and result.get("tokens") == 120, result
