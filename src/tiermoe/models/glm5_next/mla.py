@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tiermoe.models.blocks.attention import DSAIndexer
+from tiermoe.models.blocks.common import reference_ops_active
 from tiermoe.models.blocks.fused_linear import ProjectionGroup
 from tiermoe.models.blocks.graph_break import graph_break
 
@@ -157,8 +158,10 @@ class MLAttention(nn.Module):
 
     def _attend(self, q: torch.Tensor, lat: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
         """q [S, H, dk], lat [L, r], sel [S, W] -> [S, H, dv]: absorbed over the selected rows
-        for a few queries, expanded K/V with a mask for longer segments."""
-        if q.shape[0] <= GATHER_MAX_TOKENS:
+        for a few queries, expanded K/V with a mask for longer segments. A prefill step expands K/V for
+        every piece, as transformers does (blocks/common.reference_ops): a prompt's short last piece then
+        rounds as the uncut prompt does, and its greedy tokens are the uncut prompt's."""
+        if q.shape[0] <= GATHER_MAX_TOKENS and not reference_ops_active():
             return self._attend_gather(q, lat, sel)
         return self._attend_dense(q, lat, sel)
 
