@@ -37,12 +37,6 @@ def reference_ops(on: bool = True) -> Iterator[None]:
         _REFERENCE_OPS.on = before
 
 
-def reference_ops_active() -> bool:
-    """Inside `reference_ops` (in this thread): blocks that have a faster form of their own also compute as
-    transformers does (glm5_next's MLA: expanded K/V for every prefill piece, however short)."""
-    return _REFERENCE_OPS.on
-
-
 def device_kernels(*tensors: torch.Tensor) -> bool:
     """Whether the Triton kernels serve these inputs: on a CUDA device (the first tensor's), outside
     `reference_ops`, with no gradient to carry (the kernels define no backward, so anything that trains through

@@ -34,7 +34,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tiermoe.models.blocks.attention import DSAIndexer
-from tiermoe.models.blocks.common import reference_ops_active
 from tiermoe.models.blocks.fused_linear import ProjectionGroup
 from tiermoe.models.blocks.graph_break import graph_break
 
@@ -62,6 +61,7 @@ class MLAttention(nn.Module):
         super().__init__()
         hid, h = cfg.hidden_size, cfg.num_attention_heads
         self.layer_idx, self.num_heads = layer_idx, h
+        self._pieces: list[bool] = []  # the last forward's prefill pieces per sequence (forward, _attend)
         self.r, self.dk, self.dv = cfg.kv_lora_rank, cfg.qk_head_dim, cfg.v_head_dim
         self.scaling = self.dk ** -0.5
         self.q_a_proj = nn.Linear(hid, cfg.q_lora_rank, bias=cfg.attention_bias)
@@ -111,6 +111,9 @@ class MLAttention(nn.Module):
         q = self.q_b_proj(q_resid).view(t, self.num_heads, self.dk)
         latent = self.kv_a_layernorm(kv_a[:, : self.r])  # [T, r]
         step, rows = cache.attention_step(batch)
+        # per sequence: a prefill piece (several new tokens, not a speculative verify), which attends with expanded
+        # K/V however short it is (_attend); read by the eager core below (host state, never by a graph)
+        self._pieces = [n > 1 and not keep for n, keep in zip(batch.lens, batch.keep)]
         tables = rows.decode_tables(self.layer_idx, step)  # a decode step through block tables: no break
         if self.indexer is not None:
             keys, gates, heads = index
@@ -144,8 +147,13 @@ class MLAttention(nn.Module):
             lat = rows.mla_rows("latent", self.layer_idx, step, b, latent[lo:hi])  # [L, r]
             all_rows = rows.mla_rows("index", self.layer_idx, step, b, index_rows[lo:hi])  # [L, 2d]
             sel[lo:hi] = self.indexer.select(iq[lo:hi], iw[lo:hi], all_rows, start)
-            out[lo:hi] = self._attend(q[lo:hi], lat, sel[lo:hi])
+            out[lo:hi] = self._attend(q[lo:hi], lat, sel[lo:hi], self._piece(b))
         return out
+
+    def _piece(self, b: int) -> bool:
+        """Sequence b of the step the core runs for is a prefill piece (forward's `_pieces`; a replayed decode
+        program's sequences are one token each, never pieces)."""
+        return b < len(self._pieces) and self._pieces[b]
 
     def _core_shared(self, q, latent, sel, step, rows) -> torch.Tensor:
         """A shared layer: store the latent rows, attend over the previous layer's selection."""
@@ -153,15 +161,15 @@ class MLAttention(nn.Module):
         for b, (lo, _, n) in enumerate(rows.segments(step)):
             hi = lo + n
             lat = rows.mla_rows("latent", self.layer_idx, step, b, latent[lo:hi])  # [L, r]
-            out[lo:hi] = self._attend(q[lo:hi], lat, sel[lo:hi])
+            out[lo:hi] = self._attend(q[lo:hi], lat, sel[lo:hi], self._piece(b))
         return out
 
-    def _attend(self, q: torch.Tensor, lat: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
-        """q [S, H, dk], lat [L, r], sel [S, W] -> [S, H, dv]: absorbed over the selected rows
-        for a few queries, expanded K/V with a mask for longer segments. A prefill step expands K/V for
-        every piece, as transformers does (blocks/common.reference_ops): a prompt's short last piece then
-        rounds as the uncut prompt does, and its greedy tokens are the uncut prompt's."""
-        if q.shape[0] <= GATHER_MAX_TOKENS and not reference_ops_active():
+    def _attend(self, q: torch.Tensor, lat: torch.Tensor, sel: torch.Tensor, piece: bool = False) -> torch.Tensor:
+        """q [S, H, dk], lat [L, r], sel [S, W] -> [S, H, dv]: absorbed over the selected rows for a few
+        queries of decode or verify, expanded K/V with a mask for longer segments and for every prefill
+        `piece`, however short, as transformers does: a prompt's short last piece then rounds as the uncut
+        prompt does, and its greedy tokens are the uncut prompt's."""
+        if q.shape[0] <= GATHER_MAX_TOKENS and not piece:
             return self._attend_gather(q, lat, sel)
         return self._attend_dense(q, lat, sel)
 
