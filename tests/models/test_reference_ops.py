@@ -37,10 +37,11 @@ def test_reference_ops_turns_the_kernels_off_and_back():
 
 def test_which_steps_are_prefill_shaped():
     assert prefill_shaped(SeqBatch([0], [0], [7]))  # a prompt chunk
-    assert prefill_shaped(SeqBatch([0, 1], [9, 0], [1, 5]))  # a chunk beside a decode row
+    assert prefill_shaped(SeqBatch([0, 1], [0, 30], [64, 5]))  # two prompts' pieces
+    assert not prefill_shaped(SeqBatch([0, 1], [9, 0], [1, 5]))  # a chunk beside a decode row: the row's kernels
     assert not prefill_shaped(SeqBatch([0, 1, 2], [4, 9, 3], [1, 1, 1]))  # decode
     assert not prefill_shaped(SeqBatch([0, 1], [4, 9], [3, 1], keep_states=True))  # a speculative verify
-    assert prefill_shaped(SeqBatch([0, 1], [4, 0], [3, 6], keep_states=[True, False]))  # verify beside a prompt
+    assert not prefill_shaped(SeqBatch([0, 1], [4, 0], [3, 6], keep_states=[True, False]))  # verify beside a prompt
 
 
 @pytest.fixture(scope="module")

@@ -93,9 +93,10 @@ class MTPLayer(nn.Module):
 
 
 def prefill_shaped(batch: SeqBatch) -> bool:
-    """A step that prefills: some sequence adds more than one token, other than a speculative verify (whose
-    sequences keep their states to roll back)."""
-    return any(n > 1 and not keep for n, keep in zip(batch.lens, batch.keep))
+    """A step that only prefills: every sequence adds more than one token and none is a speculative verify
+    (whose sequences keep their states to roll back). A step that mixes prompt pieces with decode rows keeps
+    the kernels, so a decode row computes the same way whatever shares its step."""
+    return all(n > 1 and not keep for n, keep in zip(batch.lens, batch.keep))
 
 
 class Glm5NextModel(nn.Module):
@@ -163,10 +164,10 @@ class Glm5NextModel(nn.Module):
 
     @torch.no_grad()
     def layers_forward(self, input_ids: torch.Tensor, batch: SeqBatch, cache: Glm5NextCache) -> torch.Tensor:
-        """The device work of `forward` (what a decode graph records): [T] -> hidden [T, D]. A prefill step (a
-        sequence adding several tokens, not a speculative verify) computes with the blocks' plain-torch twins,
-        transformers' own ops (blocks/common.reference_ops): its bf16 logits then equal transformers' on a GPU
-        too. Decode and verify steps keep the Triton kernels."""
+        """The device work of `forward` (what a decode graph records): [T] -> hidden [T, D]. A step of prompt
+        pieces only (`prefill_shaped`) computes with the blocks' plain-torch twins, transformers' own ops
+        (blocks/common.reference_ops): its bf16 logits then equal transformers' on a GPU too. Decode, verify
+        and mixed steps keep the Triton kernels."""
         x = F.embedding(input_ids, self.embed_tokens.weight)  # [T, D]
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, N, D]
         sel = None
