@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Protocol
 
 import torch
 
@@ -43,6 +44,24 @@ from tiermoe.kernels.triton.mailbox import Mailbox, MailboxServer
 from tiermoe.moe.lane import LaneHandoff
 
 log = logging.getLogger("tiermoe.moe")
+
+
+class MailboxServing(Protocol):
+    """What DeviceLane asks of the thread that answers its mailbox: kernels/triton/mailbox.MailboxServer (Python)
+    or kernels/cpu/native.NativeMailboxServer (native; DeviceLane also sets its clamp and reads its counters,
+    `native` says which it holds)."""
+
+    served: int
+    failed: int
+    serve_s: float
+    failure: object  # the last failure's reason until set to None
+
+    @property
+    def alive(self) -> bool: ...
+
+    def set_active(self, on: bool) -> None: ...
+
+    def stop(self, timeout: float | None = 5.0) -> None: ...
 
 
 class DeviceLane(LaneHandoff):
@@ -67,11 +86,11 @@ class DeviceLane(LaneHandoff):
         # each layer's host record addresses and records by expert id (a disk tier keeps both current)
         self.records = {layer: device_cache.lane_records(layer) for layer in self.layers}
         self.polling = False  # from a lane step's start to its check: the server polls only then
-        self.server = self._native_server() if lane.posted_native and native is not False and self.layers else None
-        self.native = self.server is not None
-        if self.server is None:
-            self.server = MailboxServer(self.mailbox, self._compute, threads=lane.threads, active=threading.Event(),
-                                        cpu=lane.caller_cpu).start()
+        # the native server (None: the Python one answers), kept typed for its clamp and counters
+        self._native = self._native_server() if lane.posted_native and native is not False and self.layers else None
+        self.native = self._native is not None
+        self.server: MailboxServing = self._native or MailboxServer(
+            self.mailbox, self._compute, threads=lane.threads, active=threading.Event(), cpu=lane.caller_cpu).start()
         self._limit: tuple | None = None  # the SwiGLU clamp the native server has (None: not set yet)
         self._folded = (0, 0, 0, 0)  # the native server's (experts, layers, busy ns, weight bytes) counted already
         self._fold_lock = threading.Lock()
@@ -108,7 +127,7 @@ class DeviceLane(LaneHandoff):
         """A step that may hand work to the lane starts: the server polls until `check`. The
         device cache's host tier holds every expert for good: no repack to prune."""
         if self.native and self._limit != (self.lane.swiglu_limit,):  # set by the model's attach, after us
-            self.server.set_limit(self.lane.swiglu_limit)
+            self._native.set_limit(self.lane.swiglu_limit)
             self._limit = (self.lane.swiglu_limit,)
         self.polling = True
         self.server.set_active(True)
@@ -151,7 +170,7 @@ class DeviceLane(LaneHandoff):
         if not self.native:
             return
         with self._fold_lock:  # the engine's thread (check) and /stats (counters) both fold
-            st = self.server.stats()
+            st = self._native.stats()
             now = (int(st.experts), int(st.layers), int(st.busy_ns), int(st.weight_bytes))
             # each counter separately: a read while the thread answers may see one counter's increment before
             # another's, and the next fold's delta carries the rest (cumulative counters never go down)
