@@ -31,6 +31,9 @@
 #              with --routing-replay (picks drawn from the real per-layer statistics) and --expert-stats
 #              on the same file (the warm start a user of the real model gives it), a short warm-up
 #              sweep, then `tiermoe bench sweep` (prefill 4k, decode C1 and C4) with /stats before/after
+#   profile-glm  after glm: scripts/profile_engine_decode.py on the GLM store as serve-glm serves it (11 % on the
+#              GPU, replay, --expert-stats; PROFILE_MODES, default "exact fast"), prompts of PROFILE_PROMPT tokens
+#              (default 4096), batch 1 and 4, with Chrome traces (profile-MODE/)
 #   parity5    `tiermoe eval parity --tiny glm5_next --device cuda --dtype bfloat16`, as prefill chunks and with
 #              --decode-from 0 (every position a decode step: the decode kernels and graphs), against transformers;
 #              then the same on a confident tiny (write_tiny_checkpoint(branch_scale=0.25), --model); PARITY5_MODES
@@ -220,6 +223,20 @@ serve_matrix() {  # NAME STORE STATS EXTRA_FLAGS...
   done
 }
 
+step_profile_glm() {  # where a decode step's time goes on the GLM store under replay, exact and fast
+  local mode gb
+  gb=$(stat -c %s "$WORK/glm/experts.bin" | awk '{print $1 / 2^30 * 0.11}')
+  for mode in ${PROFILE_MODES:-exact fast}; do
+    timeout 500 "$PY" scripts/profile_engine_decode.py "$WORK/glm" "$WORK/profile-$mode" --dtype bfloat16 \
+      --max-model-len "$MAX_MODEL_LEN" --max-num-batched-tokens 4096 --gpu-expert-gb "$gb" --mode "$mode" \
+      --routing-replay "$WORK/glm/expert-stats.json" --expert-stats "$WORK/glm/expert-stats.json" \
+      --prompt-tokens "${PROFILE_PROMPT:-4096}" --trace $SERVE_ARGS > "$WORK/profile-$mode.log" 2>&1 \
+      || log "profile $mode failed: $(tail -2 "$WORK/profile-$mode.log")"
+    gzip -f "$WORK/profile-$mode"/trace-*.json 2> /dev/null
+    log "profile $mode: $(grep -E "wall per decode step|device busy" "$WORK/profile-$mode.log" | tr '\n' ' ')"
+  done
+}
+
 write_confident_tiny() {  # STEP: $WORK/tiny-confident, a tiny glm5_next whose residual branches are scaled by 0.25
   "$PY" -c "import sys; from tiermoe.models.glm5_next.tiny import write_tiny_checkpoint as w
 w(sys.argv[1], branch_scale=0.25)" "$WORK/tiny-confident" > /dev/null 2>&1 \
@@ -370,6 +387,7 @@ run_all() {
   want glm && step_glm
   want lane-wide && step_lane_wide
   [ -n "$tests_pid" ] && { wait "$tests_pid"; log "tests: $(tail -1 "$WORK/gpu-tests.log")"; }
+  want profile-glm && step_profile_glm
   want parity5 && step_parity5
   want parity-kernels && step_parity_kernels
   want serve-glm && serve_matrix glm-synthetic "$WORK/glm" "$WORK/glm/expert-stats.json"

@@ -31,6 +31,9 @@ def main() -> int:
     add_engine_args(p, model_positional=True)
     p.add_argument("--compare-eager", action="store_true", help="also time each batch size with the graphs off")
     p.add_argument("--prefill-tokens", type=int, default=0, help="also time and profile one prefill chunk this long")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length of the decoded requests (context)")
+    p.add_argument("--trace", action="store_true",
+                   help="also write each batch size's profiled steps as a Chrome trace (OUTDIR/trace-bN.json)")
     p.add_argument("--stage-misses", action=argparse.BooleanOptionalAction, default=None,
                    help="device cache: gather the misses it does not admit into HBM rows (default) or, with "
                         "--no-stage-misses, read them in place (EngineArgs.stage_misses)")
@@ -60,8 +63,10 @@ def main() -> int:
     def start(batch: int, tokens: int, tag: str) -> None:
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
         for i in range(batch):
-            eng.add_request(f"{tag}-{i}", [rng.randrange(eng.vocab_size) for _ in range(32)], params)
-        eng.step()  # prefill
+            eng.add_request(f"{tag}-{i}", [rng.randrange(eng.vocab_size) for _ in range(args.prompt_tokens)], params)
+        decodes = eng.counters["decode_steps"]
+        while eng.counters["decode_steps"] == decodes:  # prefill (chunks when the prompt is long), one decode
+            eng.step()
 
     def steps(n: int) -> list[float]:
         walls = []
@@ -96,6 +101,8 @@ def main() -> int:
             f"{(misses() - before) / 24:.1f} expert misses per step (records moved host -> GPU)")
         with profile(activities=acts) as prof:
             steps(8)
+        if args.trace:  # the step's timeline: gaps between kernels, copies against compute
+            prof.export_chrome_trace(str(out / f"trace-b{batch}.json"))
         ka = prof.key_averages()
         say(f"--- batch {batch}: top operators by self host time (8 steps)")
         say(ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
