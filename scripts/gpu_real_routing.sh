@@ -33,7 +33,8 @@
 #              sweep, then `tiermoe bench sweep` (prefill 4k, decode C1 and C4) with /stats before/after
 #   profile-glm  after glm: scripts/profile_engine_decode.py on the GLM store as serve-glm serves it (11 % on the
 #              GPU, replay, --expert-stats; PROFILE_MODES, default "exact fast"), prompts of PROFILE_PROMPT tokens
-#              (default 4096), batch 1 and 4, with Chrome traces (profile-MODE/)
+#              (default 4096), batch 1 and 4, with Chrome traces (profile-MODE/); PROFILE_VARIANTS: the script's
+#              --variants (graph pieces and the engine thread's wait, e.g. "0:spin,1:spin,1:sleep")
 #   parity5    `tiermoe eval parity --tiny glm5_next --device cuda --dtype bfloat16`, as prefill chunks and with
 #              --decode-from 0 (every position a decode step: the decode kernels and graphs), against transformers;
 #              then the same on a confident tiny (write_tiny_checkpoint(branch_scale=0.25), --model); PARITY5_MODES
@@ -230,7 +231,8 @@ step_profile_glm() {  # where a decode step's time goes on the GLM store under r
     timeout 500 "$PY" scripts/profile_engine_decode.py "$WORK/glm" "$WORK/profile-$mode" --dtype bfloat16 \
       --max-model-len "$MAX_MODEL_LEN" --max-num-batched-tokens 4096 --gpu-expert-gb "$gb" --mode "$mode" \
       --routing-replay "$WORK/glm/expert-stats.json" --expert-stats "$WORK/glm/expert-stats.json" \
-      --prompt-tokens "${PROFILE_PROMPT:-4096}" --trace $SERVE_ARGS > "$WORK/profile-$mode.log" 2>&1 \
+      --prompt-tokens "${PROFILE_PROMPT:-4096}" --trace ${PROFILE_VARIANTS:+--variants $PROFILE_VARIANTS} \
+      $SERVE_ARGS > "$WORK/profile-$mode.log" 2>&1 \
       || log "profile $mode failed: $(tail -2 "$WORK/profile-$mode.log")"
     gzip -f "$WORK/profile-$mode"/trace-*.json 2> /dev/null
     log "profile $mode: $(grep -E "wall per decode step|device busy" "$WORK/profile-$mode.log" | tr '\n' ' ')"

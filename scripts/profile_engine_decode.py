@@ -32,6 +32,11 @@ def main() -> int:
     p.add_argument("--compare-eager", action="store_true", help="also time each batch size with the graphs off")
     p.add_argument("--prefill-tokens", type=int, default=0, help="also time and profile one prefill chunk this long")
     p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length of the decoded requests (context)")
+    p.add_argument("--variants", default="",
+                   help="comma list of LAYERS:WAIT, each profiled in turn on one engine: decode graphs recorded in "
+                        "pieces of LAYERS layers (0: one graph a step; runner/decode_graph.py), the engine's thread "
+                        "waiting for each step asleep or spinning (WAIT sleep|spin; ModelRunner.wait_for_device), "
+                        "e.g. 0:spin,1:spin,1:sleep; default: the engine's own settings")
     p.add_argument("--trace", action="store_true",
                    help="also write each batch size's profiled steps as a Chrome trace (OUTDIR/trace-bN.json)")
     p.add_argument("--stage-misses", action=argparse.BooleanOptionalAction, default=None,
@@ -78,46 +83,58 @@ def main() -> int:
             walls.append(time.perf_counter() - a)
         return walls
 
-    graphs = eng.runner.graphs
-    say(f"decode CUDA graphs: {'on' if graphs is not None else 'off'}")
-    for batch in (1, 4):
-        start(batch, 200, f"warm{batch}")
-        steps(16)
-        while eng.has_unfinished_requests():
-            eng.step()
-        if graphs is not None and args.compare_eager:  # the same engine with graphs off, then on
-            eng.runner.graphs = None
-            start(batch, 40, f"e{batch}")
-            walls = sorted(steps(24))
-            say(f"batch {batch} eager: wall per decode step median {1e3 * walls[len(walls) // 2]:.2f} ms")
+    def profile_batches(tag: str) -> None:
+        for batch in (1, 4):
+            start(batch, 20, f"warm{batch}{tag}")
+            steps(16)
             while eng.has_unfinished_requests():
                 eng.step()
-            eng.runner.graphs = graphs
-        start(batch, 200, f"b{batch}")
-        before = misses()
-        walls = sorted(steps(24))
-        say(f"batch {batch}: wall per decode step median {1e3 * walls[len(walls) // 2]:.2f} ms "
-            f"(min {1e3 * walls[0]:.2f}, max {1e3 * walls[-1]:.2f}); "
-            f"{(misses() - before) / 24:.1f} expert misses per step (records moved host -> GPU)")
-        with profile(activities=acts) as prof:
-            steps(8)
-        if args.trace:  # the step's timeline: gaps between kernels, copies against compute
-            prof.export_chrome_trace(str(out / f"trace-b{batch}.json"))
-        ka = prof.key_averages()
-        say(f"--- batch {batch}: top operators by self host time (8 steps)")
-        say(ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
-        dev = [getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) for e in ka]
-        dev_us = sum(dev)
-        # launches that did device work (kernels, copies; the aten rows that own them have no self device time)
-        launches = sum(e.count for e, us in zip(ka, dev) if us > 0 and not e.key.startswith("aten::"))
-        say(f"--- batch {batch}: device busy {dev_us / 8 / 1e3:.2f} ms per step, {launches / 8:.0f} device launches "
-            f"per step; top kernels by device time (8 steps)")
-        try:
-            say(ka.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=90))
-        except Exception:  # older profilers name it cuda
-            say(ka.table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=90))
-        while eng.has_unfinished_requests():
-            eng.step()
+            if graphs is not None and args.compare_eager:  # the same engine with graphs off, then on
+                eng.runner.graphs = None
+                start(batch, 40, f"e{batch}{tag}")
+                walls = sorted(steps(24))
+                say(f"batch {batch} eager: wall per decode step median {1e3 * walls[len(walls) // 2]:.2f} ms")
+                while eng.has_unfinished_requests():
+                    eng.step()
+                eng.runner.graphs = graphs
+            start(batch, 40, f"b{batch}{tag}")
+            before = misses()
+            walls = sorted(steps(24))
+            say(f"batch {batch}: wall per decode step median {1e3 * walls[len(walls) // 2]:.2f} ms "
+                f"(min {1e3 * walls[0]:.2f}, max {1e3 * walls[-1]:.2f}); "
+                f"{(misses() - before) / 24:.1f} expert misses per step (records moved host -> GPU)")
+            with profile(activities=acts) as prof:
+                steps(8)
+            if args.trace:  # the step's timeline: gaps between kernels, copies against compute
+                prof.export_chrome_trace(str(out / f"trace-b{batch}{tag}.json"))
+            ka = prof.key_averages()
+            say(f"--- batch {batch}: top operators by self host time (8 steps)")
+            say(ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+            dev = [getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) for e in ka]
+            dev_us = sum(dev)
+            # launches that did device work (kernels, copies; the aten rows that own them have no self device time)
+            launches = sum(e.count for e, us in zip(ka, dev) if us > 0 and not e.key.startswith("aten::"))
+            say(f"--- batch {batch}: device busy {dev_us / 8 / 1e3:.2f} ms per step, {launches / 8:.0f} device "
+                f"launches per step; top kernels by device time (8 steps)")
+            try:
+                say(ka.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=90))
+            except Exception:  # older profilers name it cuda
+                say(ka.table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=90))
+            while eng.has_unfinished_requests():
+                eng.step()
+
+    graphs = eng.runner.graphs
+    say(f"decode CUDA graphs: {'on' if graphs is not None else 'off'}")
+    for variant in [v for v in args.variants.split(",") if v] or [""]:
+        if variant:
+            layers, wait = variant.split(":")
+            if graphs is not None:  # record anew with this many decoder layers per graph piece
+                graphs.layers_per_graph = int(layers)
+                graphs.drop_recordings()
+            eng.runner.sleep_while_waiting = wait == "sleep"
+            say(f"=== variant {variant}: {layers} layers per graph (0: one graph a step), the engine's thread "
+                f"{'asleep' if wait == 'sleep' else 'spinning'} while a step runs")
+        profile_batches(f"-{variant.replace(':', '-')}" if variant else "")
     if args.prefill_tokens:  # one prefill chunk of that many tokens: wall time and top kernels
         for tag in ("warm", "timed"):
             eng.add_request(f"p-{tag}", [rng.randrange(eng.vocab_size) for _ in range(args.prefill_tokens)],

@@ -29,10 +29,14 @@ class _PassThrough:
 
     def __init__(self):
         self.breaks = []
+        self.layers = 0
 
     def break_here(self, core, tensors, batch, cache):
         self.breaks.append((core.__self__.__class__.__name__, [tuple(t.shape) for t in tensors]))
         return core(*tensors, batch, cache)
+
+    def layer_done(self):
+        self.layers += 1
 
 
 @pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
@@ -56,7 +60,7 @@ def test_boundaries_one_per_layer_and_free_outside_recording(tiny_dir, arch):
         graph_break.set_recorder(None)
     assert torch.equal(got, ref)
     assert all(torch.equal(a[n], b[n]) for a, b in zip(caches, caches_ref) for n in a)
-    assert len(rec.breaks) == lm.spec.num_layers
+    assert len(rec.breaks) == lm.spec.num_layers and rec.layers == lm.spec.num_layers
     name = "MLAttention" if arch == "deepseek_v3" else "GQAttention"
     assert {b[0] for b in rec.breaks} == {name} and all(s[0][0] == 2 for _, s in rec.breaks)  # [B, ...] inputs
 
@@ -79,10 +83,52 @@ def test_paged_decode_attention_leaves_nothing_to_break_at(tiny_dir):
     finally:
         graph_break.set_recorder(None)
     assert rec.breaks == [] and got.shape[0] == 2
+    assert rec.layers == lm.spec.num_layers  # where a recording may split its graph into pieces
     with pytest.raises(ValueError, match="pure decode"):
         build_forward_batch([([1, 2], 0, [0], 0)], 16, "cpu", table_blocks=4)
     with pytest.raises(ValueError, match="table width"):
         build_forward_batch([([1], 70, [0, 1, 2, 3, 4], 0)], 16, "cpu", table_blocks=4)
+
+
+@pytest.mark.parametrize("layers_per_graph, pieces", [(0, ["g", "core", "g", "core", "g"]),
+                                                      (1, ["g", "core", "g", "g", "core", "g", "g"]),
+                                                      (2, ["g", "core", "g", "core", "g", "g"])])
+def test_recorder_splits_every_layers_per_graph_layers(layers_per_graph, pieces):
+    """The program's pieces for two layers (attention core mid-layer) and the final norm after them:
+    a graph ends at each core and, every layers_per_graph layers, at the layer's end."""
+    from tiermoe.runner.decode_graph import _Recorder
+
+    class Marks(_Recorder):  # graph captures replaced by marks (no CUDA here)
+        def begin(self):
+            self._graph = "g"
+
+        def end(self):
+            self.program.append(("graph", self._graph))
+            self._graph = None
+
+    rec = Marks(None, layers_per_graph)
+    rec.begin()
+    for _ in range(2):
+        rec.break_here(lambda *a: torch.zeros(1), (), None, None)
+        rec.layer_done()
+    rec.end()  # after the final norm
+    assert ["g" if step[0] == "graph" else "core" for step in rec.program] == pieces
+
+
+def test_glm5_next_forward_marks_every_layer(tiny_dir):
+    """glm5_next's layers mark their ends too (its decode graphs split as the decoder families' do)."""
+    from tiermoe.engine.build import build_engine_core
+    from tiermoe.protocol import SamplingParams
+
+    eng = build_engine_core(str(tiny_dir("glm5_next")), device="cpu", max_num_seqs=1, options={})
+    eng.add_request("r", [5, 17, 33], SamplingParams(max_tokens=1, ignore_eos=True))
+    rec = _PassThrough()
+    graph_break.set_recorder(rec)
+    try:
+        eng.step()  # one forward of the prompt
+    finally:
+        graph_break.set_recorder(None)
+    assert rec.layers == eng.model.spec.num_layers > 0
 
 
 def test_eligibility(tiny_dir):

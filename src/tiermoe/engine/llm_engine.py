@@ -236,6 +236,7 @@ class LLMEngine:
         return self.runner.take_prompt_logprobs(req)
 
     def _append_tokens(self, reqs: list[Request], result) -> list[RequestOutput]:
+        self.runner.wait_for_device()  # asleep, not spinning a core the CPU lane or the server needs
         tokens = result.tokens.tolist()  # the one host sync of the step
         chosen = result.logprobs.tolist() if result.logprobs is not None else None
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None

@@ -13,6 +13,7 @@ from torch import nn
 from tiermoe.models.batch import ForwardBatch
 from tiermoe.models.blocks.attention import GQAttention, MLAttention
 from tiermoe.models.blocks.common import Linear, RMSNorm, SwiGLU, empty_param
+from tiermoe.models.blocks.graph_break import layer_boundary
 from tiermoe.models.blocks.moe import MoELayer
 from tiermoe.models.blocks.rope import Rotary
 from tiermoe.models.serving import ServingModel
@@ -82,6 +83,7 @@ class CausalLM(ServingModel):
         cos, sin = self.rotary(batch.positions, x.dtype)
         for layer, cache in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, batch, cache)
+            layer_boundary()
         return self.model.norm(x)
 
     @torch.inference_mode()

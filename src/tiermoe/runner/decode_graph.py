@@ -16,8 +16,15 @@ to the eager engine (tests/runner/test_decode_graph.py on a GPU).
 
 With `--decode-attention paged` (ModelRunner.use_paged_decode_attention) a decode step reads
 its context through block tables of a fixed width (the paged decode kernel; glm5_next's MLA
-layers batched torch ops): no attention core breaks the capture and program(B) = [one graph];
-the static batch's slot mapping, block table and lengths are refilled before each replay.
+layers batched torch ops): no attention core breaks the capture; the static batch's slot
+mapping, block table and lengths are refilled before each replay.
+
+Pieces of `layers_per_graph` layers (default 1; 0: no split): a recording also ends its capture
+after every so many decoder layers (graph_break.layer_boundary). Why: the host's launch of a graph
+takes time in proportion to its kernels (about a microsecond each), and the device starts on a graph
+only when its launch returns. One graph of a whole step left the device idle for that long every
+step; with one graph a layer the device starts after the first layer's launch, and the host launches
+the others while it computes. Each piece costs one more launch call on the host.
 
 What may be captured: a model whose `decode_graph_unsupported()` is None (models/serving.py
 ServingModel; the decoder families' CausalLM and glm5_next, whose KDA state rows are read by
@@ -59,10 +66,11 @@ def decode_graphs_unsupported(model: ServingModel, device: torch.device) -> str 
 class _Recorder:
     """Records one forward as alternating graph captures and eager attention cores."""
 
-    def __init__(self, pool) -> None:
-        self.pool = pool
+    def __init__(self, pool, layers_per_graph: int) -> None:
+        self.pool, self.layers_per_graph = pool, layers_per_graph
         self.program: list[tuple] = []
         self._graph: torch.cuda.CUDAGraph | None = None
+        self._layers = 0  # layers since the last split
 
     def begin(self) -> None:
         self._graph = torch.cuda.CUDAGraph()
@@ -72,6 +80,14 @@ class _Recorder:
         self._graph.capture_end()
         self.program.append(("graph", self._graph))
         self._graph = None
+
+    def layer_done(self) -> None:
+        """After a decoder layer: end the graph and start the next one every layers_per_graph layers."""
+        self._layers += 1
+        if self.layers_per_graph and self._layers >= self.layers_per_graph:
+            self._layers = 0
+            self.end()
+            self.begin()
 
     def break_here(self, core, tensors, batch, cache) -> torch.Tensor:
         """End the capture, keep `core` as an eager step writing into a static output, resume."""
@@ -105,8 +121,10 @@ class _Entry:
 class DecodeGraphs:
     """Replay programs of pure decode steps for batch sizes 1..max_batch (see module doc)."""
 
-    def __init__(self, model, kv_caches: list[dict[str, torch.Tensor]], max_batch: int) -> None:
+    def __init__(self, model, kv_caches: list[dict[str, torch.Tensor]], max_batch: int,
+                 layers_per_graph: int = 1) -> None:
         self.model, self.kv_caches, self.max_batch = model, kv_caches, int(max_batch)
+        self.layers_per_graph = int(layers_per_graph)  # decoder layers per graph piece (module doc; 0: no split)
         self.experts: ExpertBackend = model.expert_backend
         self._entries: dict[tuple, _Entry] = {}  # (batch size, backend's graph key) -> program
         self._seen: set[tuple] = set()
@@ -158,7 +176,7 @@ class DecodeGraphs:
         static = ForwardBatch(batch.input_ids.clone(), batch.positions.clone(), batch.slot_mapping.clone(),
                               batch.seqs, batch.logits_index, batch.seq_slots.clone(), clone(batch.block_table),
                               clone(batch.seq_lens))
-        rec = _Recorder(torch.cuda.graph_pool_handle())
+        rec = _Recorder(torch.cuda.graph_pool_handle(), self.layers_per_graph)
         main = torch.cuda.current_stream()
         side = torch.cuda.Stream()
         side.wait_stream(main)
@@ -184,6 +202,14 @@ class DecodeGraphs:
         self._entries[key] = entry
         return entry
 
+    def drop_recordings(self) -> None:
+        """Forget every recorded program (the next steps of each kind record anew), e.g. after
+        layers_per_graph changed."""
+        self._entries.clear()
+        self._seen.clear()
+
     def counters(self) -> dict:
+        graphs = {b: sum(1 for step in e.program if step[0] == "graph") for (b, _), e in self._entries.items()}
         return {"captured_batch_sizes": sorted({b for b, _ in self._entries}), "captures": self.captures,
-                "replays": self.replays, "failed": self.failed}
+                "replays": self.replays, "failed": self.failed, "layers_per_graph": self.layers_per_graph,
+                "graphs_per_step": graphs}

@@ -76,6 +76,9 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs once enable_decode_graphs() found the model capturable
         self.table_blocks = 0  # > 0: pure decode steps attend through block tables this wide
         self.routing = None  # moe/replay.RoutingHooks: routing replay/recording (benchmark flags), else None
+        # wait_for_device's event: a blocking-sync event puts the waiting thread to sleep (CUDA's default spins)
+        self.sleep_while_waiting = True
+        self._step_done = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
 
     def enable_decode_graphs(self, max_batch: int) -> str | None:
         """Replay pure decode steps of up to max_batch sequences from CUDA graphs (see
@@ -218,6 +221,18 @@ class ModelRunner:
             self._begin_step(batch, decode, flags)
             return batch, self.model.verify_forward(batch, self.kv_caches, [i in drafts for i in range(len(items))])
         return self._forward_chunks(chunks, decode, all_logits, flags)
+
+    def wait_for_device(self) -> None:
+        """Return once the device has done every step queued so far, the thread asleep meanwhile.
+
+        Why: CUDA's default wait spins a core for the whole step. Fast mode's CPU lane computes on
+        every core but one, and while the engine's thread waits for a step, that core is what the
+        server's event loop, its HTTP threads and the client's streams share; a spinning waiter
+        pushed them onto the lane's cores, and each lane step ends with its slowest thread.
+        `sleep_while_waiting = False` keeps CUDA's own wait (benchmarks compare the two)."""
+        if self._step_done is not None and self.sleep_while_waiting:
+            self._step_done.record()
+            self._step_done.synchronize()
 
     def check_step(self) -> None:
         """After execute() queued a step's device work: let the expert backend raise for work of

@@ -8,6 +8,11 @@ modules call `graph_break(core, tensors, batch, cache)` instead of `core(*tensor
 cache)`: with no recorder active (every ordinary forward) that is exactly the call; while
 runner/decode_graph.py records a step, the recorder ends the current capture there, keeps the
 core as an eager step of the replay program and starts the next capture.
+
+Model forwards also call `layer_boundary()` after each decoder layer. A recording may end its
+capture there too (runner/decode_graph.py `layers_per_graph`): a replay then launches one graph
+per few layers instead of one for the whole step. The device starts on the first piece as soon as
+its launch returns while the host launches the rest, instead of idling for the whole step's launch.
 """
 
 from __future__ import annotations
@@ -24,6 +29,12 @@ def graph_break(core: Callable[..., torch.Tensor], tensors: tuple[torch.Tensor, 
     if _recorder is None:
         return core(*tensors, batch, cache)
     return _recorder.break_here(core, tensors, batch, cache)
+
+
+def layer_boundary() -> None:
+    """After each decoder layer of a forward: nothing, or a place where a recording may split its capture."""
+    if _recorder is not None:
+        _recorder.layer_done()
 
 
 def set_recorder(recorder) -> None:

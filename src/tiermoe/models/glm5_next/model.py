@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tiermoe.models.blocks.common import reference_ops
+from tiermoe.models.blocks.graph_break import layer_boundary
 from tiermoe.models.blocks.hyperconnection import HyperConnection
 from tiermoe.moe.experts import ExpertBackend, ResidentExperts
 
@@ -174,6 +175,7 @@ class Glm5NextModel(nn.Module):
         with reference_ops(prefill_shaped(batch)):
             for layer in self.layers:
                 streams, sel = layer(streams, batch, cache, sel)
+                layer_boundary()
             return self.norm(streams.mean(dim=1))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
