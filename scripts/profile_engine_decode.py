@@ -131,7 +131,7 @@ def main() -> int:
             if graphs is not None:  # record anew with this many decoder layers per graph piece
                 graphs.layers_per_graph = int(layers)
                 graphs.drop_recordings()
-            eng.runner.sleep_while_waiting = wait == "sleep"
+            eng.runner.sleep_while_waiting = wait == "sleep"  # forced either way (the engine: asleep in fast mode)
             say(f"=== variant {variant}: {layers} layers per graph (0: one graph a step), the engine's thread "
                 f"{'asleep' if wait == 'sleep' else 'spinning'} while a step runs")
         profile_batches(f"-{variant.replace(':', '-')}" if variant else "")

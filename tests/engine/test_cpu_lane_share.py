@@ -150,21 +150,21 @@ def test_service_share_balances_the_two_sides_times():
     gb = 10**9
     tuner = ServiceShare(pcie_gbs=50.0, share=0.5, window_bytes=gb)
     # the lane took 3 s where the device took 2 s of its own work: rho 1.5 -> target 0.5 / (0.5 + 0.75) = 0.4
-    assert tuner.update(1.0, 2 * gb, balance=(3.0, 2.0)) == pytest.approx(0.5 + (0.4 - 0.5) / 2)
+    assert tuner.update(1.0, 2 * gb, balance=lambda: (3.0, 2.0)) == pytest.approx(0.5 + (0.4 - 0.5) / 2)
     assert tuner.rho == pytest.approx(1.5) and tuner.as_dict()["rho"] == pytest.approx(1.5)
     # windows are deltas: 1 s of lane against 2 s of device -> rho 0.5, the lane gets more
     before = tuner.share
-    after = tuner.update(2.0, 4 * gb, balance=(4.0, 4.0))
+    after = tuner.update(2.0, 4 * gb, balance=lambda: (4.0, 4.0))
     s = before
     assert after == pytest.approx(s + (s / (s + (1 - s) * 0.5) - s) / 2) and after > before
     # equal times: the target is the share in force, so nothing is written
-    assert tuner.update(3.0, 6 * gb, balance=(5.0, 5.0)) is None
+    assert tuner.update(3.0, 6 * gb, balance=lambda: (5.0, 5.0)) is None
     # a share at 0 is not stuck there: a lane with time to spare gets experts again
     low = ServiceShare(pcie_gbs=50.0, share=0.0, window_bytes=gb)
-    assert low.update(1.0, 2 * gb, balance=(0.1, 1.0)) > 0.05
+    assert low.update(1.0, 2 * gb, balance=lambda: (0.1, 1.0)) > 0.05
     # and a slow lane keeps the floor, so its windows keep closing and it is measured again
     slow = ServiceShare(pcie_gbs=50.0, share=0.12, window_bytes=gb)
-    assert slow.update(1.0, 2 * gb, balance=(10.0, 1.0)) == slow.floor == 0.1
+    assert slow.update(1.0, 2 * gb, balance=lambda: (10.0, 1.0)) == slow.floor == 0.1
 
 
 def test_beside_a_gpu_the_measured_share_follows_the_lane_in_service(store, monkeypatch):

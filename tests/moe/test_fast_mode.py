@@ -51,7 +51,9 @@ def test_fast_mode_bf16_activations_close(int4_store):
     be = eng.model.expert_backend
     try:
         prompt = prompt_ids(eng.tokenizer, ["Name three primary colors, comma separated."])[0]
+        assert be.host_cores_busy()  # fast mode: the engine's thread waits for steps asleep
         be.set_mode("exact")
+        assert not be.host_cores_busy() and not be.inner.host_cores_busy()
         toks, exact = decode_logits(eng, prompt, 8)
         be.set_mode("fast")
         _, fast = decode_logits(eng, prompt, 8, forced=toks)

@@ -77,6 +77,11 @@ class ExpertBackend(abc.ABC):
         """Put back a `save_decisions` snapshot."""
 
     @abc.abstractmethod
+    def host_cores_busy(self) -> bool:
+        """True while decode steps compute on the host's cores (fast mode's CPU lane): the engine's
+        thread then waits for each step asleep instead of spinning a core (ModelRunner.wait_for_device)."""
+
+    @abc.abstractmethod
     def counters(self) -> dict | None:
         """What /stats shows under `experts` (None: nothing to show)."""
 
@@ -155,6 +160,9 @@ class HostSyncedBackend(ExpertBackend):
 
     def restore_decisions(self, saved: object | None) -> None:
         pass
+
+    def host_cores_busy(self) -> bool:
+        return False
 
 
 class ResidentExperts(HostSyncedBackend):

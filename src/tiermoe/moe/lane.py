@@ -198,12 +198,15 @@ class LaneExperts(ExpertBackend):
         if self._lane_step:
             self.handoff.check()
             if self.service is not None:  # the share follows the lane's rate in service
-                share = self.service.update(self.lane.c.busy_s, self.lane.c.weight_bytes, self.handoff.balance())
+                share = self.service.update(self.lane.c.busy_s, self.lane.c.weight_bytes, self.handoff.balance)
                 if share is not None:
                     self.handoff.set_share(share)
 
     def graph_unsupported(self) -> str | None:
         return self.inner.graph_unsupported()
+
+    def host_cores_busy(self) -> bool:
+        return self.mode == "fast"
 
     def graph_safe(self) -> bool:
         return self.inner.graph_safe()

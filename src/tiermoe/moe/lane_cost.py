@@ -29,6 +29,7 @@ gives the lane the fixed share S instead (the same per-layer tensor, the same ca
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -93,13 +94,16 @@ class ServiceShare:
     _bytes: int = 0
     _balance: tuple[float, float] = (0.0, 0.0)
 
-    def update(self, busy_s: float, weight_bytes: int, balance: tuple[float, float] | None = None) -> float | None:
-        """The lane's cumulative busy seconds and weight bytes, and the hand-off's cumulative (lane,
-        device) seconds (None: not measured) now -> the new share, or None to keep it."""
+    def update(self, busy_s: float, weight_bytes: int,
+               balance: Callable[[], tuple[float, float] | None] | None = None) -> float | None:
+        """The lane's cumulative busy seconds and weight bytes now, and a function giving the hand-off's
+        cumulative (lane, device) seconds (None, or it returns None: not measured), called only when a
+        window closes -> the new share, or None to keep it."""
         done, busy = weight_bytes - self._bytes, busy_s - self._busy_s
         if done < self.window_bytes or busy <= 0:
             return None
         self._busy_s, self._bytes = busy_s, weight_bytes
+        balance = balance() if balance is not None else None
         self.service_gbs = done / busy / 1e9
         lane_s, device_s = (balance[0] - self._balance[0], balance[1] - self._balance[1]) if balance else (0.0, 0.0)
         self._balance = balance or self._balance

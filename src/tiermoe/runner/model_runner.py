@@ -76,8 +76,8 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs once enable_decode_graphs() found the model capturable
         self.table_blocks = 0  # > 0: pure decode steps attend through block tables this wide
         self.routing = None  # moe/replay.RoutingHooks: routing replay/recording (benchmark flags), else None
-        # wait_for_device's event: a blocking-sync event puts the waiting thread to sleep (CUDA's default spins)
-        self.sleep_while_waiting = True
+        # wait_for_device: asleep when the expert backend computes on the host's cores (None), or as set here
+        self.sleep_while_waiting: bool | None = None
         self._step_done = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
 
     def enable_decode_graphs(self, max_batch: int) -> str | None:
@@ -223,14 +223,19 @@ class ModelRunner:
         return self._forward_chunks(chunks, decode, all_logits, flags)
 
     def wait_for_device(self) -> None:
-        """Return once the device has done every step queued so far, the thread asleep meanwhile.
+        """Return once the device has done every step queued so far; asleep meanwhile while the expert
+        backend computes on the host's cores (fast mode), else spinning as CUDA does by default.
 
-        Why: CUDA's default wait spins a core for the whole step. Fast mode's CPU lane computes on
-        every core but one, and while the engine's thread waits for a step, that core is what the
-        server's event loop, its HTTP threads and the client's streams share; a spinning waiter
-        pushed them onto the lane's cores, and each lane step ends with its slowest thread.
-        `sleep_while_waiting = False` keeps CUDA's own wait (benchmarks compare the two)."""
-        if self._step_done is not None and self.sleep_while_waiting:
+        Why asleep then: fast mode's CPU lane computes on every core but one, and while the engine's
+        thread waits for a step, that core is what the server's event loop, its HTTP threads and the
+        client's streams share; a spinning waiter pushes them onto the lane's cores, and each lane step
+        ends with its slowest thread. Why not always: waking a sleeping thread costs time (on the GPU
+        machine's virtual CPUs about a millisecond a step), which exact mode does not need to pay.
+        `sleep_while_waiting` True or False overrides the choice (benchmarks compare the two)."""
+        sleep = self.sleep_while_waiting
+        if sleep is None:
+            sleep = self.experts.host_cores_busy()
+        if self._step_done is not None and sleep:
             self._step_done.record()
             self._step_done.synchronize()
 
