@@ -92,7 +92,7 @@ def reference_logits(ref_path: str | Path, prompts: list[list[int]], device: str
 
 
 def reference_runs(ref_path: str | Path, prompts: list[list[int]], device: str, dtype: torch.dtype,
-                   decode_from: int | None = None
+                   decode_from: int | None = None, reference_decode: bool = True,
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, str | None]:
     """(full-forward logits, cached-decode logits or None, why the decode is missing or None).
 
@@ -105,7 +105,9 @@ def reference_runs(ref_path: str | Path, prompts: list[list[int]], device: str, 
     with torch.no_grad():
         for ids in prompts:
             full.append(model(torch.tensor([ids], device=device)).logits[0].float().cpu())
-        if decode_from is not None:
+        if decode_from is not None and not reference_decode:
+            why = "not asked for"
+        elif decode_from is not None:
             try:
                 decode = [reference_decode_logits(model, ids, decode_from, device) for ids in prompts]
             except Exception as exc:  # noqa: BLE001 - a family whose reference cannot decode with a cache
@@ -143,7 +145,8 @@ def reference_decode_logits(model, ids: list[int], decode_from: int, device: str
 
 
 def run_parity(model: str, reference: str | None, device: str, dtype_name: str, arch: str | None = None,
-               chunk: int = 32, fp32_floor: bool = True, decode_from: int | None = None) -> dict:
+               chunk: int = 32, fp32_floor: bool = True, decode_from: int | None = None,
+               reference_decode: bool = True) -> dict:
     """Our engine vs transformers at the same dtype. For reduced precision (bf16/fp16) also
     reports both sides against the transformers fp32 logits ("noise floor"): how far the
     reference's own low-precision run is from fp32, next to how far ours is.
@@ -152,7 +155,8 @@ def run_parity(model: str, reference: str | None, device: str, dtype_name: str, 
     full forward stays the main comparison, and the reference's own cached decode is added
     (ours_vs_ref_decode, ref_decode_vs_ref, and ref_decode_vs_ref_fp32 with the noise floor): how
     far a decode algorithm alone moves the logits. A reference that cannot decode with a cache
-    leaves those keys out and says why (ref_decode_skipped)."""
+    leaves those keys out and says why (ref_decode_skipped), as does reference_decode=False (a
+    comparison with the full forward alone: the reference's token-by-token decode is its slow part)."""
     from tiermoe.engine.build import build_engine_core, is_packed_store
     from tiermoe.errors import UserError
     from tiermoe.models.loader import parse_dtype
@@ -172,7 +176,8 @@ def run_parity(model: str, reference: str | None, device: str, dtype_name: str, 
     if decode_from is not None:  # a prompt is cut on block edges only
         decode_from = -(-decode_from // multiple) * multiple
     ours = torch.cat([engine_logits(engine, p, chunk, decode_from) for p in prompts])
-    full, decode, why = reference_runs(reference, prompts, str(engine.model.device), dtype, decode_from)
+    full, decode, why = reference_runs(reference, prompts, str(engine.model.device), dtype, decode_from,
+                                       reference_decode)
     refs = torch.cat(full)
     ref_decode = torch.cat(decode) if decode is not None else None
     result = compare(refs, ours)
