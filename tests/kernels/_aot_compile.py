@@ -427,9 +427,9 @@ def compile_one(task: tuple[int, str]) -> dict:
     return row
 
 
-def compile_all(variants: list[tuple[str, Launch]], processes: int) -> list[dict]:
+def compile_all(variants: list[tuple[str, Launch]], processes: int, targets: list[str]) -> list[dict]:
     _VARIANTS[:] = variants
-    tasks = [(i, t) for i, (_, launch) in enumerate(variants) for t in TARGETS if t in launch.targets]
+    tasks = [(i, t) for i, (_, launch) in enumerate(variants) for t in targets if t in launch.targets]
     tasks.sort(key=lambda task: variants[task[0]][1].name != "_moe_gemm_kernel")  # the slow ones first
     if processes <= 1:
         return [compile_one(task) for task in tasks]
@@ -437,14 +437,17 @@ def compile_all(variants: list[tuple[str, Launch]], processes: int) -> list[dict
         return list(pool.imap_unordered(compile_one, tasks))
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, targets: list[str]) -> None:
     if os.environ.get("TRITON_INTERPRET") != "0":  # read when the kernels were decorated, at import
         sys.exit("run with TRITON_INTERPRET=0: the kernels must be compiled, not interpreted")
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        sys.exit(f"unknown targets {unknown}: {sorted(TARGETS)}")
     launches, errors = record()
     variants = distinct(launches)
-    results = compile_all(variants, processes=min(8, os.cpu_count() or 1))
+    results = compile_all(variants, processes=min(8, os.cpu_count() or 1), targets=targets)
     report = {
-        "targets": list(TARGETS),
+        "targets": list(targets),
         "triton": triton.__version__,
         "launches": len(launches),
         "variants": len(variants),
@@ -455,5 +458,5 @@ def main(out_path: str) -> None:
         json.dump(report, f, indent=1)
 
 
-if __name__ == "__main__":
-    main(sys.argv[1])
+if __name__ == "__main__":  # OUT.json [TARGETS, comma-separated; default all]
+    main(sys.argv[1], sys.argv[2].split(",") if len(sys.argv) > 2 else list(TARGETS))

@@ -108,11 +108,31 @@ def test_failed_answer_and_timeout_point_the_request_at_the_zero_record(device):
 def test_hint_names_the_predicted_picks_on_disk_only_and_waits_for_nothing(device):
     tables = _tables(device)
     mb = ResidencyMailbox(tables, max_picks=16, max_answers=16, zero_addr=ZERO, device=device)
-    assert mb.read_hint(0) is None
+    assert mb.read_hints(0) == (0, [])
     mb.hint_next(1, torch.tensor([[6, 0], [2, 6], [7, 5]], dtype=torch.int32, device=device))  # no host thread
     _sync(device)
-    assert mb.read_hint(0) == (1, 1, [6, 7, 5])  # (hint seq, row, on disk only in pick order, deduplicated)
-    assert mb.read_hint(1) is None  # seen already
+    assert mb.read_hints(0) == (1, [(1, [6, 7, 5])])  # (hint seq, [(row, on disk only in pick order, deduped)])
+    assert mb.read_hints(1) == (1, [])  # seen already
     mb.hint_next(0, torch.tensor([[1, 3]], dtype=torch.int32, device=device))  # nothing on disk: an empty hint
     _sync(device)
-    assert mb.read_hint(1) == (2, 0, []) and int(mb.seq) == 0  # no request was posted
+    assert mb.read_hints(1) == (2, [(0, [])]) and int(mb.seq) == 0  # no request was posted
+
+
+def test_hints_of_one_layer_all_reach_the_host_and_an_overrun_ring_drops_the_oldest(device):
+    """A layer hints several layers ahead before the host looks: every hint is in the ring, oldest
+    first; hints the ring came round to (more than HINT_SLOTS - 1 unread) are dropped, never torn."""
+    from tiermoe.kernels.triton.residency import HINT_SLOTS
+
+    tables = _tables(device)
+    mb = ResidencyMailbox(tables, max_picks=16, max_answers=16, zero_addr=ZERO, device=device)
+    mb.hint_next(0, torch.tensor([[6]], dtype=torch.int32, device=device))
+    mb.hint_next(1, torch.tensor([[7, 5]], dtype=torch.int32, device=device))
+    _sync(device)
+    assert mb.read_hints(0) == (2, [(0, [6]), (1, [7, 5])])
+    for i in range(HINT_SLOTS + 3):  # unread: the ring comes round
+        mb.hint_next(i % 2, torch.tensor([[6 if i % 2 == 0 else 7]], dtype=torch.int32, device=device))
+    _sync(device)
+    seq, hints = mb.read_hints(2)
+    assert seq == 2 + HINT_SLOTS + 3
+    assert len(hints) == HINT_SLOTS - 1  # the newest, less the area the next post would write
+    assert hints[-1] == ((HINT_SLOTS + 2) % 2, [6 if (HINT_SLOTS + 2) % 2 == 0 else 7])

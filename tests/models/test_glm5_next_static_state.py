@@ -147,12 +147,15 @@ class _RealBatchCores:
     replayed (as DecodeGraphs passes it), never the one the work was traced with."""
 
     def __init__(self, real: ForwardBatch):
-        self.real, self.breaks = real, 0
+        self.real, self.breaks, self.layers = real, 0, 0
 
     def break_here(self, core, tensors, batch, cache):
         self.breaks += 1
         assert all(t.shape[0] == self.real.num_tokens for t in tensors)  # [B, ...] inputs
         return core(*tensors, self.real, cache)
+
+    def layer_done(self):  # where a recording may split its graph (runner/decode_graph.py)
+        self.layers += 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -184,6 +187,7 @@ def test_decode_step_through_the_graph_code_path_equals_eager(ckpt, dtype):
             graphed.lens[i] += 1
         assert torch.equal(got, want), seqs
         assert rec.breaks == sum(1 for layer in graphed.ref.layers if not layer.is_kda)  # one per MLA layer
+        assert rec.layers == len(graphed.ref.layers)  # every layer's end marked
         nxt.update(_next_ids(eager, want, seqs))
     assert graphed.em.kda.lengths == eager.em.kda.lengths
 
@@ -251,7 +255,7 @@ def test_decode_through_block_tables_matches_the_per_sequence_cores(ckpt, dtype)
             graph_break.set_recorder(None)
         for i in seqs:
             tables.lens[i] += 1
-        assert rec.breaks == 0
+        assert rec.breaks == 0 and rec.layers == len(tables.ref.layers)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol), seqs
         assert _next_ids(tables, got, seqs) == _next_ids(cores, want, seqs)

@@ -61,6 +61,11 @@ from tiermoe.moe.prefill_staging import STAGE_TOKENS, PrefillStaging, SlotLender
 from tiermoe.moe.store_backends import StoreBackend
 from tiermoe.store.slot_split import split_by_popularity, staging_rows
 
+# A disk tier's reads ahead: each decode layer hints the predicted picks of this many next MoE layers. One
+# 13 MB O_DIRECT read takes longer than a layer's compute, so hints one layer ahead left the disk idle about
+# half of each token (docs/results.md section 26); the reserve of free entries grows with it.
+LAYERS_AHEAD = 2
+
 
 def split_budget(slots: int, experts: list[int], top_k: int, max_tokens: int,
                  stage_misses: bool = True, rates: Sequence[Sequence[float]] | None = None) -> tuple[int, list[int]]:
@@ -132,9 +137,9 @@ class DeviceCacheExperts(StoreBackend):
                 raise ValueError("the host tier does not hold every routed expert (a disk tier is off)")
             from tiermoe.moe.disk_tier import DiskTier
 
-            # a step's worth of free entries kept for layer-ahead reads
+            # a step's worth of free entries kept for each layer's reads ahead
             self.disk = DiskTier(store, layers, rates, self.fused.zero_record(dev).data_ptr(),
-                                 reserve=self.top_k * max(1, int(max_tokens)))
+                                 reserve=LAYERS_AHEAD * self.top_k * max(1, int(max_tokens)))
             prefill_rows, borrow_slots = 0, False  # prefill reads in place after its host-synchronous loads
             all_entries = {layer: [] for layer in layers}
             counts = list(self.disk.sizes)
@@ -312,18 +317,20 @@ class DeviceCacheExperts(StoreBackend):
 
     def _resident(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, step: bool) -> None:
         """With a disk tier, every pick in a slot or in RAM before the kernels that read it: a cache step
-        asks the host through the residency mailbox (no host sync) and hints the next MoE layer's
-        predicted picks (its router on x [T, H]: layer-ahead reads), other steps load synchronously."""
+        asks the host through the residency mailbox (no host sync) and hints the predicted picks of the
+        next LAYERS_AHEAD MoE layers (each one's router on x [T, H]: reads ahead), other steps load
+        synchronously."""
         if self.disk is None:
             return
         if not step:
             self.disk.ensure_now(layer, topk_ids)
             return
         self.disk_mailbox.ensure(self.disk.row_of[layer], topk_ids)
-        ahead = self.next_router.get(layer)
-        if ahead is not None and ahead[0] in self.disk.row_of:
+        ahead, hinted = self.next_router.get(layer), 0
+        while ahead is not None and hinted < LAYERS_AHEAD and ahead[0] in self.disk.row_of:
             next_layer, module = ahead
             self.disk_mailbox.hint_next(self.disk.row_of[next_layer], module.predict_ids(x))
+            ahead, hinted = self.next_router.get(next_layer), hinted + 1
 
     def set_lane(self, experts: int) -> None:
         """Fast mode on the device: later `lane_forward` steps send up to `experts` of their

@@ -310,11 +310,11 @@ class DiskTier:
             if idle and not seq:
                 continue
             if not seq:
-                hint = self.mailbox.read_hint(self._hint_seen)
-                if hint is not None:
-                    self._hint_seen, row, experts = hint
-                    self.prefetch(row, experts)
-                else:
+                self._hint_seen, hints = self.mailbox.read_hints(self._hint_seen)
+                for row, experts in hints:  # oldest first: the nearest layer's reads start first
+                    if 0 <= row < len(self.sizes):
+                        self.prefetch(row, [e for e in experts if 0 <= e < self.sizes[row]])
+                if not hints:
                     time.sleep(1e-4)  # requests wait for disk reads of milliseconds: no need to spin
                 continue
             row, experts = self.mailbox.read_request()

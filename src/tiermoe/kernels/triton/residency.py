@@ -25,11 +25,14 @@ of reading address 0) and leaves the error mark, so the owner fails the step and
 tables (moe/disk_tier.py); a failed read is answered that way by the host itself, beside the
 changes it did make.
 
-Layer-ahead reads (`hint_next`, no wait): after its own request, a decode layer posts the next MoE
-layer's predicted picks (its router on this layer's input) that are on disk only; the host starts
-reading them into free entries and announces them when that layer asks (a short answer, no disk
-wait). The host keeps a step's worth of entries free by evicting within its answers, so a hinted
-read never needs an eviction the device has not applied.
+Layer-ahead reads (`hint_next`, no wait): after its own request, a decode layer posts the predicted
+picks of the next MoE layers (moe/device_cache.py: LAYERS_AHEAD of them; each one's router on this
+layer's input) that are on disk only; the host starts reading them into free entries and announces
+them when that layer asks (a short answer, no disk wait). The host keeps that many steps' worth of
+entries free by evicting within its answers, so a hinted read never needs an eviction the device has
+not applied. Hints go into a ring of HINT_SLOTS areas (hint seq s in area (s - 1) % HINT_SLOTS), so
+several posted in one layer all reach the host; one the host did not read before the ring came round
+to it again is dropped (`read_hints`).
 
 The control words reuse the CPU lane mailbox's layout (kernels/triton/mailbox.py: POSTED, NTOK,
 DONE, ERR, POLLS in one int64 [16] row, pinned and mapped) and its wait kernel; NANS holds the
@@ -47,6 +50,8 @@ import triton.language as tl
 from tiermoe.kernels.reference import MAILBOX_CTRL, MAILBOX_DONE, MAILBOX_ERR, MAILBOX_NTOK, MAILBOX_POLLS
 from tiermoe.kernels.reference import MAILBOX_POSTED, RESIDENCY_NANS
 from tiermoe.kernels.triton.mailbox import DEFAULT_MAX_SPINS, _INTERPRET, _release_store, _wait_kernel
+
+HINT_SLOTS = 8  # hint areas in the ring: hints the device may post before the host reads the oldest
 
 
 @triton.jit
@@ -81,16 +86,16 @@ def _need_kernel(ids_ptr, P, host_addr_ptr, expert_slot_ptr, seq_ptr, posted_now
 
 
 @triton.jit(do_not_specialize=["P", "row"])
-def _hint_kernel(ids_ptr, P, host_addr_ptr, expert_slot_ptr, hint_seq_ptr, row, hctrl_addr, hint_addr,
-                 POSTED: tl.constexpr, BLOCK_P: tl.constexpr, ASM: tl.constexpr):
-    """One program: predicted picks of layer row `row` neither in a slot nor in RAM -> the hint area
-    (row, count, ids), hint seq += 1, released; nothing waits (layer-ahead prefetch)."""
+def _hint_kernel(ids_ptr, P, host_addr_ptr, expert_slot_ptr, hint_seq_ptr, row, hctrl_addr, hint_addr, stride,
+                 POSTED: tl.constexpr, SLOTS: tl.constexpr, BLOCK_P: tl.constexpr, ASM: tl.constexpr):
+    """One program: predicted picks of layer row `row` neither in a slot nor in RAM -> the ring's next hint
+    area (row, count, ids; `stride` int32 words an area), hint seq += 1, released; nothing waits."""
     hctrl = hctrl_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
-    hint = hint_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
+    s = tl.load(hint_seq_ptr) + 1
+    hint = hint_addr.to(tl.int64).to(tl.pointer_type(tl.int32)) + ((s - 1) % SLOTS) * stride
     n = _list_on_disk(ids_ptr, P, host_addr_ptr, expert_slot_ptr, hint + 2, BLOCK_P)
     tl.store(hint, row)
     tl.store(hint + 1, n)
-    s = tl.load(hint_seq_ptr) + 1
     tl.store(hint_seq_ptr, s)
     tl.debug_barrier()
     _release_store(hctrl + POSTED, s, ASM)
@@ -153,7 +158,8 @@ class ResidencyMailbox:
         self.request = torch.zeros(1 + self.max_picks, dtype=torch.int32, pin_memory=pin)  # row | picks
         self.answers = torch.zeros(3 * self.max_answers, dtype=torch.int64, pin_memory=pin)  # (row, e, addr)...
         self.hint_ctrl = torch.zeros(MAILBOX_CTRL, dtype=torch.int64, pin_memory=pin)  # [16] POSTED: hint seq
-        self.hint = torch.zeros(2 + self.max_picks, dtype=torch.int32, pin_memory=pin)  # row | count | ids
+        # [HINT_SLOTS, 2 + max_picks] areas: row | count | ids
+        self.hint = torch.zeros(HINT_SLOTS, 2 + self.max_picks, dtype=torch.int32, pin_memory=pin)
         self.hint_seq = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.seq = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.ok = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -188,8 +194,8 @@ class ResidencyMailbox:
         ids = predicted_ids.reshape(-1).to(torch.int32)
         p = min(ids.numel(), self.max_picks)
         _hint_kernel[(1,)](ids, p, host, slots, self.hint_seq, row, self._hctrl_addr(), self._hint_addr(),
-                           POSTED=MAILBOX_POSTED, BLOCK_P=max(16, triton.next_power_of_2(p)), ASM=self._asm,
-                           num_warps=4)
+                           self.hint.shape[1], POSTED=MAILBOX_POSTED, SLOTS=HINT_SLOTS,
+                           BLOCK_P=max(16, triton.next_power_of_2(p)), ASM=self._asm, num_warps=4)
 
     def ensure(self, row: int, topk_ids: torch.Tensor, max_spins: int = DEFAULT_MAX_SPINS) -> None:
         """Queue, for layer row `row`, the request for its picks topk_ids [T, k] that are on disk
@@ -222,17 +228,22 @@ class ResidencyMailbox:
         words = self.request[: 1 + n].tolist()
         return words[0], list(dict.fromkeys(words[1:]))
 
-    def read_hint(self, last: int) -> tuple[int, int, list[int]] | None:
-        """(hint seq, layer row, predicted picks on disk only) of a hint newer than `last`, else None (also
-        when the device overwrote it while it was read)."""
+    def read_hints(self, last: int) -> tuple[int, list[tuple[int, list[int]]]]:
+        """(newest hint seq, [(layer row, predicted picks on disk only, deduplicated in pick order)] of the
+        hints after `last`, oldest first). Hints the ring came round to before they were read are left out,
+        and so is any the device may be writing over while this reads (the area of the next post)."""
         seq = int(self.hint_ctrl[MAILBOX_POSTED])
         if seq == last:
-            return None
-        row, n = self.hint[:2].tolist()
-        ids = self.hint[2 : 2 + n].tolist()
-        if int(self.hint_ctrl[MAILBOX_POSTED]) != seq:
-            return None
-        return seq, row, list(dict.fromkeys(ids))
+            return last, []
+        first = max(last + 1, seq - HINT_SLOTS + 1)
+        areas = self.hint.tolist()  # [HINT_SLOTS][2 + max_picks]
+        after = int(self.hint_ctrl[MAILBOX_POSTED])
+        hints = []
+        for s in range(max(first, after + 2 - HINT_SLOTS), seq + 1):  # areas no post since could touch
+            words = areas[(s - 1) % HINT_SLOTS]
+            n = min(max(0, words[1]), self.max_picks)
+            hints.append((words[0], list(dict.fromkeys(words[2 : 2 + n]))))
+        return seq, hints
 
     def answer(self, seq: int, updates: list[tuple[int, int, int]], failed: bool = False) -> None:
         """Publish (row, expert, address) updates for request `seq`: every load and eviction the host

@@ -17,11 +17,23 @@ its launch returns while the host launches the rest, instead of idling for the w
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
-_recorder = None  # the active runner.decode_graph recorder, if any
+
+class Recorder(Protocol):
+    """What a recording (runner/decode_graph.py) answers to while a forward runs."""
+
+    def break_here(self, core: Callable[..., torch.Tensor], tensors: tuple[torch.Tensor, ...], batch,
+                   cache) -> torch.Tensor:
+        """Run `core` as an eager step between graph captures; its output."""
+
+    def layer_done(self) -> None:
+        """A decoder layer ended."""
+
+
+_recorder: Recorder | None = None  # the active recorder, if any
 
 
 def graph_break(core: Callable[..., torch.Tensor], tensors: tuple[torch.Tensor, ...], batch, cache) -> torch.Tensor:
@@ -37,6 +49,6 @@ def layer_boundary() -> None:
         _recorder.layer_done()
 
 
-def set_recorder(recorder) -> None:
+def set_recorder(recorder: Recorder | None) -> None:
     global _recorder
     _recorder = recorder
