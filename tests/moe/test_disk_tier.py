@@ -296,3 +296,48 @@ def test_ram_evicts_by_the_devices_pick_counts_once_read(stores):
             assert (row1, cold, 0) in updates and int(tier.addr[row1, cold]) == 0, updates
         finally:
             tier.close()
+
+
+def test_an_evicted_expert_is_taken_back_from_its_parked_entry_without_a_read(stores, monkeypatch):
+    """Each answer keeps `reserve` entries free for reads ahead by evicting the coldest; the freed entry keeps its
+    record (parked) until a read takes it, so a request for that expert takes the entry back without reading
+    the disk, with the record's bytes intact, and a read takes a parked entry only when no empty one is left."""
+    from tiermoe.store.disk import aligned_buffer
+
+    path, rec = stores["int4"]
+    with _store(path, rec, PER_LAYER) as st:  # RAM: 9 entries, one kept free for hints (an eighth)
+        dc = DeviceCacheExperts(st, 0, rates={}, top_k=2, max_tokens=1, disk=True)
+        tier, row1, row2 = dc.disk, dc.disk.row_of[1], dc.disk.row_of[2]
+        reads = []
+        submit = tier.reader.submit
+
+        def counted(record, dest, **kw):
+            reads.append((st.manifest.records[record.index].layer, st.manifest.records[record.index].expert))
+            return submit(record, dest, **kw)
+
+        monkeypatch.setattr(tier.reader, "submit", counted)
+        try:
+            assert tier.reserve == 1 and tier.counters()["ram_free"] == 1
+            on_disk = [e for e in range(PER_LAYER) if not int(tier.addr[row2, e])]
+            updates, failed, _ = tier.ensure(row2, [on_disk[0]], decode=True)  # one read, then one eviction
+            evicted = [(r, e) for r, e, a in updates if a == 0]
+            assert not failed and reads == [(2, on_disk[0])] and len(evicted) == 1, updates
+            (vr, ve), = evicted
+            assert vr != row2 and int(tier.addr[vr, ve]) == 0 and tier.counters()["ram_free"] == 1
+            updates, failed, _ = tier.ensure(vr, [ve], decode=True)  # taken back: no read
+            assert not failed and len(reads) == 1 and tier.counters()["reclaimed"] == 1, (updates, reads)
+            addr = int(tier.addr[vr, ve])
+            assert (vr, ve, addr) in updates and addr
+            entry = tier.record(vr, ve).cpu()
+            fresh = aligned_buffer(entry.numel())
+            tier.reader.read(st.manifest.records[st.key(tier.layers[vr], ve)], fresh)
+            assert torch.equal(entry, fresh)
+            # the refill parked another; a prefetch reads into it (the only free entry), so a request for the
+            # expert it held must read the disk again
+            (pr, pe), = [(r, e) for r, e, a in updates if a == 0]
+            tier.prefetch(row2, [on_disk[1]])
+            assert reads[-1] == (2, on_disk[1]) and tier.counters()["ram_free"] == 0
+            tier.ensure(pr, [pe], decode=True)
+            assert reads[-1] == (tier.layers[pr], pe) and tier.counters()["reclaimed"] == 1
+        finally:
+            tier.close()

@@ -180,3 +180,35 @@ def test_sim_replays_a_recorded_trace_in_order(tmp_path, capsys):
     bad.write_bytes(path.read_bytes()[:100])
     assert main(["sim", "--trace", str(bad), "--slots", "12"]) == 2
     assert main(["sim", "--slots", "12"]) == 2
+
+
+def test_sim_device_cache_over_a_disk_tier(tmp_path):
+    """The device cache's slots over a disk tier (sim_tiers.py) on 12 of the real layers, 11 % in slots, RAM for 40 %:
+    every pick is a slot hit, a RAM hit or a disk read; the slots reach static placement's hits and RAM's rule
+    comes near its disk reads. Read-ahead's reserve of free entries costs reads unless the freed entries keep
+    their records (parked), and more the larger it is."""
+    stats = load_stats(STATS_FILE)
+    path = tmp_path / "stats12.json"
+    path.write_text(json.dumps({f"layers.{layer}": stats[layer] for layer in sorted(stats)[:12]}))
+    slots, host = 380, 1382
+
+    def run(policies, **kw):
+        return {r.policy: r for r in simulate(str(path), slots=slots, policies=policies, tokens=300, seed=1,
+                                              host_experts=host, **kw)}
+
+    res = run(["static", "device"], ram_rules=("heat", "exclusive"), reserve=64)
+    static = res["static"]
+    for name in ("device/heat", "device/exclusive"):
+        r = res[name]
+        assert r.slot_hits + r.host_hits + r.disk_reads == pytest.approx(96)
+        assert r.slot_hits >= 0.97 * static.slot_hits, (name, r, static)
+        assert static.disk_reads <= r.disk_reads <= 1.1 * static.disk_reads, (name, r, static)
+    lost = run(["device"], reserve=64, lost_reserve=True)["device/heat"]
+    big_lost = run(["device"], reserve=170, lost_reserve=True)["device/heat"]
+    big = run(["device"], reserve=170)["device/heat"]
+    assert res["device/heat"].disk_reads < lost.disk_reads < big_lost.disk_reads
+    assert big.disk_reads < lost.disk_reads
+    with pytest.raises(UserError, match="ram-rule"):
+        simulate(str(path), slots=slots, policies=["device"], tokens=5, host_experts=host, ram_rules=("lru",))
+    with pytest.raises(UserError, match="reserve"):
+        simulate(str(path), slots=slots, policies=["device"], tokens=5, host_experts=host, reserve=host + 1)

@@ -9,3 +9,7 @@ experts and reaches the static-placement bound of `tiermoe sim` (results section
 """
 
 DECAY_SHIFT = 12
+
+# The disk tier's RAM (moe/disk_tier.py) re-reads its eviction order from the device's decayed pick counts every
+# HEAT_STEPS decode steps (a small copy after the step's sync).
+HEAT_STEPS = 32

@@ -15,6 +15,11 @@ int4 experts on a 128 GB machine), host RAM becomes a cache of the store's disk 
 - Other steps (prefill chunks, decode steps larger than the cache kernel takes): `ensure_now`
   reads the layer's picks back (such a step's host sync; every earlier kernel is then done, so
   other layers' entries may be reused) and loads them in the caller's thread.
+- Reads ahead need free entries while the device runs (an entry the device may read is freed only in an
+  answer), so each answer keeps `reserve` entries free by evicting the coldest. A freed entry keeps its record
+  ("parked") until a read takes it, the oldest parked first: a request for a parked expert takes its entry
+  back without reading the disk. Without that, the reserve cost RAM its coldest `reserve` experts for good
+  (`tiermoe sim --reserve`: 19.6 -> 20.9 disk reads a token at 64 of 1,843 entries, docs/results.md).
 - Eviction: the coldest first, then the oldest load. Cold is the statistics' expected picks per
   token at start, then, every HEAT_STEPS decode steps, the device cache's own decayed pick counts
   (its kernel's `freq`, warm-started from the same statistics), so RAM follows the routing the
@@ -32,14 +37,15 @@ from __future__ import annotations
 import heapq
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from tiermoe.errors import StoreError
+from tiermoe.kernels.cache_policy import HEAT_STEPS
 
-HEAT_STEPS = 32  # decode steps between readings of the device's pick counts (a small copy after a sync)
 
 
 @dataclass
@@ -55,6 +61,7 @@ class DiskTierCounters:
     prefetch_used: int = 0  # ... whose expert a request then asked for
     prefetch_wasted: int = 0  # ... dropped unused (their entry was needed first)
     prefetch_failed: int = 0  # ... that failed (the request reads the record anew)
+    reclaimed: int = 0  # experts a request took back from a parked entry (evicted, not yet overwritten): no read
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -84,7 +91,9 @@ class DiskTier:
         for key, entry in held.items():
             rec = self.records[key]
             self._hold(self.row_of[rec.layer], rec.expert, entry)
-        self.free = [self.arena.alloc() for _ in range(self.arena.free_entries)]
+        self.free = [self.arena.alloc() for _ in range(self.arena.free_entries)]  # entries holding nothing
+        self._parked: OrderedDict[int, tuple[int, int]] = OrderedDict()  # free entry -> the record it still holds
+        self._parked_at: dict[tuple[int, int], int] = {}  # (row, expert) -> its parked entry
         self.capacity = len(self.free) + len(self._entry)
         # layer-ahead prefetch: reads started into free entries, not yet announced to the device (so an entry
         # here is referenced by no device table); `reserve` free entries are kept for them by each answer
@@ -109,6 +118,23 @@ class DiskTier:
         self._stamp[(row, e)] = self._loads
         self.addr[row, e] = self.arena.entry(entry).data_ptr()
         heapq.heappush(self._heap, (-1.0 if transient else self._rate[row][e], self._loads, row, e))
+
+    def _park(self, row: int, e: int, entry: int) -> None:
+        """`entry`, just evicted from (row, e), is free and still holds (row, e)'s record."""
+        self._parked[entry] = (row, e)
+        self._parked_at[(row, e)] = entry
+
+    def _unpark(self, entry: int) -> int:
+        del self._parked_at[self._parked.pop(entry)]
+        return entry
+
+    def _take_free(self) -> int | None:
+        """A free entry to read into: one holding nothing, else the oldest parked; None: neither."""
+        if self.free:
+            return self.free.pop()
+        if self._parked:
+            return self._unpark(next(iter(self._parked)))
+        return None
 
     def _victim(self, row: int) -> tuple[int, int, int] | None:
         """(row, expert, entry) to evict: the coldest held expert of another row (None: none)."""
@@ -165,6 +191,11 @@ class DiskTier:
             for e in experts:
                 if (row, e) in self._entry:
                     continue
+                if (row, e) in self._parked_at:  # evicted, its entry not yet overwritten: taken back, no read
+                    self._hold(row, e, self._unpark(self._parked_at[(row, e)]), transient)
+                    updates.append((row, e, int(self.addr[row, e])))
+                    self.c.reclaimed += 1
+                    continue
                 if (row, e) in self._pending:  # a layer-ahead read: announced now
                     entry, fut = self._pending.pop((row, e))
                     if fut.exception() is None:
@@ -208,20 +239,21 @@ class DiskTier:
                 else:
                     self.c.other_reads += 1
             self.c.read_s += time.perf_counter() - t0
-            while decode and len(self.free) < self.reserve:  # room for the next hints, announced with this answer
+            while decode and len(self.free) + len(self._parked) < self.reserve:  # room for the next hints
                 victim = self._victim(row)
                 if victim is None:
                     break
                 vr, ve, entry = victim
                 self.c.evictions += 1
-                updates.append((vr, ve, 0))
-                self.free.append(entry)
+                updates.append((vr, ve, 0))  # announced with this answer
+                self._park(vr, ve, entry)
         return updates, failed, error
 
     def _free_entry(self) -> int | None:
         """A free entry, else one a prefetch holds unannounced (its read settled first); None: neither."""
-        if self.free:
-            return self.free.pop()
+        entry = self._take_free()
+        if entry is not None:
+            return entry
         if self._pending:
             key = next(iter(self._pending))
             entry, fut = self._pending.pop(key)
@@ -235,9 +267,11 @@ class DiskTier:
         evicting: the device learns of them only when the row asks (ensure)."""
         with self.lock:
             for e in experts:
-                if (row, e) in self._entry or (row, e) in self._pending or not self.free:
-                    continue
-                entry = self.free.pop()
+                if (row, e) in self._entry or (row, e) in self._pending or (row, e) in self._parked_at:
+                    continue  # held, being read, or parked (its request takes it back)
+                entry = self._take_free()
+                if entry is None:
+                    return
                 rec = self.records[self._key[row][e]]
                 self._pending[(row, e)] = (entry, self.reader.submit(rec, self.arena.entry(entry)))
                 self.c.prefetch_issued += 1
@@ -255,7 +289,7 @@ class DiskTier:
         updates: list[tuple[int, int, int]] = []
         with self.lock:
             for key in sorted(k for k in self._entry if k not in keep):
-                self.free.append(self._entry.pop(key))
+                self._park(*key, self._entry.pop(key))
                 del self._stamp[key]
                 self.addr[key] = 0
                 updates.append((*key, 0))
@@ -384,7 +418,7 @@ class DiskTier:
             cache.ptr_table[:n] = torch.where(es >= 0, cache.slot_addr[es.clamp(min=0)], cache.host_addr)
 
     def counters(self) -> dict:
-        return {**self.c.as_dict(), "ram_entries": self.capacity, "ram_free": len(self.free),
+        return {**self.c.as_dict(), "ram_entries": self.capacity, "ram_free": len(self.free) + len(self._parked),
                 "device_wait_polls": self.mailbox.wait_polls() if self.mailbox is not None else 0}
 
     def close(self) -> None:

@@ -193,7 +193,9 @@ def _sim(args: argparse.Namespace) -> int:
     policies = list(SIM_POLICIES) if args.policy == "all" else [p.strip() for p in args.policy.split(",")]
     results = simulate(args.stats, slots=args.slots, policies=policies, tokens=args.tokens, seed=args.seed,
                        host_experts=args.host_experts, top_k=args.top_k, warmup=args.warmup,
-                       warm_start=not args.no_warm_start, static_hot=args.static_hot, trace_file=args.trace)
+                       warm_start=not args.no_warm_start, static_hot=args.static_hot, trace_file=args.trace,
+                       ram_rules=tuple(r.strip() for r in args.ram_rule.split(",")), reserve=args.reserve,
+                       lost_reserve=args.lost_reserve)
     print(format_results(results, slots=args.slots, host_experts=args.host_experts, picks=results[0].picks))
     return 0
 
@@ -351,4 +353,12 @@ def register(subparsers) -> None:
                    help="tokens excluded from the figures (default: the first 10%%)")
     p.add_argument("--no-warm-start", action="store_true", help="start with empty tiers instead of the hottest experts")
     p.add_argument("--static-hot", type=int, default=0, help="hottest experts pinned in the slots for good")
+    p.add_argument("--ram-rule", default="heat",
+                   help="with --policy device and --host-experts: how host RAM caches the disk (heat: as served; "
+                        "prior: the statistics' order for good; exclusive: slot victims back to RAM), a comma list")
+    p.add_argument("--reserve", type=int, default=0,
+                   help="host entries kept free for reads ahead (as the served disk tier keeps); each keeps the "
+                        "record it held until a read takes it")
+    p.add_argument("--lost-reserve", action="store_true",
+                   help="the reserve's entries hold nothing (the disk tier before it parked them)")
     p.set_defaults(handler=_sim)

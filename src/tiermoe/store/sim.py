@@ -24,6 +24,7 @@ from tiermoe.store.planner import load_stats, pick_rates
 from tiermoe.store.policy import POLICIES
 from tiermoe.store.residency import Residency
 from tiermoe.store.sim_device import run_device_policy
+from tiermoe.store.sim_tiers import RAM_RULES, run_device_tiers
 
 SIM_POLICIES = POLICIES + ("device", "belady")
 
@@ -144,18 +145,26 @@ def simulate(
     static_hot: int = 0,
     smoothing: float = 0.5,
     trace_file: str | None = None,
+    ram_rules: tuple[str, ...] = ("heat",),
+    reserve: int = 0,
+    lost_reserve: bool = False,
 ) -> list[SimResult]:
     """Run each policy on one trace; per-token figures over the tokens after warm-up.
 
     The trace is sampled from the counts of `stats_file`, or read from `trace_file` (a routing
     trace recorded by `--record-routing`: its decode tokens, in order, so temporal locality is
-    kept). Warm start uses the counts file when given, else the trace's own pick counts.
+    kept). Warm start uses the counts file when given, else the trace's own pick counts. The device
+    cache's policy with a host tier runs once for each RAM rule of `ram_rules` (sim_tiers.py), `reserve` host
+    entries kept free (parked; `lost_reserve`: holding nothing).
     """
     for p in policies:
         if p not in SIM_POLICIES:
             raise UserError(f"--policy {p!r}: choose from {', '.join(SIM_POLICIES)} or all")
-    if tokens < 1 or slots < 0 or host_experts < 0:
-        raise UserError("--tokens must be >= 1 and --slots/--host-experts >= 0")
+    for rule in ram_rules:
+        if rule not in RAM_RULES:
+            raise UserError(f"--ram-rule {rule!r}: choose from {', '.join(RAM_RULES)}")
+    if tokens < 1 or slots < 0 or host_experts < 0 or not 0 <= reserve <= host_experts:
+        raise UserError("--tokens must be >= 1, --slots/--host-experts >= 0 and --reserve in 0..--host-experts")
     if stats_file is None and trace_file is None:
         raise UserError("give --stats (per-layer pick counts) or --trace (a recorded routing trace)")
     stats = load_stats(stats_file) if stats_file is not None else None
@@ -191,6 +200,15 @@ def simulate(
         elif p == "device":
             local = trace - (np.arange(len(layers)) * n_e)[None, :, None]  # [T, L, k] per-layer ids
             layer_rates = np.array([pr[i] for i in range(len(layers))]) if warm_start else None
+            if host_experts:
+                if layer_rates is None:
+                    raise UserError("--policy device with --host-experts starts its tiers from the statistics: "
+                                    "drop --no-warm-start")
+                for rule in ram_rules:
+                    hits, ram, disk = run_device_tiers(local, slots, host_experts, warmup, layer_rates, rule,
+                                                       reserve, lost_reserve)
+                    out.append(SimResult(f"device/{rule}", tokens - warmup, hits, ram + disk, ram, disk))
+                continue
             hits, misses = run_device_policy(local, slots, warmup, layer_rates)
             out.append(SimResult("device", tokens - warmup, hits, misses, None, None))
         else:
@@ -212,14 +230,16 @@ def load_trace_picks(path: str, tokens: int) -> np.ndarray:
 
 def format_results(results: list[SimResult], *, slots: int, host_experts: int, picks: int) -> str:
     lines = [
-        f"{'policy':<8}{'slot hits':>11}{'slot misses':>13}{'host hits':>11}{'disk reads':>12}{'slot hit %':>12}",
+        f"{'policy':<17}{'slot hits':>11}{'slot misses':>13}{'host hits':>11}{'disk reads':>12}{'slot hit %':>12}",
     ]
     for r in results:
         miss = r.slot_misses
         host = f"{r.host_hits:>11.1f}" if r.host_hits is not None else f"{'-':>11}"
         disk = f"{r.disk_reads:>12.1f}" if r.disk_reads is not None else f"{'-':>12}"
-        lines.append(f"{r.policy:<8}{r.slot_hits:>11.1f}{miss:>13.1f}{host}{disk}{r.slot_hits / picks:>12.1%}")
+        lines.append(f"{r.policy:<17}{r.slot_hits:>11.1f}{miss:>13.1f}{host}{disk}{r.slot_hits / picks:>12.1%}")
     lines.append(f"per token; {picks} picks/token, {slots} slots shared by all layers, {host_experts} host experts")
     if any(r.policy == "device" for r in results):
         lines.append("device: the GPU device cache's policy, slots split over the layers by popularity, no host tier")
+    if any(r.policy.startswith("device/") for r in results):
+        lines.append("device/RULE: the device cache's slots over a disk tier whose RAM follows RULE (sim_tiers.py)")
     return "\n".join(lines)

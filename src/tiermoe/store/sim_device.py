@@ -41,6 +41,14 @@ def _layer_state(n_experts: int, n_slots: int, rates: np.ndarray, decay_shift: i
     return st
 
 
+def cache_states(slots: int, rates: np.ndarray, decay_shift: int = DECAY_SHIFT) -> list[dict]:
+    """Each layer's warm-started cache state, `slots` split over the layers by popularity as the engine splits
+    them (rates [L, E] expected picks per token; all zero: evenly, and a cold start)."""
+    split = rates if rates.any() else np.ones_like(rates)
+    per_layer = split_by_popularity(slots, [list(r) for r in split])
+    return [_layer_state(rates.shape[1], per_layer[i], rates[i], decay_shift) for i in range(rates.shape[0])]
+
+
 def run_device_policy(trace: np.ndarray, slots: int, warmup: int, rates: np.ndarray | None,
                       decay_shift: int = DECAY_SHIFT) -> tuple[float, float]:
     """trace int64 [T, L, k] of per-layer expert ids; rates [L, E] expected picks per token.
@@ -54,13 +62,9 @@ def run_device_policy(trace: np.ndarray, slots: int, warmup: int, rates: np.ndar
     from tiermoe.kernels.reference import cache_step_ref
 
     n_tok, n_layers, _ = trace.shape
-    n_experts = int(rates.shape[1]) if rates is not None else int(trace.max()) + 1
-    split_rates = rates if rates is not None else np.ones((n_layers, n_experts))
-    per_layer = split_by_popularity(slots, [list(r) for r in split_rates])
-    states = []
-    for i in range(n_layers):
-        layer_rates = rates[i] if rates is not None else np.zeros(n_experts)
-        states.append(_layer_state(n_experts, per_layer[i], layer_rates, decay_shift))
+    if rates is None:
+        rates = np.zeros((n_layers, int(trace.max()) + 1))
+    states = cache_states(slots, rates, decay_shift)
     hits = lookups = 0
     ids = torch.from_numpy(np.ascontiguousarray(trace))  # [T, L, k]
     for t in range(n_tok):
