@@ -46,6 +46,8 @@ class EngineArgs:
     enforce_eager: bool = False
     decode_attention: str = "auto"
     num_speculative_tokens: int = 0
+    # ranks of one expert-parallel group, each a process that joined torch.distributed (tiermoe/parallel.py)
+    tensor_parallel_size: int = 1
     # expert store (packed stores only)
     gpu_expert_gb: float | None = None  # None: free VRAM minus a reserve (store/planner.py)
     host_expert_gb: float | None = None  # None: the memory limit minus a margin
@@ -156,6 +158,14 @@ class DeviceCacheConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """This process's place in an expert-parallel group (tiermoe/parallel.py, moe/expert_parallel.py)."""
+
+    rank: int
+    world: int
+
+
+@dataclass(frozen=True)
 class ExpertsConfig:
     """Routed experts served from a packed store: which backend, in which mode."""
 
@@ -165,6 +175,7 @@ class ExpertsConfig:
     lane: LaneConfig = LaneConfig()
     device_cache: DeviceCacheConfig | None = None  # set for the device-cache backend
     prefetch: bool = True  # store backends: start the next MoE layer's disk reads early
+    parallel: ParallelConfig | None = None  # an expert-parallel rank: its share of every layer's experts
 
 
 @dataclass(frozen=True)

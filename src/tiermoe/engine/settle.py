@@ -73,13 +73,27 @@ def settle_config(args: EngineArgs) -> EngineConfig:
     if args.routing_replay or args.record_routing:
         routing = RoutingConfig(replay=args.routing_replay, seed=int(args.routing_replay_seed or 0),
                                 record=args.record_routing, record_max_tokens=args.record_routing_max_tokens)
-    experts = _settle_experts(args, path, device, dtype, max_num_seqs) if is_packed_store(path) else None
+    packed = is_packed_store(path)
+    parallel = settle_parallel(args.tensor_parallel_size)
+    if parallel is not None and not packed:
+        raise UserError(f"--tensor-parallel-size {parallel.world}: expert parallel serves a packed store "
+                        "(`tiermoe pack` first)")
+    experts = _settle_experts(args, path, device, dtype, max_num_seqs) if packed else None
+    if parallel is not None:
+        experts = replace(experts, parallel=parallel)
     return EngineConfig(
         model=path, device=device, dtype=dtype, max_model_len=ctx, max_num_seqs=max_num_seqs,
         max_batched_tokens=args.max_num_batched_tokens or (512 if device == "cpu" else 2048),
         kv_cache_gb=args.kv_cache_gb or None, seed=args.seed, num_speculative_tokens=args.num_speculative_tokens or 0,
         decode_attention="paged" if paged else "sdpa", paged_attention_required=attention == "paged",
         decode_graphs=not args.enforce_eager and device != "cpu", experts=experts, routing=routing)
+
+
+def settle_parallel(world: int | None):
+    """This process's place in an expert-parallel group of `world` ranks (None: alone); tiermoe/parallel.py."""
+    from tiermoe.parallel import settle
+
+    return settle(world or 1)
 
 
 def settle_lane(args: EngineArgs, device: str, record_layout, dtype: torch.dtype, top_k: int) -> LaneConfig:
@@ -129,6 +143,12 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
     wanted = (args.device_cache or "auto").lower()
     if wanted not in DEVICE_CACHE_CHOICES:
         raise UserError(f"--device-cache {wanted!r}: choose one of {', '.join(DEVICE_CACHE_CHOICES)}")
+    if (args.tensor_parallel_size or 1) > 1:  # expert-parallel ranks: exact, on the store path (for now)
+        if mode != "exact":
+            raise UserError("--tensor-parallel-size: the ranks serve exact mode only (the CPU lane does not split)")
+        if wanted == "on":
+            raise UserError("--tensor-parallel-size: --device-cache on does not split its experts yet")
+        wanted = "off"
     staging = args.prefill_staging_gb
     if staging is not None and not 0 <= staging < float("inf"):
         raise UserError(f"--prefill-staging-gb must be a size >= 0, got {staging}")

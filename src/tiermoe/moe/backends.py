@@ -116,8 +116,15 @@ def _device_cache(cfg: ExpertsConfig) -> ExpertBackend:
 
 
 def open_expert_backend(cfg: ExpertsConfig) -> ExpertBackend:
-    """The backend `cfg.backend` over its store; in fast mode wrapped by the CPU lane."""
+    """The backend `cfg.backend` over its store; in fast mode wrapped by the CPU lane; on an expert-parallel
+    rank wrapped by its share (moe/expert_parallel.py: settling keeps such a rank exact, on the store path)."""
     backend = EXPERT_BACKENDS[cfg.backend](cfg)
+    if cfg.parallel is not None:
+        try:
+            return _expert_parallel(backend, cfg)
+        except BaseException:
+            backend.close()
+            raise
     if cfg.mode == "exact":
         return backend
     from tiermoe.moe.lane import LaneExperts
@@ -127,6 +134,23 @@ def open_expert_backend(cfg: ExpertsConfig) -> ExpertBackend:
     except BaseException:
         backend.close()
         raise
+
+
+def _expert_parallel(backend: ExpertBackend, cfg: ExpertsConfig) -> ExpertBackend:
+    """This rank's share of every layer's experts, balanced by the store's routing statistics."""
+    from tiermoe.moe.expert_parallel import ExpertParallelExperts, share_experts
+    from tiermoe.moe.store_backends import StoreBackend
+    from tiermoe.store.planner import config_top_k, key_rates
+
+    if not isinstance(backend, StoreBackend) or cfg.backend == "device-cache":
+        raise UserError(f"--tensor-parallel-size: the {cfg.backend} backend does not split its experts")
+    manifest = backend.store.manifest
+    rates, _, _ = key_rates(manifest, cfg.store.stats_file, config_top_k(manifest.config), ())
+    layers = list(manifest.moe_layers)
+    per_layer = [[rates[backend.store.key(layer, e)] for e in range(manifest.experts_per_layer[layer])]
+                 for layer in layers]
+    owners = dict(zip(layers, share_experts(per_layer, cfg.parallel.world)))
+    return ExpertParallelExperts(backend, owners, cfg.parallel)
 
 
 # -- which kernel computes the experts ---------------------------------------------------------------

@@ -1,0 +1,60 @@
+"""One rank of an expert-parallel group on the CPU (gloo), run as its own process by test_expert_parallel.py:
+
+    python _rank.py RANK WORLD INIT_METHOD STORE DTYPE OUT
+
+It joins the group, builds the real engine on STORE with `tensor_parallel_size` WORLD under each tier budget of
+BUDGETS, and saves {budget: (logits [2P, V], counters)} to OUT (torch.save), with the one-line errors settling
+gives for what a rank does not serve."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+PROMPT = [5, 17, 33, 64, 101, 250, 7, 300]
+RECORD = 12288  # a bf16 record of the tiny glm4_moe (H 64, I 32)
+BUDGETS = {  # as GiB flags: every expert in RAM; 2 slots and RAM for 3 (the rest read from disk)
+    "ram": {"gpu_expert_gb": 0, "host_expert_gb": 16 * RECORD / 2**30},
+    "small": {"gpu_expert_gb": 2 * RECORD / 2**30, "host_expert_gb": 3 * RECORD / 2**30},
+}
+
+
+def logits_and_counters(store: str, dtype: str, options: dict) -> tuple[torch.Tensor, dict]:
+    """Logits [2P, V] of PROMPT prefilled in one chunk, then a token a step, and the expert counters."""
+    from tiermoe.engine.build import build_engine_core
+    from tiermoe.eval.parity import engine_logits
+
+    eng = build_engine_core(store, device="cpu", dtype=dtype, max_num_seqs=1, options=options)
+    backend = eng.model.expert_backend
+    try:
+        logits = torch.cat([engine_logits(eng, PROMPT, chunk=len(PROMPT)), engine_logits(eng, PROMPT, chunk=1)])
+        return logits, backend.counters()
+    finally:
+        backend.close()
+
+
+def main(rank: int, world: int, init: str, store: str, dtype: str, out: str) -> None:
+    from tiermoe.errors import UserError
+    from tiermoe.parallel import join, leave
+
+    join(rank, world, init, "cpu")
+    try:
+        results: dict = {}
+        for name, budget in BUDGETS.items():
+            results[name] = logits_and_counters(store, dtype, {"tensor_parallel_size": world, **budget})
+        refused = []
+        for options in ({"mode": "fast"}, {"device_cache": "on"}, {"tensor_parallel_size": world + 1}):
+            try:
+                logits_and_counters(store, dtype, {"tensor_parallel_size": world, **options})
+                refused.append(None)
+            except UserError as exc:
+                refused.append(str(exc))
+        results["refused"] = refused
+        torch.save(results, out)
+    finally:
+        leave()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6])

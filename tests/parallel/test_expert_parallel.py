@@ -1,0 +1,103 @@
+"""Expert parallel on the CPU (moe/expert_parallel.py, tiermoe/parallel.py): the rank split and the combine.
+
+Two processes join a gloo group (as two GPUs' processes join an NCCL one), each builds the real engine on a packed
+tiny glm4_moe store and computes its share of every MoE layer's experts; the all-reduce adds the shares. Checked:
+both ranks get the same logits; those are bit-identical across tier budgets (slots, RAM, disk); they equal one
+process's logits within summation-order differences (fp32: max |diff| ~1e-7; bf16: top-1 and a small KL),
+since one process adds every expert into one running sum and two ranks add two partial sums.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiermoe.moe.expert_parallel import share_experts
+
+RANK_SCRIPT = Path(__file__).with_name("_rank.py")
+sys.path.insert(0, str(RANK_SCRIPT.parent))
+import _rank  # noqa: E402
+
+
+def test_shares_are_disjoint_and_balanced_by_the_statistics():
+    """Each layer's experts dealt back and forth by rate: every expert has one owner, the shares differ by at
+    most one expert, and their expected picks by at most the largest single rate."""
+    g = torch.Generator().manual_seed(0)
+    rates = [(torch.rand(288, generator=g) ** 4).tolist() for _ in range(3)]
+    for world in (1, 2, 3, 4):
+        for layer_rates, owner in zip(rates, share_experts(rates, world)):
+            assert len(owner) == 288 and set(owner) == set(range(world))
+            counts = [owner.count(r) for r in range(world)]
+            load = [sum(x for x, o in zip(layer_rates, owner) if o == r) for r in range(world)]
+            assert max(counts) - min(counts) <= 1
+            assert max(load) - min(load) <= max(layer_rates) + 1e-9, (world, load)
+    assert share_experts([[3.0, 2.0, 1.0, 0.5]], 2) == [[0, 1, 1, 0]]  # back and forth: 0, 1, then 1, 0
+    with pytest.raises(ValueError):
+        share_experts(rates, 0)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """The tiny glm4_moe with 4 picks a token (its checkpoint's 2 would add at most one pair across ranks,
+    where the rounding cannot differ), packed as bf16 records."""
+    from tiermoe.models.tiny import write_tiny
+    from tiermoe.store.pack import pack
+
+    base = tmp_path_factory.mktemp("ep")
+    src = write_tiny("glm4_moe", base / "checkpoint")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 4}))
+    pack(str(src), str(base / "store"), quant="bf16", progress=False, log=lambda _: None)
+    return base / "store"
+
+
+def _two_ranks(store, dtype: str, tmp_path) -> list[dict]:
+    """Both ranks' results, each rank its own process (gloo over a rendezvous file)."""
+    init = f"file://{tmp_path / f'rendezvous-{dtype}'}"
+    outs = [tmp_path / f"rank{r}-{dtype}.pt" for r in range(2)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), str(r), "2", init, str(store), dtype, str(outs[r])],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    return [torch.load(o) for o in outs]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_ranks_give_one_processs_logits(store, dtype, tmp_path):
+    from tiermoe.eval.parity import compare
+
+    one, one_counters = _rank.logits_and_counters(str(store), dtype, _rank.BUDGETS["ram"])
+    assert "expert_parallel" not in one_counters
+    ranks = _two_ranks(store, dtype, tmp_path)
+    two = ranks[0]["ram"][0]
+    for r, res in enumerate(ranks):
+        for budget in _rank.BUDGETS:
+            logits, c = res[budget]
+            assert torch.equal(logits, two), (r, budget)  # the same on both ranks, whatever the tier budgets
+            ep = c["expert_parallel"]
+            assert ep["rank"] == r and ep["world"] == 2 and ep["experts"] == 8, ep  # 2 layers x 8 experts / 2
+            assert 0 < ep["foreign_picks"] < ep["picks"], ep
+        assert res["small"][1]["disk"]["reads"] > 0  # that budget reads its share from disk
+        fast, cache, world = res["refused"]
+        assert "exact mode only" in fast and "--device-cache on" in cache and "has 2 ranks" in world, res["refused"]
+    m = compare(one, two)
+    assert m["top1"] == 1.0, m
+    if dtype == "float32":
+        assert m["max_abs_logit_diff"] < 1e-4 and m["kl_max"] < 1e-9, m
+    else:
+        assert m["kl_mean"] < 1e-3, m
+
+
+def test_a_rank_count_without_its_group_is_a_clear_error(store):
+    from tiermoe.errors import UserError
+
+    with pytest.raises(UserError, match="torchrun"):
+        _rank.logits_and_counters(str(store), "float32", {"tensor_parallel_size": 2})
