@@ -11,11 +11,16 @@ The caller joins the group before the engine is built (`join`, or torchrun's env
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 
 from tiermoe.config import ParallelConfig
 from tiermoe.errors import UserError
+
+
+# A follower rank waits for the leader's next step for as long as the server stays idle.
+IDLE_TIMEOUT = timedelta(days=365)
 
 
 def join(rank: int, world: int, init_method: str, device: str) -> ParallelConfig:
@@ -26,8 +31,48 @@ def join(rank: int, world: int, init_method: str, device: str) -> ParallelConfig
     cuda = str(device).startswith("cuda")
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=world)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=world,
+                            timeout=IDLE_TIMEOUT if not cuda else None)
     return ParallelConfig(rank=rank, world=world)
+
+
+def step_group():
+    """A gloo group over every rank for the engines' step messages (Python objects, on the CPU), which may
+    wait as long as the server is idle."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+
+def broadcast(obj: object, group) -> object:
+    """Rank 0's `obj` on every rank of `group` (the others' argument is ignored)."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def all_gather(obj: object, group) -> list:
+    """Every rank's `obj`, in rank order, on every rank of `group`."""
+    import torch.distributed as dist
+
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def launch_followers(world: int, argv: list[str], port: int) -> list:
+    """Start ranks 1..world-1, each `python ARGV` with its RANK, rendezvous at 127.0.0.1:`port`; this
+    process becomes rank 0 (join_from_env after this). Returns the follower processes."""
+    import subprocess
+    import sys
+
+    base = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+    return [subprocess.Popen([sys.executable, *argv],
+                             env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(1, world)]
 
 
 def join_from_env(device: str) -> ParallelConfig:

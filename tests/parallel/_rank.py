@@ -34,6 +34,39 @@ def logits_and_counters(store: str, dtype: str, options: dict) -> tuple[torch.Te
         backend.close()
 
 
+def failure_is_agreed(store: str, dtype: str, world: int, rank: int) -> tuple[tuple[str, str] | None, torch.Tensor]:
+    """Rank 1's part of a forward fails once (a checksum, injected): every rank raises at the step's end, rank
+    0 naming rank 1; the next forward is served. Returns ((error type, message) or None, the next logits)."""
+    from tiermoe.engine.build import build_engine_core
+    from tiermoe.errors import StoreIntegrityError
+    from tiermoe.eval.parity import engine_logits
+
+    eng = build_engine_core(store, device="cpu", dtype=dtype, max_num_seqs=1,
+                            options={"tensor_parallel_size": world, **BUDGETS["ram"]})
+    backend = eng.model.expert_backend
+    combine, failed = backend.inner.combine, []
+
+    def flaky(layer, *args, **kw):
+        if rank == 1 and layer == 1 and not failed:
+            failed.append(layer)
+            raise StoreIntegrityError("injected: layer 1 expert record failed its sha256 check")
+        return combine(layer, *args, **kw)
+
+    backend.inner.combine = flaky
+    error = None
+    try:
+        engine_logits(eng, PROMPT, chunk=len(PROMPT))
+        eng.runner.check_step()
+    except Exception as exc:
+        error = (type(exc).__name__, str(exc))
+    try:
+        logits = engine_logits(eng, PROMPT, chunk=len(PROMPT))
+        eng.runner.check_step()
+        return error, logits
+    finally:
+        backend.close()
+
+
 def main(rank: int, world: int, init: str, store: str, dtype: str, out: str) -> None:
     from tiermoe.errors import UserError
     from tiermoe.parallel import join, leave
@@ -51,6 +84,7 @@ def main(rank: int, world: int, init: str, store: str, dtype: str, out: str) -> 
             except UserError as exc:
                 refused.append(str(exc))
         results["refused"] = refused
+        results["failure"] = failure_is_agreed(store, dtype, world, rank)
         torch.save(results, out)
     finally:
         leave()

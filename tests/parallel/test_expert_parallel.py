@@ -9,7 +9,6 @@ since one process adds every expert into one running sum and two ranks add two p
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -42,21 +41,6 @@ def test_shares_are_disjoint_and_balanced_by_the_statistics():
         share_experts(rates, 0)
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """The tiny glm4_moe with 4 picks a token (its checkpoint's 2 would add at most one pair across ranks,
-    where the rounding cannot differ), packed as bf16 records."""
-    from tiermoe.models.tiny import write_tiny
-    from tiermoe.store.pack import pack
-
-    base = tmp_path_factory.mktemp("ep")
-    src = write_tiny("glm4_moe", base / "checkpoint")
-    config = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 4}))
-    pack(str(src), str(base / "store"), quant="bf16", progress=False, log=lambda _: None)
-    return base / "store"
-
-
 def _two_ranks(store, dtype: str, tmp_path) -> list[dict]:
     """Both ranks' results, each rank its own process (gloo over a rendezvous file)."""
     init = f"file://{tmp_path / f'rendezvous-{dtype}'}"
@@ -71,9 +55,10 @@ def _two_ranks(store, dtype: str, tmp_path) -> list[dict]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_two_ranks_give_one_processs_logits(store, dtype, tmp_path):
+def test_two_ranks_give_one_processs_logits(ep_store, dtype, tmp_path):
     from tiermoe.eval.parity import compare
 
+    store = ep_store
     one, one_counters = _rank.logits_and_counters(str(store), dtype, _rank.BUDGETS["ram"])
     assert "expert_parallel" not in one_counters
     ranks = _two_ranks(store, dtype, tmp_path)
@@ -88,6 +73,10 @@ def test_two_ranks_give_one_processs_logits(store, dtype, tmp_path):
         assert res["small"][1]["disk"]["reads"] > 0  # that budget reads its share from disk
         fast, cache, world = res["refused"]
         assert "exact mode only" in fast and "--device-cache on" in cache and "has 2 ranks" in world, res["refused"]
+        error, after = res["failure"]  # rank 1's part failed once: both raise, then both serve again
+        assert error is not None and "injected" in error[1], error
+        assert error[0] == ("StoreIntegrityError" if r == 1 else "StoreError") and (r == 1 or "rank 1" in error[1])
+        assert torch.equal(after[: len(_rank.PROMPT)], two[: len(_rank.PROMPT)])
     m = compare(one, two)
     assert m["top1"] == 1.0, m
     if dtype == "float32":
@@ -96,8 +85,8 @@ def test_two_ranks_give_one_processs_logits(store, dtype, tmp_path):
         assert m["kl_mean"] < 1e-3, m
 
 
-def test_a_rank_count_without_its_group_is_a_clear_error(store):
+def test_a_rank_count_without_its_group_is_a_clear_error(ep_store):
     from tiermoe.errors import UserError
 
     with pytest.raises(UserError, match="torchrun"):
-        _rank.logits_and_counters(str(store), "float32", {"tensor_parallel_size": 2})
+        _rank.logits_and_counters(str(ep_store), "float32", {"tensor_parallel_size": 2})

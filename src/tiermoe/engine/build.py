@@ -192,6 +192,10 @@ def build_engine(cfg: EngineConfig):
                        num_speculative_tokens=cfg.num_speculative_tokens)
     if routing is not None:
         engine.runner.routing = routing.attach(lm)
+    if cfg.experts is not None and cfg.experts.parallel is not None:  # the ranks' engines kept in step
+        from tiermoe.engine.ranks import RankGroup
+
+        engine.ranks = RankGroup(cfg.experts.parallel)
     if cfg.decode_attention == "paged":
         why = engine.runner.use_paged_decode_attention(cfg.max_model_len)
         if why is not None and cfg.paged_attention_required:

@@ -28,6 +28,7 @@ from typing import Callable
 
 from tiermoe.protocol import STORE_CORRUPT, STORE_ERROR, InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
 from tiermoe.errors import StoreError, StoreIntegrityError, UserError
+from tiermoe.engine.ranks import RankGroup, StepInputs
 from tiermoe.runner.model_runner import ModelRunner
 from tiermoe.scheduler.kv_pages import KVPages
 from tiermoe.scheduler.request import Request
@@ -70,6 +71,7 @@ class LLMEngine:
         # "queued" means computed, and holding the outputs would delay every token by a step.
         self.device_wait_hook: Callable[[], None] | None = None
         self.queues_device_work = str(self.runner.device).startswith("cuda")
+        self.ranks: RankGroup | None = None  # an expert-parallel group's engines kept in step (engine/ranks.py)
 
     # -- EngineCore API -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -202,6 +204,8 @@ class LLMEngine:
         with self._lock:
             incoming, self._incoming = list(self._incoming), deque()
             aborts, self._aborts = list(self._aborts), deque()
+        if self.ranks is not None:
+            self.ranks.publish(StepInputs([(r.request_id, r.prompt_ids, r.params) for r in incoming], aborts))
         for req in incoming:
             self.counters["requests"] += 1
             self.counters["prompt_tokens"] += len(req.prompt_ids)
@@ -238,6 +242,8 @@ class LLMEngine:
     def _append_tokens(self, reqs: list[Request], result) -> list[RequestOutput]:
         self.runner.wait_for_device()  # asleep, not spinning a core the CPU lane or the server needs
         tokens = result.tokens.tolist()  # the one host sync of the step
+        if self.ranks is not None:
+            tokens = self.ranks.agree_tokens(tokens)
         chosen = result.logprobs.tolist() if result.logprobs is not None else None
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
         top_vals = result.top_logprobs.tolist() if result.top_logprobs is not None else None

@@ -75,6 +75,8 @@ def settle_config(args: EngineArgs) -> EngineConfig:
                                 record=args.record_routing, record_max_tokens=args.record_routing_max_tokens)
     packed = is_packed_store(path)
     parallel = settle_parallel(args.tensor_parallel_size)
+    if parallel is not None and args.num_speculative_tokens:
+        raise UserError("--tensor-parallel-size: --num-speculative-tokens is not served by several ranks yet")
     if parallel is not None and not packed:
         raise UserError(f"--tensor-parallel-size {parallel.world}: expert parallel serves a packed store "
                         "(`tiermoe pack` first)")

@@ -12,6 +12,11 @@ picks are dealt to the ranks back and forth (0, 1, 1, 0, 0, 1, ...), so every ra
 many expected picks and as many of the popular ones (the slot tier's) and of the rare ones (the misses): both
 links carry the same bytes.
 
+Failures: a rank whose part fails (a record that cannot be read) must still take part in every later
+all-reduce of the step, or the others would wait for it forever. So it adds zeros, keeps the error, and at the
+step's end (`end_step`) the ranks agree: if any failed, every rank raises for the step (the failing one's
+message, named by rank), every engine fails that step's requests alike, and the group goes on serving.
+
 Exactness: a rank's partial sum is its backend's own arithmetic over the experts it owns, whatever its tier
 budgets, and the ranks' parts are added in fp32 and rounded once. With two ranks that sum is commutative, so
 outputs are bit-identical across tier budgets for a fixed number of ranks. They are not bit-identical across
@@ -21,14 +26,15 @@ the two groupings differently (within bf16's summation-order differences; tests/
 
 from __future__ import annotations
 
-from typing import Hashable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from tiermoe.config import ParallelConfig
-from tiermoe.moe.experts import ExpertBackend
+from tiermoe.errors import StoreError
+from tiermoe.moe.experts import WrappedBackend
 from tiermoe.moe.store_backends import StoreBackend
-from tiermoe.parallel import all_reduce_sum
+from tiermoe.parallel import all_gather, all_reduce_sum, step_group
 
 
 def share_experts(rates: Sequence[Sequence[float]], world: int) -> list[list[int]]:
@@ -48,7 +54,7 @@ def share_experts(rates: Sequence[Sequence[float]], world: int) -> list[list[int
     return owners
 
 
-class ExpertParallelExperts(ExpertBackend):
+class ExpertParallelExperts(WrappedBackend):
     """A store backend computing this rank's share of the experts; forward returns every rank's sum.
 
     inner: the rank's StoreBackend (it is handed only the experts it owns); owners: {MoE layer: owner rank of
@@ -56,7 +62,8 @@ class ExpertParallelExperts(ExpertBackend):
     same tokens (the engines run in step), since each call is a collective."""
 
     def __init__(self, inner: StoreBackend, owners: Mapping[int, Sequence[int]], parallel: ParallelConfig) -> None:
-        self.inner = inner
+        super().__init__(inner)
+        self.inner: StoreBackend = inner
         self.rank, self.world = parallel.rank, parallel.world
         self._owner_cpu = {layer: torch.tensor(list(o), dtype=torch.int64) for layer, o in owners.items()}  # [E]
         self._owner: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -64,6 +71,9 @@ class ExpertParallelExperts(ExpertBackend):
                       for layer, o in self._owner_cpu.items()}
         self.picks = 0  # expert picks seen
         self.foreign = 0  # ... owned by another rank
+        self.failure: BaseException | None = None  # this step's first failure here (raised at end_step)
+        self.device: torch.device | None = None  # where the step's all-reduces run
+        self.errors = step_group()  # failure messages, only when a step failed somewhere
 
     def _owners_on(self, layer: int, device: torch.device) -> torch.Tensor:
         key = (layer, device)
@@ -74,46 +84,40 @@ class ExpertParallelExperts(ExpertBackend):
     # -- the seam --------------------------------------------------------------------------------
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]: this rank's experts computed here, the others' parts added by the all-reduce."""
-        self.inner.prefetch_ahead(layer, x, owned=self.owned)
+        self.device = x.device
         owner = self._owners_on(layer, topk_ids.device)[topk_ids]  # [T, k]
         foreign = topk_ids[owner != self.rank]  # [n]
         self.picks += topk_ids.numel()
         self.foreign += foreign.numel()
-        part = self.inner.combine(layer, x, topk_ids, topk_weights, skip=set(torch.unique(foreign).tolist()))
+        try:
+            if self.failure is not None:
+                raise self.failure
+            self.inner.prefetch_ahead(layer, x, owned=self.owned)
+            part = self.inner.combine(layer, x, topk_ids, topk_weights, skip=set(torch.unique(foreign).tolist()))
+        except Exception as exc:  # zeros, so the other ranks' all-reduces are met; raised at end_step
+            self.failure = exc
+            part = torch.zeros_like(x)
         return all_reduce_sum(part.float()).to(x.dtype)  # [T, H]
 
-    def attach(self, moe_layers: Sequence) -> None:
-        self.inner.attach(moe_layers)
-
-    def begin_step(self, tokens: int, decode: bool) -> None:
-        self.inner.begin_step(tokens, decode)
-
     def end_step(self) -> None:
-        self.inner.end_step()
-
-    def graph_unsupported(self) -> str | None:
-        return self.inner.graph_unsupported()
-
-    def graph_safe(self) -> bool:
-        return self.inner.graph_safe()
-
-    def graph_key(self) -> Hashable:
-        return self.inner.graph_key()
-
-    def graph_recorded(self, key: Hashable) -> None:
-        self.inner.graph_recorded(key)
-
-    def graph_replayed(self, key: Hashable) -> None:
-        self.inner.graph_replayed(key)
-
-    def save_decisions(self) -> object | None:
-        return self.inner.save_decisions()
-
-    def restore_decisions(self, saved: object | None) -> None:
-        self.inner.restore_decisions(saved)
-
-    def host_cores_busy(self) -> bool:
-        return self.inner.host_cores_busy()
+        """Every rank raises if any rank's part of this step failed (module doc)."""
+        try:
+            self.inner.end_step()
+        except Exception as exc:
+            self.failure = self.failure or exc
+        failure, self.failure = self.failure, None
+        if self.device is None:
+            if failure is not None:
+                raise failure
+            return
+        failed = all_reduce_sum(torch.tensor([float(failure is not None)], device=self.device))  # [1]
+        if not float(failed.item()):
+            return
+        said = all_gather(None if failure is None else (isinstance(failure, StoreError), str(failure)), self.errors)
+        if failure is not None:
+            raise failure
+        rank, (store, message) = next((r, m) for r, m in enumerate(said) if m is not None)
+        raise (StoreError if store else RuntimeError)(f"expert-parallel rank {rank}: {message}")
 
     def counters(self) -> dict | None:
         c = self.inner.counters() or {}
@@ -121,9 +125,3 @@ class ExpertParallelExperts(ExpertBackend):
                                 "experts": sum(len(s) for s in self.owned.values()),
                                 "picks": self.picks, "foreign_picks": self.foreign}
         return c
-
-    def heat(self) -> dict | None:
-        return self.inner.heat()
-
-    def close(self) -> None:
-        self.inner.close()

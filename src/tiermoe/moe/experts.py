@@ -95,6 +95,59 @@ class ExpertBackend(abc.ABC):
         """Stop threads and release memory; the backend serves no more steps."""
 
 
+class WrappedBackend(ExpertBackend):
+    """A backend that adds something around `inner` (fast mode's CPU lane, an expert-parallel rank's share):
+    every answer is inner's unless the wrapper overrides it."""
+
+    def __init__(self, inner: ExpertBackend) -> None:
+        self.inner = inner
+
+    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return self.inner.forward(layer, x, topk_ids, topk_weights)
+
+    def attach(self, moe_layers: Sequence) -> None:
+        self.inner.attach(moe_layers)
+
+    def begin_step(self, tokens: int, decode: bool) -> None:
+        self.inner.begin_step(tokens, decode)
+
+    def end_step(self) -> None:
+        self.inner.end_step()
+
+    def graph_unsupported(self) -> str | None:
+        return self.inner.graph_unsupported()
+
+    def graph_safe(self) -> bool:
+        return self.inner.graph_safe()
+
+    def graph_key(self) -> Hashable:
+        return self.inner.graph_key()
+
+    def graph_recorded(self, key: Hashable) -> None:
+        self.inner.graph_recorded(key)
+
+    def graph_replayed(self, key: Hashable) -> None:
+        self.inner.graph_replayed(key)
+
+    def save_decisions(self) -> object | None:
+        return self.inner.save_decisions()
+
+    def restore_decisions(self, saved: object | None) -> None:
+        self.inner.restore_decisions(saved)
+
+    def host_cores_busy(self) -> bool:
+        return self.inner.host_cores_busy()
+
+    def counters(self) -> dict | None:
+        return self.inner.counters()
+
+    def heat(self) -> dict | None:
+        return self.inner.heat()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, swiglu_limit: float | None) -> torch.Tensor:
     """One SwiGLU expert: x [n, H], gate_up [2I, H], down [H, I] -> [n, H]."""
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)

@@ -25,7 +25,7 @@ from typing import Hashable, Sequence
 import torch
 
 from tiermoe.config import MODES, LaneConfig
-from tiermoe.moe.experts import ExpertBackend
+from tiermoe.moe.experts import WrappedBackend
 from tiermoe.moe.store_backends import StoreBackend
 
 log = logging.getLogger("tiermoe.moe")
@@ -116,13 +116,15 @@ class HostLaneHandoff(LaneHandoff):
         pass
 
 
-class LaneExperts(ExpertBackend):
+class LaneExperts(WrappedBackend):
     """`inner` (a StoreBackend) with fast mode's CPU lane; `set_mode` switches between exact (no
     lane) and fast. The lane's threads (and its compiled kernel, built on first use) are made on
     the first switch to fast and kept afterwards."""
 
     def __init__(self, inner: StoreBackend, lane: LaneConfig, mode: str = "fast") -> None:
-        self.inner, self.lane_config = inner, lane
+        super().__init__(inner)
+        self.inner: StoreBackend = inner
+        self.lane_config = lane
         self.lane = None  # CpuLane
         self.handoff: LaneHandoff | None = None
         self.bandwidths = None  # lane_cost.LaneBandwidths measured at the first switch to fast (CUDA, share auto)
@@ -202,29 +204,11 @@ class LaneExperts(ExpertBackend):
                 if share is not None:
                     self.handoff.set_share(share)
 
-    def graph_unsupported(self) -> str | None:
-        return self.inner.graph_unsupported()
-
     def host_cores_busy(self) -> bool:
         return self.mode == "fast"
 
-    def graph_safe(self) -> bool:
-        return self.inner.graph_safe()
-
     def graph_key(self) -> Hashable:
         return self.inner.graph_key(), self._lane_step  # lane steps are other programs
-
-    def graph_recorded(self, key: Hashable) -> None:
-        self.inner.graph_recorded(key)
-
-    def graph_replayed(self, key: Hashable) -> None:
-        self.inner.graph_replayed(key)
-
-    def save_decisions(self) -> object | None:
-        return self.inner.save_decisions()
-
-    def restore_decisions(self, saved: object | None) -> None:
-        self.inner.restore_decisions(saved)
 
     def counters(self) -> dict | None:
         c = self.inner.counters()
@@ -237,9 +221,6 @@ class LaneExperts(ExpertBackend):
             if self.service is not None:
                 c["cpu_lane"]["service"] = self.service.as_dict()
         return c
-
-    def heat(self) -> dict | None:
-        return self.inner.heat()
 
     def close(self) -> None:
         if self.handoff is not None:

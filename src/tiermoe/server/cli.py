@@ -74,6 +74,10 @@ def register(subparsers) -> None:
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests allowed to wait beyond --max-num-seqs (then 429)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    p.add_argument("--tensor-parallel-size", "--gpus", "-tp", type=int, default=1, metavar="N",
+                   help="GPUs (processes) serving one packed store, each computing its share of every MoE layer's "
+                        "experts (expert parallel; exact mode, the store path). This command starts the other "
+                        "N-1 processes itself; under torchrun each process is one rank")
     add_store_args(p)
     add_routing_args(p)
     p.add_argument("--dtype", default="auto", help="activation dtype: auto, bfloat16, float16, float32")
@@ -189,6 +193,16 @@ def _check_port(host: str, port: int) -> None:
             raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
+def start_group(args):
+    """For --tensor-parallel-size N > 1: the other ranks started (server/ranks.py) and this process joined as
+    rank 0; None for one process."""
+    if (args.tensor_parallel_size or 1) <= 1:
+        return None
+    from tiermoe.server.ranks import LeaderGroup
+
+    return LeaderGroup.start(args)
+
+
 def build_core(args):
     """The EngineCore for these arguments (the scripted one for --scripted)."""
     if args.scripted:
@@ -246,6 +260,7 @@ def serve(args) -> int:
     _check_port(args.host, args.port)
     served_name = _served_name(args)
     args, sampling_defaults = resolve(args)
+    group = None if args.scripted else start_group(args)
     from tiermoe.engine.async_engine import AsyncEngine
     from tiermoe.server.app import create_app
     from tiermoe.server.connections import uvicorn_config
@@ -259,6 +274,10 @@ def serve(args) -> int:
         # interpreter down around it can hang. Leave at once (the OS frees pinned memory).
         print("tiermoe: interrupted while loading the model", file=sys.stderr, flush=True)
         os._exit(130)
+    except BaseException:
+        if group is not None:
+            group.abandon()
+        raise
     app = create_app(
         engine,
         served_model_name=served_name,
@@ -290,6 +309,8 @@ def serve(args) -> int:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     finally:
         engine.release()
+        if group is not None:
+            group.close(engine.core)
     if not server.started:
         raise UserError(f"server did not start on {args.host}:{args.port} (address in use?)")
     return 0

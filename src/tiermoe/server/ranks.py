@@ -1,0 +1,154 @@
+"""`tiermoe serve --tensor-parallel-size N`: the processes of an expert-parallel group (engine/ranks.py).
+
+This process becomes rank 0, the leader: it serves HTTP. Unless torchrun started every rank already (RANK and
+WORLD_SIZE set), it starts ranks 1..N-1 itself, each `python -m tiermoe.server.ranks ARGS.json`: the same
+settings, the same engine built, then `engine.ranks.follow` until the leader stops; they serve nothing.
+
+A follower that dies leaves the group unable to run a forward (every MoE layer waits for every rank), so a
+watchdog in the leader ends the leader with a one-line error when one exits unasked; a follower ends when the
+leader's step messages stop (its connection closes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from tiermoe.engine.ranks import follow
+from tiermoe.errors import UserError
+
+log = logging.getLogger("tiermoe.server")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _settings(args) -> dict:
+    """The serve settings a follower needs (JSON: the namespace less its handler)."""
+    return {k: v for k, v in vars(args).items() if k != "handler"}
+
+
+class LeaderGroup:
+    """Rank 0's view of the group: the followers it started, their watchdog, and the way out."""
+
+    def __init__(self, followers: list[subprocess.Popen], settings_file: str | None) -> None:
+        self.followers = followers
+        self.settings_file = settings_file
+        self.closing = False
+        self._watch = threading.Thread(target=self._watchdog, name="tiermoe-ranks", daemon=True)
+        self._watch.start()
+
+    @classmethod
+    def start(cls, args) -> "LeaderGroup":
+        from tiermoe.engine.settle import resolve_device
+        from tiermoe.parallel import join_from_env, launch_followers
+
+        world = int(args.tensor_parallel_size)
+        device = resolve_device(args.device)
+        if device.startswith("cuda"):
+            import torch
+
+            if torch.cuda.device_count() < world:
+                raise UserError(f"--tensor-parallel-size {world}: this machine has {torch.cuda.device_count()} GPU(s)")
+        followers, settings_file = [], None
+        if "WORLD_SIZE" not in os.environ:  # not under torchrun: start the others
+            fd, settings_file = tempfile.mkstemp(prefix="tiermoe-ranks-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(_settings(args), f)
+            followers = launch_followers(world, ["-m", "tiermoe.server.ranks", settings_file], _free_port())
+        group = cls(followers, settings_file)
+        try:
+            parallel = join_from_env(device)
+        except BaseException:
+            group.abandon()
+            raise
+        if parallel.rank != 0:
+            group.abandon()
+            raise UserError("under torchrun, `tiermoe serve` runs as rank 0 only: start the other ranks with "
+                            "`python -m tiermoe.server.ranks`")
+        log.info("expert parallel: rank 0 of %d (%s)", world, "ranks 1.. started here" if followers else "torchrun")
+        return group
+
+    def _watchdog(self) -> None:
+        while not self.closing:
+            for rank, proc in enumerate(self.followers, start=1):
+                code = proc.poll()
+                if code is not None and not self.closing:
+                    msg = f"expert-parallel rank {rank} exited (status {code}); the group cannot go on"
+                    log.error(msg)
+                    print(f"tiermoe: error: {msg}", file=sys.stderr, flush=True)
+                    self.abandon()
+                    os._exit(2)
+            time.sleep(0.2)
+
+    def close(self, core) -> None:
+        """After serving: tell the followers to stop, wait for them, leave the group."""
+        from tiermoe.parallel import leave
+
+        self.closing = True
+        if core is not None and core.ranks is not None:
+            try:
+                core.ranks.stop()
+            except Exception:
+                log.exception("could not tell the other ranks to stop")
+        for proc in self.followers:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self._remove_settings()
+        leave()
+
+    def abandon(self) -> None:
+        """Start-up failed here: end the followers."""
+        self.closing = True
+        for proc in self.followers:
+            if proc.poll() is None:
+                proc.kill()
+        self._remove_settings()
+
+    def _remove_settings(self) -> None:
+        if self.settings_file is not None:
+            try:
+                os.unlink(self.settings_file)
+            except OSError:
+                pass
+
+
+def main(settings_file: str) -> int:
+    """A follower rank: join as RANK says, build the leader's engine, repeat its steps until it stops."""
+    from tiermoe.engine.settle import resolve_device
+    from tiermoe.parallel import join_from_env, leave
+    from tiermoe.server.cli import build_core
+
+    with open(settings_file) as f:
+        args = argparse.Namespace(**json.load(f))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parallel = join_from_env(resolve_device(args.device))
+    core = build_core(args)
+    try:
+        steps = follow(core, core.ranks)
+        log.info("expert-parallel rank %d: the leader stopped after %d steps", parallel.rank, steps)
+    finally:
+        core.model.expert_backend.close()
+        leave()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1]))
+    except UserError as exc:
+        print(f"tiermoe: error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
