@@ -111,3 +111,31 @@ def test_doctor_prints_a_stores_tier_plan(capsys, tmp_path, tiny_dir):
     assert report["store_plan"]["store"] == str(store) and "tier plan" in report["store_plan"]["table"]
     assert main(["doctor", "--disk-mib", "0", "--store", str(tmp_path / "nothing")]) == 2
     assert "neither a packed store" in capsys.readouterr().err
+
+
+def test_each_gpus_pcie_link_and_numa_node_are_read_from_sysfs(tmp_path):
+    """The PCIe link and NUMA node of a GPU's PCI address (sysfs files as Linux writes them), shown per GPU; with
+    several GPUs the plan names --tensor-parallel-size. Unreadable values are None, never an error."""
+    dev = tmp_path / "0000:1b:00.0"
+    dev.mkdir()
+    for name, text in (("numa_node", "1\n"), ("current_link_speed", "16.0 GT/s PCIe\n"), ("current_link_width", "8\n"),
+                       ("max_link_speed", "32.0 GT/s PCIe\n"), ("max_link_width", "16\n")):
+        (dev / name).write_text(text)
+    link = doctor.pci_link("0000:1b:00.0", tmp_path)
+    assert link == {"pci": "0000:1b:00.0", "numa_node": 1, "link": "16.0 GT/s x8", "link_max": "32.0 GT/s x16"}
+    assert doctor.pci_link("0000:99:00.0", tmp_path) == {"pci": "0000:99:00.0", "numa_node": None, "link": None,
+                                                         "link_max": None}
+    (dev / "numa_node").write_text("-1\n")  # a single-node machine
+    assert doctor.pci_link("0000:1b:00.0", tmp_path)["numa_node"] is None
+    assert doctor.pci_link(None)["link"] is None
+
+    report = _fake(True)
+    report["disk"] = {"ok": False, "reason": "skipped (--disk-mib 0)"}
+    report["gpu"]["devices"][0].update(link)
+    report["gpu"]["devices"].append({**report["gpu"]["devices"][0], "index": 1, "numa_node": 0})
+    report["plan"] = doctor.plan(report)
+    text = doctor.render(report)
+    assert "cuda:0 NVIDIA H200 (sm 9.0): 139.0 GiB free of 140.0 GiB; PCIe link 16.0 GT/s x8 (max 32.0 GT/s x16), " \
+           "NUMA node 1" in text and "cuda:1" in text
+    assert any("--tensor-parallel-size 2" in d["what"] and "NUMA nodes 0, 1" in d["why"]
+               for d in report["plan"]["decisions"])

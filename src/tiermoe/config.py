@@ -121,6 +121,7 @@ class StoreConfig:
     policy: str = "lfu"
     stats_file: str | None = None
     direct_io: bool = True
+    keys: frozenset[int] | None = None  # the records this process may hold (an expert-parallel rank's share)
 
 
 @dataclass(frozen=True)

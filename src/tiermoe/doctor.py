@@ -48,6 +48,7 @@ def check_gpu() -> dict:
                     "capability": f"{p.major}.{p.minor}",
                     "vram_total_bytes": int(total),
                     "vram_free_bytes": int(free),
+                    **pci_link(_pci_address(p)),
                 }
             )
         info["available"] = True
@@ -63,6 +64,37 @@ def check_gpu() -> dict:
         else:
             info["reason"] = "no NVIDIA GPU found"
     return info
+
+
+def _pci_address(props) -> str | None:
+    """The device's PCI address (domain:bus:device.0) from torch's properties; None where torch has none."""
+    try:
+        return f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    except AttributeError:  # an older torch
+        return None
+
+
+def pci_link(address: str | None, devices: Path = Path("/sys/bus/pci/devices")) -> dict:
+    """A GPU's PCIe link and NUMA node from sysfs: each GPU copies its misses over its own link, and its
+    pinned host pages are best on its own node. Values that cannot be read are None."""
+    out: dict = {"pci": address, "numa_node": None, "link": None, "link_max": None}
+    if address is None:
+        return out
+    folder = devices / address
+
+    def read(name: str) -> str | None:
+        try:
+            return (folder / name).read_text().strip()
+        except OSError:
+            return None
+
+    node = read("numa_node")
+    out["numa_node"] = int(node) if node not in (None, "-1") and node.lstrip("-").isdigit() else None
+    for key, prefix in (("link", "current"), ("link_max", "max")):
+        speed, width = read(f"{prefix}_link_speed"), read(f"{prefix}_link_width")
+        if speed and width:
+            out[key] = f"{speed.split(' PCIe')[0]} x{width}"
+    return out
 
 
 def _meminfo() -> dict[str, int]:
@@ -275,6 +307,17 @@ def plan(report: dict) -> dict:
                 " weights and the KV cache live there, the rest of VRAM becomes the expert slot cache",
             }
         )
+        if len(gpu["devices"]) > 1:
+            n = len(gpu["devices"])
+            nodes = sorted({d.get("numa_node") for d in gpu["devices"] if d.get("numa_node") is not None})
+            decisions.append(
+                {
+                    "what": f"{n} GPUs: `tiermoe serve --tensor-parallel-size {n}` gives each a share of every MoE "
+                            "layer's experts",
+                    "why": "each GPU has its own PCIe link for misses and its own VRAM for slots"
+                           + (f"; NUMA nodes {', '.join(map(str, nodes))}" if nodes else ""),
+                }
+            )
         decisions.append(
             {
                 "what": f"warm experts in pinned host RAM (up to ~{usable * 0.7 / GiB:.1f} GiB)",
@@ -355,9 +398,12 @@ def render(report: dict) -> str:
     lines = ["GPU"]
     if gpu.get("available"):
         for d in gpu["devices"]:
+            link = d.get("link") or "unknown"
             lines.append(
                 f"  cuda:{d['index']} {d['name']} (sm {d['capability']}): "
-                f"{_b(d['vram_free_bytes'])} free of {_b(d['vram_total_bytes'])}"
+                f"{_b(d['vram_free_bytes'])} free of {_b(d['vram_total_bytes'])}; "
+                f"PCIe link {link}{'' if d.get('link_max') in (None, link) else ' (max ' + d['link_max'] + ')'}, "
+                f"NUMA node {'unknown' if d.get('numa_node') is None else d['numa_node']}"
             )
     else:
         lines.append(f"  none: {gpu.get('reason')}")

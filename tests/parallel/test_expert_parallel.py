@@ -71,6 +71,8 @@ def test_two_ranks_give_one_processs_logits(ep_store, dtype, tmp_path):
             assert ep["rank"] == r and ep["world"] == 2 and ep["experts"] == 8, ep  # 2 layers x 8 experts / 2
             assert 0 < ep["foreign_picks"] < ep["picks"], ep
         assert res["small"][1]["disk"]["reads"] > 0  # that budget reads its share from disk
+        host = res["ram"][1]["host"]  # RAM for every expert: each rank's host tier holds its share alone
+        assert host["capacity"] == host["resident"] == 8 and host["misses"] == 0, host
         fast, cache, world = res["refused"]
         assert "exact mode only" in fast and "--device-cache on" in cache and "has 2 ranks" in world, res["refused"]
         error, after = res["failure"]  # rank 1's part failed once: both raise, then both serve again

@@ -157,8 +157,16 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
     manifest = load_manifest(path)
     lane = settle_lane(args, device, manifest.layout, dtype, config_top_k(manifest.config))
     kernel = choose_expert_kernel(args.expert_kernel, manifest.layouts, dtype, device, path)
+    host_expert_gb = args.host_expert_gb
+    world = args.tensor_parallel_size or 1
+    if world > 1 and host_expert_gb is None:  # the ranks share the machine's RAM
+        from tiermoe.store.planner import default_host_bytes
+
+        usable, note = default_host_bytes()
+        host_expert_gb = usable / world / GIB
+        log.info("--tensor-parallel-size %d: each rank's host tier up to %.1f GiB (%s)", world, host_expert_gb, note)
     store = StoreConfig(path=path, device=device, dtype=dtype, gpu_expert_gb=args.gpu_expert_gb,
-                        host_expert_gb=args.host_expert_gb, policy=args.expert_policy or "lfu",
+                        host_expert_gb=host_expert_gb, policy=args.expert_policy or "lfu",
                         stats_file=args.expert_stats, direct_io=not args.no_direct_io)
     slots, host_records, why_not = device_cache_plan(manifest, device=device, gpu_expert_gb=args.gpu_expert_gb,
                                                      host_expert_gb=args.host_expert_gb)

@@ -17,6 +17,7 @@ the torch and the Triton paths.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Callable, Generic, Protocol, TypeVar
 
 import torch
@@ -69,7 +70,7 @@ def open_store(cfg: StoreConfig):
 
     return ExpertStore.open(cfg.path, device=cfg.device, dtype=cfg.dtype, gpu_expert_gb=cfg.gpu_expert_gb,
                             host_expert_gb=cfg.host_expert_gb, policy=cfg.policy, stats_file=cfg.stats_file,
-                            direct_io=cfg.direct_io)
+                            direct_io=cfg.direct_io, only=cfg.keys)
 
 
 @EXPERT_BACKENDS.register("store-torch")
@@ -117,14 +118,17 @@ def _device_cache(cfg: ExpertsConfig) -> ExpertBackend:
 
 def open_expert_backend(cfg: ExpertsConfig) -> ExpertBackend:
     """The backend `cfg.backend` over its store; in fast mode wrapped by the CPU lane; on an expert-parallel
-    rank wrapped by its share (moe/expert_parallel.py: settling keeps such a rank exact, on the store path)."""
-    backend = EXPERT_BACKENDS[cfg.backend](cfg)
+    rank wrapped by its share (moe/expert_parallel.py: settling keeps such a rank exact, on the store path),
+    its store holding only that share."""
     if cfg.parallel is not None:
+        owners, keys = _shares(cfg)
+        backend = EXPERT_BACKENDS[cfg.backend](replace(cfg, store=replace(cfg.store, keys=keys)))
         try:
-            return _expert_parallel(backend, cfg)
+            return _expert_parallel(backend, cfg, owners)
         except BaseException:
             backend.close()
             raise
+    backend = EXPERT_BACKENDS[cfg.backend](cfg)
     if cfg.mode == "exact":
         return backend
     from tiermoe.moe.lane import LaneExperts
@@ -136,20 +140,31 @@ def open_expert_backend(cfg: ExpertsConfig) -> ExpertBackend:
         raise
 
 
-def _expert_parallel(backend: ExpertBackend, cfg: ExpertsConfig) -> ExpertBackend:
-    """This rank's share of every layer's experts, balanced by the store's routing statistics."""
-    from tiermoe.moe.expert_parallel import ExpertParallelExperts, share_experts
-    from tiermoe.moe.store_backends import StoreBackend
+def _shares(cfg: ExpertsConfig) -> tuple[dict[int, list[int]], frozenset[int]]:
+    """({MoE layer: owner rank of each expert}, the record keys of this rank's share), dealt by the store's
+    routing statistics (moe/expert_parallel.share_experts)."""
+    from tiermoe.moe.expert_parallel import share_experts
     from tiermoe.store.planner import config_top_k, key_rates
+    from tiermoe.store.records import load_manifest
+
+    manifest = load_manifest(cfg.store.path)
+    rates, _, _ = key_rates(manifest, cfg.store.stats_file, config_top_k(manifest.config), ())
+    key = {(r.layer, r.expert): r.index for r in manifest.records}
+    layers = list(manifest.moe_layers)
+    per_layer = [[rates[key[(layer, e)]] for e in range(manifest.experts_per_layer[layer])] for layer in layers]
+    owners = dict(zip(layers, share_experts(per_layer, cfg.parallel.world)))
+    mine = frozenset(key[(layer, e)] for layer, owner in owners.items() for e, r in enumerate(owner)
+                     if r == cfg.parallel.rank)
+    return owners, mine
+
+
+def _expert_parallel(backend: ExpertBackend, cfg: ExpertsConfig, owners: dict[int, list[int]]) -> ExpertBackend:
+    """The rank's store backend computing its share of every layer's experts."""
+    from tiermoe.moe.expert_parallel import ExpertParallelExperts
+    from tiermoe.moe.store_backends import StoreBackend
 
     if not isinstance(backend, StoreBackend) or cfg.backend == "device-cache":
         raise UserError(f"--tensor-parallel-size: the {cfg.backend} backend does not split its experts")
-    manifest = backend.store.manifest
-    rates, _, _ = key_rates(manifest, cfg.store.stats_file, config_top_k(manifest.config), ())
-    layers = list(manifest.moe_layers)
-    per_layer = [[rates[backend.store.key(layer, e)] for e in range(manifest.experts_per_layer[layer])]
-                 for layer in layers]
-    owners = dict(zip(layers, share_experts(per_layer, cfg.parallel.world)))
     return ExpertParallelExperts(backend, owners, cfg.parallel)
 
 

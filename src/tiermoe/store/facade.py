@@ -25,7 +25,7 @@ import logging
 import os
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import torch
 
@@ -93,11 +93,12 @@ class ExpertStore:
              gpu_expert_gb: float | None = None, host_expert_gb: float | None = None, policy: str = "lfu",
              stats_file: str | os.PathLike | None = None, direct_io: bool = True, reader_threads: int = 16,
              verify: str = "always", static_hot: int = 0, preload: bool = True,
-             prefetch_limit: int | None = None) -> "ExpertStore":
+             prefetch_limit: int | None = None, only: Collection[int] | None = None) -> "ExpertStore":
         """Open a packed store; sizes tiers (GiB flags or machine defaults) and preloads the
-        hottest experts (by `stats_file`, else in record order) into slots, then host."""
+        hottest experts (by `stats_file`, else in record order) into slots, then host. only: opening.py."""
         m, dev, plan, rates = open_parts(path, device=device, gpu_expert_gb=gpu_expert_gb,
-                                         host_expert_gb=host_expert_gb, policy=policy, stats_file=stats_file)
+                                         host_expert_gb=host_expert_gb, policy=policy, stats_file=stats_file,
+                                         only=only)
         lock = StoreLock.shared(path)
         try:
             return cls(m, device=dev, dtype=dtype or m.dtype, n_slots=plan.n_slots, n_host=plan.n_host,

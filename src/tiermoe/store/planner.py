@@ -183,12 +183,20 @@ def size_tiers(
     if host_expert_gb is not None:
         n_host = int(host_expert_gb * GIB // record_bytes)
     else:
-        avail, source = host_memory_available()
-        margin = host_margin_gb * GIB if host_margin_gb is not None else max(2 * GIB, 0.1 * avail)
-        n_host = int(max(0, avail - margin) // record_bytes)
-        notes.append(f"host from {source}: {avail / GIB:.1f} GiB available minus margin {margin / GIB:.1f} GiB")
+        usable, note = default_host_bytes(host_margin_gb)
+        n_host = int(usable // record_bytes)
+        notes.append(note)
     n_host = min(n_host, left)
     return n_slots, n_host, notes
+
+
+def default_host_bytes(host_margin_gb: float | None = None) -> tuple[int, str]:
+    """(bytes of host RAM the experts may take when --host-expert-gb is not given, how that was found): what is
+    available less a margin (a tenth, at least 2 GiB, unless given)."""
+    avail, source = host_memory_available()
+    margin = host_margin_gb * GIB if host_margin_gb is not None else max(2 * GIB, 0.1 * avail)
+    return int(max(0, avail - margin)), f"host from {source}: {avail / GIB:.1f} GiB available minus margin " \
+                                        f"{margin / GIB:.1f} GiB"
 
 
 def device_cache_plan(manifest, *, device: str, gpu_expert_gb: float | None,
