@@ -148,8 +148,8 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
     if (args.tensor_parallel_size or 1) > 1:  # expert-parallel ranks: exact, on the store path (for now)
         if mode != "exact":
             raise UserError("--tensor-parallel-size: the ranks serve exact mode only (the CPU lane does not split)")
-        if wanted == "on":
-            raise UserError("--tensor-parallel-size: --device-cache on does not split its experts yet")
+        if wanted == "on":  # its host tier must hold a share: the disk tier's RAM limited to the share's experts
+            raise UserError("--tensor-parallel-size: --device-cache on does not hold a rank's share yet")
         wanted = "off"
     staging = args.prefill_staging_gb
     if staging is not None and not 0 <= staging < float("inf"):

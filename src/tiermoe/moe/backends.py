@@ -121,10 +121,12 @@ def open_expert_backend(cfg: ExpertsConfig) -> ExpertBackend:
     rank wrapped by its share (moe/expert_parallel.py: settling keeps such a rank exact, on the store path),
     its store holding only that share."""
     if cfg.parallel is not None:
-        owners, keys = _shares(cfg)
+        from tiermoe.moe.expert_parallel import ExpertParallelExperts
+
+        owners, filler, keys = _shares(cfg)
         backend = EXPERT_BACKENDS[cfg.backend](replace(cfg, store=replace(cfg.store, keys=keys)))
         try:
-            return _expert_parallel(backend, cfg, owners)
+            return ExpertParallelExperts(backend, owners, filler, cfg.parallel)
         except BaseException:
             backend.close()
             raise
@@ -140,10 +142,10 @@ def open_expert_backend(cfg: ExpertsConfig) -> ExpertBackend:
         raise
 
 
-def _shares(cfg: ExpertsConfig) -> tuple[dict[int, list[int]], frozenset[int]]:
-    """({MoE layer: owner rank of each expert}, the record keys of this rank's share), dealt by the store's
-    routing statistics (moe/expert_parallel.share_experts)."""
-    from tiermoe.moe.expert_parallel import share_experts
+def _shares(cfg: ExpertsConfig) -> tuple[dict[int, list[int]], dict[int, int], frozenset[int]]:
+    """({MoE layer: owner rank of each expert}, {MoE layer: this rank's filler}, the record keys of this rank's
+    share), dealt by the store's routing statistics (moe/expert_parallel.py)."""
+    from tiermoe.moe.expert_parallel import fillers, share_experts
     from tiermoe.store.planner import config_top_k, key_rates
     from tiermoe.store.records import load_manifest
 
@@ -155,17 +157,7 @@ def _shares(cfg: ExpertsConfig) -> tuple[dict[int, list[int]], frozenset[int]]:
     owners = dict(zip(layers, share_experts(per_layer, cfg.parallel.world)))
     mine = frozenset(key[(layer, e)] for layer, owner in owners.items() for e, r in enumerate(owner)
                      if r == cfg.parallel.rank)
-    return owners, mine
-
-
-def _expert_parallel(backend: ExpertBackend, cfg: ExpertsConfig, owners: dict[int, list[int]]) -> ExpertBackend:
-    """The rank's store backend computing its share of every layer's experts."""
-    from tiermoe.moe.expert_parallel import ExpertParallelExperts
-    from tiermoe.moe.store_backends import StoreBackend
-
-    if not isinstance(backend, StoreBackend) or cfg.backend == "device-cache":
-        raise UserError(f"--tensor-parallel-size: the {cfg.backend} backend does not split its experts")
-    return ExpertParallelExperts(backend, owners, cfg.parallel)
+    return owners, fillers(owners, dict(zip(layers, per_layer)), cfg.parallel.rank), mine
 
 
 # -- which kernel computes the experts ---------------------------------------------------------------

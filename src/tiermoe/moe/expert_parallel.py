@@ -2,10 +2,16 @@
 
 With experts offloaded, a second GPU doubles both the HBM for slots and the PCIe bandwidth for misses (each
 card has its own link). So each rank (one process per GPU, tiermoe/parallel.py) owns a disjoint share of every
-MoE layer's routed experts: its store backend fetches, caches and computes only those (the rest of a step's
-picks are `skip`ped, as fast mode skips the CPU lane's), and one all-reduce per layer adds the ranks' partial
-sums. The dense part is replicated: every rank runs it on the same tokens and gets the same bits, so the
-ranks' engines stay in step without exchanging anything else.
+MoE layer's routed experts, and one all-reduce per layer adds the ranks' partial sums. The dense part is
+replicated: every rank runs it on the same tokens and gets the same bits, so the ranks' engines stay in step
+without exchanging anything else.
+
+How a rank's backend (any backend: the store path, the device cache with its decode graphs) is kept to its
+share without knowing of it: before each layer the picks of other ranks' experts are replaced, on the device
+and with no host sync, by the rank's most popular own expert (the filler, in a slot from the start) at weight
+0, which adds exactly nothing; the layer-ahead predictions the backend reads for prefetch and disk hints are
+mapped the same way (`attach` hands it the MoE layers behind `_OwnedPicks`). So the backend looks up, copies,
+reads from disk and caches only its own experts, and its arithmetic over them is its own.
 
 Shares (`share_experts`) are balanced by the routing statistics: each layer's experts in order of expected
 picks are dealt to the ranks back and forth (0, 1, 1, 0, 0, 1, ...), so every rank gets as many experts, as
@@ -32,8 +38,7 @@ import torch
 
 from tiermoe.config import ParallelConfig
 from tiermoe.errors import StoreError
-from tiermoe.moe.experts import WrappedBackend
-from tiermoe.moe.store_backends import StoreBackend
+from tiermoe.moe.experts import ExpertBackend, WrappedBackend
 from tiermoe.parallel import all_gather, all_reduce_sum, step_group
 
 
@@ -54,50 +59,70 @@ def share_experts(rates: Sequence[Sequence[float]], world: int) -> list[list[int
     return owners
 
 
+def fillers(owners: Mapping[int, Sequence[int]], rates: Mapping[int, Sequence[float]], rank: int) -> dict[int, int]:
+    """{MoE layer: the rank's most popular own expert}, which stands in for other ranks' picks at weight 0."""
+    return {layer: min((e for e, r in enumerate(owner) if r == rank), key=lambda e: (-float(rates[layer][e]), e))
+            for layer, owner in owners.items()}
+
+
 class ExpertParallelExperts(WrappedBackend):
-    """A store backend computing this rank's share of the experts; forward returns every rank's sum.
+    """A backend computing this rank's share of the experts; forward returns every rank's sum.
 
-    inner: the rank's StoreBackend (it is handed only the experts it owns); owners: {MoE layer: owner rank of
-    each expert}; parallel: this rank's place. Every rank must call forward for the same layers with the
-    same tokens (the engines run in step), since each call is a collective."""
+    inner: the rank's backend (its store holding the rank's share); owners: {MoE layer: owner rank of each
+    expert}; filler: {MoE layer: the rank's expert that stands in for other ranks' picks} (`fillers`);
+    parallel: this rank's place. Every rank must call forward for the same layers with the same tokens (the
+    engines run in step), since each call is a collective."""
 
-    def __init__(self, inner: StoreBackend, owners: Mapping[int, Sequence[int]], parallel: ParallelConfig) -> None:
+    def __init__(self, inner: ExpertBackend, owners: Mapping[int, Sequence[int]], filler: Mapping[int, int],
+                 parallel: ParallelConfig) -> None:
         super().__init__(inner)
-        self.inner: StoreBackend = inner
         self.rank, self.world = parallel.rank, parallel.world
         self._owner_cpu = {layer: torch.tensor(list(o), dtype=torch.int64) for layer, o in owners.items()}  # [E]
-        self._owner: dict[tuple[int, torch.device], torch.Tensor] = {}
-        self.owned = {layer: frozenset(int(e) for e in (o == self.rank).nonzero().reshape(-1).tolist())
-                      for layer, o in self._owner_cpu.items()}
-        self.picks = 0  # expert picks seen
-        self.foreign = 0  # ... owned by another rank
+        self._filler_cpu = {layer: torch.tensor(int(e), dtype=torch.int64) for layer, e in filler.items()}  # []
+        self._on: dict[tuple[str, int, torch.device], torch.Tensor] = {}
+        self.experts = sum(int((o == self.rank).sum()) for o in self._owner_cpu.values())
+        self._counts: torch.Tensor | None = None  # int64 [2] on the device: picks seen, picks of other ranks
         self.failure: BaseException | None = None  # this step's first failure here (raised at end_step)
         self.device: torch.device | None = None  # where the step's all-reduces run
         self.errors = step_group()  # failure messages, only when a step failed somewhere
 
-    def _owners_on(self, layer: int, device: torch.device) -> torch.Tensor:
-        key = (layer, device)
-        if key not in self._owner:
-            self._owner[key] = self._owner_cpu[layer].to(device)
-        return self._owner[key]
+    def _on_device(self, what: str, layer: int, device: torch.device) -> torch.Tensor:
+        key = (what, layer, device)
+        if key not in self._on:
+            self._on[key] = (self._owner_cpu if what == "owner" else self._filler_cpu)[layer].to(device)
+        return self._on[key]
+
+    def localize(self, layer: int, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(picks [T, k] with other ranks' experts replaced by the layer's filler, bool [T, k] where replaced)."""
+        foreign = self._on_device("owner", layer, topk_ids.device)[topk_ids] != self.rank  # [T, k]
+        return torch.where(foreign, self._on_device("filler", layer, topk_ids.device), topk_ids), foreign
 
     # -- the seam --------------------------------------------------------------------------------
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]: this rank's experts computed here, the others' parts added by the all-reduce."""
+        """x [T, H] -> [T, H]: this rank's experts computed here, the others' parts added by the all-reduce. No
+        host sync of its own (the inner backend's decode graphs stay possible)."""
         self.device = x.device
-        owner = self._owners_on(layer, topk_ids.device)[topk_ids]  # [T, k]
-        foreign = topk_ids[owner != self.rank]  # [n]
-        self.picks += topk_ids.numel()
-        self.foreign += foreign.numel()
+        local_ids, foreign = self.localize(layer, topk_ids)  # [T, k]
+        if self._counts is None:
+            self._counts = torch.zeros(2, dtype=torch.int64, device=topk_ids.device)
+        self._counts[0] += topk_ids.numel()
+        self._counts[1] += foreign.sum()
         try:
             if self.failure is not None:
                 raise self.failure
-            self.inner.prefetch_ahead(layer, x, owned=self.owned)
-            part = self.inner.combine(layer, x, topk_ids, topk_weights, skip=set(torch.unique(foreign).tolist()))
+            part = self.inner.forward(layer, x, local_ids, topk_weights.masked_fill(foreign, 0))
         except Exception as exc:  # zeros, so the other ranks' all-reduces are met; raised at end_step
             self.failure = exc
             part = torch.zeros_like(x)
         return all_reduce_sum(part.float()).to(x.dtype)  # [T, H]
+
+    def attach(self, moe_layers: Sequence) -> None:
+        self.inner.attach([_OwnedPicks(m, self) for m in moe_layers])
+
+    def graph_unsupported(self) -> str | None:
+        if self.world > 1:  # NCCL inside captured graphs: not yet measured on a machine with several GPUs
+            return "expert-parallel ranks run decode steps eagerly (their all-reduce is not yet recorded in graphs)"
+        return self.inner.graph_unsupported()
 
     def end_step(self) -> None:
         """Every rank raises if any rank's part of this step failed (module doc)."""
@@ -121,7 +146,19 @@ class ExpertParallelExperts(WrappedBackend):
 
     def counters(self) -> dict | None:
         c = self.inner.counters() or {}
-        c["expert_parallel"] = {"rank": self.rank, "world": self.world,
-                                "experts": sum(len(s) for s in self.owned.values()),
-                                "picks": self.picks, "foreign_picks": self.foreign}
+        picks, foreign = self._counts.tolist() if self._counts is not None else (0, 0)
+        c["expert_parallel"] = {"rank": self.rank, "world": self.world, "experts": self.experts, "picks": picks,
+                                "foreign_picks": foreign}
         return c
+
+
+class _OwnedPicks:
+    """A model's MoE layer as `ExpertBackend.attach` sees it (`layer`, `moe`, `predict_ids`), with its predicted
+    picks mapped to the rank's share: prefetch and disk hints never ask for other ranks' experts."""
+
+    def __init__(self, module, share: ExpertParallelExperts) -> None:
+        self.module, self.share = module, share
+        self.layer, self.moe = module.layer, module.moe
+
+    def predict_ids(self, x: torch.Tensor) -> torch.Tensor:
+        return self.share.localize(self.layer, self.module.predict_ids(x))[0]

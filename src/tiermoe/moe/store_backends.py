@@ -28,7 +28,7 @@ SwiGLU activation to bf16 once and sums the top-k in pick order.
 from __future__ import annotations
 
 import abc
-from typing import Collection, Mapping, Sequence
+from typing import Collection, Sequence
 
 import torch
 
@@ -87,16 +87,13 @@ class StoreBackend(HostSyncedBackend):
     def clamp_changed(self) -> None:
         """`swiglu_limit` was set from the model: pass it on to the kernels."""
 
-    def prefetch_ahead(self, layer: int, x: torch.Tensor, owned: Mapping[int, Collection[int]] | None = None) -> None:
-        """Start the disk reads of the experts the next MoE layer will pick for x [T, H] (owned: {layer: the
-        experts this backend computes}, an expert-parallel rank's share; None: all)."""
+    def prefetch_ahead(self, layer: int, x: torch.Tensor) -> None:
+        """Start the disk reads of the experts the next MoE layer will pick for x [T, H]."""
         ahead = self.next_router.get(layer)
         if self.prefetch and ahead is not None:
             next_layer, module = ahead
-            next_ids = torch.unique(module.predict_ids(x)).tolist()  # the next MoE layer's picks (replay: its rows)
-            if owned is not None:
-                next_ids = [e for e in next_ids if e in owned[next_layer]]
-            self.store.prefetch(next_layer, next_ids)
+            next_ids = module.predict_ids(x)  # [T, k] the next MoE layer's picks (under replay: its rows)
+            self.store.prefetch(next_layer, torch.unique(next_ids).tolist())
 
     def lane_handoff(self, lane):
         """How fast mode's CPU lane (`lane`, a CpuLane) shares this backend's decode layers:
