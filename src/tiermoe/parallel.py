@@ -88,10 +88,10 @@ def join_from_env(device: str) -> ParallelConfig:
 def settle(world: int) -> ParallelConfig | None:
     """This process's place for `tensor_parallel_size` = world (None: one process serves alone); the group
     must have been joined with that many ranks."""
+    if world is not None and int(world) < 1:
+        raise UserError(f"--tensor-parallel-size {world}: must be >= 1")
     if world is None or int(world) == 1:
         return None
-    if int(world) < 1:
-        raise UserError(f"--tensor-parallel-size {world}: must be >= 1")
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():

@@ -214,7 +214,9 @@ def test_request_timeout_flag_is_checked():
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
-    for flags, msg in ([["--request-timeout", "0"], "--request-timeout"], [["--max-connections", "0"], "--max-connections"]):
+    for flags, msg in ([["--request-timeout", "0"], "--request-timeout"],
+                       [["--max-connections", "0"], "--max-connections"],
+                       [["--tensor-parallel-size", "0"], "--tensor-parallel-size 0: must be >= 1"]):
         args = parser.parse_args(["serve", "--scripted", *flags])
         with pytest.raises(UserError, match=msg):
             args.handler(args)

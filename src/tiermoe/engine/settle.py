@@ -95,7 +95,7 @@ def settle_parallel(world: int | None):
     """This process's place in an expert-parallel group of `world` ranks (None: alone); tiermoe/parallel.py."""
     from tiermoe.parallel import settle
 
-    return settle(world or 1)
+    return settle(world)
 
 
 def settle_lane(args: EngineArgs, device: str, record_layout, dtype: torch.dtype, top_k: int) -> LaneConfig:

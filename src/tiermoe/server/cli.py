@@ -159,6 +159,8 @@ def _check_args(args) -> None:
             raise UserError(f"--{flag.replace('_', '-')} must be > 0")
     if not args.max_body_mb > 0:
         raise UserError("--max-body-mb must be > 0")
+    if args.tensor_parallel_size < 1:
+        raise UserError(f"--tensor-parallel-size {args.tensor_parallel_size}: must be >= 1")
     if args.model and not args.scripted:
         check_name(args.model)
     if args.generation_config not in SAMPLING_MODES and not Path(args.generation_config).expanduser().is_dir():
@@ -196,7 +198,7 @@ def _check_port(host: str, port: int) -> None:
 def start_group(args):
     """For --tensor-parallel-size N > 1: the other ranks started (server/ranks.py) and this process joined as
     rank 0; None for one process."""
-    if (args.tensor_parallel_size or 1) <= 1:
+    if args.tensor_parallel_size == 1:
         return None
     from tiermoe.server.ranks import LeaderGroup
 
