@@ -1,10 +1,12 @@
 """One rank of an expert-parallel group on the CPU (gloo), run as its own process by test_expert_parallel.py:
 
-    python _rank.py RANK WORLD INIT_METHOD STORE DTYPE OUT
+    python _rank.py RANK WORLD INIT_METHOD STORE DTYPE OUT [KIND]
 
 It joins the group, builds the real engine on STORE with `tensor_parallel_size` WORLD under each tier budget of
-BUDGETS, and saves {budget: (logits [2P, V], counters)} to OUT (torch.save), with the one-line errors settling
-gives for what a rank does not serve."""
+BUDGETS[KIND], and saves {budget: (logits [2P, V], counters)} to OUT (torch.save). KIND "store" (the default,
+the torch path) adds the one-line errors settling gives for what a rank does not serve and a failure agreed
+by the ranks; "triton" runs the Triton kernels (under TRITON_INTERPRET=1 on the CPU): the store path and the
+device cache over its disk tier, which holds the rank's share."""
 
 from __future__ import annotations
 
@@ -14,9 +16,16 @@ import torch
 
 PROMPT = [5, 17, 33, 64, 101, 250, 7, 300]
 RECORD = 12288  # a bf16 record of the tiny glm4_moe (H 64, I 32)
-BUDGETS = {  # as GiB flags: every expert in RAM; 2 slots and RAM for 3 (the rest read from disk)
-    "ram": {"gpu_expert_gb": 0, "host_expert_gb": 16 * RECORD / 2**30},
-    "small": {"gpu_expert_gb": 2 * RECORD / 2**30, "host_expert_gb": 3 * RECORD / 2**30},
+GB = RECORD / 2**30
+TRITON = {"expert_kernel": "triton"}
+BUDGETS = {
+    # as GiB flags: every expert in RAM; 2 slots and RAM for 3 (the rest read from disk)
+    "store": {"ram": {"gpu_expert_gb": 0, "host_expert_gb": 16 * GB},
+              "small": {"gpu_expert_gb": 2 * GB, "host_expert_gb": 3 * GB}},
+    # the Triton store path; the device cache with 4 and 10 GPU records (staging rows included) over RAM
+    "triton": {"store-triton": {**TRITON, "device_cache": "off", "gpu_expert_gb": 0, "host_expert_gb": 16 * GB},
+               "cache-4": {**TRITON, "device_cache": "on", "gpu_expert_gb": 4 * GB, "host_expert_gb": 16 * GB},
+               "cache-10": {**TRITON, "device_cache": "on", "gpu_expert_gb": 10 * GB, "host_expert_gb": 8 * GB}},
 }
 
 
@@ -42,7 +51,7 @@ def failure_is_agreed(store: str, dtype: str, world: int, rank: int) -> tuple[tu
     from tiermoe.eval.parity import engine_logits
 
     eng = build_engine_core(store, device="cpu", dtype=dtype, max_num_seqs=1,
-                            options={"tensor_parallel_size": world, **BUDGETS["ram"]})
+                            options={"tensor_parallel_size": world, **BUDGETS["store"]["ram"]})
     backend = eng.model.expert_backend
     combine, failed = backend.inner.combine, []
 
@@ -67,15 +76,18 @@ def failure_is_agreed(store: str, dtype: str, world: int, rank: int) -> tuple[tu
         backend.close()
 
 
-def main(rank: int, world: int, init: str, store: str, dtype: str, out: str) -> None:
+def main(rank: int, world: int, init: str, store: str, dtype: str, out: str, kind: str = "store") -> None:
     from tiermoe.errors import UserError
     from tiermoe.parallel import join, leave
 
     join(rank, world, init, "cpu")
     try:
         results: dict = {}
-        for name, budget in BUDGETS.items():
+        for name, budget in BUDGETS[kind].items():
             results[name] = logits_and_counters(store, dtype, {"tensor_parallel_size": world, **budget})
+        if kind != "store":
+            torch.save(results, out)
+            return
         refused = []
         for options in ({"mode": "fast"}, {"device_cache": "on"}, {"tensor_parallel_size": world + 1}):
             try:
@@ -91,4 +103,4 @@ def main(rank: int, world: int, init: str, store: str, dtype: str, out: str) -> 
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6], *sys.argv[7:])

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiermoe.moe.expert_parallel import share_experts
+from tiermoe.moe.expert_parallel import fillers, localize, share_experts
 
 RANK_SCRIPT = Path(__file__).with_name("_rank.py")
 sys.path.insert(0, str(RANK_SCRIPT.parent))
@@ -41,13 +41,35 @@ def test_shares_are_disjoint_and_balanced_by_the_statistics():
         share_experts(rates, 0)
 
 
-def _two_ranks(store, dtype: str, tmp_path) -> list[dict]:
-    """Both ranks' results, each rank its own process (gloo over a rendezvous file)."""
-    init = f"file://{tmp_path / f'rendezvous-{dtype}'}"
-    outs = [tmp_path / f"rank{r}-{dtype}.pt" for r in range(2)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), str(r), "2", init, str(store), dtype, str(outs[r])],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
+def test_other_ranks_picks_become_distinct_fillers():
+    """Every replaced pick becomes one of the rank's fillers, a row never names an expert twice (the kernels'
+    contract: a duplicate made the Triton path's prefill wrong), and the rank's own picks stay where they are."""
+    g = torch.Generator().manual_seed(1)
+    k, n = 8, 64
+    rates = [torch.rand(n, generator=g).tolist()]
+    for world in (2, 4):
+        owner = torch.tensor(share_experts(rates, world)[0])
+        for rank in range(world):
+            cand = torch.tensor(fillers({0: owner.tolist()}, {0: rates[0]}, rank, k)[0])
+            ids = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(200)])  # [T, k] distinct per row
+            local, foreign = localize(ids, owner, cand, rank)
+            assert torch.equal(foreign, owner[ids] != rank)
+            assert torch.equal(local[~foreign], ids[~foreign])
+            assert bool((owner[local] == rank).all()) and bool(torch.isin(local[foreign], cand).all())
+            assert all(len(set(row)) == k for row in local.tolist())
+    with pytest.raises(ValueError, match="fewer than the 8 picks"):
+        fillers({0: [0, 1] * 4}, {0: [1.0] * 8}, 0, 8)
+
+
+def _ranks(store, dtype: str, tmp_path, world: int = 2, kind: str = "store") -> list[dict]:
+    """Every rank's results, each rank its own process (gloo over a rendezvous file)."""
+    init = f"file://{tmp_path / f'rendezvous-{dtype}-{world}'}"
+    outs = [tmp_path / f"rank{r}-of-{world}-{dtype}.pt" for r in range(world)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"TRITON_INTERPRET": "1"} if kind == "triton" else {})}
+    procs = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), str(r), str(world), init, str(store), dtype,
+                               str(outs[r]), kind],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for r in range(world)]
     logs = [p.communicate(timeout=300)[0] for p in procs]
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-3000:]
@@ -59,12 +81,12 @@ def test_two_ranks_give_one_processs_logits(ep_store, dtype, tmp_path):
     from tiermoe.eval.parity import compare
 
     store = ep_store
-    one, one_counters = _rank.logits_and_counters(str(store), dtype, _rank.BUDGETS["ram"])
+    one, one_counters = _rank.logits_and_counters(str(store), dtype, _rank.BUDGETS["store"]["ram"])
     assert "expert_parallel" not in one_counters
-    ranks = _two_ranks(store, dtype, tmp_path)
+    ranks = _ranks(store, dtype, tmp_path)
     two = ranks[0]["ram"][0]
     for r, res in enumerate(ranks):
-        for budget in _rank.BUDGETS:
+        for budget in _rank.BUDGETS["store"]:
             logits, c = res[budget]
             assert torch.equal(logits, two), (r, budget)  # the same on both ranks, whatever the tier budgets
             ep = c["expert_parallel"]
@@ -92,3 +114,26 @@ def test_a_rank_count_without_its_group_is_a_clear_error(ep_store):
 
     with pytest.raises(UserError, match="torchrun"):
         _rank.logits_and_counters(str(ep_store), "float32", {"tensor_parallel_size": 2})
+
+
+@pytest.mark.slow
+def test_two_ranks_through_the_device_cache(ep_store, tmp_path):
+    """The Triton kernels (the interpreter on the CPU): two ranks' device caches over disk tiers that hold each
+    rank's share give the Triton store path's logits bit for bit, with 4 or 10 GPU records; one process's
+    device cache within summation order. No rank reads another's experts."""
+    from tiermoe.eval.parity import compare
+
+    (one,) = _ranks(ep_store, "bfloat16", tmp_path, world=1, kind="triton")
+    ranks = _ranks(ep_store, "bfloat16", tmp_path, kind="triton")
+    two = ranks[0]["store-triton"][0]
+    for r, res in enumerate(ranks):
+        for budget in ("store-triton", "cache-4", "cache-10"):
+            assert torch.equal(res[budget][0], two), (r, budget)
+        for budget in ("cache-4", "cache-10"):
+            c = res[budget][1]
+            tier = c["device_cache"]["disk_tier"]
+            assert c["expert_parallel"]["experts"] == 8 and tier["failed_reads"] == 0, c
+            assert tier["ram_entries"] <= 9 and tier["decode_reads"] == 0, tier  # its share in RAM, no other read
+    assert torch.equal(one["cache-4"][0], one["store-triton"][0])
+    m = compare(one["cache-4"][0], two)
+    assert m["top1"] == 1.0 and m["kl_mean"] < 1e-3, m

@@ -145,12 +145,9 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
     wanted = (args.device_cache or "auto").lower()
     if wanted not in DEVICE_CACHE_CHOICES:
         raise UserError(f"--device-cache {wanted!r}: choose one of {', '.join(DEVICE_CACHE_CHOICES)}")
-    if (args.tensor_parallel_size or 1) > 1:  # expert-parallel ranks: exact, on the store path (for now)
-        if mode != "exact":
-            raise UserError("--tensor-parallel-size: the ranks serve exact mode only (the CPU lane does not split)")
-        if wanted == "on":  # its host tier must hold a share: the disk tier's RAM limited to the share's experts
-            raise UserError("--tensor-parallel-size: --device-cache on does not hold a rank's share yet")
-        wanted = "off"
+    ranks = (args.tensor_parallel_size or 1) > 1
+    if ranks and mode != "exact":  # expert-parallel ranks: exact mode (for now)
+        raise UserError("--tensor-parallel-size: the ranks serve exact mode only (the CPU lane does not split)")
     staging = args.prefill_staging_gb
     if staging is not None and not 0 <= staging < float("inf"):
         raise UserError(f"--prefill-staging-gb must be a size >= 0, got {staging}")
@@ -171,9 +168,13 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
     slots, host_records, why_not = device_cache_plan(manifest, device=device, gpu_expert_gb=args.gpu_expert_gb,
                                                      host_expert_gb=args.host_expert_gb)
     total = len(manifest.records)
-    disk = host_records < total  # RAM for some experts: the device cache reads the rest from disk (disk tier)
+    # RAM for some experts: the device cache reads the rest from disk (disk tier); a rank's RAM holds at most
+    # its share, the others never picked there
+    disk = host_records < total or ranks
     if disk and wanted == "auto" and not why_not:  # opt-in until its speed is measured against the store path
-        why_not = (f"host RAM for {host_records} of the {total} expert records; the device cache reads the rest "
+        why_not = ("an expert-parallel rank's host RAM holds its share: the device cache serves it with "
+                   "--device-cache on (its disk tier)" if ranks else
+                   f"host RAM for {host_records} of the {total} expert records; the device cache reads the rest "
                    "from disk with --device-cache on")
     if kernel != "triton" and not why_not:
         # say why the torch path serves on a GPU (a record kind or shape the kernel does not take)

@@ -99,10 +99,12 @@ def _device_cache(cfg: ExpertsConfig) -> ExpertBackend:
             raise UserError("--device-cache: the host tier could not be page-locked (cudaHostRegister failed)")
         top_k = config_top_k(store.manifest.config)
         rates, _, _ = key_rates(store.manifest, cfg.store.stats_file, top_k, d.idle_layers)
+        if cfg.store.keys is not None:  # an expert-parallel rank: its share alone is placed and warm-started
+            rates = {k: r for k, r in rates.items() if k in cfg.store.keys}
         cache = DeviceCacheExperts(store, d.slots, rates, top_k=top_k, max_tokens=d.max_tokens,
                                    prefill_rows=d.prefill_rows, prefill_buffers=d.prefill_buffers,
                                    stage_misses=d.stage_misses, lane_cap=d.lane_cap, borrow_slots=d.borrow_slots,
-                                   disk=d.disk)
+                                   disk=d.disk, only=cfg.store.keys)
     except BaseException:
         store.close()
         raise
@@ -142,22 +144,27 @@ def open_expert_backend(cfg: ExpertsConfig) -> ExpertBackend:
         raise
 
 
-def _shares(cfg: ExpertsConfig) -> tuple[dict[int, list[int]], dict[int, int], frozenset[int]]:
-    """({MoE layer: owner rank of each expert}, {MoE layer: this rank's filler}, the record keys of this rank's
+def _shares(cfg: ExpertsConfig) -> tuple[dict[int, list[int]], dict[int, list[int]], frozenset[int]]:
+    """({MoE layer: owner rank of each expert}, {MoE layer: this rank's fillers}, the record keys of this rank's
     share), dealt by the store's routing statistics (moe/expert_parallel.py)."""
     from tiermoe.moe.expert_parallel import fillers, share_experts
     from tiermoe.store.planner import config_top_k, key_rates
     from tiermoe.store.records import load_manifest
 
     manifest = load_manifest(cfg.store.path)
-    rates, _, _ = key_rates(manifest, cfg.store.stats_file, config_top_k(manifest.config), ())
+    top_k = config_top_k(manifest.config)
+    rates, _, _ = key_rates(manifest, cfg.store.stats_file, top_k, ())
     key = {(r.layer, r.expert): r.index for r in manifest.records}
     layers = list(manifest.moe_layers)
     per_layer = [[rates[key[(layer, e)]] for e in range(manifest.experts_per_layer[layer])] for layer in layers]
     owners = dict(zip(layers, share_experts(per_layer, cfg.parallel.world)))
     mine = frozenset(key[(layer, e)] for layer, owner in owners.items() for e, r in enumerate(owner)
                      if r == cfg.parallel.rank)
-    return owners, fillers(owners, dict(zip(layers, per_layer)), cfg.parallel.rank), mine
+    try:
+        filler = fillers(owners, dict(zip(layers, per_layer)), cfg.parallel.rank, top_k)
+    except ValueError as exc:
+        raise UserError(f"--tensor-parallel-size {cfg.parallel.world}: {exc}") from None
+    return owners, filler, mine
 
 
 # -- which kernel computes the experts ---------------------------------------------------------------

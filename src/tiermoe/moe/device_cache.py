@@ -53,7 +53,7 @@ captured in decode graphs too):
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Collection, Hashable, Sequence
 
 import torch
 
@@ -118,7 +118,8 @@ class DeviceCacheExperts(StoreBackend):
     def __init__(self, store, slots: int, rates: dict[int, float], top_k: int, max_tokens: int,
                  swiglu_limit: float | None = None, config: dict | None = None, max_picks: int = 128,
                  prefill_rows: int | None = None, stage_misses: bool = True, prefill_buffers: int | None = None,
-                 borrow_slots: bool = False, lane_cap: int = 0, disk: bool = False) -> None:
+                 borrow_slots: bool = False, lane_cap: int = 0, disk: bool = False,
+                 only: Collection[int] | None = None) -> None:
         from tiermoe.kernels.triton.cache_manager import ExpertCache
         from tiermoe.moe.fused import FusedMoE
 
@@ -139,7 +140,7 @@ class DeviceCacheExperts(StoreBackend):
 
             # a step's worth of free entries kept for each layer's reads ahead
             self.disk = DiskTier(store, layers, rates, self.fused.zero_record(dev).data_ptr(),
-                                 reserve=LAYERS_AHEAD * self.top_k * max(1, int(max_tokens)))
+                                 reserve=LAYERS_AHEAD * self.top_k * max(1, int(max_tokens)), only=only)
             prefill_rows, borrow_slots = 0, False  # prefill reads in place after its host-synchronous loads
             all_entries = {layer: [] for layer in layers}
             counts = list(self.disk.sizes)

@@ -38,7 +38,7 @@ import heapq
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -72,9 +72,11 @@ class DiskTier:
 
     store: an ExpertStore with no slots whose host tier it takes over (take_host_tier); layers: the
     MoE layers in the device cache's row order; rates: {record key: expected picks per token};
-    zero_addr: address of an all-zero record the device may read (failures answer with it)."""
+    zero_addr: address of an all-zero record the device may read (failures answer with it); only: the record
+    keys this process computes (an expert-parallel rank's share: start-up placement takes no others)."""
 
-    def __init__(self, store, layers: list[int], rates: Mapping[int, float], zero_addr: int, reserve: int = 0) -> None:
+    def __init__(self, store, layers: list[int], rates: Mapping[int, float], zero_addr: int, reserve: int = 0,
+                 only: Collection[int] | None = None) -> None:
         self.arena, held, self.reader = store.take_host_tier()
         self.records = store.manifest.records
         self.layers = list(layers)
@@ -88,6 +90,7 @@ class DiskTier:
         self._stamp: dict[tuple[int, int], int] = {}  # (row, expert) -> load number (heap validity)
         self._heap: list[tuple[float, int, int, int]] = []  # (rate, load number, row, expert): eviction order
         self._loads = 0
+        self.only = None if only is None else frozenset(only)
         for key, entry in held.items():
             rec = self.records[key]
             self._hold(self.row_of[rec.layer], rec.expert, entry)
@@ -283,7 +286,8 @@ class DiskTier:
         device's tables follow (`apply`). RAM then holds the next most popular experts after the
         slots', not copies of them."""
         slotted = {(row, e) for row, es in in_slots.items() for e in es}
-        others = [(row, e) for row, n in enumerate(self.sizes) for e in range(n) if (row, e) not in slotted]
+        others = [(row, e) for row, n in enumerate(self.sizes) for e in range(n)
+                  if (row, e) not in slotted and (self.only is None or self._key[row][e] in self.only)]
         others.sort(key=lambda k: (-self._rate[k[0]][k[1]], k not in self._entry, k))
         keep = set(others[: max(0, self.capacity - self.reserve)])
         updates: list[tuple[int, int, int]] = []

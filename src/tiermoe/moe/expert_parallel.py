@@ -8,9 +8,10 @@ without exchanging anything else.
 
 How a rank's backend (any backend: the store path, the device cache with its decode graphs) is kept to its
 share without knowing of it: before each layer the picks of other ranks' experts are replaced, on the device
-and with no host sync, by the rank's most popular own expert (the filler, in a slot from the start) at weight
-0, which adds exactly nothing; the layer-ahead predictions the backend reads for prefetch and disk hints are
-mapped the same way (`attach` hands it the MoE layers behind `_OwnedPicks`). So the backend looks up, copies,
+and with no host sync, by fillers at weight 0, which add exactly nothing: the first of the rank's k most
+popular own experts (in slots from the start) that the token's row does not already pick, so a row never
+names an expert twice (the kernels' contract). The layer-ahead predictions the backend reads for prefetch and
+disk hints are mapped the same way (`attach` hands it the MoE layers behind `_OwnedPicks`). So the backend looks up, copies,
 reads from disk and caches only its own experts, and its arithmetic over them is its own.
 
 Shares (`share_experts`) are balanced by the routing statistics: each layer's experts in order of expected
@@ -59,26 +60,48 @@ def share_experts(rates: Sequence[Sequence[float]], world: int) -> list[list[int
     return owners
 
 
-def fillers(owners: Mapping[int, Sequence[int]], rates: Mapping[int, Sequence[float]], rank: int) -> dict[int, int]:
-    """{MoE layer: the rank's most popular own expert}, which stands in for other ranks' picks at weight 0."""
-    return {layer: min((e for e, r in enumerate(owner) if r == rank), key=lambda e: (-float(rates[layer][e]), e))
-            for layer, owner in owners.items()}
+def fillers(owners: Mapping[int, Sequence[int]], rates: Mapping[int, Sequence[float]], rank: int,
+            top_k: int) -> dict[int, list[int]]:
+    """{MoE layer: the rank's `top_k` most popular own experts}, which stand in for other ranks' picks at weight
+    0 (a row's picks leave at least as many of them free as it has other ranks' picks)."""
+    out = {}
+    for layer, owner in owners.items():
+        own = sorted((e for e, r in enumerate(owner) if r == rank), key=lambda e: (-float(rates[layer][e]), e))
+        if len(own) < top_k:
+            raise ValueError(f"layer {layer}: rank {rank} owns {len(own)} experts, fewer than the {top_k} picks "
+                             "of a token: too many ranks for this model")
+        out[layer] = own[:top_k]
+    return out
+
+
+def localize(topk_ids: torch.Tensor, owner: torch.Tensor, cand: torch.Tensor, rank: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(picks [T, k] with other ranks' experts replaced by fillers the row does not pick, bool [T, k] where
+    replaced): owner [E] rank of each expert, cand [C >= k] the rank's fillers. The j-th replaced pick of a row
+    takes the j-th filler that the row's own picks leave free. Device ops only (no host sync)."""
+    foreign = owner[topk_ids] != rank  # [T, k]
+    taken = ((topk_ids[:, :, None] == cand) & ~foreign[:, :, None]).any(1)  # [T, C] picked by the row itself
+    free_rank = (~taken).long().cumsum(1) - 1  # [T, C] index of each free filler among the free ones
+    nth = foreign.long().cumsum(1) - 1  # [T, k] index of each replaced pick among the replaced ones
+    match = ~taken[:, None, :] & (free_rank[:, None, :] == nth[:, :, None])  # [T, k, C]
+    fill = cand[match.to(torch.int8).argmax(-1)]  # [T, k]
+    return torch.where(foreign, fill, topk_ids), foreign
 
 
 class ExpertParallelExperts(WrappedBackend):
     """A backend computing this rank's share of the experts; forward returns every rank's sum.
 
     inner: the rank's backend (its store holding the rank's share); owners: {MoE layer: owner rank of each
-    expert}; filler: {MoE layer: the rank's expert that stands in for other ranks' picks} (`fillers`);
+    expert}; filler: {MoE layer: the rank's experts that stand in for other ranks' picks} (`fillers`);
     parallel: this rank's place. Every rank must call forward for the same layers with the same tokens (the
     engines run in step), since each call is a collective."""
 
-    def __init__(self, inner: ExpertBackend, owners: Mapping[int, Sequence[int]], filler: Mapping[int, int],
+    def __init__(self, inner: ExpertBackend, owners: Mapping[int, Sequence[int]], filler: Mapping[int, Sequence[int]],
                  parallel: ParallelConfig) -> None:
         super().__init__(inner)
         self.rank, self.world = parallel.rank, parallel.world
         self._owner_cpu = {layer: torch.tensor(list(o), dtype=torch.int64) for layer, o in owners.items()}  # [E]
-        self._filler_cpu = {layer: torch.tensor(int(e), dtype=torch.int64) for layer, e in filler.items()}  # []
+        self._filler_cpu = {layer: torch.tensor(list(f), dtype=torch.int64) for layer, f in filler.items()}  # [C]
         self._on: dict[tuple[str, int, torch.device], torch.Tensor] = {}
         self.experts = sum(int((o == self.rank).sum()) for o in self._owner_cpu.values())
         self._counts: torch.Tensor | None = None  # int64 [2] on the device: picks seen, picks of other ranks
@@ -93,9 +116,8 @@ class ExpertParallelExperts(WrappedBackend):
         return self._on[key]
 
     def localize(self, layer: int, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(picks [T, k] with other ranks' experts replaced by the layer's filler, bool [T, k] where replaced)."""
-        foreign = self._on_device("owner", layer, topk_ids.device)[topk_ids] != self.rank  # [T, k]
-        return torch.where(foreign, self._on_device("filler", layer, topk_ids.device), topk_ids), foreign
+        dev = topk_ids.device
+        return localize(topk_ids, self._on_device("owner", layer, dev), self._on_device("filler", layer, dev), self.rank)
 
     # -- the seam --------------------------------------------------------------------------------
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
