@@ -71,8 +71,9 @@ def launch_followers(world: int, argv: list[str], port: int) -> list:
     base = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)})
-    return [subprocess.Popen([sys.executable, *argv],
-                             env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(1, world)]
+    # their own session: a terminal's Ctrl-C reaches the leader alone, which drains and then stops them
+    return [subprocess.Popen([sys.executable, *argv], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                             start_new_session=True) for r in range(1, world)]
 
 
 def join_from_env(device: str) -> ParallelConfig:

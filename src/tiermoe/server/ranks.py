@@ -6,7 +6,8 @@ settings, the same engine built, then `engine.ranks.follow` until the leader sto
 
 A follower that dies leaves the group unable to run a forward (every MoE layer waits for every rank), so a
 watchdog in the leader ends the leader with a one-line error when one exits unasked; a follower ends when the
-leader's step messages stop (its connection closes).
+leader's step messages stop (its connection closes). Followers run in their own session and ignore SIGINT and
+SIGTERM: Ctrl-C or SIGTERM reaches the leader, which drains its requests and then stops them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -132,6 +134,8 @@ def main(settings_file: str) -> int:
     from tiermoe.parallel import join_from_env, leave
     from tiermoe.server.cli import build_core
 
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the leader stops this rank once it has drained (STOP)
+        signal.signal(sig, signal.SIG_IGN)
     with open(settings_file) as f:
         args = argparse.Namespace(**json.load(f))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
