@@ -29,8 +29,8 @@ def join(rank: int, world: int, init_method: str, device: str) -> ParallelConfig
     import torch.distributed as dist
 
     cuda = str(device).startswith("cuda")
-    if cuda:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+    if cuda:  # a rank this server started sees its one GPU alone; under torchrun, LOCAL_RANK's
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=IDLE_TIMEOUT if not cuda else None)
     return ParallelConfig(rank=rank, world=world)
@@ -62,9 +62,10 @@ def all_gather(obj: object, group) -> list:
     return out
 
 
-def launch_followers(world: int, argv: list[str], port: int) -> list:
+def launch_followers(world: int, argv: list[str], port: int, cuda: bool = False) -> list:
     """Start ranks 1..world-1, each `python ARGV` with its RANK, rendezvous at 127.0.0.1:`port`; this
-    process becomes rank 0 (join_from_env after this). Returns the follower processes."""
+    process becomes rank 0 (join_from_env after this). cuda: each started rank sees only its own GPU. Returns
+    the follower processes."""
     import subprocess
     import sys
 
@@ -72,8 +73,13 @@ def launch_followers(world: int, argv: list[str], port: int) -> list:
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)})
     # their own session: a terminal's Ctrl-C reaches the leader alone, which drains and then stops them
-    return [subprocess.Popen([sys.executable, *argv], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                             start_new_session=True) for r in range(1, world)]
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+
+    def env(r: int) -> dict:
+        gpu = {"CUDA_VISIBLE_DEVICES": visible[r] if r < len(visible) else str(r)} if cuda else {}
+        return {**base, "RANK": str(r), "LOCAL_RANK": str(r), **gpu}
+
+    return [subprocess.Popen([sys.executable, *argv], env=env(r), start_new_session=True) for r in range(1, world)]
 
 
 def join_from_env(device: str) -> ParallelConfig:

@@ -99,7 +99,7 @@ def test_two_ranks_give_one_processs_logits(ep_store, dtype, tmp_path):
         assert "exact mode only" in fast and "--device-cache on" in cache and "has 2 ranks" in world, res["refused"]
         error, after = res["failure"]  # rank 1's part failed once: both raise, then both serve again
         assert error is not None and "injected" in error[1], error
-        assert error[0] == ("StoreIntegrityError" if r == 1 else "StoreError") and (r == 1 or "rank 1" in error[1])
+        assert error[0] == "StoreIntegrityError" and (r == 1 or "rank 1" in error[1]), error
         assert torch.equal(after[: len(_rank.PROMPT)], two[: len(_rank.PROMPT)])
     m = compare(one, two)
     assert m["top1"] == 1.0, m
@@ -137,3 +137,49 @@ def test_two_ranks_through_the_device_cache(ep_store, tmp_path):
     assert torch.equal(one["cache-4"][0], one["store-triton"][0])
     m = compare(one["cache-4"][0], two)
     assert m["top1"] == 1.0 and m["kl_mean"] < 1e-3, m
+
+
+class _Group:
+    """RankGroup's engine-facing methods, recording (a rank alone: nothing to send)."""
+
+    def __init__(self):
+        self.published, self.abandoned = [], []
+
+    def publish(self, inputs):
+        self.published.append(inputs)
+
+    def agree_tokens(self, tokens):
+        return tokens
+
+    def abandon(self, exc):
+        self.abandoned.append(exc)
+        raise SystemExit(3)
+
+
+def test_a_failure_the_ranks_did_not_agree_on_ends_the_rank(ep_store, monkeypatch):
+    """A forward that fails outside the experts' part (here: execute raising) happened on one rank only, whose
+    peers wait in that step's collectives: the engine hands it to RankGroup.abandon (which ends the process)
+    instead of failing the requests and going on out of step. A failure raised at check_step (the ranks'
+    agreement) fails the step's requests and the engine goes on."""
+    from tiermoe.engine.build import build_engine_core
+    from tiermoe.errors import StoreIntegrityError
+    from tiermoe.protocol import SamplingParams
+
+    eng = build_engine_core(str(ep_store), device="cpu", dtype="float32", max_num_seqs=1,
+                            options=_rank.BUDGETS["store"]["ram"])
+    try:
+        eng.ranks = group = _Group()
+        eng.add_request("a", [5, 17, 33], SamplingParams(max_tokens=4, temperature=0))
+        agreed = StoreIntegrityError("expert-parallel rank 1: injected")
+        monkeypatch.setattr(eng.runner, "check_step", lambda: (_ for _ in ()).throw(agreed))
+        (out,) = eng.step()
+        assert out.finish_reason == "error" and "injected" in out.error and not group.abandoned
+        (first,) = group.published  # what the followers replay: the request as it was added
+        assert [added[:2] for added in first.added] == [("a", [5, 17, 33])] and first.aborted == []
+        eng.add_request("b", [5, 17, 33], SamplingParams(max_tokens=4, temperature=0))
+        monkeypatch.setattr(eng.runner, "execute", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("oom")))
+        with pytest.raises(SystemExit):
+            eng.step()
+        assert len(group.abandoned) == 1 and str(group.abandoned[0]) == "oom"
+    finally:
+        eng.model.expert_backend.close()

@@ -128,6 +128,15 @@ class LLMEngine:
             return bool(self._live or self._incoming or self._aborts)
 
     def step(self) -> list[RequestOutput]:
+        if self.ranks is None:
+            return self._step()
+        try:
+            return self._step()
+        except Exception as exc:  # the ranks' engines cannot stay in step past a failure they did not agree on
+            self.ranks.abandon(exc)
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         outputs = self._drain_queues()
         batch = self.scheduler.schedule()
@@ -138,8 +147,13 @@ class LLMEngine:
             self.counters["decode_steps"] += 1
         try:
             # device_wait_hook runs once the forward is queued, before execute waits for it
-            done, result, verified = self.runner.execute(batch.items, tuple(self.eos_token_ids),
-                                                         on_queued=self.device_wait_hook)
+            try:
+                done, result, verified = self.runner.execute(batch.items, tuple(self.eos_token_ids),
+                                                             on_queued=self.device_wait_hook)
+            except Exception as exc:
+                if self.ranks is not None:  # the ranks agree on failures at check_step only (engine/ranks.py)
+                    self.ranks.abandon(exc)
+                raise
             self.runner.check_step()
         except Exception as exc:  # fail this step's requests, keep serving the others
             message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -166,7 +166,7 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
                         host_expert_gb=host_expert_gb, policy=args.expert_policy or "lfu",
                         stats_file=args.expert_stats, direct_io=not args.no_direct_io)
     slots, host_records, why_not = device_cache_plan(manifest, device=device, gpu_expert_gb=args.gpu_expert_gb,
-                                                     host_expert_gb=args.host_expert_gb)
+                                                     host_expert_gb=host_expert_gb)  # a rank's: its part of RAM
     total = len(manifest.records)
     # RAM for some experts: the device cache reads the rest from disk (disk tier); a rank's RAM holds at most
     # its share, the others never picked there

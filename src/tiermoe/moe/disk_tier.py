@@ -131,12 +131,14 @@ class DiskTier:
         del self._parked_at[self._parked.pop(entry)]
         return entry
 
-    def _take_free(self) -> int | None:
-        """A free entry to read into: one holding nothing, else the oldest parked; None: neither."""
+    def _take_free(self, keep: Collection[tuple[int, int]] = ()) -> int | None:
+        """A free entry to read into: one holding nothing, else the oldest parked one whose record is not in
+        `keep` (wanted by the same request or hint); None: none."""
         if self.free:
             return self.free.pop()
-        if self._parked:
-            return self._unpark(next(iter(self._parked)))
+        for entry, key in self._parked.items():
+            if key not in keep:
+                return self._unpark(entry)
         return None
 
     def _victim(self, row: int) -> tuple[int, int, int] | None:
@@ -191,7 +193,8 @@ class DiskTier:
         error: BaseException | None = None
         with self.lock:
             reads = []
-            for e in experts:
+            wanted = {(row, e) for e in experts}
+            for e in sorted(experts, key=lambda e: (row, e) not in self._parked_at):  # parked ones taken back first
                 if (row, e) in self._entry:
                     continue
                 if (row, e) in self._parked_at:  # evicted, its entry not yet overwritten: taken back, no read
@@ -211,7 +214,7 @@ class DiskTier:
                         continue
                     self.c.prefetch_failed += 1  # read again below: a prefetch's failure fails nothing
                     self.free.append(entry)
-                entry = self._free_entry()
+                entry = self._free_entry(wanted)
                 if entry is None:
                     victim = self._victim(row)
                     if victim is None:
@@ -252,9 +255,10 @@ class DiskTier:
                 self._park(vr, ve, entry)
         return updates, failed, error
 
-    def _free_entry(self) -> int | None:
-        """A free entry, else one a prefetch holds unannounced (its read settled first); None: neither."""
-        entry = self._take_free()
+    def _free_entry(self, keep: Collection[tuple[int, int]] = ()) -> int | None:
+        """A free entry (_take_free), else one a prefetch holds unannounced (its read settled first); None:
+        neither."""
+        entry = self._take_free(keep)
         if entry is not None:
             return entry
         if self._pending:
@@ -269,10 +273,11 @@ class DiskTier:
         """Start reading `experts` of layer row `row` (a layer-ahead hint) into free entries, without
         evicting: the device learns of them only when the row asks (ensure)."""
         with self.lock:
+            wanted = {(row, e) for e in experts}
             for e in experts:
                 if (row, e) in self._entry or (row, e) in self._pending or (row, e) in self._parked_at:
                     continue  # held, being read, or parked (its request takes it back)
-                entry = self._take_free()
+                entry = self._take_free(wanted)
                 if entry is None:
                     return
                 rec = self.records[self._key[row][e]]

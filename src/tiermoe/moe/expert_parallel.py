@@ -11,8 +11,8 @@ share without knowing of it: before each layer the picks of other ranks' experts
 and with no host sync, by fillers at weight 0, which add exactly nothing: the first of the rank's k most
 popular own experts (in slots from the start) that the token's row does not already pick, so a row never
 names an expert twice (the kernels' contract). The layer-ahead predictions the backend reads for prefetch and
-disk hints are mapped the same way (`attach` hands it the MoE layers behind `_OwnedPicks`). So the backend looks up, copies,
-reads from disk and caches only its own experts, and its arithmetic over them is its own.
+disk hints are mapped the same way (`attach` hands it the MoE layers behind `_OwnedPicks`). So the backend
+looks up, copies, reads from disk and caches only its own experts, and its arithmetic over them is its own.
 
 Shares (`share_experts`) are balanced by the routing statistics: each layer's experts in order of expected
 picks are dealt to the ranks back and forth (0, 1, 1, 0, 0, 1, ...), so every rank gets as many experts, as
@@ -38,7 +38,7 @@ from typing import Mapping, Sequence
 import torch
 
 from tiermoe.config import ParallelConfig
-from tiermoe.errors import StoreError
+from tiermoe.errors import StoreError, StoreIntegrityError
 from tiermoe.moe.experts import ExpertBackend, WrappedBackend
 from tiermoe.parallel import all_gather, all_reduce_sum, step_group
 
@@ -117,7 +117,8 @@ class ExpertParallelExperts(WrappedBackend):
 
     def localize(self, layer: int, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dev = topk_ids.device
-        return localize(topk_ids, self._on_device("owner", layer, dev), self._on_device("filler", layer, dev), self.rank)
+        owner, cand = self._on_device("owner", layer, dev), self._on_device("filler", layer, dev)
+        return localize(topk_ids, owner, cand, self.rank)
 
     # -- the seam --------------------------------------------------------------------------------
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -160,11 +161,15 @@ class ExpertParallelExperts(WrappedBackend):
         failed = all_reduce_sum(torch.tensor([float(failure is not None)], device=self.device))  # [1]
         if not float(failed.item()):
             return
-        said = all_gather(None if failure is None else (isinstance(failure, StoreError), str(failure)), self.errors)
+        said = all_gather(None if failure is None else (_kind(failure), str(failure)), self.errors)
         if failure is not None:
             raise failure
-        rank, (store, message) = next((r, m) for r, m in enumerate(said) if m is not None)
-        raise (StoreError if store else RuntimeError)(f"expert-parallel rank {rank}: {message}")
+        rank, (kind, message) = next((r, m) for r, m in enumerate(said) if m is not None)
+        raise _KINDS[kind](f"expert-parallel rank {rank}: {message}")
+
+    def begin_step(self, tokens: int, decode: bool) -> None:
+        self.failure = None  # a step that raised before its end_step leaves nothing to the next
+        self.inner.begin_step(tokens, decode)
 
     def counters(self) -> dict | None:
         c = self.inner.counters() or {}
@@ -172,6 +177,14 @@ class ExpertParallelExperts(WrappedBackend):
         c["expert_parallel"] = {"rank": self.rank, "world": self.world, "experts": self.experts, "picks": picks,
                                 "foreign_picks": foreign}
         return c
+
+
+# a failure's kind as it crosses to the other ranks (the server reports a corrupt record apart from an I/O error)
+_KINDS = {"integrity": StoreIntegrityError, "store": StoreError, "other": RuntimeError}
+
+
+def _kind(exc: BaseException) -> str:
+    return "integrity" if isinstance(exc, StoreIntegrityError) else "store" if isinstance(exc, StoreError) else "other"
 
 
 class _OwnedPicks:

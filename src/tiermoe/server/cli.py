@@ -262,6 +262,11 @@ def serve(args) -> int:
     _check_port(args.host, args.port)
     served_name = _served_name(args)
     args, sampling_defaults = resolve(args)
+    if (not args.scripted and args.tensor_parallel_size > 1 and "WORLD_SIZE" in os.environ
+            and os.environ.get("RANK", "0") != "0"):
+        from tiermoe.server.ranks import follow_as_launched  # a rank torchrun started: follow rank 0
+
+        return follow_as_launched(args)
     group = None if args.scripted else start_group(args)
     from tiermoe.engine.async_engine import AsyncEngine
     from tiermoe.server.app import create_app
@@ -275,6 +280,8 @@ def serve(args) -> int:
         # The building thread cannot be stopped inside CUDA calls or page-locking; tearing the
         # interpreter down around it can hang. Leave at once (the OS frees pinned memory).
         print("tiermoe: interrupted while loading the model", file=sys.stderr, flush=True)
+        if group is not None:
+            group.abandon()
         os._exit(130)
     except BaseException:
         if group is not None:
@@ -312,7 +319,7 @@ def serve(args) -> int:
     finally:
         engine.release()
         if group is not None:
-            group.close(engine.core)
+            group.close(engine)
     if not server.started:
         raise UserError(f"server did not start on {args.host}:{args.port} (address in use?)")
     return 0

@@ -1,8 +1,10 @@
 """`tiermoe serve --tensor-parallel-size N`: the processes of an expert-parallel group (engine/ranks.py).
 
 This process becomes rank 0, the leader: it serves HTTP. Unless torchrun started every rank already (RANK and
-WORLD_SIZE set), it starts ranks 1..N-1 itself, each `python -m tiermoe.server.ranks ARGS.json`: the same
-settings, the same engine built, then `engine.ranks.follow` until the leader stops; they serve nothing.
+WORLD_SIZE set: each runs the same `tiermoe serve` command, and ranks 1..N-1 follow), it starts ranks 1..N-1
+itself, each `python -m tiermoe.server.ranks ARGS.json`: the same settings, the same engine built, then
+`engine.ranks.follow` until the leader stops; they serve nothing. On CUDA each started rank sees only its own
+GPU (CUDA_VISIBLE_DEVICES), so every thread of it, not just the one that chose the device, works there.
 
 A follower that dies leaves the group unable to run a forward (every MoE layer waits for every rank), so a
 watchdog in the leader ends the leader with a one-line error when one exits unasked; a follower ends when the
@@ -28,6 +30,8 @@ from tiermoe.engine.ranks import follow
 from tiermoe.errors import UserError
 
 log = logging.getLogger("tiermoe.server")
+
+STOP_WAIT_S = 600.0  # how long shutdown waits for a step in progress before ending the followers without it
 
 
 def _free_port() -> int:
@@ -68,7 +72,8 @@ class LeaderGroup:
             fd, settings_file = tempfile.mkstemp(prefix="tiermoe-ranks-", suffix=".json")
             with os.fdopen(fd, "w") as f:
                 json.dump(_settings(args), f)
-            followers = launch_followers(world, ["-m", "tiermoe.server.ranks", settings_file], _free_port())
+            followers = launch_followers(world, ["-m", "tiermoe.server.ranks", settings_file], _free_port(),
+                                         cuda=device.startswith("cuda"))
         group = cls(followers, settings_file)
         try:
             parallel = join_from_env(device)
@@ -94,16 +99,24 @@ class LeaderGroup:
                     os._exit(2)
             time.sleep(0.2)
 
-    def close(self, core) -> None:
-        """After serving: tell the followers to stop, wait for them, leave the group."""
+    def close(self, engine) -> None:
+        """After serving (`engine`: the AsyncEngine): once its thread has ended, so no step runs beside this,
+        tell the followers to stop, wait for them, leave the group; a thread still in a step after
+        STOP_WAIT_S (a collective that never completes) gets the followers killed instead."""
         from tiermoe.parallel import leave
 
         self.closing = True
-        if core is not None and core.ranks is not None:
-            try:
-                core.ranks.stop()
-            except Exception:
-                log.exception("could not tell the other ranks to stop")
+        deadline = time.monotonic() + STOP_WAIT_S
+        while engine.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if engine.alive:
+            log.error("the engine thread is still in a step: the other ranks are ended without it")
+            self.abandon()
+            return
+        try:
+            engine.core.ranks.stop()
+        except Exception:
+            log.exception("could not tell the other ranks to stop")
         for proc in self.followers:
             try:
                 proc.wait(timeout=30)
@@ -129,16 +142,33 @@ class LeaderGroup:
 
 
 def main(settings_file: str) -> int:
+    """A follower rank this server started: ignore the terminal's signals (the leader stops it once it has
+    drained), die with the leader, then follow."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    _die_with_parent()
+    with open(settings_file) as f:
+        args = argparse.Namespace(**json.load(f))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return follow_as_launched(args)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the leader that started it dies, however it dies."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: a dead leader still breaks this rank's connection
+        pass
+
+
+def follow_as_launched(args) -> int:
     """A follower rank: join as RANK says, build the leader's engine, repeat its steps until it stops."""
     from tiermoe.engine.settle import resolve_device
     from tiermoe.parallel import join_from_env, leave
     from tiermoe.server.cli import build_core
 
-    for sig in (signal.SIGINT, signal.SIGTERM):  # the leader stops this rank once it has drained (STOP)
-        signal.signal(sig, signal.SIG_IGN)
-    with open(settings_file) as f:
-        args = argparse.Namespace(**json.load(f))
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parallel = join_from_env(resolve_device(args.device))
     core = build_core(args)
     try:

@@ -15,7 +15,9 @@ parked expert reads nothing (`lost_reserve`: the tier before parking, whose rese
   RAM in its place (a victim ring), or to disk only when it is colder than anything RAM holds.
 
 The host tier's rule under independent picks is bounded by static placement over the three tiers (`static` with
-`--host-experts`): the slots' experts the most popular, RAM the next, nothing moves.
+`--host-experts`): the slots' experts the most popular, RAM the next, nothing moves. Not modelled: reads ahead
+(served, a hint's read takes a parked entry, so a wrong hint costs a parked record), batches of several
+tokens, and prefill chunks.
 """
 
 from __future__ import annotations
@@ -152,7 +154,7 @@ def run_device_tiers(trace: np.ndarray, slots: int, host: int, warmup: int, rate
                 cache_step_ref(st, ids[t, i], admit_max=st["slot_addr"].numel(), decay_shift=decay_shift)
             if rule == "exclusive":
                 _victim_ring(ram, i, before, st["slot_expert"])
-        if rule == "heat" and (t + 1) % HEAT_STEPS == 0:
+        if rule != "prior" and (t + 1) % HEAT_STEPS == 0:
             ram.reheat(np.stack([st["freq"].double().numpy() for st in states]))
     n = n_tok - warmup
     return tuple(float(c) / n for c in counts)  # type: ignore[return-value]
