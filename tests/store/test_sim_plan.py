@@ -97,6 +97,24 @@ def test_plan_for_store_and_checkpoint(packed_bf16, tmp_path, capsys):
     assert "lists 2 experts" in capsys.readouterr().err
 
 
+def test_plan_for_one_gpu_of_an_expert_parallel_group(packed_bf16, tmp_path, capsys):
+    """`plan --tensor-parallel-size 2`: rank 0's share (half of each layer's experts, dealt by the statistics),
+    its own GPU budget, and half the picks a token: the per-GPU tiers and bound."""
+    store, _ = packed_bf16
+    m = load_manifest(store)
+    plan = build_plan(m, gpu_expert_gb=2 * 12288 / 2**30, host_expert_gb=3 * 12288 / 2**30, ranks=2)
+    assert plan.total_experts == 8 and plan.n_slots == 2 and plan.n_host == 3 and plan.n_disk == 3
+    assert sum(plan.hits_per_token.values()) == pytest.approx(2.0)  # half of top-2 x 2 layers (uniform routing)
+    assert any("rank 0's share of 16 experts, one of 2 GPUs" in n for n in plan.notes)
+    stats = tmp_path / "s.json"
+    stats.write_text(json.dumps({"layers.0.mlp": [8, 4, 2, 1, 1, 1, 1, 0], "layers.1.mlp": [1] * 8}))
+    assert main(["plan", str(store), "--stats", str(stats), "--tensor-parallel-size", "2", "--device", "cpu",
+                 "--host-expert-gb", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "tier plan: 8 experts" in out and "one of 2 GPUs" in out
+    assert main(["plan", str(store), "--tensor-parallel-size", "0"]) == 2
+
+
 def test_plan_on_cuda_counts_the_device_caches_staging_rows_out_of_the_slots(packed_bf16, capsys):
     """On CUDA with host RAM for every expert the device cache serves, and top_k x min(max-num-seqs, 4)
     records of the GPU budget are its staging rows: the plan's slots and hits leave them out."""

@@ -41,23 +41,7 @@ from tiermoe.config import ParallelConfig
 from tiermoe.errors import StoreError, StoreIntegrityError
 from tiermoe.moe.experts import ExpertBackend, WrappedBackend
 from tiermoe.parallel import all_gather, all_reduce_sum, step_group
-
-
-def share_experts(rates: Sequence[Sequence[float]], world: int) -> list[list[int]]:
-    """Owner rank of each expert of each layer: rates[i][e] expected picks per token of layer i's expert e,
-    dealt back and forth in descending order of rate (ties by id), so the shares match in count, in
-    expected picks and in how those are spread."""
-    if world < 1:
-        raise ValueError("share_experts: world must be >= 1")
-    owners = []
-    for layer_rates in rates:
-        order = sorted(range(len(layer_rates)), key=lambda e: (-float(layer_rates[e]), e))
-        owner = [0] * len(layer_rates)
-        for i, e in enumerate(order):
-            lap, pos = divmod(i, world)
-            owner[e] = pos if lap % 2 == 0 else world - 1 - pos
-        owners.append(owner)
-    return owners
+from tiermoe.store.shares import share_experts as share_experts  # the deal (store/shares.py)
 
 
 def fillers(owners: Mapping[int, Sequence[int]], rates: Mapping[int, Sequence[float]], rank: int,

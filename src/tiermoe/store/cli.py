@@ -125,17 +125,19 @@ def _plan(args: argparse.Namespace) -> int:
         raise UserError("--cpu-threads must be at least 1")
     if args.max_num_seqs < 1:
         raise UserError("--max-num-seqs must be at least 1")
+    if args.tensor_parallel_size < 1:
+        raise UserError(f"--tensor-parallel-size {args.tensor_parallel_size}: must be >= 1")
     print(plan_table(args.model, device=args.device, gpu_expert_gb=args.gpu_expert_gb,
                      host_expert_gb=args.host_expert_gb, stats=args.stats, cpu_threads=args.cpu_threads,
                      max_num_seqs=args.max_num_seqs, disk_gbs=args.disk_gbs, quant=args.quant,
-                     group_size=args.group_size))
+                     group_size=args.group_size, ranks=args.tensor_parallel_size))
     return 0
 
 
 def plan_table(model: str, *, device: str | None = None, gpu_expert_gb: float | None = None,
                host_expert_gb: float | None = None, stats: str | None = None, cpu_threads: int | None = None,
                max_num_seqs: int = DEFAULTS.max_num_seqs, disk_gbs: float | None = None, quant: str = "bf16",
-               group_size: int | None = None) -> str:
+               group_size: int | None = None, ranks: int = 1) -> str:
     """`tiermoe plan`'s table for a store (or checkpoint) on this machine (also `tiermoe doctor --store`):
     with disk-only experts and no `disk_gbs`, the store's own experts.bin is read to measure the disk."""
     import torch
@@ -145,7 +147,7 @@ def plan_table(model: str, *, device: str | None = None, gpu_expert_gb: float | 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     m = _plan_manifest(model, quant, group_size)
     kw = dict(device=device, gpu_expert_gb=gpu_expert_gb, host_expert_gb=host_expert_gb, stats_file=stats,
-              cpu_threads=cpu_threads, max_num_seqs=max_num_seqs)
+              cpu_threads=cpu_threads, max_num_seqs=max_num_seqs, ranks=ranks)
     plan = build_plan(m, **kw, disk_gbs=disk_gbs)
     if disk_gbs is None and plan.n_disk:  # auto: the disk's rate matters, so measure it on the store itself
         gbs, note = _measure_disk(m)
@@ -328,6 +330,9 @@ def register(subparsers) -> None:
     p.add_argument("--disk-gbs", type=_disk_gbs, default=None, metavar="auto|GBS",
                    help="the disk's read rate for the bound, GB/s (default: auto: when some experts live only on "
                         "disk, measured by reading up to 256 MiB of the store's experts.bin as the disk tier does)")
+    p.add_argument("--tensor-parallel-size", "--gpus", "-tp", type=int, default=1, metavar="N",
+                   help="plan one GPU of N serving the store together (`tiermoe serve --tensor-parallel-size N`): "
+                        "its share of the experts, its own GPU budget and 1/N of host RAM")
     p.set_defaults(handler=_plan)
 
     p = subparsers.add_parser(

@@ -433,15 +433,30 @@ def build_plan(
     cpu_threads: int | None = None,
     disk_gbs: float | None = None,
     max_num_seqs: int = DEFAULTS.max_num_seqs,
+    ranks: int = 1,
 ) -> TierPlan:
     """The tier plan of a store (parsed manifest) on this machine; reads no expert data.
+    `ranks` > 1: rank 0's plan in an expert-parallel group of that many GPUs (`--tensor-parallel-size`): its
+    share of the experts (store/shares.py), the GPU budget its own, RAM split evenly between the ranks; the
+    ranks' shares are dealt alike, so the group decodes at about this rank's bound.
     `cpu_threads`: the torch threads decode will run with (default: torch's current count);
     `disk_gbs`: the disk's read rate for the bound (default: the H200 host's O_DIRECT rate);
     `max_num_seqs`: the decode batch, which sizes the device cache's staging rows on CUDA (when host
     RAM holds every expert, serving's default): those rows come out of the slots."""
     dev = torch.device(device)
     rec = manifest.record_bytes  # a tier entry: the longest record
+    top_k = config_top_k(manifest.config)
+    rates, source, more = key_rates(manifest, stats_file, top_k)
     total = len(manifest.records)
+    if ranks > 1:
+        from tiermoe.store.shares import rank_rates
+
+        rates = rank_rates(manifest, rates, ranks)
+        more = [*more, f"expert parallel: rank 0's share of {total} experts, one of {ranks} GPUs each with its own "
+                       f"slots, PCIe link and 1/{ranks} of host RAM"]
+        total = len(rates)
+        if host_expert_gb is None:
+            host_expert_gb = default_host_bytes(host_margin_gb)[0] / ranks / GIB
     n_slots, n_host, notes = size_tiers(
         record_bytes=rec,
         total_experts=total,
@@ -451,11 +466,10 @@ def build_plan(
         gpu_reserve_gb=gpu_reserve_gb,
         host_margin_gb=host_margin_gb,
     )
-    top_k = config_top_k(manifest.config)
-    rates, source, more = key_rates(manifest, stats_file, top_k)
-    # the device cache serves where settle's auto picks it: its own plan, with RAM for every expert
+    # the device cache serves where settle's auto picks it: its own plan, with RAM for every expert (a rank's
+    # auto is the store path)
     dc_plan = device_cache_plan(manifest, device=device, gpu_expert_gb=gpu_expert_gb, host_expert_gb=host_expert_gb) \
-        if dev.type == "cuda" and n_slots else None
+        if dev.type == "cuda" and n_slots and ranks == 1 else None
     if dc_plan is not None and dc_plan[2] is None and dc_plan[1] >= total:
         stage = staging_rows(n_slots, top_k, max_num_seqs)
         n_slots, n_host = n_slots - stage, total - (n_slots - stage)

@@ -1,0 +1,35 @@
+"""Expert-parallel shares: which rank (GPU) owns each routed expert of each MoE layer.
+
+Here, below the model and the engine, because both the expert-parallel ranks (moe/expert_parallel.py) and
+`tiermoe plan --tensor-parallel-size` deal the same shares from the same routing statistics.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def share_experts(rates: Sequence[Sequence[float]], world: int) -> list[list[int]]:
+    """Owner rank of each expert of each layer: rates[i][e] expected picks per token of layer i's expert e,
+    dealt back and forth in descending order of rate (ties by id), so the shares match in count, in
+    expected picks and in how those are spread."""
+    if world < 1:
+        raise ValueError("share_experts: world must be >= 1")
+    owners = []
+    for layer_rates in rates:
+        order = sorted(range(len(layer_rates)), key=lambda e: (-float(layer_rates[e]), e))
+        owner = [0] * len(layer_rates)
+        for i, e in enumerate(order):
+            lap, pos = divmod(i, world)
+            owner[e] = pos if lap % 2 == 0 else world - 1 - pos
+        owners.append(owner)
+    return owners
+
+
+def rank_rates(manifest, rates: dict[int, float], ranks: int, rank: int = 0) -> dict[int, float]:
+    """{record key: expected picks per token} of `rank`'s share of the experts (`share_experts` on `rates`)."""
+    layers = list(manifest.moe_layers)
+    key = {(r.layer, r.expert): r.index for r in manifest.records}
+    per_layer = [[rates[key[(layer, e)]] for e in range(manifest.experts_per_layer[layer])] for layer in layers]
+    return {key[(layer, e)]: rates[key[(layer, e)]] for layer, owner in zip(layers, share_experts(per_layer, ranks))
+            for e, r in enumerate(owner) if r == rank}
