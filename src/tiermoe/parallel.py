@@ -28,6 +28,8 @@ def join(rank: int, world: int, init_method: str, device: str) -> ParallelConfig
     the CPU), rendezvous at `init_method` (tcp://host:port or file://path)."""
     import torch.distributed as dist
 
+    # every rank is on this machine: gloo's sockets on loopback, whatever the host name resolves to
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     cuda = str(device).startswith("cuda")
     if cuda:  # a rank this server started sees its one GPU alone; under torchrun, LOCAL_RANK's
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
