@@ -145,3 +145,32 @@ def test_filesystem_without_odirect_is_refused(packed_bf16, monkeypatch):
     with ExpertStore.open(store, gpu_expert_gb=0, host_expert_gb=0, direct_io=False, reader_threads=2) as st:
         gu, _ = st.fetch(0, [1])[1]
         assert torch.equal(gu[:32], tensors["model.layers.0.mlp.experts.1.gate_proj.weight"])
+
+
+def test_later_reads_are_checked_by_the_verified_reads_piece_crcs(packed_bf16, tmp_path):
+    """verify "always": a record's first read is hashed against the manifest; later reads are checked against
+    the crc32s of that read's pieces (no sha256), and a record that changed on disk since fails with the
+    store's error, once for each read that meets it, leaving other records readable."""
+    import shutil
+
+    store, _ = packed_bf16
+    m = load_manifest(store)
+    path = tmp_path / "experts.bin"
+    shutil.copyfile(m.experts_path, path)
+    rec, other = m.records[5], m.records[6]
+    with DiskReader(path, threads=2, piece_bytes=4096) as r:
+        first = r.read(rec, aligned_buffer(rec.length)).clone()
+        assert r.checks == 1 and r._piece_crcs[rec.index] and len(r._piece_crcs[rec.index]) == 3
+        again = r.read(rec, aligned_buffer(rec.length))
+        assert torch.equal(first, again) and r.checks == 2
+        with open(path, "r+b") as f:  # one byte of the record's last piece flips on disk
+            f.seek(rec.offset + rec.length - 100)
+            byte = f.read(1)
+            f.seek(rec.offset + rec.length - 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(disk.StoreIntegrityError, match="changed on disk since its checksum was verified"):
+            r.read(rec, aligned_buffer(rec.length))
+        assert torch.numel(r.read(other, aligned_buffer(other.length)))  # first read of another: sha256, fine
+    with DiskReader(path, threads=2, piece_bytes=4096) as fresh:  # a new reader hashes it first: the manifest's error
+        with pytest.raises(disk.StoreIntegrityError, match="checksum mismatch"):
+            fresh.read(rec, aligned_buffer(rec.length))
