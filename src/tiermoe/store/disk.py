@@ -157,7 +157,8 @@ class DiskReader:
 
     `submit(rec, dest)` reads record `rec` into `dest` (an aligned uint8 CPU tensor of at least
     rec.length bytes) and returns a Future resolving to `dest` once the bytes are in and, per
-    `verify`, checked: "always" hashes every read, "first" only the first read of each record.
+    `verify`, checked: "always" checks every read (the first by sha256, later ones by its pieces' crc32s:
+    module doc), "first" only the first read of each record.
     """
 
     def __init__(self, path: str | os.PathLike, *, direct: bool = True, threads: int = 16, verify: str = "always",
