@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 from testkit.cli_server import CliServer
+from testkit.servers import free_port
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time"]
@@ -76,3 +77,18 @@ def test_a_follower_that_dies_ends_the_leader_with_one_line(ep_store):
         assert two.proc.wait(60) == 2
         time.sleep(0.3)
         assert "tiermoe: error: expert-parallel rank 1 exited" in two.stderr, two.stderr[-2000:]
+
+
+@pytest.mark.parametrize("flags", [["CHECKPOINT"], ["STORE", "--mode", "fast"], ["STORE", "--num-speculative-tokens", "1"]])
+def test_what_every_rank_would_refuse_is_one_line_before_any_rank_starts(ep_store, flags, capsys):
+    """A checkpoint (not a packed store), fast mode or MTP drafting with --tensor-parallel-size 2: one error line,
+    exit 2, and no follower process started."""
+    from tiermoe.cli import main
+
+    model = {"CHECKPOINT": str(ep_store.parent / "checkpoint"), "STORE": str(ep_store)}[flags[0]]
+    before = set(_children(os.getpid()))
+    port = str(free_port())
+    assert main(["serve", model, *flags[1:], "--device", "cpu", "--tensor-parallel-size", "2", "--port", port]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tiermoe: error: --tensor-parallel-size 2:"), err
+    assert set(_children(os.getpid())) == before

@@ -60,7 +60,18 @@ class LeaderGroup:
         from tiermoe.engine.settle import resolve_device
         from tiermoe.parallel import join_from_env, launch_followers
 
+        from pathlib import Path
+
+        from tiermoe.engine.settle import is_packed_store
+
         world = int(args.tensor_parallel_size)
+        # what every rank would refuse alike, before any is started
+        if args.model is None or not is_packed_store(Path(args.model)):
+            raise UserError(f"--tensor-parallel-size {world}: expert parallel serves a packed store (`tiermoe pack` "
+                            "first)")
+        if (args.mode or "exact") != "exact" or args.num_speculative_tokens:
+            raise UserError(f"--tensor-parallel-size {world}: the ranks serve exact mode without "
+                            "--num-speculative-tokens")
         device = resolve_device(args.device)
         if device.startswith("cuda"):
             import torch
