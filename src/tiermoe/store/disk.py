@@ -227,8 +227,8 @@ class DiskReader:
                     self.checks += 1
                 if crcs != known:
                     raise StoreIntegrityError(
-                        f"{self.path}: {rec.name()} changed on disk since its checksum was verified; the store is "
-                        f"corrupted (run `tiermoe verify {self.path.parent}`)"
+                        f"{self.path}: checksum mismatch for {rec.name()} (it changed on disk since its first read "
+                        f"was verified); the store is corrupted (run `tiermoe verify {self.path.parent}`)"
                     )
             if hashing:
                 with self._lock:
