@@ -89,7 +89,7 @@ def main(rank: int, world: int, init: str, store: str, dtype: str, out: str, kin
             torch.save(results, out)
             return
         refused = []
-        for options in ({"mode": "fast"}, {"device_cache": "on"}, {"tensor_parallel_size": world + 1}):
+        for options in ({"num_speculative_tokens": 1}, {"expert_kernel": "nope"}, {"tensor_parallel_size": world + 1}):
             try:
                 logits_and_counters(store, dtype, {"tensor_parallel_size": world, **options})
                 refused.append(None)
@@ -97,6 +97,8 @@ def main(rank: int, world: int, init: str, store: str, dtype: str, out: str, kin
                 refused.append(str(exc))
         results["refused"] = refused
         results["failure"] = failure_is_agreed(store, dtype, world, rank)
+        results["fast"] = logits_and_counters(store, dtype, {"tensor_parallel_size": world, "mode": "fast",
+                                                             "cpu_lane_experts": 2, **BUDGETS["store"]["ram"]})
         torch.save(results, out)
     finally:
         leave()

@@ -79,9 +79,9 @@ def test_a_follower_that_dies_ends_the_leader_with_one_line(ep_store):
         assert "tiermoe: error: expert-parallel rank 1 exited" in two.stderr, two.stderr[-2000:]
 
 
-@pytest.mark.parametrize("flags", [["CHECKPOINT"], ["STORE", "--mode", "fast"], ["STORE", "--num-speculative-tokens", "1"]])
+@pytest.mark.parametrize("flags", [["CHECKPOINT"], ["STORE", "--num-speculative-tokens", "1"]])
 def test_what_every_rank_would_refuse_is_one_line_before_any_rank_starts(ep_store, flags, capsys):
-    """A checkpoint (not a packed store), fast mode or MTP drafting with --tensor-parallel-size 2: one error line,
+    """A checkpoint (not a packed store) or MTP drafting with --tensor-parallel-size 2: one error line,
     exit 2, and no follower process started."""
     from tiermoe.cli import main
 
@@ -92,3 +92,15 @@ def test_what_every_rank_would_refuse_is_one_line_before_any_rank_starts(ep_stor
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("tiermoe: error: --tensor-parallel-size 2:"), err
     assert set(_children(os.getpid())) == before
+
+
+def test_two_ranks_in_fast_mode(ep_store):
+    """Fast mode on two ranks: each rank's CPU lane computes some of its own share's misses; the leader's /stats
+    shows its lane at work, and greedy requests are served."""
+    args = _args(ep_store) + ["--tensor-parallel-size", "2", "--mode", "fast", "--cpu-lane-experts", "2"]
+    with CliServer(args, {}) as two:
+        assert two.returncode is None, two.stderr
+        assert len(_complete(two, PROMPTS[0])) > 0
+        experts = httpx.get(two.url + "/stats", timeout=30).json()["engine"]["experts"]
+    assert experts["mode"] == "fast" and experts["cpu_lane"]["experts"] > 0, experts["cpu_lane"]
+    assert experts["expert_parallel"]["world"] == 2

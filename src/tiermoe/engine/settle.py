@@ -146,8 +146,6 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
     if wanted not in DEVICE_CACHE_CHOICES:
         raise UserError(f"--device-cache {wanted!r}: choose one of {', '.join(DEVICE_CACHE_CHOICES)}")
     ranks = (args.tensor_parallel_size or 1) > 1
-    if ranks and mode != "exact":  # expert-parallel ranks: exact mode (for now)
-        raise UserError("--tensor-parallel-size: the ranks serve exact mode only (the CPU lane does not split)")
     staging = args.prefill_staging_gb
     if staging is not None and not 0 <= staging < float("inf"):
         raise UserError(f"--prefill-staging-gb must be a size >= 0, got {staging}")

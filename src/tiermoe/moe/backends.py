@@ -120,28 +120,24 @@ def _device_cache(cfg: ExpertsConfig) -> ExpertBackend:
 
 def open_expert_backend(cfg: ExpertsConfig) -> ExpertBackend:
     """The backend `cfg.backend` over its store; in fast mode wrapped by the CPU lane; on an expert-parallel
-    rank wrapped by its share (moe/expert_parallel.py: settling keeps such a rank exact, on the store path),
-    its store holding only that share."""
-    if cfg.parallel is not None:
-        from tiermoe.moe.expert_parallel import ExpertParallelExperts
-
-        owners, filler, keys = _shares(cfg)
-        backend = EXPERT_BACKENDS[cfg.backend](replace(cfg, store=replace(cfg.store, keys=keys)))
-        try:
-            return ExpertParallelExperts(backend, owners, filler, cfg.parallel)
-        except BaseException:
-            backend.close()
-            raise
-    backend = EXPERT_BACKENDS[cfg.backend](cfg)
-    if cfg.mode == "exact":
-        return backend
-    from tiermoe.moe.lane import LaneExperts
-
+    rank (moe/expert_parallel.py) its store holds only the rank's share, and the share's wrapper goes around
+    both."""
+    shares = _shares(cfg) if cfg.parallel is not None else None
+    backend = EXPERT_BACKENDS[cfg.backend](cfg if shares is None else
+                                           replace(cfg, store=replace(cfg.store, keys=shares[2])))
     try:
-        return LaneExperts(backend, cfg.lane, cfg.mode)
+        if cfg.mode != "exact":
+            from tiermoe.moe.lane import LaneExperts
+
+            backend = LaneExperts(backend, cfg.lane, cfg.mode)
+        if shares is not None:  # outermost: the lane, like the backend, sees only the rank's own picks
+            from tiermoe.moe.expert_parallel import ExpertParallelExperts
+
+            backend = ExpertParallelExperts(backend, shares[0], shares[1], cfg.parallel)
     except BaseException:
         backend.close()
         raise
+    return backend
 
 
 def _shares(cfg: ExpertsConfig) -> tuple[dict[int, list[int]], dict[int, list[int]], frozenset[int]]:

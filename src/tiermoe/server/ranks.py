@@ -4,7 +4,9 @@ This process becomes rank 0, the leader: it serves HTTP. Unless torchrun started
 WORLD_SIZE set: each runs the same `tiermoe serve` command, and ranks 1..N-1 follow), it starts ranks 1..N-1
 itself, each `python -m tiermoe.server.ranks ARGS.json`: the same settings, the same engine built, then
 `engine.ranks.follow` until the leader stops; they serve nothing. On CUDA each started rank sees only its own
-GPU (CUDA_VISIBLE_DEVICES), so every thread of it, not just the one that chose the device, works there.
+GPU (CUDA_VISIBLE_DEVICES), so every thread of it, not just the one that chose the device, works there. The
+machine's physical cores are dealt to the ranks it starts (`rank_cpus`: every N-th, which on a machine with N
+NUMA nodes gives each rank a node), so fast mode's CPU lanes, each taking its rank's cores, do not share any.
 
 A follower that dies leaves the group unable to run a forward (every MoE layer waits for every rank), so a
 watchdog in the leader ends the leader with a one-line error when one exits unasked; a follower ends when the
@@ -45,6 +47,16 @@ def _settings(args) -> dict:
     return {k: v for k, v in vars(args).items() if k != "handler"}
 
 
+def rank_cpus(world: int) -> list[list[int]] | None:
+    """Each rank's CPUs: every world-th physical core of this process's (lane_kernel.physical_cores lists them
+    interleaved over NUMA nodes), or None when there are fewer cores than ranks."""
+    from tiermoe.moe.lane_kernel import physical_cores
+
+    cores = physical_cores()
+    split = [cores[r::world] for r in range(world)]
+    return split if all(split) else None
+
+
 class LeaderGroup:
     """Rank 0's view of the group: the followers it started, their watchdog, and the way out."""
 
@@ -69,9 +81,9 @@ class LeaderGroup:
         if args.model is None or not is_packed_store(Path(args.model)):
             raise UserError(f"--tensor-parallel-size {world}: expert parallel serves a packed store (`tiermoe pack` "
                             "first)")
-        if (args.mode or "exact") != "exact" or args.num_speculative_tokens:
-            raise UserError(f"--tensor-parallel-size {world}: the ranks serve exact mode without "
-                            "--num-speculative-tokens")
+        if args.num_speculative_tokens:
+            raise UserError(f"--tensor-parallel-size {world}: --num-speculative-tokens is not served by several "
+                            "ranks yet")
         device = resolve_device(args.device)
         if device.startswith("cuda"):
             import torch
@@ -80,9 +92,15 @@ class LeaderGroup:
                 raise UserError(f"--tensor-parallel-size {world}: this machine has {torch.cuda.device_count()} GPU(s)")
         followers, settings_file = [], None
         if "WORLD_SIZE" not in os.environ:  # not under torchrun: start the others
+            cpus = rank_cpus(world)
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus[0])  # threads started from here on inherit it
+                if args.cpu_threads is None:
+                    args.cpu_threads = len(cpus[0])
+                log.info("expert parallel: each rank on %d of this machine's physical cores", len(cpus[0]))
             fd, settings_file = tempfile.mkstemp(prefix="tiermoe-ranks-", suffix=".json")
             with os.fdopen(fd, "w") as f:
-                json.dump(_settings(args), f)
+                json.dump({**_settings(args), "rank_cpus": cpus}, f)
             followers = launch_followers(world, ["-m", "tiermoe.server.ranks", settings_file], _free_port(),
                                          cuda=device.startswith("cuda"))
         group = cls(followers, settings_file)
@@ -159,7 +177,11 @@ def main(settings_file: str) -> int:
         signal.signal(sig, signal.SIG_IGN)
     _die_with_parent()
     with open(settings_file) as f:
-        args = argparse.Namespace(**json.load(f))
+        settings = json.load(f)
+    cpus = settings.pop("rank_cpus", None)
+    if cpus is not None:  # this rank's cores, before any thread (torch's, the lane's) is started
+        os.sched_setaffinity(0, cpus[int(os.environ["RANK"])])
+    args = argparse.Namespace(**settings)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return follow_as_launched(args)
 
