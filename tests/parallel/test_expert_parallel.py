@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiermoe.moe.expert_parallel import fillers, localize, share_experts
+from tiermoe.moe.expert_parallel import fillers, localize
+from tiermoe.store.shares import share_experts
 
 RANK_SCRIPT = Path(__file__).with_name("_rank.py")
 sys.path.insert(0, str(RANK_SCRIPT.parent))

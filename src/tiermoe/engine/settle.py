@@ -74,7 +74,7 @@ def settle_config(args: EngineArgs) -> EngineConfig:
         routing = RoutingConfig(replay=args.routing_replay, seed=int(args.routing_replay_seed or 0),
                                 record=args.record_routing, record_max_tokens=args.record_routing_max_tokens)
     packed = is_packed_store(path)
-    parallel = settle_parallel(args.tensor_parallel_size)
+    parallel = settle_parallel(args.tensor_parallel_size)  # the joined group checked, this rank's place
     if parallel is not None and args.num_speculative_tokens:
         raise UserError("--tensor-parallel-size: --num-speculative-tokens is not served by several ranks yet")
     if parallel is not None and not packed:
@@ -145,7 +145,6 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
     wanted = (args.device_cache or "auto").lower()
     if wanted not in DEVICE_CACHE_CHOICES:
         raise UserError(f"--device-cache {wanted!r}: choose one of {', '.join(DEVICE_CACHE_CHOICES)}")
-    ranks = (args.tensor_parallel_size or 1) > 1
     staging = args.prefill_staging_gb
     if staging is not None and not 0 <= staging < float("inf"):
         raise UserError(f"--prefill-staging-gb must be a size >= 0, got {staging}")
@@ -154,7 +153,8 @@ def _settle_experts(args: EngineArgs, path: Path, device: str, dtype: torch.dtyp
     kernel = choose_expert_kernel(args.expert_kernel, manifest.layouts, dtype, device, path)
     host_expert_gb = args.host_expert_gb
     world = args.tensor_parallel_size or 1
-    if world > 1 and host_expert_gb is None:  # the ranks share the machine's RAM
+    ranks = world > 1
+    if ranks and host_expert_gb is None:  # the ranks share the machine's RAM
         from tiermoe.store.planner import default_host_bytes
 
         usable, note = default_host_bytes()

@@ -143,24 +143,20 @@ def open_expert_backend(cfg: ExpertsConfig) -> ExpertBackend:
 def _shares(cfg: ExpertsConfig) -> tuple[dict[int, list[int]], dict[int, list[int]], frozenset[int]]:
     """({MoE layer: owner rank of each expert}, {MoE layer: this rank's fillers}, the record keys of this rank's
     share), dealt by the store's routing statistics (moe/expert_parallel.py)."""
-    from tiermoe.moe.expert_parallel import fillers, share_experts
+    from tiermoe.moe.expert_parallel import fillers
     from tiermoe.store.planner import config_top_k, key_rates
     from tiermoe.store.records import load_manifest
+    from tiermoe.store.shares import deal, rank_keys
 
     manifest = load_manifest(cfg.store.path)
     top_k = config_top_k(manifest.config)
     rates, _, _ = key_rates(manifest, cfg.store.stats_file, top_k, ())
-    key = {(r.layer, r.expert): r.index for r in manifest.records}
-    layers = list(manifest.moe_layers)
-    per_layer = [[rates[key[(layer, e)]] for e in range(manifest.experts_per_layer[layer])] for layer in layers]
-    owners = dict(zip(layers, share_experts(per_layer, cfg.parallel.world)))
-    mine = frozenset(key[(layer, e)] for layer, owner in owners.items() for e, r in enumerate(owner)
-                     if r == cfg.parallel.rank)
+    owners, per_layer = deal(manifest, rates, cfg.parallel.world)
     try:
-        filler = fillers(owners, dict(zip(layers, per_layer)), cfg.parallel.rank, top_k)
+        filler = fillers(owners, per_layer, cfg.parallel.rank, top_k)
     except ValueError as exc:
         raise UserError(f"--tensor-parallel-size {cfg.parallel.world}: {exc}") from None
-    return owners, filler, mine
+    return owners, filler, rank_keys(manifest, owners, cfg.parallel.rank)
 
 
 # -- which kernel computes the experts ---------------------------------------------------------------

@@ -14,7 +14,7 @@ names an expert twice (the kernels' contract). The layer-ahead predictions the b
 disk hints are mapped the same way (`attach` hands it the MoE layers behind `_OwnedPicks`). So the backend
 looks up, copies, reads from disk and caches only its own experts, and its arithmetic over them is its own.
 
-Shares (`share_experts`) are balanced by the routing statistics: each layer's experts in order of expected
+Shares (store/shares.py) are balanced by the routing statistics: each layer's experts in order of expected
 picks are dealt to the ranks back and forth (0, 1, 1, 0, 0, 1, ...), so every rank gets as many experts, as
 many expected picks and as many of the popular ones (the slot tier's) and of the rare ones (the misses): both
 links carry the same bytes.
@@ -41,7 +41,6 @@ from tiermoe.config import ParallelConfig
 from tiermoe.errors import StoreError, StoreIntegrityError
 from tiermoe.moe.experts import ExpertBackend, WrappedBackend
 from tiermoe.parallel import all_gather, all_reduce_sum, step_group
-from tiermoe.store.shares import share_experts as share_experts  # the deal (store/shares.py)
 
 
 def fillers(owners: Mapping[int, Sequence[int]], rates: Mapping[int, Sequence[float]], rank: int,

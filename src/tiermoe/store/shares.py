@@ -6,7 +6,7 @@ Here, below the model and the engine, because both the expert-parallel ranks (mo
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 
 def share_experts(rates: Sequence[Sequence[float]], world: int) -> list[list[int]]:
@@ -26,10 +26,21 @@ def share_experts(rates: Sequence[Sequence[float]], world: int) -> list[list[int
     return owners
 
 
-def rank_rates(manifest, rates: dict[int, float], ranks: int, rank: int = 0) -> dict[int, float]:
-    """{record key: expected picks per token} of `rank`'s share of the experts (`share_experts` on `rates`)."""
-    layers = list(manifest.moe_layers)
+def deal(manifest, rates: Mapping[int, float], ranks: int) -> tuple[dict[int, list[int]], dict[int, list[float]]]:
+    """({MoE layer: owner rank of each expert}, {MoE layer: each expert's expected picks}) for a store's
+    manifest and {record key: expected picks per token}."""
     key = {(r.layer, r.expert): r.index for r in manifest.records}
-    per_layer = [[rates[key[(layer, e)]] for e in range(manifest.experts_per_layer[layer])] for layer in layers]
-    return {key[(layer, e)]: rates[key[(layer, e)]] for layer, owner in zip(layers, share_experts(per_layer, ranks))
-            for e, r in enumerate(owner) if r == rank}
+    per_layer = {layer: [rates[key[(layer, e)]] for e in range(manifest.experts_per_layer[layer])]
+                 for layer in manifest.moe_layers}
+    return dict(zip(per_layer, share_experts(list(per_layer.values()), ranks))), per_layer
+
+
+def rank_keys(manifest, owners: Mapping[int, Sequence[int]], rank: int) -> frozenset[int]:
+    """The record keys of `rank`'s share."""
+    key = {(r.layer, r.expert): r.index for r in manifest.records}
+    return frozenset(key[(layer, e)] for layer, owner in owners.items() for e, r in enumerate(owner) if r == rank)
+
+
+def rank_rates(manifest, rates: Mapping[int, float], ranks: int, rank: int = 0) -> dict[int, float]:
+    """{record key: expected picks per token} of `rank`'s share of the experts."""
+    return {k: rates[k] for k in rank_keys(manifest, deal(manifest, rates, ranks)[0], rank)}
