@@ -79,18 +79,19 @@ def test_a_follower_that_dies_ends_the_leader_with_one_line(ep_store):
         assert "tiermoe: error: expert-parallel rank 1 exited" in two.stderr, two.stderr[-2000:]
 
 
-@pytest.mark.parametrize("flags", [["CHECKPOINT"], ["STORE", "--num-speculative-tokens", "1"]])
+@pytest.mark.parametrize("flags", [["CHECKPOINT"], ["STORE", "--num-speculative-tokens", "1"],
+                                   ["STORE", "--tensor-parallel-size", "3"]])
 def test_what_every_rank_would_refuse_is_one_line_before_any_rank_starts(ep_store, flags, capsys):
-    """A checkpoint (not a packed store) or MTP drafting with --tensor-parallel-size 2: one error line,
-    exit 2, and no follower process started."""
+    """A checkpoint (not a packed store), MTP drafting, or more ranks than leave each rank a token's picks of
+    every layer (3 ranks of 8 experts at 4 picks): one error line, exit 2, and no follower process started."""
     from tiermoe.cli import main
 
     model = {"CHECKPOINT": str(ep_store.parent / "checkpoint"), "STORE": str(ep_store)}[flags[0]]
     before = set(_children(os.getpid()))
     port = str(free_port())
-    assert main(["serve", model, *flags[1:], "--device", "cpu", "--tensor-parallel-size", "2", "--port", port]) == 2
+    assert main(["serve", model, "--device", "cpu", "--tensor-parallel-size", "2", "--port", port, *flags[1:]]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("tiermoe: error: --tensor-parallel-size 2:"), err
+    assert len(err) == 1 and err[0].startswith("tiermoe: error: --tensor-parallel-size "), err
     assert set(_children(os.getpid())) == before
 
 

@@ -113,6 +113,8 @@ def test_plan_for_one_gpu_of_an_expert_parallel_group(packed_bf16, tmp_path, cap
     out = capsys.readouterr().out
     assert "tier plan: 8 experts" in out and "one of 2 GPUs" in out
     assert main(["plan", str(store), "--tensor-parallel-size", "0"]) == 2
+    assert main(["plan", str(store), "--tensor-parallel-size", "5"]) == 2  # 8 experts a layer, top-2: 4 ranks at most
+    assert "must be 1 to 4 for this model" in capsys.readouterr().err
 
 
 def test_plan_on_cuda_counts_the_device_caches_staging_rows_out_of_the_slots(packed_bf16, capsys):

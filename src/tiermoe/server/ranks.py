@@ -84,7 +84,14 @@ class LeaderGroup:
         if args.num_speculative_tokens:
             raise UserError(f"--tensor-parallel-size {world}: --num-speculative-tokens is not served by several "
                             "ranks yet")
+        from tiermoe.store.records import load_manifest
+        from tiermoe.store.shares import check_ranks
+
+        check_ranks(load_manifest(args.model), world)
         device = resolve_device(args.device)
+        if not device.startswith("cuda") and world > len(os.sched_getaffinity(0)):
+            raise UserError(f"--tensor-parallel-size {world}: this machine has {len(os.sched_getaffinity(0))} "
+                            "CPUs for the ranks' processes")
         if device.startswith("cuda"):
             import torch
 

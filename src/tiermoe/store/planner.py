@@ -449,8 +449,9 @@ def build_plan(
     rates, source, more = key_rates(manifest, stats_file, top_k)
     total = len(manifest.records)
     if ranks > 1:
-        from tiermoe.store.shares import rank_rates
+        from tiermoe.store.shares import check_ranks, rank_rates
 
+        check_ranks(manifest, ranks)
         rates = rank_rates(manifest, rates, ranks)
         more = [*more, f"expert parallel: rank 0's share of {total} experts, one of {ranks} GPUs each with its own "
                        f"slots, PCIe link and 1/{ranks} of host RAM"]

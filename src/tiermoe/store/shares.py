@@ -44,3 +44,16 @@ def rank_keys(manifest, owners: Mapping[int, Sequence[int]], rank: int) -> froze
 def rank_rates(manifest, rates: Mapping[int, float], ranks: int, rank: int = 0) -> dict[int, float]:
     """{record key: expected picks per token} of `rank`'s share of the experts."""
     return {k: rates[k] for k in rank_keys(manifest, deal(manifest, rates, ranks)[0], rank)}
+
+
+def check_ranks(manifest, ranks: int) -> None:
+    """UserError unless every rank of `ranks` owns at least top_k experts of every MoE layer (a token's picks
+    of other ranks' experts are stood in for by the rank's own, moe/expert_parallel.py)."""
+    from tiermoe.errors import UserError
+    from tiermoe.store.planner import config_top_k
+
+    top_k = config_top_k(manifest.config)
+    fewest = min(manifest.experts_per_layer[layer] for layer in manifest.moe_layers)
+    if ranks < 1 or fewest // ranks < top_k:
+        raise UserError(f"--tensor-parallel-size {ranks}: must be 1 to {max(1, fewest // top_k)} for this model "
+                        f"({fewest} experts a layer, {top_k} picks a token: each rank owns at least {top_k})")
