@@ -19,7 +19,7 @@ import importlib
 import json
 
 # modules that import the predicate by name (models/blocks/common.device_kernels): each is patched where it is read
-KERNEL_GATES = ("tiermoe.models.blocks.hyperconnection", "tiermoe.models.blocks.router",
+KERNEL_GATES = ("tiermoe.models.blocks.common", "tiermoe.models.blocks.hyperconnection", "tiermoe.models.blocks.router",
                 "tiermoe.models.blocks.attention", "tiermoe.models.blocks.kda", "tiermoe.models.glm5_next.layers")
 
 

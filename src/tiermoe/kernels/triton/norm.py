@@ -1,9 +1,10 @@
-"""glm5_next's weighted RMSNorm and clamped SwiGLU activation, each in one launch instead of ~8 torch kernels.
+"""The weighted RMSNorm (every family's norms) and glm5_next's clamped SwiGLU, one launch each, not ~8.
 
 At decode every torch op is a launch of a few microseconds even replayed from a CUDA graph, far more than
 its arithmetic: RMSNorm is float, pow, mean, add, rsqrt, mul, cast and the weight mul; the clamped SwiGLU
-is two clamps, silu and a mul. models/glm5_next/layers.py runs these kernels on CUDA (no gradient) and the
-twins (kernels/reference_norm.py: rms_norm_ref, clamped_swiglu_ref) elsewhere. The helpers below
+is two clamps, silu and a mul. models/blocks/common.RMSNorm (every family's norms) and
+models/glm5_next/layers.py run these kernels on CUDA (no gradient) and the twins (kernels/reference_norm.py:
+rms_norm_ref, clamped_swiglu_ref) elsewhere. The helpers below
 (rounding to the model dtype, rsqrt, the weighted norm of one row) are shared with mhc_fused.py.
 
 Numerics follow what eager torch computes on a CUDA device, operation by operation:

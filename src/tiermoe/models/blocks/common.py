@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tiermoe.kernels.reference_norm import rms_norm_ref
+
 
 class _ReferenceOps(threading.local):
     on = False  # inside `reference_ops`: the twins everywhere, in this thread
@@ -57,10 +59,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        """x [..., D] -> [..., D]: fp32 statistics, cast back, then the weight (transformers' order). One Triton
+        launch on CUDA (no gradient) instead of the twin's six small kernels, which a decode step pays for every
+        norm of every layer; the twin (kernels/reference_norm.rms_norm_ref) elsewhere and under `reference_ops`."""
+        if device_kernels(x, self.weight):
+            from tiermoe.kernels.triton.norm import MAX_DIM, rms_norm
+            if x.shape[-1] <= MAX_DIM:
+                return rms_norm(x, self.weight, self.eps)
+        return rms_norm_ref(x, self.weight, self.eps)
 
 
 class Linear(nn.Module):

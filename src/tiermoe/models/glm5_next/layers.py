@@ -13,27 +13,20 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from tiermoe.kernels.reference_norm import clamped_swiglu_ref, rms_norm_ref
+from tiermoe.kernels.reference_norm import clamped_swiglu_ref
+from tiermoe.models.blocks import common
 from tiermoe.models.blocks.common import device_kernels
 from tiermoe.models.blocks.fused_linear import ProjectionGroup
 
 
 
-class RMSNorm(nn.Module):
-    """Weighted RMSNorm: fp32 statistics, result cast to the input dtype, then the weight."""
+class RMSNorm(common.RMSNorm):
+    """The shared weighted RMSNorm (fp32 statistics, cast to the input dtype, then the weight; one Triton launch on
+    CUDA), with its weight set to ones, as transformers' glm5_next builds it, instead of an empty slot."""
 
     def __init__(self, dim: int, eps: float):
-        super().__init__()
+        super().__init__(dim, eps)
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., D] -> [..., D]; one Triton launch on CUDA (no gradient), the twin's ~8 torch ops elsewhere."""
-        if device_kernels(x, self.weight):
-            from tiermoe.kernels.triton.norm import rms_norm
-        else:
-            rms_norm = rms_norm_ref
-        return rms_norm(x, self.weight, self.eps)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
