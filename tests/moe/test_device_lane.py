@@ -40,7 +40,8 @@ def test_lane_forward_adds_the_lanes_part_through_the_mailbox(stores, native):
     misses to the CPU lane (never admitted: no PCIe bytes for them); the device part reads zeros
     for them and the mailbox adds the lane's fp32 partial. Bit for bit: the device part with
     their routing weights zeroed, plus CpuLane.compute of the same experts, rounded once; with
-    the native mailbox server (no Python in the answer) and with the Python one."""
+    the native mailbox server (no Python in the answer) and with the Python one. The device part stays fp32
+    until the lane's part is added: exact mode rounds its one sum once, and so does fast mode."""
     from tiermoe.moe.cpu_lane import CpuLane
     from tiermoe.moe.device_lane import DeviceLane
 
@@ -68,10 +69,10 @@ def test_lane_forward_adds_the_lanes_part_through_the_mailbox(stores, native):
                 assert len(on_lane) <= cache.lane_max
                 assert all(int(cache.expert_slot[e]) < 0 for e in on_lane)  # misses, not admitted
                 mask = torch.isin(ids, torch.tensor(on_lane, dtype=ids.dtype, device=ids.device))
-                device_part = ref.forward(1, x, ids, w.masked_fill(mask, 0))
+                device_part = ref.forward(1, x, ids, w.masked_fill(mask, 0), partial=True)  # fp32, unrounded
                 entries = st.host_entries(1)
                 part = ref_lane.compute(1, x.cpu(), ids.cpu().int(), w.cpu(), {e: entries[e] for e in on_lane})
-                want = (device_part.float() + part.to(device_part.device)).to(device_part.dtype)
+                want = (device_part + part.to(device_part.device)).to(x.dtype)  # the two parts rounded once
                 assert torch.equal(out, want), step
                 sent.update(on_lane)
                 n_sent += len(on_lane)

@@ -222,17 +222,19 @@ class DeviceCacheExperts(StoreBackend):
         self._step_start = (self.steps, self.lane_calls)  # so a graph replay can count it again
 
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                decode: bool | None = None) -> torch.Tensor:
-        """x [T, H], topk_ids/topk_weights [T, k] -> [T, H] in x's dtype. No host sync.
-        decode: this call's kind (None: the current step's, from begin_step)."""
+                decode: bool | None = None, partial: bool = False) -> torch.Tensor:
+        """x [T, H], topk_ids/topk_weights [T, k] -> [T, H] in x's dtype, or with `partial` the fp32 sum before
+        its rounding (FusedMoE). No host sync. decode: this call's kind (None: the current step's, from
+        begin_step)."""
         decode = self.decoding if decode is None else decode
         if x.shape[0] == 0:
-            return torch.zeros_like(x)
+            return torch.zeros_like(x, dtype=torch.float32 if partial else x.dtype)
         if not decode and x.shape[0] >= STAGE_TOKENS and self.prefill_rows:
-            out = self.fused(x, topk_ids, topk_weights, self.prefill.table(layer, topk_ids), layer)
+            out = self.fused(x, topk_ids, topk_weights, self.prefill.table(layer, topk_ids), layer, partial=partial)
             self.prefill.done(layer)
             return out
-        return self.fused(x, topk_ids, topk_weights, self._decode_table(layer, x, topk_ids, step=decode), layer)
+        return self.fused(x, topk_ids, topk_weights, self._decode_table(layer, x, topk_ids, step=decode), layer,
+                          partial=partial)
 
     def end_step(self) -> None:
         """A disk tier raises here, once, for a record its step could not read (disk_tier.DiskTier.check)."""
@@ -253,10 +255,10 @@ class DeviceCacheExperts(StoreBackend):
         entries = self.entries[layer]
         return torch.tensor([t.data_ptr() for t in entries], dtype=torch.int64), entries
 
-    def combine(self, layer, x, topk_ids, topk_weights, skip=()):
+    def combine(self, layer, x, topk_ids, topk_weights, skip=(), partial=False):
         if skip:  # the lane's experts are chosen on the device (lane_forward), never passed in
             raise NotImplementedError("the device cache hands the CPU lane its experts itself")
-        return self.forward(layer, x, topk_ids, topk_weights)
+        return self.forward(layer, x, topk_ids, topk_weights, partial=partial)
 
     def clamp_changed(self) -> None:
         self.fused.swiglu_limit = self.swiglu_limit
@@ -374,9 +376,10 @@ class DeviceCacheExperts(StoreBackend):
         mailbox.post(slot, x.contiguous(), meta)
         cache.gather()
         on_lane = cache.lmark[topk_ids.long()] == cache.clock[1]  # [T, k] (stamp of this step)
-        out = self.fused(x, topk_ids, topk_weights.masked_fill(on_lane, 0), cache.step_table, layer)
+        out = self.fused(x, topk_ids, topk_weights.masked_fill(on_lane, 0), cache.step_table, layer,
+                         partial=True)  # fp32 [T, H]
         mailbox.wait_add(slot, out)
-        return out
+        return out.to(x.dtype)  # one rounding of both parts' sum, as exact mode rounds its one sum
 
     # What a cache step reads and writes besides the counters: slot contents and tables, CLOCK
     # state, pick frequencies, the step stamp and the marks compared against it.

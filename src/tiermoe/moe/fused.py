@@ -62,21 +62,26 @@ class FusedMoE:
         return "+".join(lay.kind for lay in self.layouts)
 
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 table: torch.Tensor, layer: int | None = None) -> torch.Tensor:
-        """x [T, H], topk_ids/topk_weights [T, k], table [E] int64 -> [T, H] in x's dtype.
+                 table: torch.Tensor, layer: int | None = None, partial: bool = False) -> torch.Tensor:
+        """x [T, H], topk_ids/topk_weights [T, k], table [E] int64 -> [T, H] in x's dtype, or with `partial`
+        the picks' fp32 sum before its rounding: fast mode adds the CPU lane's fp32 part to that and rounds
+        once, as exact mode rounds the sum of every pick once (rounding the GPU's part first would add a
+        second rounding to nearly every element of every fast-mode layer).
         layer: the MoE layer (a mixed store's calls read its kind table; ignored otherwise)."""
         from tiermoe.kernels.triton.fused_moe import fused_moe
 
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         clamp = {} if self.swiglu_limit is None else {"swiglu_limit": self.swiglu_limit}
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device) if partial else None  # [T, H]
         if self.mixed:
             if layer not in self.kinds:
                 raise ValueError(f"layer {layer}: no kind table (a mixed store's calls name a MoE layer)")
             out = fused_moe(xb.contiguous(), topk_ids, topk_weights, table, self.layouts, config=self.config,
-                            kind_table=self.kinds[layer], **clamp)
+                            kind_table=self.kinds[layer], out=out, **clamp)
         else:
-            out = fused_moe(xb.contiguous(), topk_ids, topk_weights, table, self.layout, config=self.config, **clamp)
-        return out if out.dtype == x.dtype else out.to(x.dtype)
+            out = fused_moe(xb.contiguous(), topk_ids, topk_weights, table, self.layout, config=self.config,
+                            out=out, **clamp)
+        return out if partial or out.dtype == x.dtype else out.to(x.dtype)
 
     def zero_record(self, device: torch.device) -> torch.Tensor:
         """The all-zero record (uint8 [record bytes]: zero weights and scales in every layout) on

@@ -97,14 +97,14 @@ class HostLaneHandoff(LaneHandoff):
         if job is None:
             return be.combine(layer, x, topk_ids, topk_weights)
         try:
-            out = be.combine(layer, x, topk_ids, topk_weights, skip=set(job.ids))
+            out = be.combine(layer, x, topk_ids, topk_weights, skip=set(job.ids), partial=True)  # fp32 [T, H]
         except BaseException:
             job.cancel()
             raise
         partial = job.wait()  # [T, H] fp32 on the CPU: the one host wait of a lane layer
         if out.device.type != "cpu":
             partial = partial.pin_memory().to(out.device, non_blocking=True)
-        return (out.float() + partial).to(x.dtype)
+        return (out + partial).to(x.dtype)  # both parts' sum rounded once, as exact mode rounds its one sum
 
     def check(self) -> None:
         pass  # every layer already waited for its lane job

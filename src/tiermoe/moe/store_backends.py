@@ -81,8 +81,10 @@ class StoreBackend(HostSyncedBackend):
     # -- for subclasses and the CPU lane ---------------------------------------------------------
     @abc.abstractmethod
     def combine(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                skip: Collection[int] = ()) -> torch.Tensor:
-        """The routed experts' weighted sum, x [T, H] -> [T, H], without the experts in `skip`."""
+                skip: Collection[int] = (), partial: bool = False) -> torch.Tensor:
+        """The routed experts' weighted sum, x [T, H] -> [T, H] in x's dtype, without the experts in `skip`;
+        with `partial` in fp32, before the kernel's rounding where it has one (fast mode adds the CPU lane's part
+        to it and rounds once)."""
 
     def clamp_changed(self) -> None:
         """`swiglu_limit` was set from the model: pass it on to the kernels."""
@@ -106,9 +108,10 @@ class StoreBackend(HostSyncedBackend):
 class StoreTorchExperts(StoreBackend):
     """"store-torch": torch on dequantized weights fetched through the tiers (see module doc)."""
 
-    def combine(self, layer, x, topk_ids, topk_weights, skip=()):
+    def combine(self, layer, x, topk_ids, topk_weights, skip=(), partial=False):
         fetch = lambda ids: self.store.fetch(layer, ids)  # noqa: E731
-        return combine_experts(x, topk_ids, topk_weights, fetch, self.swiglu_limit, skip=skip)
+        out = combine_experts(x, topk_ids, topk_weights, fetch, self.swiglu_limit, skip=skip)
+        return out.float() if partial else out  # the reference order rounds every expert's add: nothing to keep
 
 
 class StoreTritonExperts(StoreBackend):
@@ -144,10 +147,10 @@ class StoreTritonExperts(StoreBackend):
     def clamp_changed(self) -> None:
         self.fused.swiglu_limit = self.swiglu_limit  # fused_moe clamps in its epilogue
 
-    def combine(self, layer, x, topk_ids, topk_weights, skip=()):
+    def combine(self, layer, x, topk_ids, topk_weights, skip=(), partial=False):
         t = x.shape[0]
         if t == 0:
-            return torch.zeros_like(x)
+            return torch.zeros_like(x, dtype=torch.float32 if partial else x.dtype)
         skip = {int(e) for e in skip}
         expert_ids = [e for e in torch.unique(topk_ids).tolist() if e not in skip]  # ascending
         recs = self.store.device_records(layer, expert_ids) if expert_ids else {}
@@ -158,7 +161,7 @@ class StoreTritonExperts(StoreBackend):
             lane = torch.tensor(sorted(skip), device=topk_ids.device)
             topk_weights = topk_weights.masked_fill(torch.isin(topk_ids, lane), 0)  # [T, k]
         table = self._table(layer, rows, x.device)  # [E] int64; rows nobody picks are never read
-        out = self.fused(x, topk_ids, topk_weights, table, layer)  # [T, H]
+        out = self.fused(x, topk_ids, topk_weights, table, layer, partial=partial)  # [T, H]
         self.store.device_reads_queued(recs.values())
         self.calls += 1
         self.picks += topk_ids.numel()

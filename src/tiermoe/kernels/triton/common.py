@@ -67,20 +67,24 @@ def record_pointers(base, Q_OFF: tl.constexpr, S_OFF: tl.constexpr, KIND: tl.con
 
 @triton.jit
 def _sum_pairs_kernel(y_ptr, out_ptr, K: tl.constexpr, H: tl.constexpr, BH: tl.constexpr):
-    """out[t, :] = bf16(y[t*K] + y[t*K+1] + ... ), strictly in pick order."""
+    """out[t, :] = out dtype(y[t*K] + y[t*K+1] + ... ), strictly in pick order (bf16, or fp32: no rounding)."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BH + tl.arange(0, BH)
     ok = offs < H  # H need not be a multiple of BH (e.g. 2880)
     acc = tl.load(y_ptr + (t * K).to(tl.int64) * H + offs, mask=ok, other=0.0)
     for k in tl.static_range(1, K):
         acc += tl.load(y_ptr + (t * K + k).to(tl.int64) * H + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + t.to(tl.int64) * H + offs, acc.to(tl.bfloat16), mask=ok)
+    tl.store(out_ptr + t.to(tl.int64) * H + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def sum_pairs(y: torch.Tensor, t: int, k: int, h: int, out: torch.Tensor | None) -> torch.Tensor:
-    """out bf16 [T, H] = each token's K rows of y fp32 [T * K, H] summed in pick order."""
+    """out [T, H] = each token's K rows of y fp32 [T * K, H] summed in pick order, rounded once to out's dtype:
+    bf16 (the default), or fp32, which keeps the sum unrounded so that fast mode can add the CPU lane's fp32
+    part before the one rounding exact mode makes (moe/device_cache.lane_forward)."""
     if out is None:
         out = torch.empty(t, h, dtype=torch.bfloat16, device=y.device)
+    if out.dtype not in (torch.bfloat16, torch.float32) or out.shape != (t, h):
+        raise ValueError(f"out must be bf16 or fp32 [{t}, {h}], got {out.dtype} {tuple(out.shape)}")
     bh = min(1024, triton.next_power_of_2(h))
     _sum_pairs_kernel[(t, triton.cdiv(h, bh))](y, out, K=k, H=h, BH=bh)
     return out

@@ -352,7 +352,8 @@ def fused_moe(
     swiglu_limit: float | None = None,
     kind_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """SwiGLU MoE over pointer-table experts. Returns bf16 [T, H] (written into `out` if given).
+    """SwiGLU MoE over pointer-table experts. Returns bf16 [T, H], or `out` (bf16 or fp32 [T, H]) written: an
+    fp32 `out` receives the picks' fp32 sum unrounded (fast mode adds the CPU lane's part to it, then rounds once).
 
     x [T, H] bf16 contiguous; topk_ids [T, K] int (rows of ptr_table; no repeats within a
     token); topk_weights [T, K] float (used as fp32); ptr_table [E] int64, entry e = the
