@@ -101,14 +101,17 @@ class Recorder:
 # ----------------------------------------------------------------------------- scenarios
 
 
-def _moe(layout, tokens: int, config: dict | None = None, swiglu_limit: float | None = None) -> None:
-    """One fused_moe call: TOP_K routed picks per token plus the shared expert (table row EXPERTS)."""
+def _moe(layout, tokens: int, config: dict | None = None, swiglu_limit: float | None = None,
+         fp32_sum: bool = False) -> None:
+    """One fused_moe call: TOP_K routed picks per token plus the shared expert (table row EXPERTS); fp32_sum:
+    into an fp32 out (fast mode's GPU part, kept unrounded until the CPU lane's part is added)."""
     ids = (torch.arange(tokens)[:, None] + torch.arange(TOP_K)[None, :]) % EXPERTS
     ids = torch.cat([ids, torch.full((tokens, 1), EXPERTS)], 1).to(torch.int32)  # [T, K + 1]
     x = torch.zeros(tokens, layout.hidden, dtype=torch.bfloat16)
     w = torch.ones(tokens, TOP_K + 1)
     table = torch.zeros(EXPERTS + 1, dtype=torch.int64)
-    fm.fused_moe(x, ids, w, table, layout, config=config, swiglu_limit=swiglu_limit)
+    out = torch.empty(tokens, layout.hidden, dtype=torch.float32) if fp32_sum else None
+    fm.fused_moe(x, ids, w, table, layout, config=config, swiglu_limit=swiglu_limit, out=out)
 
 
 def fused_moe_defaults(rec: Recorder) -> None:
@@ -120,6 +123,8 @@ def fused_moe_defaults(rec: Recorder) -> None:
         with rec.tagged(f"fused_moe {kind} G{group} default configs"):
             for tokens in (1, 8, PREFILL_TOKENS):
                 _moe(layout, tokens, swiglu_limit=10.0 if kind == "int4" else None)
+            if kind == "int4":
+                _moe(layout, 1, swiglu_limit=10.0, fp32_sum=True)
 
 
 def fused_moe_k_tiles_spanning_groups(rec: Recorder) -> None:
