@@ -94,6 +94,12 @@ class EngineArgs:
 DEFAULTS = EngineArgs()
 
 
+def default_batched_tokens(device: str) -> int:
+    """Tokens a step takes (the prefill chunk) when --max-num-batched-tokens is not given: 512 on a CPU, 2048 on a
+    GPU (serve's setting, and `tiermoe plan`'s for the disk reads of a prefill)."""
+    return 512 if str(device) == "cpu" else 2048
+
+
 def lane_share(value: float | str | None) -> float | None:
     """`--cpu-lane-share` as given (a number, its text, "auto" or None) -> the share, None for
     "auto" (the cost model measures it beside a GPU). One check for the CLI parser and for options

@@ -76,6 +76,9 @@ def test_plan_for_store_and_checkpoint(packed_bf16, tmp_path, capsys):
     assert main(["plan", str(store), "--host-expert-gb", "0", "--gpu-expert-gb", "0", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "disk only" in out and "16" in out and "decode upper bound" in out
+    # the disk tier's prefill reads, in serve's CPU chunks and in one (uniform top-2 of 8: a chunk reads all 16)
+    assert "prefill of a 8,192-token prompt: 16 chunks of 512 tokens read about 256 disk-only experts" in out
+    assert "1 chunk of 8,192 tokens read about 16 disk-only experts" in out
     stats = tmp_path / "s.json"
     stats.write_text(json.dumps({"layers.0.mlp": [8, 0, 0, 0, 0, 0, 0, 0], "layers.1.mlp": [1] * 8}))
     assert main(["plan", str(store), "--stats", str(stats), "--gpu-expert-gb", str(12288 / 2**30), "--host-expert-gb", "0"]) == 0

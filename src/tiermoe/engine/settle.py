@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from tiermoe.config import (
     DECODE_ATTENTION_CHOICES, DEFAULTS, DEVICE_CACHE_CHOICES, MODES, DeviceCacheConfig, EngineArgs, EngineConfig,
-    ExpertsConfig, LaneConfig, RoutingConfig, StoreConfig, lane_share,
+    ExpertsConfig, LaneConfig, RoutingConfig, StoreConfig, default_batched_tokens, lane_share,
 )
 from tiermoe.errors import UserError
 
@@ -85,7 +85,7 @@ def settle_config(args: EngineArgs) -> EngineConfig:
         experts = replace(experts, parallel=parallel)
     return EngineConfig(
         model=path, device=device, dtype=dtype, max_model_len=ctx, max_num_seqs=max_num_seqs,
-        max_batched_tokens=args.max_num_batched_tokens or (512 if device == "cpu" else 2048),
+        max_batched_tokens=args.max_num_batched_tokens or default_batched_tokens(device),
         kv_cache_gb=args.kv_cache_gb or None, seed=args.seed, num_speculative_tokens=args.num_speculative_tokens or 0,
         decode_attention="paged" if paged else "sdpa", paged_attention_required=attention == "paged",
         decode_graphs=not args.enforce_eager and device != "cpu", experts=experts, routing=routing)
