@@ -158,6 +158,22 @@ def test_lane_beside_a_gpu_leaves_a_core_to_the_engine(monkeypatch):
         lane.close()
 
 
+def test_a_pinned_pool_beside_disk_reads_spins_briefly():
+    """A pinned pool's workers spin 5 ms after a job (the next decode layer's comes sooner); beside a disk tier,
+    whose decode layers come further apart and whose readers need the cores, they sleep after 0.5 ms as on shared
+    cores."""
+    if lane_kernel.native_library() is None:
+        pytest.skip("no C++ compiler here: the lane has no compiled pool")
+    layout = [RecordLayout.build("int8", 64, 32, 32)]
+    for pin, disk, spin in ((True, False, lane_kernel.PINNED_SPIN_US), (True, True, lane_kernel.SHARED_SPIN_US),
+                            (False, False, lane_kernel.SHARED_SPIN_US)):
+        lane = CpuLane(layout, threads=1, pin=pin, beside_disk_reads=disk)
+        try:
+            assert lane.pool.spin_us == spin and lane.beside_disk_reads == disk
+        finally:
+            lane.close()
+
+
 class _FakeStore:
     """tier_of / heat, the two things the cost model reads."""
 

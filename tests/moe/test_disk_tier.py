@@ -64,9 +64,11 @@ def test_bit_identical_across_slot_ram_and_disk_splits(stores, kind, splits):
     with _store(path, rec, N_EXPERTS) as st:  # every expert in RAM: the store-managed path, the reference
         be = StoreTritonExperts(st)
         ref = [be.forward(layer, *moe_batch(t, seed)).cpu() for layer, t, seed in trace]
+        assert not be.reads_disk()
     for host, slots in splits:
         with _store(path, rec, host) as st:
             dc = DeviceCacheExperts(st, slots, rates={}, top_k=2, max_tokens=3, disk=True)
+            assert dc.reads_disk() and (st.disk_only_experts > 0) == (host < N_EXPERTS)
             try:
                 got = _run(dc, trace)
                 c = dc.cache_counters()["disk_tier"]

@@ -52,6 +52,7 @@ def test_fast_mode_bf16_activations_close(int4_store):
     try:
         prompt = prompt_ids(eng.tokenizer, ["Name three primary colors, comma separated."])[0]
         assert be.host_cores_busy()  # fast mode: the engine's thread waits for steps asleep
+        assert not be.reads_disk() and not be.lane.beside_disk_reads  # host RAM holds every expert
         be.set_mode("exact")
         assert not be.host_cores_busy() and not be.inner.host_cores_busy()
         toks, exact = decode_logits(eng, prompt, 8)
@@ -88,6 +89,7 @@ def test_exact_mode_bit_identical_with_lane_built(bf16_store):
         be.close()
     assert torch.equal(ref_decode, exact) and torch.equal(ref_chunked, prefill)
     assert lane["experts"] > 0 and lane["kernel"].startswith("native-" if NATIVE else "torch")
+    assert be.reads_disk() and be.lane.beside_disk_reads  # 4 RAM entries for 16 experts: the rest on disk
     m = compare(ref_decode, decode)
     # bf16 logits tie often in this tiny vocabulary, so top-1 flips on ties; KL is the measure
     assert m["kl_mean"] < 1e-3 and m["top1"] > 0.85, m
@@ -112,3 +114,4 @@ def test_lane_reads_disk_and_host_and_counts(int4_store):
     assert 0 < lane["disk_experts"] < lane["experts"] and lane["repacks"] == (0 if NATIVE else lane["experts"])
     assert c["disk"]["reads"] > 0 and c["host"]["hits"] > 0
     assert stats["experts"]["cpu_lane"]["experts"] == lane["experts"]
+    assert be.reads_disk() and be.lane.beside_disk_reads  # the lane's workers leave the cores to the disk readers

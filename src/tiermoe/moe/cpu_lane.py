@@ -125,8 +125,10 @@ class CpuLane:
     isa: the most the compiled kernel may use ("avx512bf16", "avx512", "avx2", "scalar";
     benchmarks compare them). device: the engine's device; pin (None: on a CUDA device) pins the
     lane's threads to physical cores (moe/lane_kernel.py). tuning: the compiled kernel's work items
-    and prefetches (None: its defaults). A mixed store passes `layouts` (its
-    record layouts, `layout` first) and `layout_ids` ({layer: layout index of each expert id}).
+    and prefetches (None: its defaults). beside_disk_reads: a disk tier reads experts on the same
+    cores (the pool's workers then spin briefly between jobs: lane_kernel.lane_pool). A mixed store
+    passes `layouts` (its record layouts, `layout` first) and `layout_ids` ({layer: layout index of
+    each expert id}).
     """
 
     def __init__(self, layouts: Sequence[RecordLayout], *, max_experts: int = LaneConfig.max_experts,
@@ -134,7 +136,7 @@ class CpuLane:
                  workers: int = LaneConfig.workers, disk: bool | None = None, swiglu_limit: float | None = None,
                  act_dtype: torch.dtype = torch.bfloat16, device: str = "cpu", isa: str = "avx512bf16",
                  pin: bool | None = None, layout_ids: Mapping[int, Sequence[int]] | None = None,
-                 tuning: LaneTuning | None = None):
+                 tuning: LaneTuning | None = None, beside_disk_reads: bool = False):
         from tiermoe.moe.lane_kernel import lane_pool
 
         self.layouts = list(layouts)  # the store's record layouts: one, or a mixed store's hot and cold
@@ -155,7 +157,8 @@ class CpuLane:
         self.weight_bytes_of = [self._weight_bytes(lay, k) for lay, k in zip(self.layouts, self.klayouts)]
         pin = torch.device(device).type == "cuda" if pin is None else bool(pin)
         native = any(k is not None for k in self.klayouts)
-        self.pool = lane_pool(self.threads, pin, isa) if native else None
+        self.beside_disk_reads = bool(beside_disk_reads)
+        self.pool = lane_pool(self.threads, pin, isa, self.beside_disk_reads) if native else None
         if self.pool is not None and tuning is not None:
             self.pool.tune(tuning)
         self.kernel = f"native-{self.pool.isa}" if self.pool is not None else "torch"

@@ -263,6 +263,9 @@ class DeviceCacheExperts(StoreBackend):
     def clamp_changed(self) -> None:
         self.fused.swiglu_limit = self.swiglu_limit
 
+    def reads_disk(self) -> bool:
+        return self.disk is not None  # the disk tier under the cache (its RAM holds the store's host tier)
+
     def graph_unsupported(self) -> str | None:
         return None
 

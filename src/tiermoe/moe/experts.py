@@ -82,6 +82,11 @@ class ExpertBackend(abc.ABC):
         thread then waits for each step asleep instead of spinning a core (ModelRunner.wait_for_device)."""
 
     @abc.abstractmethod
+    def reads_disk(self) -> bool:
+        """True when serving reads some experts from disk (a disk tier): its reader threads then share the host's
+        cores with fast mode's CPU lane (moe/lane_kernel.lane_pool)."""
+
+    @abc.abstractmethod
     def counters(self) -> dict | None:
         """What /stats shows under `experts` (None: nothing to show)."""
 
@@ -137,6 +142,9 @@ class WrappedBackend(ExpertBackend):
 
     def host_cores_busy(self) -> bool:
         return self.inner.host_cores_busy()
+
+    def reads_disk(self) -> bool:
+        return self.inner.reads_disk()
 
     def counters(self) -> dict | None:
         return self.inner.counters()
@@ -227,6 +235,9 @@ class ResidentExperts(HostSyncedBackend):
 
     def add_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         self.layers[layer] = (gate_up, down)
+
+    def reads_disk(self) -> bool:
+        return False  # every expert is in memory
 
     def weights(self, layer: int, expert_ids: list[int]) -> dict[int, ExpertWeights]:
         gate_up, down = self.layers[layer]

@@ -144,7 +144,7 @@ class LaneExperts(WrappedBackend):
             mixed = len(store.layouts) > 1  # each layer's lane experts computed at their own layout
             ids = {layer: store.layout_ids(layer) for layer in store.manifest.moe_layers} if mixed else None
             self.lane = CpuLane(store.layouts, swiglu_limit=self.inner.swiglu_limit, act_dtype=store.dtype,
-                                layout_ids=ids, **self.lane_config.kwargs())
+                                layout_ids=ids, beside_disk_reads=self.inner.reads_disk(), **self.lane_config.kwargs())
             self.handoff = self.inner.lane_handoff(self.lane)
             if torch.device(self.lane_config.device).type == "cuda":  # the cost model's split
                 self.handoff.set_share(self._share(torch.device(store.device)))

@@ -117,17 +117,22 @@ PINNED_SPIN_US = 5000  # a pinned pool's workers spin this long after a job befo
 SHARED_SPIN_US = 500
 
 
-def lane_pool(threads: int, pin: bool, isa: str = "avx512bf16"):
+def lane_pool(threads: int, pin: bool, isa: str = "avx512bf16", beside_disk_reads: bool = False):
     """A LanePool of `threads` threads (pinned to physical cores when `pin`), or None where the
     compiled kernel is unavailable. A pinned pool owns its cores, so its workers spin longer
     between jobs: a decode step's MoE layers hand the lane a job every one or two milliseconds,
     and a job that finds a worker asleep waits for its wake-up (a futex call, tens of
-    microseconds in a VM) before it can end. On shared cores they sleep sooner."""
+    microseconds in a VM) before it can end. On shared cores they sleep sooner, and so they do
+    `beside_disk_reads` (a disk tier serves some experts): decode layers then come about every
+    10-15 ms (docs/results.md section 33: 4.5 tok/s over 16 layers), so a 5 ms spin never meets
+    the next job, and it takes the cores the disk tier's reader threads need for their reads and
+    the crc32 of each."""
     lib = native_library()
     if lib is None:
         return None
     cpus = physical_cores() if pin else None
-    return native.LanePool(lib, threads, cpus=cpus, isa=isa, spin_us=PINNED_SPIN_US if pin else SHARED_SPIN_US)
+    spin = PINNED_SPIN_US if pin and not beside_disk_reads else SHARED_SPIN_US
+    return native.LanePool(lib, threads, cpus=cpus, isa=isa, spin_us=spin)
 
 
 def main() -> int:

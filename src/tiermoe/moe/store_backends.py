@@ -89,6 +89,9 @@ class StoreBackend(HostSyncedBackend):
     def clamp_changed(self) -> None:
         """`swiglu_limit` was set from the model: pass it on to the kernels."""
 
+    def reads_disk(self) -> bool:
+        return self.store.disk_only_experts > 0
+
     def prefetch_ahead(self, layer: int, x: torch.Tensor) -> None:
         """Start the disk reads of the experts the next MoE layer will pick for x [T, H]."""
         ahead = self.next_router.get(layer)

@@ -45,8 +45,11 @@ class ExpertStore:
     def __init__(self, manifest: Manifest, *, device: torch.device, dtype: torch.dtype, n_slots: int, n_host: int,
                  policy: str, rates: dict[int, float] | None, static_hot: int, direct_io: bool, reader_threads: int,
                  verify: str, preload: bool, prefetch_limit: int | None, measured_rates: bool = False,
-                 lock: StoreLock | None = None):
+                 lock: StoreLock | None = None, served_experts: int | None = None):
         self._lock = lock  # released by close()
+        # experts that live on disk only: of those this store serves (all, or an expert-parallel rank's share)
+        served = len(manifest.records) if served_experts is None else served_experts
+        self.disk_only_experts = max(0, served - n_slots - n_host)
         self.manifest = manifest
         self.layout = manifest.layout  # every record's, or a mixed store's hot experts' (layouts[0])
         self.layouts = manifest.layouts
@@ -104,7 +107,8 @@ class ExpertStore:
             return cls(m, device=dev, dtype=dtype or m.dtype, n_slots=plan.n_slots, n_host=plan.n_host,
                        policy=policy, rates=rates, static_hot=static_hot, direct_io=direct_io,
                        reader_threads=reader_threads, verify=verify, preload=preload, prefetch_limit=prefetch_limit,
-                       measured_rates=stats_file is not None, lock=lock)
+                       measured_rates=stats_file is not None, lock=lock,
+                       served_experts=None if only is None else len(set(only)))
         except BaseException:
             lock.release()
             raise

@@ -211,6 +211,7 @@ class LanePool:
         if isa not in ISA_NAMES:
             raise ValueError(f"isa must be one of {ISA_NAMES}, got {isa!r}")
         self.lib, self.threads = lib, max(1, int(threads))
+        self.spin_us = int(spin_us)  # how long workers spin after a job before they sleep
         self.cpus = list(cpus or ())  # cpus[0]: the caller's core, where the caller pins itself
         arr = (ctypes.c_int32 * max(1, len(cpus or ())))(*(cpus or ()))
         self._pool = lib.tm_pool_new(self.threads, arr, len(cpus or ()), ISA_NAMES.index(isa), int(spin_us))
