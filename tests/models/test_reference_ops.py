@@ -69,3 +69,28 @@ def test_layers_forward_takes_the_twins_for_prefill_only(tiny, monkeypatch):
     tiny(torch.tensor([5]), SeqBatch([0], [9], [1]), cache)  # decode
     assert seen == [True, False]
     assert torch.equal(hidden, plain)  # on a CPU the twins run either way
+
+
+def test_the_decoder_families_take_the_twins_for_prefill_only(tiny_dir, monkeypatch):
+    """glm4_moe and the other decoder families (models/decoder.py) switch the same way: their norms and sigmoid
+    router have Triton kernels on CUDA, and a step of prompt pieces must still give transformers' bits."""
+    from tiermoe.engine.build import build_engine_core
+    from tiermoe.eval.parity import engine_logits
+    from tiermoe.models import decoder
+
+    eng = build_engine_core(str(tiny_dir("glm4_moe", "bfloat16")), device="cpu", dtype="bfloat16", max_num_seqs=1)
+    ids = list(range(3, 12))
+    plain = engine_logits(eng, ids, chunk=4, decode_from=6)  # before the spy: the same steps' logits
+    seen = []
+    real = decoder.reference_ops
+
+    @contextlib.contextmanager
+    def spy(on: bool = True):
+        seen.append(on)
+        with real(on):
+            yield
+
+    monkeypatch.setattr(decoder, "reference_ops", spy)
+    got = engine_logits(eng, ids, chunk=4, decode_from=6)  # prompt pieces of 4, 2, then 3 decode steps
+    assert seen == [True, True, False, False, False]
+    assert torch.equal(got, plain)  # on a CPU the twins run either way

@@ -12,7 +12,7 @@ from torch import nn
 
 from tiermoe.models.batch import ForwardBatch
 from tiermoe.models.blocks.attention import GQAttention, MLAttention
-from tiermoe.models.blocks.common import Linear, RMSNorm, SwiGLU, empty_param
+from tiermoe.models.blocks.common import Linear, RMSNorm, SwiGLU, empty_param, reference_ops
 from tiermoe.models.blocks.graph_break import layer_boundary
 from tiermoe.models.blocks.moe import MoELayer
 from tiermoe.models.blocks.rope import Rotary
@@ -47,6 +47,12 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
+def prompt_pieces_only(batch: ForwardBatch) -> bool:
+    """A step that only prefills: every sequence adds more than one token. A step that mixes prompt pieces with
+    decode rows keeps the kernels, so a decode row computes the same way whatever shares its step."""
+    return bool(batch.seqs) and all(s.q_len > 1 for s in batch.seqs)
+
+
 class CausalLM(ServingModel):
     """forward(batch, kv_caches) -> final hidden states [T, H]; logits(h) -> [N, V] fp32.
 
@@ -79,12 +85,16 @@ class CausalLM(ServingModel):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """[T] tokens -> hidden [T, H]. A step of prompt pieces only computes with the blocks' plain-torch twins,
+        transformers' own ops (blocks/common.reference_ops: the norms and the sigmoid router have Triton kernels on
+        CUDA), so its bf16 logits equal transformers' on a GPU too; decode and mixed steps keep the kernels."""
         x = self.model.embed_tokens.weight[batch.input_ids]  # [T, H]
         cos, sin = self.rotary(batch.positions, x.dtype)
-        for layer, cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, batch, cache)
-            layer_boundary()
-        return self.model.norm(x)
+        with reference_ops(prompt_pieces_only(batch)):
+            for layer, cache in zip(self.model.layers, kv_caches):
+                x = layer(x, cos, sin, batch, cache)
+                layer_boundary()
+            return self.model.norm(x)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

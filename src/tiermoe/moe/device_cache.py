@@ -382,7 +382,8 @@ class DeviceCacheExperts(StoreBackend):
         out = self.fused(x, topk_ids, topk_weights.masked_fill(on_lane, 0), cache.step_table, layer,
                          partial=True)  # fp32 [T, H]
         mailbox.wait_add(slot, out)
-        return out.to(x.dtype)  # one rounding of both parts' sum, as exact mode rounds its one sum
+        # one rounding of both parts' sum to the kernel's bf16, as exact mode rounds its one sum (then x's dtype)
+        return out.to(torch.bfloat16).to(x.dtype)
 
     # What a cache step reads and writes besides the counters: slot contents and tables, CLOCK
     # state, pick frequencies, the step stamp and the marks compared against it.
