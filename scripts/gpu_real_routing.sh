@@ -20,7 +20,8 @@
 #              against a 1.5 GiB pool of the same records, int4, 16 threads: does the lane lose its rate when
 #              its records are spread over much of host memory, as in service?
 #   glm        scripts/synth_glm_store.py: GLM-5.3-Flash MoE shape, as many MoE layers as disk and RAM
-#              hold (at least 12; GLM_LAYERS overrides), written with the real statistics beside it
+#              hold (at least 12; GLM_LAYERS overrides), written with the real statistics beside it; then the
+#              disk's O_DIRECT read rate over 4 GiB of its records, 16 readers (disk.json: the disk cells' floor)
 #   serve-glm  per budget in BUDGETS (share of expert bytes on the GPU) and mode in MODES (or the pairs in
 #              CELLS, e.g. "0.11:exact 0.11:fast 0.11:fast:--cpu-lane-threads+14", instead of every budget with
 #              every mode; a third field adds serve flags, + for a space, and names the run; KIND_CELLS
@@ -165,6 +166,16 @@ print(json.load(open(sys.argv[1]))['model_config']['num_hidden_layers'] - 1)" "$
     > "$WORK/glm-build.log" 2>&1 || { log "store build failed: $(tail -3 "$WORK/glm-build.log")"; return 1; }
   tail -2 "$WORK/glm-build.log"
   cp "$WORK/glm/expert-stats.json" "$WORK/glm-expert-stats.json"
+  # the disk's own rate for the disk cells' floors: 4 GiB of records spread over experts.bin, 16 O_DIRECT readers
+  # as the disk tier has (the tier's bytes over its request waits count read-ahead's bytes without its seconds)
+  "$PY" - "$WORK/glm" > "$WORK/disk.json" <<'PY' && log "disk: $(cat "$WORK/disk.json")"
+import json, sys
+from tiermoe.store.disk import measure_read_gbs
+from tiermoe.store.records import load_manifest
+m = load_manifest(sys.argv[1])
+gbs, nbytes, mode = measure_read_gbs(m.experts_path, m.records, max_bytes=4 << 30, threads=16)
+print(json.dumps({"disk_read_gbs": gbs, "bytes": nbytes, "mode": mode, "threads": 16}))
+PY
 }
 
 serve_matrix() {  # NAME STORE STATS EXTRA_FLAGS...

@@ -4,8 +4,12 @@ and the disk tier's rate over its read waits (docs/results.md cites these for th
     python3 scripts/stats_delta.py STATS_BEFORE.json STATS_AFTER.json
 
 The snapshots are what scripts/gpu_real_routing.sh keeps around each sweep (stats-before-TAG.json, stats-TAG.json).
-Counters are differences over the sweep (its prefill included; a decode token is one the engine decoded); rates
-are bytes over the seconds the part was busy in the same window. Prints one JSON object.
+Counters are differences over the sweep, its prefill included: "per_decode_token" divides them by the tokens the
+engine decoded, so for counters that prefill moves too (slot and host hits, disk reads, other_reads) it is an
+upper bound; `decode_reads` counts decode steps' reads alone. The lane's rate is its weight bytes over its busy
+seconds. The disk tier's figure is every byte it read (read-ahead included) over the seconds a request waited
+for a read: read-ahead that finished before it was needed adds bytes and no seconds, so this is not the disk's
+rate (`tiermoe plan` and `tiermoe doctor` measure that). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ def rate(delta: dict[str, float], bytes_key: str, seconds_key: str) -> float | N
 def summarize(before: dict, after: dict) -> dict:
     a, b = flatten(before["engine"]["experts"]), flatten(after["engine"]["experts"])
     delta = {key: value - a.get(key, 0) for key, value in b.items()}
+    if delta.get("decode_tokens", 0) < 0:
+        raise SystemExit("the counters went down between the snapshots: the server restarted in between")
     tokens = delta["decode_tokens"]
     out: dict = {"decode_tokens": tokens, "decode_steps": delta["decode_steps"]}
     for key in COUNTERS:
@@ -49,8 +55,8 @@ def summarize(before: dict, after: dict) -> dict:
     out["cpu_lane_busy_s"] = delta.get("cpu_lane.busy_s")
     disk = "device_cache.disk_tier."
     if disk + "read_s" in delta:
-        out["disk_gbs_over_read_waits"] = rate(delta, disk + "bytes_read", disk + "read_s")
-        out["disk_gbs_over_read_waits_server_life"] = rate(b, disk + "bytes_read", disk + "read_s")
+        out["disk_bytes_over_wait_s_gbs"] = rate(delta, disk + "bytes_read", disk + "read_s")
+        out["disk_bytes_over_wait_s_gbs_server_life"] = rate(b, disk + "bytes_read", disk + "read_s")
         out["disk_gb_read"] = round(delta[disk + "bytes_read"] / 1e9, 1)
     for key in ("serve_s", "device_wait_s", "posts"):
         if "device_cache.mailbox." + key in delta:
