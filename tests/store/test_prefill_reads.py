@@ -31,3 +31,10 @@ def test_the_plan_line_names_both_chunkings_and_their_seconds():
     assert line.startswith("prefill of a 8,192-token prompt: 4 chunks of 2,048 tokens read about 192 disk-only")
     assert "(19.2 GB, 9.6 s at 2.00 GB/s)" in line and "1 chunk of 8,192 tokens read about 48" in line
     assert "--max-num-batched-tokens" in line
+
+
+def test_a_mixed_store_counts_each_disk_read_at_its_own_length():
+    rates = {0: 1.0, 1: 0.5, 2: 0.5}  # key 0 in a slot; 1 (hot, 300 B) and 2 (cold, 100 B) on disk
+    line = prefill_note(rates, 1, 0, {0: 300, 1: 300, 2: 100}, 1.0, 8192, prompt_tokens=8192)
+    assert "read about 2 disk-only experts (0.00 GB" in line  # 400 bytes, not 2 x the longest record
+    assert prompt_disk_reads(rates, 1, 0, 8192, 8192, {1: 300, 2: 100}) == pytest.approx(400.0)

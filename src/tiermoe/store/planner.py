@@ -481,8 +481,11 @@ def build_plan(
         from tiermoe.store.floor import Bandwidths
         from tiermoe.store.prefill_reads import prefill_note
 
-        more = [*more, prefill_note(rates, n_slots, n_host, rec, disk_gbs or Bandwidths.disk_gbs,
-                                    default_batched_tokens(dev.type))]
+        lengths = {r.index: r.length for r in manifest.records} if manifest.mixed else rec  # each record's own
+        note = prefill_note(rates, n_slots, n_host, lengths, disk_gbs or Bandwidths.disk_gbs,
+                            default_batched_tokens(dev.type))
+        more = [*more, note if ranks == 1 else f"{note}; this is rank 0's share, and the {ranks} ranks read theirs "
+                                                "from the disk at the same time"]
     # a mixed store's reads are each record's own length: the floor gets picks weighted by length
     read_hits = (expected_hits(rates, n_slots, n_host, {r.index: r.length / rec for r in manifest.records})
                  if manifest.mixed else hits)

@@ -17,30 +17,38 @@ import math
 from collections.abc import Hashable, Mapping
 
 
-def disk_reads_per_chunk(rates: Mapping[Hashable, float], n_slots: int, n_host: int, chunk_tokens: int) -> float:
-    """Expected disk-only experts one chunk of `chunk_tokens` tokens picks (each read once for that chunk)."""
+def disk_reads_per_chunk(rates: Mapping[Hashable, float], n_slots: int, n_host: int, chunk_tokens: int,
+                         weight: Mapping[Hashable, float] | None = None) -> float:
+    """Expected disk-only experts one chunk of `chunk_tokens` tokens picks (each read once for that chunk); with
+    `weight` each counts at its weight (a mixed store: its record's bytes)."""
     order = sorted(rates, key=lambda k: (-rates[k], str(k)))
-    return sum(1.0 - (1.0 - min(1.0, max(0.0, rates[k]))) ** chunk_tokens for k in order[n_slots + n_host:])
+    w = weight or {}
+    return sum(w.get(k, 1.0) * (1.0 - (1.0 - min(1.0, max(0.0, rates[k]))) ** chunk_tokens)
+               for k in order[n_slots + n_host:])
 
 
 def prompt_disk_reads(rates: Mapping[Hashable, float], n_slots: int, n_host: int, prompt_tokens: int,
-                      chunk_tokens: int) -> float:
+                      chunk_tokens: int, weight: Mapping[Hashable, float] | None = None) -> float:
     """Expected disk reads of a prompt of `prompt_tokens` prefilled in chunks of `chunk_tokens` (the last one
-    shorter)."""
+    shorter); `weight` as disk_reads_per_chunk's."""
     chunk = max(1, min(chunk_tokens, prompt_tokens))
     full, rest = divmod(prompt_tokens, chunk)
-    reads = full * disk_reads_per_chunk(rates, n_slots, n_host, chunk)
-    return reads + (disk_reads_per_chunk(rates, n_slots, n_host, rest) if rest else 0.0)
+    reads = full * disk_reads_per_chunk(rates, n_slots, n_host, chunk, weight)
+    return reads + (disk_reads_per_chunk(rates, n_slots, n_host, rest, weight) if rest else 0.0)
 
 
-def prefill_note(rates: Mapping[Hashable, float], n_slots: int, n_host: int, record_bytes: int, disk_gbs: float,
-                 chunk_tokens: int, prompt_tokens: int = 8192) -> str:
+def prefill_note(rates: Mapping[Hashable, float], n_slots: int, n_host: int, record_bytes: int | Mapping[Hashable, int],
+                 disk_gbs: float, chunk_tokens: int, prompt_tokens: int = 8192) -> str:
     """One line for the plan: a `prompt_tokens` prompt's disk reads in chunks of `chunk_tokens` (serve's default),
-    and in one chunk, with the seconds they take at `disk_gbs`."""
+    and in one chunk, with the seconds they take at `disk_gbs`. record_bytes: every record's, or each key's own
+    (a mixed store's hot and cold records differ)."""
+    lengths = record_bytes if isinstance(record_bytes, Mapping) else None
     parts = []
-    for chunk in dict.fromkeys((min(chunk_tokens, prompt_tokens), prompt_tokens)):
+    for chunk in dict.fromkeys((min(max(1, chunk_tokens), prompt_tokens), prompt_tokens)):
         reads = prompt_disk_reads(rates, n_slots, n_host, prompt_tokens, chunk)
-        gb = reads * record_bytes / 1e9
+        nbytes = reads * record_bytes if lengths is None else \
+            prompt_disk_reads(rates, n_slots, n_host, prompt_tokens, chunk, lengths)
+        gb = nbytes / 1e9
         parts.append(f"{math.ceil(prompt_tokens / chunk)} chunk{'s' if chunk < prompt_tokens else ''} of {chunk:,} "
                      f"tokens read about {reads:,.0f} disk-only experts ({gb:,.{1 if gb >= 10 else 2}f} GB, "
                      f"{gb / disk_gbs:,.{1 if gb >= 10 else 2}f} s at {disk_gbs:.2f} GB/s)")
