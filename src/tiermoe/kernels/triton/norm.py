@@ -78,6 +78,11 @@ def row_warps(block: int) -> int:
     return max(1, min(16, block // 512))
 
 
+def supported_dtype(t: torch.Tensor) -> bool:
+    """Whether the kernels here take t's dtype (float32, bfloat16, float16)."""
+    return t.dtype in _TL_DTYPE
+
+
 def check_dtype(name: str, t: torch.Tensor) -> None:
     if t.dtype not in _TL_DTYPE:
         raise ValueError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")

@@ -63,10 +63,10 @@ class RMSNorm(nn.Module):
         launch on CUDA (no gradient) instead of the twin's six small kernels, which a decode step pays for every
         norm of every layer; the twin (kernels/reference_norm.rms_norm_ref) elsewhere and under `reference_ops`."""
         if device_kernels(x, self.weight):
-            from tiermoe.kernels.triton.norm import MAX_DIM, rms_norm
-            if x.shape[-1] <= MAX_DIM:
+            from tiermoe.kernels.triton.norm import MAX_DIM, rms_norm, supported_dtype
+            if x.shape[-1] <= MAX_DIM and supported_dtype(x) and supported_dtype(self.weight):
                 return rms_norm(x, self.weight, self.eps)
-        return rms_norm_ref(x, self.weight, self.eps)
+        return rms_norm_ref(x, self.weight, self.eps)  # elsewhere, and for float64 or rows too wide to hold
 
 
 class Linear(nn.Module):
