@@ -50,9 +50,10 @@ def tiny(tmp_path_factory):
                        dtype=torch.bfloat16).model
 
 
-def test_layers_forward_takes_the_twins_for_prefill_only(tiny, monkeypatch):
-    seen = []
-    real = glm5_model.reference_ops
+def spy_on_reference_ops(module, monkeypatch) -> list[bool]:
+    """Replace `module.reference_ops` with a wrapper that records each step's switch; returns the record."""
+    seen: list[bool] = []
+    real = module.reference_ops
 
     @contextlib.contextmanager
     def spy(on: bool = True):
@@ -60,10 +61,15 @@ def test_layers_forward_takes_the_twins_for_prefill_only(tiny, monkeypatch):
         with real(on):
             yield
 
+    monkeypatch.setattr(module, "reference_ops", spy)
+    return seen
+
+
+def test_layers_forward_takes_the_twins_for_prefill_only(tiny, monkeypatch):
     cache = tiny.new_cache(2, 64)
     ids = torch.arange(3, 12)
     plain = tiny(ids, SeqBatch([0], [0], [9]), cache)  # before the spy: the same step's logits
-    monkeypatch.setattr(glm5_model, "reference_ops", spy)
+    seen = spy_on_reference_ops(glm5_model, monkeypatch)
     cache = tiny.new_cache(2, 64)
     hidden = tiny(ids, SeqBatch([0], [0], [9]), cache)  # prefill
     tiny(torch.tensor([5]), SeqBatch([0], [9], [1]), cache)  # decode
@@ -81,16 +87,7 @@ def test_the_decoder_families_take_the_twins_for_prefill_only(tiny_dir, monkeypa
     eng = build_engine_core(str(tiny_dir("glm4_moe", "bfloat16")), device="cpu", dtype="bfloat16", max_num_seqs=1)
     ids = list(range(3, 12))
     plain = engine_logits(eng, ids, chunk=4, decode_from=6)  # before the spy: the same steps' logits
-    seen = []
-    real = decoder.reference_ops
-
-    @contextlib.contextmanager
-    def spy(on: bool = True):
-        seen.append(on)
-        with real(on):
-            yield
-
-    monkeypatch.setattr(decoder, "reference_ops", spy)
+    seen = spy_on_reference_ops(decoder, monkeypatch)
     got = engine_logits(eng, ids, chunk=4, decode_from=6)  # prompt pieces of 4, 2, then 3 decode steps
     assert seen == [True, True, False, False, False]
     assert torch.equal(got, plain)  # on a CPU the twins run either way
