@@ -108,6 +108,22 @@ def test_invalid_response_format(client):
     assert "schema" in err["message"]
 
 
+def test_a_chat_template_in_chat_template_kwargs_is_refused(server, client):
+    """chat_template_kwargs reach apply_chat_template as keywords, so a `chat_template` there would
+    replace the model's template with the client's Jinja: a few nested loops over range(100000) or
+    a string repeated 10**10 times hold the one tokenizer thread (every request waits behind it)
+    or exhaust memory. It is a 400 on every route that renders chat_template_kwargs."""
+    hostile = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    err = _bad_chat(client, messages=MSG, extra_body={"chat_template_kwargs": {"chat_template": hostile}})
+    assert err["param"] == "chat_template_kwargs.chat_template"
+    r = httpx.post(server.url + "/tokenize", json={"messages": MSG, "chat_template_kwargs": {"chat_template": hostile}},
+                   timeout=10)
+    assert r.status_code == 400 and _body_ok(r.json(), 400)["param"] == "chat_template_kwargs.chat_template"
+    ok = client.chat.completions.create(model="scripted", messages=MSG, max_tokens=4,
+                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert ok.choices[0].message.content is not None
+
+
 def test_unknown_route_and_method(server):
     r = httpx.post(server.url + "/v1/nothing", json={})
     assert r.status_code == 404 and _body_ok(r.json(), 404)

@@ -230,6 +230,11 @@ class ServerContext:
                 param="messages", code="context_length_exceeded",
             )
         kwargs = dict(template_kwargs or {})
+        if "chat_template" in kwargs:
+            # apply_chat_template would render the client's Jinja instead of the model's: unbounded
+            # loops and allocations on the shared tokenizer thread
+            raise bad_request("chat_template_kwargs may not replace the model's chat template",
+                              param="chat_template_kwargs.chat_template")
         for reserved in ("messages", "tools", "add_generation_prompt", "tokenize", "conversation"):
             kwargs.pop(reserved, None)
 
