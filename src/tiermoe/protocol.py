@@ -113,6 +113,10 @@ class TokenLogprob:
 STORE_ERROR = "store_error"
 STORE_CORRUPT = "store_corrupt"
 STORE_CODES = (STORE_ERROR, STORE_CORRUPT)
+# RequestOutput.error_code of a request whose grammar (its response format, compiled by the
+# grammar engine) failed while decoding: the request's own format is past what the grammar engine
+# can expand, so the server answers 400 as for a schema refused up front.
+GRAMMAR_ERROR = "grammar_error"
 
 
 @dataclass

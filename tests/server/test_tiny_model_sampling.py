@@ -141,3 +141,25 @@ def test_json_answer_after_reasoning(tiny):
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
     assert any(getattr(c.message, "reasoning_content", None) for c in r.choices)
+
+
+def test_a_pattern_the_grammar_engine_gives_up_on_midway_is_a_400(tiny):
+    """A pattern such as (a{1000}){1000} compiles, but the grammar engine's lexer gives up on it
+    once it has to expand it during decoding ("too many expressions"). The schema is the
+    request's own doing: a 400 naming the response format (an in-band error of that type in a
+    stream), never a 500 carrying the grammar engine's internal state; later requests are served."""
+    server, client, _, _ = tiny
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
+              "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=MSG, max_tokens=64, response_format=fmt,
+                                       extra_body=NO_THINKING)
+    err = e.value.body
+    assert err["code"] == "unsupported_schema" and "<state>" not in err["message"] and "\n" not in err["message"]
+    with pytest.raises(openai.APIError) as e:  # the client raises on the stream's in-band error event
+        list(client.chat.completions.create(model="tiny", messages=MSG, max_tokens=64, response_format=fmt,
+                                            stream=True, extra_body=NO_THINKING))
+    assert e.value.body["type"] == "invalid_request_error" and e.value.body["code"] == "unsupported_schema"
+    ok = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=4, extra_body=NO_THINKING)
+    assert ok.choices[0].finish_reason in ("stop", "length")

@@ -26,7 +26,8 @@ import time
 from collections import deque
 from typing import Callable
 
-from tiermoe.protocol import STORE_CORRUPT, STORE_ERROR, InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
+from tiermoe.protocol import (GRAMMAR_ERROR, STORE_CORRUPT, STORE_ERROR, InvalidRequest, RequestOutput, SamplingParams,
+                              TokenLogprob)
 from tiermoe.errors import StoreError, StoreIntegrityError, UserError
 from tiermoe.engine.ranks import RankGroup, StepInputs
 from tiermoe.runner.model_runner import ModelRunner
@@ -271,15 +272,16 @@ class LLMEngine:
                 top = list(zip(top_ids[i][:k], top_vals[i][:k])) if k and top_ids is not None else []
                 lp = [TokenLogprob(tok, chosen[i], top)]
             plp = self._prompt_logprobs_done(req) if len(req.output_ids) == 1 else None
-            reason, error = self._stop_reason(req, tok), None
+            reason, error, code = self._stop_reason(req, tok), None, None
             if reason in (None, "length") and req.request_id in self.runner.grammars:
                 complete, error = self.runner.advance_grammar(req)
-                if error is not None:
-                    reason, error = "error", f"structured output: {error}"
+                if error is not None:  # its first line: the rest is the grammar engine's internal state
+                    reason, code = "error", GRAMMAR_ERROR
+                    error = f"structured output: {(error.strip().splitlines() or ['grammar error'])[0]}"
                 elif complete:
                     reason = "stop"
             if reason:
-                outputs.append(self._finish(req, reason, [tok], lp, error, plp))
+                outputs.append(self._finish(req, reason, [tok], lp, error, plp, error_code=code))
             else:
                 outputs.append(self._output(req, [tok], lp, False, None, None, plp))
         return outputs

@@ -11,6 +11,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tiermoe.protocol import GRAMMAR_ERROR
 from tiermoe.server.chat import plan_tools
 from tiermoe.server.context import ServerContext
 from tiermoe.server.errors import bad_request
@@ -224,7 +225,8 @@ async def _stream(ctx: ServerContext, mid: str, run: ChoiceRun):
             if d.finish_reason:
                 out += close_block()
                 if d.finish_reason == "error":
-                    error = {"type": "api_error", "message": run.error or "engine error"}
+                    kind = "invalid_request_error" if run.error_code == GRAMMAR_ERROR else "api_error"
+                    error = {"type": kind, "message": run.error or "engine error"}
                     out += sse({"type": "error", "error": error}, "error")
             if out:
                 yield out

@@ -7,7 +7,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tiermoe.protocol import STORE_CODES, TokenLogprob
+from tiermoe.protocol import GRAMMAR_ERROR, STORE_CODES, TokenLogprob
 from tiermoe.server.chat import openai_messages, plan_tools
 from tiermoe.server.context import ServerContext
 from tiermoe.server.errors import bad_request
@@ -203,6 +203,9 @@ def in_band_error(run: ChoiceRun) -> str:
     if run.error_code in STORE_CODES:
         return sse({"error": {"message": f"expert store: {run.error}", "type": "service_unavailable",
                               "param": None, "code": run.error_code}})
+    if run.error_code == GRAMMAR_ERROR:
+        return sse({"error": {"message": f"the response format cannot be enforced: {run.error}",
+                              "type": "invalid_request_error", "param": None, "code": "unsupported_schema"}})
     return sse({"error": {"message": run.error or "engine error", "type": "server_error", "param": None,
                           "code": "request_timeout" if run.timed_out else "engine_error"}})
 

@@ -19,7 +19,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tiermoe.protocol import STORE_CODES
+from tiermoe.protocol import GRAMMAR_ERROR, STORE_CODES
 from tiermoe.server.errors import APIError, sse_error_event
 from tiermoe.server.generation import ChoiceRun, Delta
 
@@ -114,8 +114,9 @@ async def drain(runs: list[ChoiceRun]) -> None:
     """Run every choice to its end (non-streaming); outputs accumulate in the runs.
 
     A choice the engine failed turns the whole response into a 500 with the engine's
-    message, or a 503 when the expert store failed (other requests are unaffected; the engine
-    keeps serving).
+    message, a 503 when the expert store failed, or a 400 when the grammar engine could not
+    follow the request's own response format (other requests are unaffected; the engine keeps
+    serving).
     """
     try:
         await asyncio.gather(*(_consume(r) for r in runs))
@@ -128,6 +129,8 @@ async def drain(runs: list[ChoiceRun]) -> None:
             raise APIError(504, failed[0].error, code="request_timeout")
         if failed[0].error_code in STORE_CODES:
             raise APIError(503, f"expert store: {failed[0].error}", code=failed[0].error_code)
+        if failed[0].error_code == GRAMMAR_ERROR:  # the request's own format: as if refused up front
+            raise APIError(400, f"the response format cannot be enforced: {failed[0].error}", code="unsupported_schema")
         raise APIError(500, failed[0].error or "engine error", code="engine_error")
 
 
