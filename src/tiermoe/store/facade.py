@@ -47,9 +47,8 @@ class ExpertStore:
                  verify: str, preload: bool, prefetch_limit: int | None, measured_rates: bool = False,
                  lock: StoreLock | None = None, served_experts: int | None = None):
         self._lock = lock  # released by close()
-        # experts that live on disk only: of those this store serves (all, or an expert-parallel rank's share)
-        served = len(manifest.records) if served_experts is None else served_experts
-        self.disk_only_experts = max(0, served - n_slots - n_host)
+        # experts on disk only, of those served (all, or an expert-parallel rank's share)
+        self.disk_only_experts = max(0, (served_experts or len(manifest.records)) - n_slots - n_host)
         self.manifest = manifest
         self.layout = manifest.layout  # every record's, or a mixed store's hot experts' (layouts[0])
         self.layouts = manifest.layouts
@@ -99,16 +98,14 @@ class ExpertStore:
              prefetch_limit: int | None = None, only: Collection[int] | None = None) -> "ExpertStore":
         """Open a packed store; sizes tiers (GiB flags or machine defaults) and preloads the
         hottest experts (by `stats_file`, else in record order) into slots, then host. only: opening.py."""
-        m, dev, plan, rates = open_parts(path, device=device, gpu_expert_gb=gpu_expert_gb,
-                                         host_expert_gb=host_expert_gb, policy=policy, stats_file=stats_file,
-                                         only=only)
+        m, dev, plan, rates = open_parts(path, device=device, gpu_expert_gb=gpu_expert_gb, only=only,
+                                         host_expert_gb=host_expert_gb, policy=policy, stats_file=stats_file)
         lock = StoreLock.shared(path)
         try:
             return cls(m, device=dev, dtype=dtype or m.dtype, n_slots=plan.n_slots, n_host=plan.n_host,
                        policy=policy, rates=rates, static_hot=static_hot, direct_io=direct_io,
                        reader_threads=reader_threads, verify=verify, preload=preload, prefetch_limit=prefetch_limit,
-                       measured_rates=stats_file is not None, lock=lock,
-                       served_experts=None if only is None else len(set(only)))
+                       measured_rates=stats_file is not None, lock=lock, served_experts=len(set(only or ())))
         except BaseException:
             lock.release()
             raise

@@ -30,7 +30,7 @@ import torch
 
 from tiermoe import env
 from tiermoe.errors import UserError
-from tiermoe.config import DEFAULTS, default_batched_tokens
+from tiermoe.config import DEFAULTS
 from tiermoe.store.routing_trace import is_trace, trace_counts
 from tiermoe.store.slot_split import STAGE_PICKS, staging_rows
 
@@ -477,15 +477,10 @@ def build_plan(
         more = [*more, f"{stage} records of the GPU budget are the device cache's staging rows for misses it does "
                        f"not admit (top-{top_k} x {min(max_num_seqs, STAGE_PICKS)} sequences), not slots"]
     hits = expected_hits(rates, n_slots, n_host)
-    if total > n_slots + n_host:  # a disk tier: what a long prompt's prefill reads (store/prefill_reads.py)
-        from tiermoe.store.floor import Bandwidths
-        from tiermoe.store.prefill_reads import prefill_note
+    if total > n_slots + n_host:  # a disk tier: what a long prompt's prefill reads
+        from tiermoe.store.prefill_reads import plan_prefill_note
 
-        lengths = {r.index: r.length for r in manifest.records} if manifest.mixed else rec  # each record's own
-        note = prefill_note(rates, n_slots, n_host, lengths, disk_gbs or Bandwidths.disk_gbs,
-                            default_batched_tokens(dev.type))
-        more = [*more, note if ranks == 1 else f"{note}; this is rank 0's share, and the {ranks} ranks read theirs "
-                                                "from the disk at the same time"]
+        more = [*more, plan_prefill_note(manifest, rates, n_slots, n_host, disk_gbs, dev.type, ranks)]
     # a mixed store's reads are each record's own length: the floor gets picks weighted by length
     read_hits = (expected_hits(rates, n_slots, n_host, {r.index: r.length / rec for r in manifest.records})
                  if manifest.mixed else hits)

@@ -16,6 +16,9 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Mapping
 
+from tiermoe.config import default_batched_tokens
+from tiermoe.store.floor import Bandwidths
+
 
 def disk_reads_per_chunk(rates: Mapping[Hashable, float], n_slots: int, n_host: int, chunk_tokens: int,
                          weight: Mapping[Hashable, float] | None = None) -> float:
@@ -54,3 +57,14 @@ def prefill_note(rates: Mapping[Hashable, float], n_slots: int, n_host: int, rec
                      f"{gb / disk_gbs:,.{1 if gb >= 10 else 2}f} s at {disk_gbs:.2f} GB/s)")
     return (f"prefill of a {prompt_tokens:,}-token prompt: " + "; ".join(parts)
             + " (each chunk reads every disk-only expert it picks; `--max-num-batched-tokens` sets the chunk)")
+
+
+def plan_prefill_note(manifest, rates: Mapping[Hashable, float], n_slots: int, n_host: int, disk_gbs: float | None,
+                      device: str, ranks: int = 1) -> str:
+    """`tiermoe plan`'s note for a store with disk-only experts: serve's chunk on `device`, each record read at its
+    own length (a mixed store's differ), the disk at `disk_gbs` (None: the floor model's default); with `ranks` > 1
+    the figures are rank 0's share, and every rank reads its own from the disk at the same time."""
+    lengths = {r.index: r.length for r in manifest.records} if manifest.mixed else manifest.record_bytes
+    gbs = disk_gbs or Bandwidths.disk_gbs
+    note = prefill_note(rates, n_slots, n_host, lengths, gbs, default_batched_tokens(device))
+    return note if ranks == 1 else f"{note}; this is rank 0's share, and the {ranks} ranks read theirs at once"
