@@ -32,7 +32,7 @@ from tiermoe import env
 from tiermoe.errors import UserError
 from tiermoe.config import DEFAULTS
 from tiermoe.store.routing_trace import is_trace, trace_counts
-from tiermoe.store.slot_split import STAGE_PICKS, staging_rows
+from tiermoe.store.slot_split import STAGE_PICKS, staging_rows, static_tiers
 
 GIB = 1 << 30
 
@@ -288,10 +288,8 @@ def expected_hits(rates: Mapping[int, float], n_slots: int, n_host: int,
     With `weight` (a key's record length over the tier entry's, for a mixed store) each pick
     counts at its weight: the result is then in entry-sized record reads, which is what the floor
     model multiplies by the entry length."""
-    order = sorted(rates, key=lambda k: (-rates[k], k))
     w = weight or {}
-    tiers = {"slots": order[:n_slots], "host": order[n_slots : n_slots + n_host], "disk": order[n_slots + n_host :]}
-    return {t: sum(rates[k] * w.get(k, 1.0) for k in keys) for t, keys in tiers.items()}
+    return {t: sum(rates[k] * w.get(k, 1.0) for k in keys) for t, keys in static_tiers(rates, n_slots, n_host).items()}
 
 
 def decode_floor_s(record_bytes: int, hits: Mapping[str, float], device: str, *, top_k: int = 8,

@@ -18,16 +18,16 @@ from collections.abc import Hashable, Mapping
 
 from tiermoe.config import default_batched_tokens
 from tiermoe.store.floor import Bandwidths
+from tiermoe.store.slot_split import static_tiers
 
 
 def disk_reads_per_chunk(rates: Mapping[Hashable, float], n_slots: int, n_host: int, chunk_tokens: int,
                          weight: Mapping[Hashable, float] | None = None) -> float:
     """Expected disk-only experts one chunk of `chunk_tokens` tokens picks (each read once for that chunk); with
     `weight` each counts at its weight (a mixed store: its record's bytes)."""
-    order = sorted(rates, key=lambda k: (-rates[k], str(k)))
     w = weight or {}
     return sum(w.get(k, 1.0) * (1.0 - (1.0 - min(1.0, max(0.0, rates[k]))) ** chunk_tokens)
-               for k in order[n_slots + n_host:])
+               for k in static_tiers(rates, n_slots, n_host)["disk"])
 
 
 def prompt_disk_reads(rates: Mapping[Hashable, float], n_slots: int, n_host: int, prompt_tokens: int,

@@ -12,9 +12,16 @@ layers, most popular rank first.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Hashable, Mapping, Sequence
 
 STAGE_PICKS = 4  # staged (not admitted) misses per step are bounded by top_k x this many tokens
+
+
+def static_tiers(rates: Mapping[Hashable, float], n_slots: int, n_host: int) -> dict[str, list]:
+    """Static placement by popularity: the `n_slots` most popular keys in slots, the next `n_host` in host RAM, the
+    rest on disk only (ties by key). The plan's expected hits and its prefill reads place experts this way."""
+    order = sorted(rates, key=lambda k: (-rates[k], k))
+    return {"slots": order[:n_slots], "host": order[n_slots: n_slots + n_host], "disk": order[n_slots + n_host:]}
 
 
 def staging_rows(slots: int, top_k: int, max_tokens: int, stage_misses: bool = True) -> int:
