@@ -12,7 +12,7 @@ from __future__ import annotations
 # kernel_stores first: on CPU it switches Triton to its interpreter before anything imports Triton
 from kernel_stores import (
     DEVICE, GIB, LAYERS, N_EXPERTS,
-    ON_GPU, engine_logits_and_counters, moe_batch, tiny_glm4_stores,
+    ON_GPU, engine_logits_and_counters, kernel_bf16, moe_batch, tiny_glm4_stores,
 )
 
 import random  # noqa: E402
@@ -22,6 +22,7 @@ import torch  # noqa: E402
 
 from tiermoe.errors import UserError  # noqa: E402
 from tiermoe.moe.device_cache import DeviceCacheExperts  # noqa: E402
+from tiermoe.moe.prefill_staging import STAGE_TOKENS  # noqa: E402
 from tiermoe.moe.store_backends import StoreTritonExperts  # noqa: E402
 from tiermoe.store.facade import ExpertStore  # noqa: E402
 from tiermoe.store.planner import device_cache_plan  # noqa: E402
@@ -59,9 +60,15 @@ def _store_path_outputs(path, rec: int, calls) -> list[torch.Tensor]:
 
 
 def _trace(n: int = 4) -> list[tuple[int, int, int]]:
-    """(layer, tokens, seed) calls: decode steps of 1-3 tokens and a 17-token prefill."""
+    """(layer, tokens, seed) calls: decode steps of 1 and 3 tokens, prefill chunks of 2 tokens (read in place,
+    under STAGE_TOKENS) and of 17 (staged)."""
     rnd = random.Random(0)
-    return [(layer, rnd.choice((1, 1, 3, 17)), rnd.randrange(1000)) for _ in range(n) for layer in LAYERS]
+    return [(layer, rnd.choice((1, 1, 3, 17, 2)), rnd.randrange(1000)) for _ in range(n) for layer in LAYERS]
+
+
+def _decode(tokens: int) -> bool:
+    """Is a trace call of this many tokens a decode step (else a prefill chunk)?"""
+    return tokens in (1, 3)
 
 
 @pytest.mark.parametrize("kind", ["int4", "bf16"])
@@ -74,11 +81,13 @@ def test_bit_identical_to_store_path_and_across_budgets(stores, kind):
     for slots in (2 * 8, 2 * 2 + 2, 0):  # (+2: staging rows come out of the budget first)
         with _host_store(path, rec) as st:
             dc = DeviceCacheExperts(st, slots, rates={}, top_k=2, max_tokens=1)
-            got = [dc.forward(layer, *moe_batch(t, seed), decode=t < 17).cpu() for layer, t, seed in trace]
+            got = [dc.forward(layer, *moe_batch(t, seed), decode=_decode(t)).cpu() for layer, t, seed in trace]
             c = dc.cache_counters()
         assert all(torch.equal(a, b) for a, b in zip(ref, got)), slots
-        assert c["cache_steps"] == sum(t < 17 for _, t, _ in trace)
-        assert c["table_calls"] == len(trace) - c["cache_steps"]
+        assert c["cache_steps"] == sum(_decode(t) for _, t, _ in trace)
+        assert c["table_calls"] == sum(not _decode(t) and t < STAGE_TOKENS for _, t, _ in trace) > 0
+        if slots == 0:  # every pick of a 17-token chunk is a miss, copied to staging rows
+            assert c["prefill_staged"] > 0
         assert c["lookups"] == c["hits"] + c["misses"] > 0
         if slots == 16:
             assert c["stage_rows"] == 2 and c["slots"] == 14 and c["hits"] > 0
@@ -109,7 +118,7 @@ def test_mixed_store_copies_short_records_and_stays_bit_identical(tiny_dir, tmp_
         with _host_store(path, rec) as st:
             dc = DeviceCacheExperts(st, slots, rates={}, top_k=2, max_tokens=1)
             words = {layer: c.record_words.tolist() for layer, c in dc.caches.items()}
-            got = [dc.forward(layer, *moe_batch(t, seed), decode=t < 17).cpu() for layer, t, seed in trace]
+            got = [dc.forward(layer, *moe_batch(t, seed), decode=_decode(t)).cpu() for layer, t, seed in trace]
             c = dc.stats()
         assert all(torch.equal(a, b) for a, b in zip(ref, got)), slots
         assert all(sorted(set(w)) == [2048, 3072] for w in words.values())  # int8 and bf16 records, in words
@@ -144,7 +153,7 @@ def test_matrix_vector_decode_path_is_bit_identical_across_budgets(stores, monke
     for slots in (2 * 8, 2 * 2 + 2, 0):
         with _host_store(path, rec) as st:
             dc = DeviceCacheExperts(st, slots, rates={}, top_k=2, max_tokens=1)
-            got = [dc.forward(layer, *moe_batch(t, seed), decode=t < 17).cpu() for layer, t, seed in trace]
+            got = [dc.forward(layer, *moe_batch(t, seed), decode=_decode(t)).cpu() for layer, t, seed in trace]
         assert all(torch.equal(a, b) for a, b in zip(ref, got)), slots
     assert len(calls) == 4 * sum(t <= 4 for _, t, _ in trace)  # the kernel ran: both paths, 1 + 3 budgets
 
@@ -158,7 +167,7 @@ def test_misses_read_in_place_without_staging_rows(stores):
     for stage in (True, False):
         with _host_store(path, rec) as st:
             dc = DeviceCacheExperts(st, 2 * 2 + 2, rates={}, top_k=2, max_tokens=1, stage_misses=stage)
-            outs.append([dc.forward(layer, *moe_batch(t, seed), decode=t < 17).cpu() for layer, t, seed in trace])
+            outs.append([dc.forward(layer, *moe_batch(t, seed), decode=_decode(t)).cpu() for layer, t, seed in trace])
             counters.append(dc.cache_counters())
     assert all(torch.equal(a, b) for a, b in zip(*outs))
     assert (counters[0]["stage_rows"], counters[0]["slots"]) == (2, 4)
@@ -169,6 +178,22 @@ def test_misses_read_in_place_without_staging_rows(stores):
         assert isinstance(be, DeviceCacheExperts) and be.stage_rows == 0
     finally:
         be.close()
+
+
+def test_partial_is_the_sum_before_its_rounding(stores):
+    """forward(partial=True) (an expert-parallel rank's part) in decode steps, prefill chunks read in place and
+    staged ones: the kernel's fp32 sum, which rounded as the kernel rounds it is the partial=False result bit for
+    bit (the cache's decisions between the two calls change no bits)."""
+    path, rec = stores["int4"]
+    with _host_store(path, rec) as st:
+        dc = DeviceCacheExperts(st, 2 * 2 + 2, rates={}, top_k=2, max_tokens=3)
+        for layer, t, seed in _trace():
+            x, ids, w = moe_batch(t, seed)
+            rounded = dc.forward(layer, x, ids, w, decode=_decode(t))  # [T, H]
+            part = dc.forward(layer, x, ids, w, decode=_decode(t), partial=True)  # [T, H]
+            assert part.dtype == torch.float32 and torch.equal(kernel_bf16(part), rounded), (layer, t, seed)
+        c = dc.cache_counters()
+    assert c["cache_steps"] > 0 and c["table_calls"] > 0 and c["prefill_staged"] > 0  # every kind of call
 
 
 @pytest.mark.parametrize("rows", [None, 3, 0])
@@ -384,7 +409,9 @@ def test_engine_logits_with_device_cache(stores):
         got, c = logits({"gpu_expert_gb": slots * rec / GIB, "host_expert_gb": all_host})  # auto: eligible
         assert torch.equal(got, ref), slots
         dc = c["device_cache"]
-        assert dc["cache_steps"] == 2 * len(prompt) and dc["table_calls"] == 2  # one 6-token prefill, 2 layers
+        assert dc["cache_steps"] == 2 * len(prompt)
+        assert dc["table_calls"] == 0  # the 6-token prefill (2 layers) copies its misses to staging rows
+        assert dc["prefill_staged"] > 0 or slots == N_EXPERTS
         assert c["slots"]["hits"] == dc["hits"] and c["host"]["hits"] >= dc["misses"]
         assert c["per_decode_token"]["slots_hits"] == pytest.approx(dc["hits"] / c["decode_tokens"])
         if slots == 0:

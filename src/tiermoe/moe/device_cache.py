@@ -13,8 +13,8 @@ graphs. Here the decision runs on the device instead, with the kernels of
                                  adjacent records; planned once per chunk and one layer ahead
                                  for large chunks: moe/prefill_staging.py), fused_moe reads
                                  slots + staging rows
-    other steps (short non-decode chunks, decode steps with more picks than the cache kernel
-    takes):                      fused_moe(..., ptr_table): slot experts from HBM, the rest
+    other steps (non-decode chunks under STAGE_TOKENS, decode steps with more picks than the
+    cache kernel takes):         fused_moe(..., ptr_table): slot experts from HBM, the rest
                                  read in place from pinned host memory
     (prefill leaves the cache unchanged)
 

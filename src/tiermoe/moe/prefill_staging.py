@@ -1,8 +1,8 @@
 """Prefill staging for the device cache: each layer's non-resident experts copied into HBM rows.
 
-A prefill chunk of many tokens touches nearly every expert, and the MoE kernel would read an
-in-place host record once per block of tokens; one copy per record is several times cheaper.
-Two ways to decide which records to copy (prefill never changes the slot cache):
+A prefill chunk touches many experts, and the MoE kernel would read an in-place host record once per
+block of tokens, through launch configurations tuned for HBM; one copy per record is cheaper from a
+few tokens on (STAGE_TOKENS). Two ways to decide which records to copy (prefill never changes the slot cache):
 
 - per layer (chunks of STAGE_TOKENS to STAGE_ALL_TOKENS - 1 tokens): the layer's picked experts
   that are not in slots, read back to the host when the layer runs (one host sync per layer);
@@ -23,7 +23,11 @@ from __future__ import annotations
 
 import torch
 
-STAGE_TOKENS = 64  # prefill chunks from this size copy their misses to the GPU instead of reading in place
+# Non-decode chunks from this size copy their misses to staging rows instead of reading them in place: a few new
+# tokens behind a cached prefix are such a chunk. Above fused_moe's decode bucket (16 tokens) the kernel's prefill
+# configuration reads host records in place at a fraction of the copy engine's rate, and from 4 tokens the copy is
+# already the cheaper of the two (scripts/short_prefill_probe.py, docs/results.md).
+STAGE_TOKENS = 4
 STAGE_ALL_TOKENS = 1024  # from this size: every non-resident expert, planned once per chunk
 
 
