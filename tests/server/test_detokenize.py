@@ -1,6 +1,7 @@
 """Incremental detokenization and stop strings, token by token, on the real byte-level BPE."""
 
-from tiermoe.server.detokenize import IncrementalDetokenizer, StopStringMatcher, TokenTexts, hidden_token_ids
+from tiermoe.server.detokenize import IncrementalDetokenizer, TokenTexts, hidden_token_ids
+from tiermoe.server.stop_strings import StopStringMatcher
 
 TEXT = "héllo wörld 世界 🚀 naïve café — done"
 

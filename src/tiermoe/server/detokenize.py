@@ -1,4 +1,4 @@
-"""Token ids -> text, one step at a time, plus stop strings.
+"""Token ids -> text, one step at a time (stop strings: stop_strings.py).
 
 Two problems make streaming text harder than `tokenizer.decode(all_ids)` at the end:
 
@@ -8,9 +8,9 @@ Two problems make streaming text harder than `tokenizer.decode(all_ids)` at the 
   in U+FFFD, so a client never sees a replacement character for a character that is still
   arriving. The window also gives sentencepiece-style tokenizers the left context they need
   to render a leading space.
-* A stop string can be split across tokens ("<|EN" + "D|>") and must never reach the client.
-  `StopStringMatcher` withholds the longest tail that could still grow into a stop string and
-  truncates at the earliest full match.
+* A stop string can be split across tokens ("<|EN" + "D|>") and must never reach the client:
+  `stop_strings.StopStringMatcher` withholds the longest tail that could still grow into one
+  and truncates at the earliest full match.
 
 Special tokens: the chat markers (<|im_end|>, eos, pad, role tokens) never appear in returned
 text, but the markers that the reasoning and tool-call parsers read (<think>, <tool_call>,
@@ -112,52 +112,6 @@ class IncrementalDetokenizer:
             self._prefix_offset = 0
         self.text += delta
         return delta
-
-
-class StopStringMatcher:
-    """Withholds text that might begin a stop string; reports the earliest complete match.
-
-    `push(text)` returns (text safe to emit, matched stop string or None). After a match the
-    caller finishes the request; the matched string and everything after it are dropped.
-    """
-
-    def __init__(self, stops: Iterable[str]):
-        self.stops = [s for s in dict.fromkeys(stops) if s]
-        self._max = max((len(s) for s in self.stops), default=0)
-        self._held = ""
-        self.matched: str | None = None
-
-    def push(self, text: str) -> tuple[str, str | None]:
-        if self.matched is not None:
-            return "", self.matched
-        if not self.stops:
-            return text, None
-        buf = self._held + text
-        best: tuple[int, str] | None = None
-        for stop in self.stops:
-            i = buf.find(stop)
-            if i != -1 and (best is None or i < best[0]):
-                best = (i, stop)
-        if best is not None:
-            self._held = ""
-            self.matched = best[1]
-            return buf[: best[0]], best[1]
-        hold = self._partial_tail(buf)
-        self._held = buf[len(buf) - hold :] if hold else ""
-        return buf[: len(buf) - hold], None
-
-    def flush(self) -> str:
-        """No more text will come: the withheld tail was not a stop string after all."""
-        out, self._held = self._held, ""
-        return out if self.matched is None else ""
-
-    def _partial_tail(self, buf: str) -> int:
-        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
-        for k in range(min(self._max - 1, len(buf)), 0, -1):
-            tail = buf[-k:]
-            if any(s.startswith(tail) for s in self.stops):
-                return k
-        return 0
 
 
 _BYTE_DECODER: dict[str, int] | None = None

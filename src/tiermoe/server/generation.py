@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator
 
 from tiermoe.protocol import SamplingParams, TokenLogprob
-from tiermoe.server.detokenize import IncrementalDetokenizer, StopStringMatcher
+from tiermoe.server.detokenize import IncrementalDetokenizer
 from tiermoe.server.reasoning import CONTENT, REASONING, ReasoningParser
+from tiermoe.server.stop_strings import StopStringMatcher
 from tiermoe.server.tool_parsers import ToolCallDelta, ToolParser
 
 if TYPE_CHECKING:
