@@ -234,3 +234,32 @@ def test_content_exception_before_the_engine_is_a_400_logged_in_one_line(tokeniz
             records = [rec for rec in caplog.records if rec.name == "tiermoe.server"]
             assert len(records) == 1 and records[0].exc_info is None and "\n" not in records[0].getMessage()
             assert "request refused" in records[0].getMessage()
+
+
+def test_a_prompt_list_past_the_queue_is_refused_before_tokenizing(tokenizer, monkeypatch):
+    """/v1/completions counts a prompt list against the queue before tokenizing it: a list the
+    server cannot take is a 429 at once, not after seconds of tokenizing every prompt on the one
+    tokenizer thread. A list it can take is tokenized and served as before."""
+    with start_server(tokenizer, core_kwargs={"max_num_seqs": 2}, max_queue=1) as s:  # room for 3
+        encoded = []
+        real_encode = tokenizer.encode
+
+        def spy(text, *args, **kwargs):
+            encoded.append(text)
+            return real_encode(text, *args, **kwargs)
+
+        monkeypatch.setattr(tokenizer, "encode", spy)
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        prompts = [f"prompt {i} " + "word " * 500 for i in range(4)]
+        with pytest.raises(openai.RateLimitError) as e:
+            c.completions.create(model="scripted", prompt=prompts, max_tokens=2)
+        err = _body_ok(e.value.body if "error" in e.value.body else {"error": e.value.body}, 429)
+        assert err["code"] == "queue_full" and err["type"] == "rate_limit_error"
+        assert e.value.response.headers["retry-after"] == "1"
+        assert not any(p in encoded for p in prompts)
+        with pytest.raises(openai.RateLimitError):  # n counts too: 2 prompts x 2 choices
+            c.completions.create(model="scripted", prompt=prompts[:2], n=2, max_tokens=2)
+        assert not any(p in encoded for p in prompts)
+        r = c.completions.create(model="scripted", prompt=prompts[:3], max_tokens=2)
+        assert [ch.index for ch in r.choices] == [0, 1, 2] and r.usage.prompt_tokens > 1500
+        assert all(p in encoded for p in prompts[:3])

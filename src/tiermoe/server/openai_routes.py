@@ -238,7 +238,8 @@ def from_delta(ctx: ServerContext, run: ChoiceRun, d: Delta, chunk, top_n: int, 
 # ---- completions -----------------------------------------------------------------------------
 
 
-async def _prompts(ctx: ServerContext, prompt) -> list[tuple[str, list[int]]]:
+def _prompt_list(ctx: ServerContext, prompt) -> list[str | list[int]]:
+    """The prompts of a completions request, without tokenizing any (token ids are range-checked)."""
     if isinstance(prompt, str):
         prompts = [prompt]
     elif prompt and all(isinstance(p, int) for p in prompt):
@@ -247,15 +248,22 @@ async def _prompts(ctx: ServerContext, prompt) -> list[tuple[str, list[int]]]:
         prompts = list(prompt)
     if not prompts:
         raise bad_request("prompt is empty", param="prompt")
-    out = []
     for i, p in enumerate(prompts):
+        if not isinstance(p, str):
+            for t in p:
+                if not 0 <= t < ctx.vocab_size:
+                    raise bad_request(f"prompt token {t} is outside the vocabulary", param=f"prompt[{i}]")
+    return prompts
+
+
+async def _prompts(ctx: ServerContext, prompts: list[str | list[int]]) -> list[tuple[str, list[int]]]:
+    """(text, token ids) of each prompt: text prompts are tokenized, id prompts decoded."""
+    out = []
+    for p in prompts:
         if isinstance(p, str):
             ids = await ctx.encode(p, add_special_tokens=True)
             out.append((p, ids))
         else:
-            for t in p:
-                if not 0 <= t < ctx.vocab_size:
-                    raise bad_request(f"prompt token {t} is outside the vocabulary", param=f"prompt[{i}]")
             out.append((ctx.tokenizer.decode(p, skip_special_tokens=False), list(p)))
     return out
 
@@ -305,7 +313,12 @@ async def complete(request: Request, ctx: ServerContext) -> Response:
     schema_param = "response_format.json_schema.schema"
     spec = structured_spec(rf.type, rf.json_schema.schema_ if rf.json_schema else None, schema_param) if rf else None
     await ctx.check_schemas(format_schemas(spec, schema_param))
-    prompts = await _prompts(ctx, req.prompt)
+    # Admission is counted from the list alone, so a list the queue cannot take is refused before
+    # any of it is tokenized (a long list of long prompts holds the one tokenizer thread for
+    # seconds); it is checked again after tokenizing, as the queue may have filled meanwhile.
+    listed = _prompt_list(ctx, req.prompt)
+    ctx.admit(req.n * len(listed))
+    prompts = await _prompts(ctx, listed)
     ctx.admit(req.n * len(prompts))
     rid = ctx.new_id("cmpl-")
     runs = []
