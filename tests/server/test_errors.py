@@ -263,3 +263,25 @@ def test_a_prompt_list_past_the_queue_is_refused_before_tokenizing(tokenizer, mo
         r = c.completions.create(model="scripted", prompt=prompts[:3], max_tokens=2)
         assert [ch.index for ch in r.choices] == [0, 1, 2] and r.usage.prompt_tokens > 1500
         assert all(p in encoded for p in prompts[:3])
+
+
+@pytest.mark.parametrize("key", [" 5", "5 ", "+5", "-0", "5.0", "0x5", "5_0", "1e2", "5\n", "", "٥", "５", "²", "٣٢"])
+def test_logit_bias_keys_are_ascii_digits_only(client, key):
+    """OpenAI's logit_bias keys are token ids in decimal. int() also reads signs, spaces,
+    underscores and non-ASCII digits ("٥" is 5), so such keys once biased a token here; they
+    are a 400 naming logit_bias on chat and completions alike."""
+    for create, kwargs in ((client.chat.completions.create, {"messages": MSG}),
+                           (client.completions.create, {"prompt": "hi"})):
+        err = _raises(openai.BadRequestError, create, model="scripted", max_tokens=2, logit_bias={key: 1}, **kwargs)
+        assert err["param"] == "logit_bias" and err["type"] == "invalid_request_error"
+        assert err["code"] == "invalid_value" and "\n" not in err["message"] and "not a token id" in err["message"]
+
+
+def test_logit_bias_keys_in_range_and_values_in_bounds(client):
+    for bias in ({"5": 1}, {"0005": -100}, {"0": 100, "7": 0.5}):
+        r = client.chat.completions.create(model="scripted", messages=MSG, max_tokens=2, logit_bias=bias)
+        assert r.choices[0].finish_reason in ("stop", "length")
+    err = _bad_chat(client, messages=MSG, logit_bias={"9" * 5000: 1})  # int() refuses 4300+ digits
+    assert "outside the vocabulary" in err["message"] and len(err["message"]) < 120
+    for value in (100.5, -101, 1e300):
+        assert _bad_chat(client, messages=MSG, logit_bias={"5": value})["param"] == "logit_bias"

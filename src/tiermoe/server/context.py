@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
@@ -33,6 +34,9 @@ from tiermoe.server.tool_parsers import ToolParser, detect_tool_format, get_tool
 # Whether the request being handled (one per asyncio task) has been handed to the engine; before
 # that, any failure comes from its content (handling.run_endpoint answers 400).
 reached_engine: ContextVar[bool] = ContextVar("tiermoe_reached_engine", default=False)
+
+# A logit_bias key: a token id in decimal, ASCII digits only (re's [0-9] matches no other digits).
+_TOKEN_ID = re.compile(r"[0-9]+")
 
 
 @dataclass
@@ -165,16 +169,25 @@ class ServerContext:
         return params
 
     def logit_bias(self, raw: dict) -> dict[int, float]:
-        """OpenAI logit_bias (token id as a string -> bias in [-100, 100]) -> {id: bias}; else 400."""
+        """OpenAI logit_bias (token id as a string -> bias in [-100, 100]) -> {id: bias}; else 400.
+
+        A key is ASCII digits only: int() would also read " 5", "+5", "5_0" and non-ASCII digits
+        such as "٥", so a key no other server takes would bias some token here. Digits past the
+        vocabulary's width are out of range without int() (which refuses over 4300 digits)."""
         out: dict[int, float] = {}
+        width = len(str(self.vocab_size))
         for key, value in raw.items():
-            try:
-                tid = int(key)
-            except (TypeError, ValueError):
-                raise bad_request(f"logit_bias key {key!r} is not a token id", param="logit_bias") from None
-            if not 0 <= tid < self.vocab_size:
-                raise bad_request(f"logit_bias key {tid} is outside the vocabulary [0, {self.vocab_size})",
+            if not isinstance(key, str) or not _TOKEN_ID.fullmatch(key):
+                shown = repr(key)
+                shown = shown if len(shown) <= 40 else shown[:37] + "..."
+                raise bad_request(f"logit_bias key {shown} is not a token id (a decimal number of ASCII digits)",
+                                  param="logit_bias", code="invalid_value")
+            digits = key.lstrip("0") or "0"
+            if len(digits) > width or int(digits) >= self.vocab_size:
+                shown = digits if len(digits) <= 40 else digits[:37] + "..."
+                raise bad_request(f"logit_bias key {shown} is outside the vocabulary [0, {self.vocab_size})",
                                   param="logit_bias")
+            tid = int(digits)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or not -100 <= value <= 100:
                 raise bad_request(f"logit_bias value for token {tid} must be a number in [-100, 100]",
