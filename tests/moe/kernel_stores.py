@@ -91,6 +91,15 @@ def tier_budgets(rec: int) -> dict[str, dict]:
     }
 
 
+def kernel_bf16(t: torch.Tensor) -> torch.Tensor:
+    """fp32 t -> the bf16 the fused kernel stores for it: rounded to nearest even when compiled (torch's cast),
+    truncated in Triton's interpreter (its float cast drops the low bits). A backend's partial=True result
+    rounded so equals its partial=False result on either."""
+    if ON_GPU:
+        return t.to(torch.bfloat16)
+    return (t.view(torch.int32) & -(1 << 16)).view(torch.float32).to(torch.bfloat16)  # exact: low bits zero
+
+
 def rel_err(a, b) -> float:
     """Relative Frobenius error of a against b."""
     return ((a.float() - b.float()).norm() / b.float().norm()).item()

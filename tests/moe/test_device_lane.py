@@ -10,7 +10,7 @@ CUDA (the device clock's timings then count too).
 from __future__ import annotations
 
 # kernel_stores first: on CPU it switches Triton to its interpreter before anything imports Triton
-from kernel_stores import GIB, N_EXPERTS, ON_GPU, moe_batch, open_store, tiny_glm4_stores
+from kernel_stores import GIB, N_EXPERTS, ON_GPU, kernel_bf16, moe_batch, open_store, tiny_glm4_stores
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -63,7 +63,9 @@ def test_lane_forward_adds_the_lanes_part_through_the_mailbox(stores, native):
                 if step == 4:
                     dc.set_lane(2)
                 x, ids, w = moe_batch(1 + step % 3, seed=step)
-                out = dev_lane.forward(1, x, ids, w)
+                partial = step % 2 == 1  # an expert-parallel rank's call: lane_forward's one rounding, widened
+                out = dev_lane.forward(1, x, ids, w, partial=partial)
+                assert out.dtype == (torch.float32 if partial else torch.bfloat16)
                 cache = dc.caches[1]
                 on_lane = [e for e in cache.lane_ids[: cache.lane_max].tolist() if e >= 0]
                 assert len(on_lane) <= cache.lane_max
@@ -73,7 +75,7 @@ def test_lane_forward_adds_the_lanes_part_through_the_mailbox(stores, native):
                 entries = st.host_entries(1)
                 part = ref_lane.compute(1, x.cpu(), ids.cpu().int(), w.cpu(), {e: entries[e] for e in on_lane})
                 want = (device_part + part.to(device_part.device)).to(x.dtype)  # the two parts rounded once
-                assert torch.equal(out, want), step
+                assert torch.equal(out.to(x.dtype), want), step
                 sent.update(on_lane)
                 n_sent += len(on_lane)
                 # a plain decode step (more tokens than the lane takes) hands nothing to the lane
@@ -98,6 +100,8 @@ def test_lane_forward_adds_the_lanes_part_through_the_mailbox(stores, native):
             dc.set_lane(0)  # exact mode again: the plain path, no lane picks
             x, ids, w = moe_batch(2, seed=99)
             assert torch.equal(dev_lane.forward(1, x, ids, w), ref.forward(1, x, ids, w))
+            part = dev_lane.forward(1, x, ids, w, partial=True)  # [T, H]
+            assert part.dtype == torch.float32 and torch.equal(kernel_bf16(part), ref.forward(1, x, ids, w))
             with pytest.raises(ValueError, match="lane_cap"):
                 dc.set_lane(3)
         finally:

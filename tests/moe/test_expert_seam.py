@@ -93,6 +93,22 @@ def test_combine_experts_skip_leaves_experts_out_without_fetching_them():
     assert torch.equal(combine_experts(x, ids, w, weights_of, skip=everything), torch.zeros_like(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_resident_partial_is_its_result_widened(dtype):
+    """forward(partial=True) is fp32 and rounds back to the partial=False result bit for bit. combine_experts
+    rounds every expert's add to x's dtype, so the resident (and the torch store path's) partial is that
+    result widened exactly: no unrounded sum to keep."""
+    g = torch.Generator().manual_seed(2)
+    resident = ResidentExperts()
+    resident.add_layer(1, torch.randn(6, 8, 4, generator=g).to(dtype), torch.randn(6, 4, 4, generator=g).to(dtype))
+    x = torch.randn(5, 4, generator=g).to(dtype)  # [T, H]
+    ids = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(5)])  # [T, 3]
+    w = torch.rand(5, 3, generator=g)  # [T, 3]
+    out, part = resident.forward(1, x, ids, w), resident.forward(1, x, ids, w, partial=True)  # [T, H]
+    assert out.dtype == dtype and part.dtype == torch.float32
+    assert torch.equal(part.to(dtype), out) and torch.equal(part, out.float())
+
+
 def test_engine_args_take_the_namespace_and_explicit_values_win():
     import argparse
 

@@ -115,3 +115,41 @@ def test_lane_reads_disk_and_host_and_counts(int4_store):
     assert c["disk"]["reads"] > 0 and c["host"]["hits"] > 0
     assert stats["experts"]["cpu_lane"]["experts"] == lane["experts"]
     assert be.reads_disk() and be.lane.beside_disk_reads  # the lane's workers leave the cores to the disk readers
+
+
+def _lane_layers(store, partial: bool) -> tuple[list[torch.Tensor], dict]:
+    """Four one-token decode steps (lane steps) and a 5-token prefill chunk (no lane) of MoE layer 1 through a
+    fresh fast-mode backend on the torch store path (HostLaneHandoff): the outputs and the lane's counters."""
+    from tiermoe.engine.build import engine_config
+    from tiermoe.moe.backends import open_expert_backend
+
+    cfg = engine_config(str(store), device="cpu", dtype="bfloat16", max_num_seqs=1,
+                        options={"mode": "fast", "cpu_lane_experts": 1, "expert_kernel": "torch"})
+    be = open_expert_backend(cfg.experts)
+    g = torch.Generator().manual_seed(5)
+    outs = []
+    try:
+        for tokens in (1, 1, 1, 1, 5):
+            x = torch.randn(tokens, 64, generator=g).to(torch.bfloat16)  # [T, H]
+            ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(tokens)])  # [T, 2]
+            w = torch.rand(tokens, 2, generator=g)  # [T, 2]
+            be.begin_step(tokens, decode=tokens == 1)
+            outs.append(be.forward(1, x, ids, w, partial=partial))
+            be.end_step()
+        return outs, be.counters()["cpu_lane"]
+    finally:
+        be.close()
+
+
+def test_fast_mode_partial_is_the_sum_before_its_rounding(int4_store):
+    """forward(partial=True) in fast mode (an expert-parallel rank's part): in a lane step, the device's and the
+    lane's fp32 parts added and not yet rounded; rounded to bf16, the partial=False result bit for bit (two
+    backends, one call each, so the lane takes the same experts in both)."""
+    rounded, lane = _lane_layers(int4_store, partial=False)
+    parts, _ = _lane_layers(int4_store, partial=True)
+    assert lane["experts"] == 4  # one lane expert in each decode step
+    for step, (out, part) in enumerate(zip(rounded, parts)):
+        assert out.dtype == torch.bfloat16 and part.dtype == torch.float32
+        assert torch.equal(part.to(torch.bfloat16), out), step
+    unrounded = [not torch.equal(p.to(torch.bfloat16).float(), p) for p in parts]
+    assert any(unrounded[:4]) and not unrounded[4]  # the lane's fp32 part kept; prefill: the torch path's

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 # kernel_stores first: on CPU it switches Triton to its interpreter before anything imports Triton
 from kernel_stores import (
-    DEVICE, LAYERS, ON_GPU, engine_logits_and_counters, moe_batch, open_store, rel_err, run_trace, tier_budgets,
-    tiny_glm4_stores,
+    DEVICE, LAYERS, ON_GPU, engine_logits_and_counters, kernel_bf16, moe_batch, open_store, rel_err, run_trace,
+    tier_budgets, tiny_glm4_stores,
 )
 
 import random  # noqa: E402
@@ -72,6 +72,29 @@ def test_bit_identical_across_tiertier_budgets(stores, kind):
     # every tier actually served experts somewhere
     assert tiers["100%"][0] > 0 and tiers["0% host"][1] > 0 and tiers["0% disk"][2] > 0
     assert tiers["10%"][0] > 0 and tiers["10%"][2] > 0
+
+
+@pytest.mark.parametrize("kind", ["int4", "bf16"])
+def test_partial_is_the_sum_before_its_rounding(stores, kind):
+    """forward(partial=True) (an expert-parallel rank's part): fp32, and rounded as the kernel rounds it, the
+    partial=False result bit for bit. The Triton path's is the kernel's unrounded fp32 sum (most of its
+    elements lie between two bf16 values); the torch path rounds every expert's add, so its partial is its
+    result widened, exactly."""
+    path, rec = stores[kind]
+    with open_store(path, **tier_budgets(rec)["10%"]) as st:
+        triton, torch_path = StoreTritonExperts(st), StoreTorchExperts(st)
+        for tokens in (1, 5, 20):  # the decode (gemv) and the prefill shapes
+            x, ids, w = moe_batch(tokens, seed=40 + tokens)
+            st.begin_step(tokens=tokens, decode=tokens == 1)
+            rounded, part = triton.forward(1, x, ids, w), triton.forward(1, x, ids, w, partial=True)  # [T, H]
+            assert part.dtype == torch.float32 and rounded.dtype == torch.bfloat16
+            assert torch.equal(kernel_bf16(part), rounded), tokens
+            assert not torch.equal(part.to(torch.bfloat16).float(), part), tokens  # not rounded yet
+            rounded, part = torch_path.forward(1, x, ids, w), torch_path.forward(1, x, ids, w, partial=True)
+            assert part.dtype == torch.float32 and torch.equal(part.to(torch.bfloat16), rounded), tokens
+            assert torch.equal(part, rounded.float()), tokens
+        empty = triton.forward(1, x[:0], ids[:0], w[:0], partial=True)  # [0, H]
+        assert empty.dtype == torch.float32 and empty.shape == (0, x.shape[1])
 
 
 def test_skipped_experts_add_exact_zero(stores):

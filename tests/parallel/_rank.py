@@ -6,7 +6,9 @@ It joins the group, builds the real engine on STORE with `tensor_parallel_size` 
 BUDGETS[KIND], and saves {budget: (logits [2P, V], counters)} to OUT (torch.save). KIND "store" (the default,
 the torch path) adds the one-line errors settling gives for what a rank does not serve and a failure agreed
 by the ranks; "triton" runs the Triton kernels (under TRITON_INTERPRET=1 on the CPU): the store path and the
-device cache over its disk tier, which holds the rank's share."""
+device cache over its disk tier, which holds the rank's share. KIND "partial" calls one MoE layer of each
+backend of PARTS directly and saves {backend: `layer_parts`}: what the ranks' parts are and what the group
+makes of them."""
 
 from __future__ import annotations
 
@@ -27,6 +29,10 @@ BUDGETS = {
                "cache-4": {**TRITON, "device_cache": "on", "gpu_expert_gb": 4 * GB, "host_expert_gb": 16 * GB},
                "cache-10": {**TRITON, "device_cache": "on", "gpu_expert_gb": 10 * GB, "host_expert_gb": 8 * GB}},
 }
+
+# the backends whose parts the "partial" run takes: the torch path, the Triton store path, the device cache
+PARTS = {"store-torch": {"expert_kernel": "torch", **BUDGETS["store"]["ram"]},
+         "store-triton": BUDGETS["triton"]["store-triton"], "device-cache": BUDGETS["triton"]["cache-4"]}
 
 
 def logits_and_counters(store: str, dtype: str, options: dict) -> tuple[torch.Tensor, dict]:
@@ -76,6 +82,35 @@ def failure_is_agreed(store: str, dtype: str, world: int, rank: int) -> tuple[tu
         backend.close()
 
 
+def layer_parts(store: str, world: int, options: dict) -> dict[str, list[torch.Tensor]]:
+    """MoE layer 1 of a 4-token decode step and a 20-token prefill chunk (staged by the device cache) through
+    this rank's expert-parallel backend, called directly on the same inputs on every rank: {"out": the layer's
+    bf16 output [T, H], "total": its partial=True output (fp32, the ranks' parts summed), "part": this rank's
+    own part, its backend's partial=True output [T, H] over the rank's picks (others' at weight 0)}."""
+    from tiermoe.engine.build import engine_config
+    from tiermoe.moe.backends import open_expert_backend
+
+    cfg = engine_config(store, device="cpu", dtype="bfloat16", max_num_seqs=8,
+                        options={"tensor_parallel_size": world, **options})
+    backend = open_expert_backend(cfg.experts)  # ExpertParallelExperts around the rank's backend
+    g = torch.Generator().manual_seed(7)
+    res: dict[str, list[torch.Tensor]] = {"out": [], "total": [], "part": []}
+    try:
+        for tokens in (4, 20):
+            x = torch.randn(tokens, 64, generator=g).to(torch.bfloat16)  # [T, H]
+            ids = torch.stack([torch.randperm(8, generator=g)[:4] for _ in range(tokens)])  # [T, 4] distinct
+            w = torch.rand(tokens, 4, generator=g)  # [T, 4]
+            backend.begin_step(tokens, decode=tokens == 4)
+            res["out"].append(backend.forward(1, x, ids, w))
+            res["total"].append(backend.forward(1, x, ids, w, partial=True))
+            local, foreign = backend.localize(1, ids)  # [T, 4]
+            res["part"].append(backend.inner.forward(1, x, local, w.masked_fill(foreign, 0), partial=True))
+            backend.end_step()
+        return res
+    finally:
+        backend.close()
+
+
 def main(rank: int, world: int, init: str, store: str, dtype: str, out: str, kind: str = "store") -> None:
     from tiermoe.errors import UserError
     from tiermoe.parallel import join, leave
@@ -83,6 +118,9 @@ def main(rank: int, world: int, init: str, store: str, dtype: str, out: str, kin
     join(rank, world, init, "cpu")
     try:
         results: dict = {}
+        if kind == "partial":
+            torch.save({name: layer_parts(store, world, options) for name, options in PARTS.items()}, out)
+            return
         for name, budget in BUDGETS[kind].items():
             results[name] = logits_and_counters(store, dtype, {"tensor_parallel_size": world, **budget})
         if kind != "store":

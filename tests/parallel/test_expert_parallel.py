@@ -66,7 +66,7 @@ def _ranks(store, dtype: str, tmp_path, world: int = 2, kind: str = "store") -> 
     """Every rank's results, each rank its own process (gloo over a rendezvous file)."""
     init = f"file://{tmp_path / f'rendezvous-{dtype}-{world}'}"
     outs = [tmp_path / f"rank{r}-of-{world}-{dtype}.pt" for r in range(world)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"TRITON_INTERPRET": "1"} if kind == "triton" else {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"TRITON_INTERPRET": "1"} if kind != "store" else {})}
     procs = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), str(r), str(world), init, str(store), dtype,
                                str(outs[r]), kind],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -143,6 +143,26 @@ def test_two_ranks_through_the_device_cache(ep_store, tmp_path):
     assert torch.equal(one["cache-4"][0], one["store-triton"][0])
     m = compare(one["cache-4"][0], two)
     assert m["top1"] == 1.0 and m["kl_mean"] < 1e-3, m
+
+
+def test_two_ranks_round_the_sum_of_their_fp32_parts_once(ep_store, tmp_path):
+    """Each rank's part is its backend's fp32 sum before rounding (forward(partial=True)); the layer's output is
+    the ranks' fp32 parts added, then rounded to bf16 once, on every rank. Built from the parts each rank saved:
+    round(p0 + p1), never round(round(p0) + round(p1)). The Triton paths' parts lie between bf16 values, so
+    there the two differ on some elements, and the output is the first; the torch path's parts are rounded
+    already (its running sum is in bf16), where both are the same."""
+    ranks = _ranks(ep_store, "bfloat16", tmp_path, kind="partial")
+    for name in _rank.PARTS:
+        for call in range(2):  # a decode step, a prefill chunk
+            p0, p1 = (res[name]["part"][call] for res in ranks)  # fp32 [T, H] each rank's own part
+            assert p0.dtype == p1.dtype == torch.float32 and not torch.equal(p0, p1)
+            once = (p0 + p1).to(torch.bfloat16)  # [T, H]
+            twice = (p0.to(torch.bfloat16).float() + p1.to(torch.bfloat16).float()).to(torch.bfloat16)
+            for res in ranks:
+                assert torch.equal(res[name]["out"][call], once), (name, call)
+                assert torch.equal(res[name]["total"][call], p0 + p1), (name, call)  # partial=True: unrounded
+            differ = int((once != twice).sum())
+            assert differ > 0 if name != "store-torch" else differ == 0, (name, call, differ)
 
 
 class _Group:

@@ -24,11 +24,17 @@ all-reduce of the step, or the others would wait for it forever. So it adds zero
 step's end (`end_step`) the ranks agree: if any failed, every rank raises for the step (the failing one's
 message, named by rank), every engine fails that step's requests alike, and the group goes on serving.
 
-Exactness: a rank's partial sum is its backend's own arithmetic over the experts it owns, whatever its tier
-budgets, and the ranks' parts are added in fp32 and rounded once. With two ranks that sum is commutative, so
-outputs are bit-identical across tier budgets for a fixed number of ranks. They are not bit-identical across
-rank counts: one process adds every expert into one running sum, two add two partial sums, and bf16 rounds
-the two groupings differently (within bf16's summation-order differences; tests/moe/test_expert_parallel.py).
+Exactness: a rank's part is its backend's own arithmetic over the experts it owns, whatever its tier budgets,
+taken before its rounding to the activations' dtype (`forward(..., partial=True)`: the fused kernel's fp32 sum
+of the rank's picks). The ranks' fp32 parts are added by the all-reduce and the total is rounded once to x's
+dtype, as one process rounds its one sum; rounding each rank's part to bf16 first would add a second rounding
+to many elements of every layer. Two backends have no unrounded part to give, so theirs arrives already rounded
+and widened exactly: the torch path (its running sum in x's dtype rounds every expert's add) and fast mode on
+the device cache (moe/device_lane.py: the lane's hand-off rounds its sum itself). With two ranks the fp32 sum
+is commutative, so outputs are bit-identical across tier budgets for a fixed number of ranks. They are not
+bit-identical across rank counts: one process adds every pick into one running sum, two add two partial sums,
+and the two groupings round differently (within summation-order differences;
+tests/parallel/test_expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -104,9 +110,11 @@ class ExpertParallelExperts(WrappedBackend):
         return localize(topk_ids, owner, cand, self.rank)
 
     # -- the seam --------------------------------------------------------------------------------
-    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]: this rank's experts computed here, the others' parts added by the all-reduce. No
-        host sync of its own (the inner backend's decode graphs stay possible)."""
+    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                partial: bool = False) -> torch.Tensor:
+        """x [T, H] -> [T, H]: this rank's experts computed here, the others' parts added by the all-reduce, the
+        fp32 total rounded once to x's dtype (module doc); with `partial` that fp32 total unrounded. No host
+        sync of its own (the inner backend's decode graphs stay possible)."""
         self.device = x.device
         local_ids, foreign = self.localize(layer, topk_ids)  # [T, k]
         if self._counts is None:
@@ -116,11 +124,13 @@ class ExpertParallelExperts(WrappedBackend):
         try:
             if self.failure is not None:
                 raise self.failure
-            part = self.inner.forward(layer, x, local_ids, topk_weights.masked_fill(foreign, 0))
+            # fp32 [T, H], unrounded: the one rounding is the total's, below
+            part = self.inner.forward(layer, x, local_ids, topk_weights.masked_fill(foreign, 0), partial=True)
         except Exception as exc:  # zeros, so the other ranks' all-reduces are met; raised at end_step
             self.failure = exc
-            part = torch.zeros_like(x)
-        return all_reduce_sum(part.float()).to(x.dtype)  # [T, H]
+            part = torch.zeros_like(x, dtype=torch.float32)  # [T, H]
+        total = all_reduce_sum(part.float())  # fp32 [T, H]: every rank's part (in place on this call's own part)
+        return total if partial else total.to(x.dtype)
 
     def attach(self, moe_layers: Sequence) -> None:
         self.inner.attach([_OwnedPicks(m, self) for m in moe_layers])

@@ -29,8 +29,16 @@ class ExpertBackend(abc.ABC):
     """Routed experts of every MoE layer of one model."""
 
     @abc.abstractmethod
-    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H] in x's dtype."""
+    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                partial: bool = False) -> torch.Tensor:
+        """x [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H] in x's dtype.
+
+        partial: return fp32 [T, H], the picks' sum before its rounding to x's dtype, for a caller that adds
+        another part to it (an expert-parallel rank's share, added to the other ranks' by an fp32 all-reduce)
+        and rounds the total once, as one process rounds its one sum; rounding each part first would add a
+        second rounding. Rounded as the backend rounds, it is the partial=False result bit for bit. A backend
+        whose arithmetic rounds as it goes (the torch path's running sum in x's dtype) has no unrounded sum: it
+        returns its result widened to fp32, exactly."""
 
     @abc.abstractmethod
     def attach(self, moe_layers: Sequence) -> None:
@@ -107,8 +115,9 @@ class WrappedBackend(ExpertBackend):
     def __init__(self, inner: ExpertBackend) -> None:
         self.inner = inner
 
-    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return self.inner.forward(layer, x, topk_ids, topk_weights)
+    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                partial: bool = False) -> torch.Tensor:
+        return self.inner.forward(layer, x, topk_ids, topk_weights, partial=partial)
 
     def attach(self, moe_layers: Sequence) -> None:
         self.inner.attach(moe_layers)
@@ -243,8 +252,11 @@ class ResidentExperts(HostSyncedBackend):
         gate_up, down = self.layers[layer]
         return {e: (gate_up[e], down[e]) for e in expert_ids}
 
-    def forward(self, layer, x, topk_ids, topk_weights):
-        return combine_experts(x, topk_ids, topk_weights, lambda ids: self.weights(layer, ids), self.swiglu_limit)
+    def forward(self, layer, x, topk_ids, topk_weights, partial=False):
+        """combine_experts' sum in x's dtype ([T, H]); with `partial` the same values widened to fp32: the
+        reference order rounds every expert's add, so there is no unrounded sum to keep."""
+        out = combine_experts(x, topk_ids, topk_weights, lambda ids: self.weights(layer, ids), self.swiglu_limit)
+        return out.float() if partial else out
 
     # The oracle has no state between steps and syncs with the host in every layer.
     def attach(self, moe_layers: Sequence) -> None:

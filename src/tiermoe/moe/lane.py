@@ -47,8 +47,10 @@ class LaneHandoff(abc.ABC):
         """A lane step starts."""
 
     @abc.abstractmethod
-    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """One MoE layer of a lane step: x [T, H] -> [T, H] in x's dtype."""
+    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                partial: bool = False) -> torch.Tensor:
+        """One MoE layer of a lane step: x [T, H] -> [T, H] in x's dtype, or with `partial` fp32 [T, H], both
+        parts' sum before its rounding (ExpertBackend.forward)."""
 
     @abc.abstractmethod
     def check(self) -> None:
@@ -88,23 +90,25 @@ class HostLaneHandoff(LaneHandoff):
     def balance(self) -> None:
         return None  # each layer waits on the host for its lane job: the service rate is the feedback
 
-    def forward(self, layer, x, topk_ids, topk_weights):
+    def forward(self, layer, x, topk_ids, topk_weights, partial=False):
         be, lane = self.backend, self.lane
         be.prefetch_ahead(layer, x)
         expert_ids = torch.unique(topk_ids).tolist()  # sorted ascending
         job = lane.submit(be.store, layer, x, topk_ids, topk_weights, lane.assign(be.store, layer, expert_ids),
                           decode=be.decoding)
         if job is None:
-            return be.combine(layer, x, topk_ids, topk_weights)
+            return be.combine(layer, x, topk_ids, topk_weights, partial=partial)
         try:
             out = be.combine(layer, x, topk_ids, topk_weights, skip=set(job.ids), partial=True)  # fp32 [T, H]
         except BaseException:
             job.cancel()
             raise
-        partial = job.wait()  # [T, H] fp32 on the CPU: the one host wait of a lane layer
+        lane_part = job.wait()  # [T, H] fp32 on the CPU: the one host wait of a lane layer
         if out.device.type != "cpu":
-            partial = partial.pin_memory().to(out.device, non_blocking=True)
-        return (out + partial).to(x.dtype)  # both parts' sum rounded once, as exact mode rounds its one sum
+            lane_part = lane_part.pin_memory().to(out.device, non_blocking=True)
+        total = out + lane_part  # fp32 [T, H]
+        # both parts' sum rounded once, as exact mode rounds its one sum (with `partial`, by the caller)
+        return total if partial else total.to(x.dtype)
 
     def check(self) -> None:
         pass  # every layer already waited for its lane job
@@ -176,10 +180,10 @@ class LaneExperts(WrappedBackend):
     def store(self):
         return self.inner.store
 
-    def forward(self, layer, x, topk_ids, topk_weights):
+    def forward(self, layer, x, topk_ids, topk_weights, partial=False):
         if not self._lane_step:
-            return self.inner.forward(layer, x, topk_ids, topk_weights)
-        return self.handoff.forward(layer, x, topk_ids, topk_weights)
+            return self.inner.forward(layer, x, topk_ids, topk_weights, partial=partial)
+        return self.handoff.forward(layer, x, topk_ids, topk_weights, partial=partial)
 
     def attach(self, moe_layers: Sequence) -> None:
         self.inner.attach(moe_layers)

@@ -48,9 +48,11 @@ class StoreBackend(HostSyncedBackend):
         self.decoding = True  # the current step is a decode step
 
     # -- the seam --------------------------------------------------------------------------------
-    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                partial: bool = False) -> torch.Tensor:
+        """x [T, H] -> [T, H] in x's dtype, or with `partial` fp32 as `combine` gives it (ExpertBackend.forward)."""
         self.prefetch_ahead(layer, x)
-        return self.combine(layer, x, topk_ids, topk_weights)
+        return self.combine(layer, x, topk_ids, topk_weights, partial=partial)
 
     def attach(self, moe_layers: Sequence) -> None:
         """Layer-ahead prefetch order, and the model's SwiGLU clamp (GLM-5.3: swiglu_limit)."""
