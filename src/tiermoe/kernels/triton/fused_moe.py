@@ -287,8 +287,20 @@ def default_config(layout: ExpertLayout, tokens: int) -> dict:
     cfg = {}
     for stage, (n, kd) in dims.items():
         k_cap = max(min(bk, kd, g), _min_block_k(layout)) if layout.kind != "bf16" else min(bk, kd, 64)
-        cfg[stage] = {"BM": bm, "BN": min(bn, n), "BK": k_cap, "num_warps": nw, "num_stages": ns}
+        cfg[stage] = {"BM": bm, "BN": _fit_block(min(bn, n), n, 16), "BK": _fit_block(k_cap, kd, _min_block_k(layout)),
+                      "num_warps": nw, "num_stages": ns}
     return cfg
+
+
+def _fit_block(block: int, dim: int, least: int) -> int:
+    """The largest power of two from `block` down to `least` that divides `dim` (else `block`, which the
+    configuration check then refuses). A width such as SmolLM2's 576 (64 x 9) takes 64-wide tiles
+    where 128 was asked: without this the embedded default model fell back to the torch expert path
+    on CUDA, whose numerics fast mode's CPU lane does not share."""
+    b = block
+    while b > least and dim % b:
+        b //= 2
+    return b if dim % b == 0 else block
 
 
 def get_config(layout: ExpertLayout, tokens: int, device: torch.device | None = None) -> dict:
