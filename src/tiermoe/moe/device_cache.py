@@ -358,15 +358,16 @@ class DeviceCacheExperts(StoreBackend):
             cache.lane_share.fill_(value)
 
     def lane_forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                     mailbox, slot: int) -> torch.Tensor:
+                     mailbox, slot: int, partial: bool = False) -> torch.Tensor:
         """A fast-mode decode step of one layer with no host sync (module doc): x [T, H] ->
-        [T, H] in x's dtype. The lane's answer arrives through `mailbox` (a Mailbox with
+        [T, H] in x's dtype, or with `partial` both parts' fp32 sum before its rounding (an
+        expert-parallel rank's part, rounded once after the ranks' sum). The lane's answer arrives through `mailbox` (a Mailbox with
         meta_words >= lane_cap + 2 T k; `slot` is this layer's) as the fp32 partial of the
         experts in the cache's lane_ids, given meta = lane_ids (-1 padded to lane_cap) |
         topk_ids [T k] | topk_weights as fp32 bits [T k] (moe/device_lane.py)."""
         cache = self.caches[layer]
         if topk_ids.numel() > self.max_picks or not cache.lane_max:
-            return self.forward(layer, x, topk_ids, topk_weights, decode=True)
+            return self.forward(layer, x, topk_ids, topk_weights, decode=True, partial=partial)
         self.prefill.return_loan()  # a cache decision must never meet lent slots
         self._resident(layer, x, topk_ids, step=True)
         cache.step(topk_ids, gather=False, lane=True)  # decisions, the lane's choice included
@@ -382,6 +383,8 @@ class DeviceCacheExperts(StoreBackend):
         out = self.fused(x, topk_ids, topk_weights.masked_fill(on_lane, 0), cache.step_table, layer,
                          partial=True)  # fp32 [T, H]
         mailbox.wait_add(slot, out)
+        if partial:
+            return out
         # one rounding of both parts' sum to the kernel's bf16, as exact mode rounds its one sum (then x's dtype)
         return out.to(torch.bfloat16).to(x.dtype)
 

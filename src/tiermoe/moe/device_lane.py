@@ -134,13 +134,10 @@ class DeviceLane(LaneHandoff):
 
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 partial: bool = False) -> torch.Tensor:
-        """x [T, H] -> [T, H] in x's dtype: one fast-mode decode layer (DeviceCacheExperts.lane_forward).
-
-        partial: that result widened to fp32. lane_forward rounds both parts' fp32 sum itself and has no way to
-        return it unrounded, so an expert-parallel rank in fast mode on the device cache still rounds its part
-        once before the ranks' fp32 all-reduce (the store path's hand-off keeps it unrounded)."""
-        out = self.dc.lane_forward(layer, x, topk_ids, topk_weights, self.mailbox, self.slot_of[layer])  # [T, H]
-        return out.float() if partial else out
+        """x [T, H] -> [T, H] in x's dtype: one fast-mode decode layer (DeviceCacheExperts.lane_forward);
+        with `partial` the device's and the lane's parts' fp32 sum before its rounding (ExpertBackend.forward)."""
+        return self.dc.lane_forward(layer, x, topk_ids, topk_weights, self.mailbox, self.slot_of[layer],
+                                    partial=partial)
 
     def _compute(self, slot: int, x: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
         """Server thread: x bf16 [T, H], meta int32 [words] -> the lane experts' fp32 [T, H]."""

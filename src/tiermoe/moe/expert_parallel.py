@@ -28,9 +28,8 @@ Exactness: a rank's part is its backend's own arithmetic over the experts it own
 taken before its rounding to the activations' dtype (`forward(..., partial=True)`: the fused kernel's fp32 sum
 of the rank's picks). The ranks' fp32 parts are added by the all-reduce and the total is rounded once to x's
 dtype, as one process rounds its one sum; rounding each rank's part to bf16 first would add a second rounding
-to many elements of every layer. Two backends have no unrounded part to give, so theirs arrives already rounded
-and widened exactly: the torch path (its running sum in x's dtype rounds every expert's add) and fast mode on
-the device cache (moe/device_lane.py: the lane's hand-off rounds its sum itself). With two ranks the fp32 sum
+to many elements of every layer. The torch path has no unrounded part to give (its running sum in x's dtype
+rounds every expert's add), so its part arrives already rounded and widened exactly. With two ranks the fp32 sum
 is commutative, so outputs are bit-identical across tier budgets for a fixed number of ranks. They are not
 bit-identical across rank counts: one process adds every pick into one running sum, two add two partial sums,
 and the two groupings round differently (within summation-order differences;
