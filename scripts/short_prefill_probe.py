@@ -107,7 +107,8 @@ def main() -> int:
         gbs = miss * r / (med["staged"] / 1e3) / 1e9
         rows.append({"tokens": t, "distinct_misses": miss, **{f"{n}_ms": round(v, 3) for n, v in med.items()},
                      "staged_gbs": round(gbs, 1)})
-        print(f"| {t} | {miss:.0f} | {med['inplace']:.2f} | {med['inplace_dec']:.2f} | {med['staged']:.2f} | {gbs:.1f} |")
+        print(f"| {t} | {miss:.0f} | {med['inplace']:.2f} | {med['inplace_dec']:.2f} | {med['staged']:.2f} "
+              f"| {gbs:.1f} |")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "record_bytes": r, "slots": a.slots, "rows": rows}, f,
