@@ -19,6 +19,9 @@ def test_paired_kl_cli_json_line(tiny_dir, tmp_path, capsys):
     r = json.loads(lines[-1])
     assert r["positions"] == 12 and r["prompts"] == 2 and r["tokens_per_prompt"] == 6
     assert r["kl_mean"] < 1e-3 and r["top1"] > 0.995
+    # on a CPU exact mode runs the torch expert path; below fp32 its per-expert rounding is named beside the KL
+    assert r["exact_kernel"] == "torch" and lines[0].endswith("exact mode's experts: torch")
+    assert any(line.startswith("note: exact mode ran the torch") for line in lines) == (r["dtype"] != "float32")
     lane = r["cpu_lane"]
     assert lane["max_experts_per_layer"] == 2 and lane["threads"] == 1
     assert 0 < lane["per_decode_token"] <= 2 * 3  # at most 2 per MoE layer

@@ -66,7 +66,10 @@ def _paired_kl(args) -> int:
     lane = result["cpu_lane"]
     print(f"paired KL over {result['positions']} positions: mean {result['kl_mean']:.3g}, max {result['kl_max']:.3g}, "
           f"top-1 agreement {result['top1']:.4f}; CPU lane {lane['per_decode_token']:.2f} experts/token "
-          f"({lane['kernel']}), waited {lane['wait_s']:.2f} s")
+          f"({lane['kernel']}), waited {lane['wait_s']:.2f} s; exact mode's experts: {result['exact_kernel']}")
+    if result["exact_kernel"] == "torch" and result["dtype"] != "float32":
+        print("note: exact mode ran the torch expert path, which rounds every expert's add to "
+              f"{result['dtype']}; the lane keeps the fused kernel's fp32 sum, so this KL includes that difference")
     print(json.dumps(result))
     return 0
 
@@ -163,7 +166,7 @@ def run_paired_kl(store: str, *, device: str = "cpu", dtype: str = "auto", token
     return {"store": str(store), "device": str(engine.model.device),
             "dtype": str(engine.model.dtype).replace("torch.", ""), "prompts": len(prompts),
             "tokens_per_prompt": tokens, **result, "exact_s": round(t1 - t0, 3), "fast_s": round(t2 - t1, 3),
-            "cpu_lane": counters.get("cpu_lane", {})}
+            "exact_kernel": counters.get("expert_kernel", ""), "cpu_lane": counters.get("cpu_lane", {})}
 
 
 def run_paired_kl_stores(store: str, reference: str, *, device: str = "cpu", dtype: str = "auto",
