@@ -8,8 +8,11 @@ tail for any text cut any way, while examining each character a bounded number o
 
 import random
 
+import anthropic
+import openai
 import pytest
 
+from tiermoe.server.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tiermoe.server.stop_strings import StopStringMatcher
 
 
@@ -152,8 +155,9 @@ def test_a_long_stop_string_the_text_never_approaches_costs_nothing_to_set_up():
 def test_stop_strings_through_the_server(client, stream):
     """The scripted model answers "You said: <prompt>", one token at a time: the earliest of
     overlapping stop strings cuts the text, and a long stop string whose prefix the text follows
-    is withheld, then released when the text ends (the model stops on its own)."""
-    long = "abcd efg" + "h" * 50_000
+    is withheld, then released when the text ends (the model stops on its own). The long one is
+    as long as a stop string may be, so the length limit admits its own bound."""
+    long = "abcd efg" + "h" * (MAX_STOP_CHARS - 8)
     cases = [(["d ef", "bcd e", "abcdX"], "You said: a", "stop"), ([long], "You said: abcd efg", "stop")]
     for stop, text, finish in cases:
         kwargs = dict(model="scripted", prompt="abcd efg", stop=stop, max_tokens=64)
@@ -165,3 +169,45 @@ def test_stop_strings_through_the_server(client, stream):
         else:
             r = client.completions.create(**kwargs)
             assert (r.choices[0].text, r.choices[0].finish_reason) == (text, finish)
+
+
+MSG = [{"role": "user", "content": "STOP_TEST"}]  # the scripted model answers "alpha beta <|END|> gamma delta"
+
+
+def _refused(exc_type, fn, **kwargs):
+    with pytest.raises(exc_type) as e:
+        fn(**kwargs)
+    assert e.value.status_code == 400
+    return e.value.body
+
+
+def test_openai_routes_refuse_too_many_or_too_long_stop_strings(client):
+    """Both OpenAI routes: 16 stop strings of MAX_STOP_CHARS each pass; a 17th, or one character
+    more in any of them (a list entry or a bare string), is a 400 naming the parameter."""
+    most = ["<|END|>"] + ["z" * MAX_STOP_CHARS] * (MAX_STOP_STRINGS - 1)
+    calls = [(client.chat.completions.create, dict(messages=MSG)), (client.completions.create, dict(prompt="x"))]
+    for create, kwargs in calls:
+        ok = create(model="scripted", max_tokens=32, stop=most, **kwargs)
+        assert ok.choices[0].finish_reason == "stop"
+        for stop, param, code in [(most + ["x"], "stop", "too_many_stop_sequences"),
+                                  (["a", "y" * (MAX_STOP_CHARS + 1)], "stop[1]", "stop_sequence_too_long"),
+                                  ("y" * (MAX_STOP_CHARS + 1), "stop", "stop_sequence_too_long")]:
+            err = _refused(openai.BadRequestError, create, model="scripted", stop=stop, **kwargs)  # body["error"]
+            assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, code)
+            assert param in err["message"] and str(MAX_STOP_STRINGS if code.startswith("too_many")
+                                                       else MAX_STOP_CHARS) in err["message"]
+
+
+def test_anthropic_stop_sequences_have_the_same_limits_in_anthropic_shape(anthropic_client):
+    """/v1/messages had no count limit and no length limit: the same limits as the OpenAI routes,
+    answered with Anthropic's error body like its other 400s."""
+    create = anthropic_client.messages.create
+    most = ["<|END|>"] + ["z" * MAX_STOP_CHARS] * (MAX_STOP_STRINGS - 1)
+    ok = create(model="scripted", max_tokens=32, messages=MSG, stop_sequences=most)
+    assert (ok.stop_reason, ok.stop_sequence, ok.content[-1].text) == ("stop_sequence", "<|END|>", "alpha beta ")
+    for stop, named in [(most + ["x"], "stop_sequences"), (["a", "y" * (MAX_STOP_CHARS + 1)], "stop_sequences[1]")]:
+        for stream in (False, True):
+            body = _refused(anthropic.BadRequestError, create, model="scripted", max_tokens=32, messages=MSG,
+                            stop_sequences=stop, stream=stream)
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+            assert body["error"]["type"] == "invalid_request_error" and named in body["error"]["message"]

@@ -17,6 +17,7 @@ from tiermoe.server.context import ServerContext
 from tiermoe.server.errors import bad_request
 from tiermoe.server.generation import ChoiceRun
 from tiermoe.server.handling import parse_body, run_endpoint
+from tiermoe.server.limits import check_stop_strings
 from tiermoe.server.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
 from tiermoe.server.streaming import EventStream, drain, merged, sse, until_disconnect
 
@@ -152,13 +153,14 @@ async def create_message(request: Request, ctx: ServerContext) -> Response:
     ctx.check_model(req.model)
     if req.max_tokens < 1:
         raise bad_request("max_tokens must be at least 1", param="max_tokens")
+    stops = check_stop_strings(req.stop_sequences, "stop_sequences")
     ctx.admit(1)
     text, ids, plan = await _prompt(ctx, req)
     max_tokens = ctx.check_context(len(ids), req.max_tokens, "messages", "max_tokens")
     _, budget = _template_kwargs(req)
     params = ctx.sampling_params(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
     mid = ctx.new_id("msg_")
-    run = ctx.make_run(mid, text, ids, params, stop=req.stop_sequences or [], plan=plan, thinking_budget=budget,
+    run = ctx.make_run(mid, text, ids, params, stop=stops, plan=plan, thinking_budget=budget,
                        id_prefix="toolu_", endpoint="messages")
     await ctx.start_runs([run])
     if req.stream:

@@ -24,7 +24,8 @@ log = logging.getLogger("tiermoe.server")
 
 
 def _limits_epilog() -> str:
-    from tiermoe.server.limits import MAX_PATTERN_CHARS, MAX_SCHEMA_DEPTH, MAX_SCHEMA_VALUES
+    from tiermoe.server.limits import (MAX_PATTERN_CHARS, MAX_SCHEMA_DEPTH, MAX_SCHEMA_VALUES, MAX_STOP_CHARS,
+                                       MAX_STOP_STRINGS)
 
     return f"""limits on requests (fixed unless a flag above changes them):
   body           --max-body-mb (413 beyond); request headers at most 16 KiB (400 beyond)
@@ -35,6 +36,8 @@ def _limits_epilog() -> str:
   patterns       `pattern` / `patternProperties` at most {MAX_PATTERN_CHARS} characters; in a response
                  format they must be regular (no look-around, no backreferences: 400
                  unsupported_schema), as the grammar engine matches them in linear time
+  stop strings   `stop` / Anthropic `stop_sequences`: at most {MAX_STOP_STRINGS} a request, each at most
+                 {MAX_STOP_CHARS} characters (400 too_many_stop_sequences / stop_sequence_too_long)
   token budgets  max_tokens, max_completion_tokens, max_output_tokens (Anthropic max_tokens
                  is required): 0 or negative is a 400; absent means the rest of the context
                  (/v1/completions: 16)

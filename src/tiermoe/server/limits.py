@@ -15,6 +15,10 @@ Limits (also in README.md and `tiermoe serve --help`):
     all the schemas of one request, so a thousand small tools cost what one large one does;
   - patterns (`pattern` values and `patternProperties` keys): at most MAX_PATTERN_CHARS
     characters.
+
+Stop strings (`stop` on the OpenAI routes, `stop_sequences` on /v1/messages) are bounded here
+too, by one check every route calls: at most MAX_STOP_STRINGS of them, each at most
+MAX_STOP_CHARS characters (check_stop_strings).
 """
 
 from __future__ import annotations
@@ -25,6 +29,19 @@ from dataclasses import dataclass
 MAX_SCHEMA_DEPTH = 64
 MAX_SCHEMA_VALUES = 10_000
 MAX_PATTERN_CHARS = 1_000
+MAX_STOP_STRINGS = 16
+# Why 4,096 characters a stop string: no API documents a length limit to follow (OpenAI documents
+# only a count, 4; vLLM and llama.cpp accept any length), and real clients send short sentinels
+# ("\n\nUser:", "</answer>", "```", at most a few dozen characters). A stop string only matches
+# once the model has written all of it, so a longer one is bounded in use by the output (at most
+# the context, max_model_len tokens), not by the body it arrives in (--max-body-mb, 32 MB). Matching
+# costs time linear in the output however long the stop strings are (stop_strings.py), so the bound
+# is not for speed: it caps how much of a stream one stop string can hold back (all but one of its
+# characters, while the output follows its prefix) and the failure table built as the output
+# follows it, and it turns a slip (a document or prompt passed as `stop`) into a clear 400. 4,096
+# characters is about a thousand tokens of English: far past any sentinel, well inside the
+# contexts models are served with.
+MAX_STOP_CHARS = 4_096
 
 
 @dataclass
@@ -72,6 +89,25 @@ def _check_pattern(pattern: str, param: str) -> None:
     if len(pattern) > MAX_PATTERN_CHARS:
         raise _refuse(f"a pattern in this JSON schema is {len(pattern)} characters long; the limit is "
                       f"{MAX_PATTERN_CHARS}", param=param, code="pattern_too_long")
+
+
+def check_stop_strings(stop: str | list[str] | None, param: str) -> list[str]:
+    """The request's stop strings as a list, or a 400 naming `param` ("stop" or "stop_sequences",
+    with the index of a list entry) past the count or length limit. One check for every route, so
+    the OpenAI and Anthropic routes cannot drift apart; each route answers in its own error shape
+    (errors.py chooses it by path). Called before tokenizing, so a refused request costs nothing."""
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise _refuse(f"{param} has {len(stops)} entries; at most {MAX_STOP_STRINGS} stop sequences are allowed",
+                      param=param, code="too_many_stop_sequences")
+    for i, s in enumerate(stops):
+        if len(s) > MAX_STOP_CHARS:
+            where = param if isinstance(stop, str) else f"{param}[{i}]"
+            raise _refuse(f"{where} is {len(s)} characters long; a stop sequence may have at most "
+                          f"{MAX_STOP_CHARS} characters", param=where, code="stop_sequence_too_long")
+    return stops
 
 
 def _refuse(message: str, param: str, code: str):

@@ -13,6 +13,7 @@ from tiermoe.server.context import ServerContext
 from tiermoe.server.errors import bad_request
 from tiermoe.server.generation import ChoiceRun, Delta
 from tiermoe.server.handling import parse_body, run_endpoint
+from tiermoe.server.limits import check_stop_strings
 from tiermoe.server.protocol import ChatCompletionRequest, CompletionRequest
 from tiermoe.server.streaming import EventStream, drain, merged, sse, until_disconnect
 from tiermoe.server.structured import format_schemas, structured_spec
@@ -26,15 +27,6 @@ def register(app) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await run_endpoint(request, complete)
-
-
-def _stops(stop) -> list[str]:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else list(stop)
-    if len(stops) > 16:
-        raise bad_request("at most 16 stop sequences", param="stop")
-    return stops
 
 
 def _sampling_fields(req) -> dict:
@@ -84,6 +76,7 @@ def _chat_logprobs(ctx: ServerContext, items: list[TokenLogprob], top_n: int, as
 async def chat(request: Request, ctx: ServerContext) -> Response:
     req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
     ctx.check_model(req.model)
+    stops = check_stop_strings(req.stop, "stop")
     messages = openai_messages(req.messages)
     choice = req.tool_choice
     if choice is not None and not isinstance(choice, str):
@@ -128,7 +121,7 @@ async def chat(request: Request, ctx: ServerContext) -> Response:
         if params.seed is not None:
             params.seed += i
         runs.append(
-            ctx.make_run(f"{rid}-{i}", prompt_text, prompt_ids, params, index=i, stop=_stops(req.stop), plan=plan,
+            ctx.make_run(f"{rid}-{i}", prompt_text, prompt_ids, params, index=i, stop=stops, plan=plan,
                          thinking_budget=budget)
         )
     await ctx.start_runs(runs)
@@ -302,6 +295,7 @@ async def complete(request: Request, ctx: ServerContext) -> Response:
     ctx.check_model(req.model)
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
+    stops = check_stop_strings(req.stop, "stop")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of other than n is not supported", param="best_of")
     if req.echo and req.stream:
@@ -332,7 +326,7 @@ async def complete(request: Request, ctx: ServerContext) -> Response:
             if params.seed is not None:
                 params.seed += i
             k = p_idx * req.n + i
-            runs.append(ctx.make_run(f"{rid}-{k}", text, ids, params, index=k, stop=_stops(req.stop), reasoning=False,
+            runs.append(ctx.make_run(f"{rid}-{k}", text, ids, params, index=k, stop=stops, reasoning=False,
                                      endpoint="completions"))
     await ctx.start_runs(runs)
     created = int(time.time())

@@ -6,19 +6,20 @@ stop string, and truncates at the earliest complete match (the one that starts f
 starting at the same place, the one listed first).
 
 Why automata: the matcher runs on the event loop once per generated token, and the client picks
-the stop strings (up to 16 on the OpenAI routes, each as long as the body allows). Searching the
-withheld tail again on every token and trying each of its suffixes against each stop string costs
-time quadratic in the tail per token: with a stop string of 100k characters whose prefix the
-output keeps repeating, every token would stall every stream for seconds. Here each stop string
-has a Knuth-Morris-Pratt automaton whose state is the length of the longest suffix of the text so
-far that begins that string. A new piece of text moves each state by its own characters only: one
-piece costs at most 3 * (len(piece) + len(stop)) steps per stop string, and a whole generation at
-most 3 steps per character plus 2 per stop string character. The withheld tail is never searched
-again; a piece that just continues a partial match is one C comparison, and while a state is 0
-the automaton skips to the next occurrence of its string's first character with str.find. The
-failure table is built only as far as the text has matched, so a long stop string the output never
-approaches costs nothing to set up, and the withheld text is a queue of pieces, so releasing its
-front copies only what is released.
+the stop strings (up to 16, each up to 4,096 characters: limits.py). Searching the withheld tail
+again on every token and trying each of its suffixes against each stop string costs time
+quadratic in the tail per token: with a stop string of 100k characters whose prefix the output
+keeps repeating (what the body allowed before that length limit), every token would stall every
+stream for seconds, and at the limit it would still cost millions of character comparisons a
+token per stop string. Here each stop string has a Knuth-Morris-Pratt automaton whose state is the length
+of the longest suffix of the text so far that begins that string. A new piece of text moves each
+state by its own characters only: one piece costs at most 3 * (len(piece) + len(stop)) steps per
+stop string, and a whole generation at most 3 steps per character plus 2 per stop string
+character. The withheld tail is never searched again; a piece that just continues a partial match
+is one C comparison, and while a state is 0 the automaton skips to the next occurrence of its
+string's first character with str.find. The failure table is built only as far as the text has
+matched, so a long stop string the output never approaches costs nothing to set up, and the
+withheld text is a queue of pieces, so releasing its front copies only what is released.
 """
 
 from __future__ import annotations
