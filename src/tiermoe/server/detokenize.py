@@ -26,6 +26,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Iterable
 
+from tiermoe.server.text_buffer import TextBuffer
+
 # Markers the server's parsers need to see in the text stream.
 PARSER_MARKERS = (
     "<think>",
@@ -70,7 +72,12 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(context)
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self.text = ""  # all text emitted so far
+        self._text = TextBuffer()  # all text emitted so far
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far (text_buffer.py: appended per step, joined when read)."""
+        return self._text.value
 
     def _decode(self, ids: list[int]) -> str:
         if not ids:
@@ -110,7 +117,7 @@ class IncrementalDetokenizer:
             del self._ids[: self._prefix_offset]
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
-        self.text += delta
+        self._text.append(delta)
         return delta
 
 

@@ -26,6 +26,7 @@ from tiermoe.protocol import SamplingParams, TokenLogprob
 from tiermoe.server.detokenize import IncrementalDetokenizer
 from tiermoe.server.reasoning import CONTENT, REASONING, ReasoningParser
 from tiermoe.server.stop_strings import StopStringMatcher
+from tiermoe.server.text_buffer import TextBuffer
 from tiermoe.server.tool_parsers import ToolCallDelta, ToolParser
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class ChoiceRun:
         self._stream = None
         self._done = False
         # tallies
-        self.text = ""  # all visible text after stop handling (before reasoning/tool split)
+        self._visible = TextBuffer()  # all visible text after stop handling (before reasoning/tool split)
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # when params.prompt_logprobs is set
@@ -118,6 +119,12 @@ class ChoiceRun:
             if self.finish_reason is None:
                 self.finish_reason = "abort"
                 self.ctx.metrics.observe_finish(self)
+
+    @property
+    def text(self) -> str:
+        """All visible text after stop handling, before the reasoning / tool split (text_buffer.py:
+        appended per token, joined when read)."""
+        return self._visible.value
 
     @property
     def reasoning_text(self) -> str:
@@ -229,7 +236,7 @@ class ChoiceRun:
     def _route(self, text: str, delta: Delta) -> None:
         if not text:
             return
-        self.text += text
+        self._visible.append(text)
         if self.reasoning is not None:
             r, text = self.reasoning.feed(text)
             delta.reasoning += r

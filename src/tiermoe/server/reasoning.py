@@ -14,6 +14,8 @@ content come back trimmed, as a client would expect.
 
 from __future__ import annotations
 
+from tiermoe.server.text_buffer import TextBuffer
+
 UNDECIDED, REASONING, CONTENT = "undecided", "reasoning", "content"
 
 
@@ -33,8 +35,16 @@ class ReasoningParser:
         self._buf = ""  # text not yet classified or withheld
         self._reasoning_started = False
         self._content_started = False
-        self.reasoning_text = ""
-        self.content_text = ""
+        self._reasoning = TextBuffer()  # all reasoning emitted (text_buffer.py: joined when read)
+        self._content = TextBuffer()  # all answer text emitted
+
+    @property
+    def reasoning_text(self) -> str:
+        return self._reasoning.value
+
+    @property
+    def content_text(self) -> str:
+        return self._content.value
 
     @property
     def in_reasoning(self) -> bool:
@@ -91,7 +101,7 @@ class ReasoningParser:
             self._reasoning_started = True
         if final:
             text = text.rstrip()
-        self.reasoning_text += text
+        self._reasoning.append(text)
         return text
 
     def _emit_content(self, text: str) -> str:
@@ -100,5 +110,5 @@ class ReasoningParser:
             if not text:
                 return ""
             self._content_started = True
-        self.content_text += text
+        self._content.append(text)
         return text

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from tiermoe.protocol import JSON_WHITESPACE
 from tiermoe.server.limits import loads
+from tiermoe.server.text_buffer import TextBuffer
 
 # Calls one forced turn (tool_choice "required") may hold under its grammar: the grammar then
 # ends, so a model that keeps starting new calls stops even when each call differs.
@@ -113,12 +114,17 @@ class ToolParser:
         self.unique_calls = unique_calls
         self.repeated = False
         self.calls: list[ToolCall] = []
-        self.content = ""
+        self._plain = TextBuffer()  # plain text outside calls (text_buffer.py: joined when read)
         self._buf = ""
         self._open: _Open | None = None
         self._pending_ws = ""  # whitespace held until we know it is not padding before a call
         self._content_started = False
         self._next_index = 0
+
+    @property
+    def content(self) -> str:
+        """All plain text outside calls so far, padding trimmed."""
+        return self._plain.value
 
     # ---- format-specific ---------------------------------------------------------------
     def parse_body(self, body: str) -> ParsedBody | None:
@@ -212,7 +218,7 @@ class ToolParser:
     def _append(self, text: str) -> str:
         if text:
             self._content_started = True
-            self.content += text
+            self._plain.append(text)
         return text
 
     def _dropped(self, call: _Open) -> bool:
