@@ -293,10 +293,9 @@ def default_config(layout: ExpertLayout, tokens: int) -> dict:
 
 
 def _fit_block(block: int, dim: int, least: int) -> int:
-    """The largest power of two from `block` down to `least` that divides `dim` (else `block`, which the
-    configuration check then refuses). A width such as SmolLM2's 576 (64 x 9) takes 64-wide tiles
-    where 128 was asked: without this the embedded default model fell back to the torch expert path
-    on CUDA, whose numerics fast mode's CPU lane does not share."""
+    """The largest power of two from `block` down to `least` that divides `dim` (else `block`, refused by the
+    configuration check). SmolLM2's 576 (64 x 9) takes 64-wide tiles: else the default model fell back to the
+    torch expert path on CUDA, whose numerics fast mode's CPU lane does not share."""
     b = block
     while b > least and dim % b:
         b //= 2
