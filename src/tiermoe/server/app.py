@@ -274,10 +274,20 @@ async def _tokenize(request: Request, ctx: ServerContext) -> Response:
 
 
 async def _detokenize(request: Request, ctx: ServerContext) -> Response:
+    """Token ids -> text. At most a context's worth of ids (anything the model reads or writes
+    fits in it), refused by length before any is read; the range check and the decode run on
+    the tokenizer thread, so a 10-million-id list never stalls the event loop."""
     req = await parse_body(request, DetokenizeRequest)
     ctx.check_model(req.model)
-    for i, t in enumerate(req.tokens):
-        if not 0 <= t < ctx.vocab_size:
+    if len(req.tokens) > ctx.max_model_len:
+        raise bad_request(f"tokens has {len(req.tokens)} ids; at most this model's context of "
+                          f"{ctx.max_model_len} tokens can be detokenized", param="tokens",
+                          code="context_length_exceeded")
+
+    def check() -> None:
+        ids = req.tokens
+        if ids and (min(ids) < 0 or max(ids) >= ctx.vocab_size):
+            i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < ctx.vocab_size)
             raise bad_request(f"token {t} is outside the vocabulary (size {ctx.vocab_size})", param=f"tokens[{i}]")
-    text = ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)
-    return JSONResponse({"prompt": text})
+
+    return JSONResponse({"prompt": await ctx.decode(req.tokens, check)})

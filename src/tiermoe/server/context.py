@@ -232,6 +232,17 @@ class ServerContext:
             k *= 4
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
+    async def decode(self, ids: list[int], check=None) -> str:
+        """The text of token ids (special tokens kept), on the tokenizer thread; `check(...)`
+        (a range check raising a 400) runs there first, so a long list is never walked on the
+        event loop. Callers bound the list's length before (by the context)."""
+        def work() -> str:
+            if check is not None:
+                check()
+            return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+        return await self._off_loop(work)
+
     async def render_chat(
         self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None,
         add_generation_prompt: bool = True,

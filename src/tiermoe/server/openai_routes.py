@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -232,32 +233,46 @@ def from_delta(ctx: ServerContext, run: ChoiceRun, d: Delta, chunk, top_n: int, 
 
 
 def _prompt_list(ctx: ServerContext, prompt) -> list[str | list[int]]:
-    """The prompts of a completions request, without tokenizing any (token ids are range-checked)."""
+    """The prompts of a completions request, without tokenizing or reading any of them.
+
+    O(number of prompts), never O(tokens): an id list longer than the context is refused by its
+    length alone (a 20 MB body holds 10 million ids, and walking them on the event loop stalled
+    every stream for seconds); the ids themselves are range-checked off the loop (`_prompts`).
+    pydantic has already typed the union, so the first element tells an id list from a list."""
     if isinstance(prompt, str):
         prompts = [prompt]
-    elif prompt and all(isinstance(p, int) for p in prompt):
+    elif prompt and isinstance(prompt[0], int):
         prompts = [prompt]
     else:
         prompts = list(prompt)
     if not prompts:
         raise bad_request("prompt is empty", param="prompt")
-    for i, p in enumerate(prompts):
-        if not isinstance(p, str):
-            for t in p:
-                if not 0 <= t < ctx.vocab_size:
-                    raise bad_request(f"prompt token {t} is outside the vocabulary", param=f"prompt[{i}]")
+    for p in prompts:
+        if not isinstance(p, str) and len(p) >= ctx.max_model_len:
+            ctx.check_context(len(p), None, "prompt", "max_tokens")  # raises context_length_exceeded
     return prompts
 
 
+def _check_prompt_ids(ctx: ServerContext, ids: list[int], param: str) -> None:
+    """400 naming the first id outside the vocabulary (on the tokenizer thread, see `_prompts`);
+    min and max first, so a valid list costs two C-speed passes rather than a Python loop."""
+    if ids and (min(ids) < 0 or max(ids) >= ctx.vocab_size):
+        t = next(t for t in ids if not 0 <= t < ctx.vocab_size)
+        raise bad_request(f"prompt token {t} is outside the vocabulary", param=param)
+
+
 async def _prompts(ctx: ServerContext, prompts: list[str | list[int]]) -> list[tuple[str, list[int]]]:
-    """(text, token ids) of each prompt: text prompts are tokenized, id prompts decoded."""
+    """(text, token ids) of each prompt: text prompts are tokenized, id prompts range-checked and
+    decoded, all on the tokenizer thread (a decode of a context's worth of ids takes milliseconds
+    that the event loop streaming other clients' tokens should not pay)."""
     out = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
         if isinstance(p, str):
             ids = await ctx.encode(p, add_special_tokens=True)
             out.append((p, ids))
         else:
-            out.append((ctx.tokenizer.decode(p, skip_special_tokens=False), list(p)))
+            check = partial(_check_prompt_ids, ctx, p, f"prompt[{i}]")
+            out.append((await ctx.decode(p, check), list(p)))
     return out
 
 
