@@ -12,14 +12,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tiermoe.protocol import GRAMMAR_ERROR
+from tiermoe.server.anthropic_protocol import CountTokensRequest, MessagesRequest, output_spec
 from tiermoe.server.chat import plan_tools
 from tiermoe.server.context import ServerContext
 from tiermoe.server.errors import bad_request
 from tiermoe.server.generation import ChoiceRun
 from tiermoe.server.handling import parse_body, run_endpoint
 from tiermoe.server.limits import check_stop_strings
-from tiermoe.server.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
 from tiermoe.server.streaming import EventStream, drain, merged, sse, until_disconnect
+from tiermoe.server.structured import format_schemas
 
 
 def register(app) -> None:
@@ -115,21 +116,58 @@ def _template_kwargs(req) -> tuple[dict, int | None]:
     return {"enable_thinking": True}, thinking.budget_tokens
 
 
-async def _prompt(ctx: ServerContext, req) -> tuple[str, list[int], object]:
+def _prefill(req, messages: list[dict]) -> str | None:
+    """The text of a final assistant message the answer must continue (Anthropic's prefill), or None.
+
+    The message stays last in `messages`, to be rendered open (continue_final_message). An empty
+    one is dropped (a plain new turn), one holding tool_use blocks is a finished turn and is
+    rendered as such. Trailing whitespace is refused as Anthropic refuses it: the model would
+    continue after a space it would otherwise have written itself, within its next token."""
+    if req.messages[-1].role != "assistant" or not messages or messages[-1]["role"] != "assistant" \
+            or messages[-1].get("tool_calls"):
+        return None
+    text = messages[-1]["content"]
+    if not text:
+        messages.pop()
+        return None
+    if text != text.rstrip():
+        raise bad_request("final assistant content cannot end with trailing whitespace",
+                          param=f"messages[{len(req.messages) - 1}].content")
+    return text
+
+
+async def _prompt(ctx: ServerContext, req) -> tuple[str, list[int], object, dict | None, bool]:
+    """(prompt text, its ids, the tool plan, the structured-output spec, whether it continues a prefill)."""
     messages, functions, choice = to_chat(req)
     plan = plan_tools(functions, choice, can_parse=True)
-    await ctx.check_schemas(plan.schemas)
+    spec, schema_param = output_spec(req)
+    await ctx.check_schemas(plan.schemas + format_schemas(spec, schema_param))
     if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use:
         plan.max_calls = 1
+    if spec is not None and plan.force:
+        # the forced call's grammar and the answer's schema cannot both hold
+        raise bad_request("output_config.format cannot be combined with tool_choice 'any' or 'tool'",
+                          param="output_config.format")
     kwargs, _ = _template_kwargs(req)
-    text = await ctx.render_chat(messages, plan.template_tools, kwargs) + ctx.forced_text(plan)
-    return text, await ctx.encode(text), plan
+    prefill = _prefill(req, messages)
+    if prefill is None:
+        text = await ctx.render_chat(messages, plan.template_tools, kwargs) + ctx.forced_text(plan)
+        return text, await ctx.encode(text), plan, spec, False
+    if plan.force:
+        raise bad_request("an assistant prefill cannot be combined with tool_choice 'any' or 'tool' "
+                          "(a forced tool call is itself written into the assistant turn)", param="messages")
+    if spec is not None:
+        raise bad_request("an assistant prefill cannot be combined with output_config.format "
+                          "(the answer must be the schema's JSON from its first character)", param="messages")
+    text = await ctx.render_chat(messages, plan.template_tools, {**kwargs, "continue_final_message": True},
+                                 add_generation_prompt=False)
+    return text, await ctx.encode(text), plan, None, True
 
 
 async def count(request: Request, ctx: ServerContext) -> Response:
-    req = await parse_body(request, AnthropicCountTokensRequest)
+    req = await parse_body(request, CountTokensRequest)
     ctx.check_model(req.model)
-    _, ids, _ = await _prompt(ctx, req)
+    _, ids, *_ = await _prompt(ctx, req)
     return JSONResponse({"input_tokens": len(ids)})
 
 
@@ -149,23 +187,27 @@ def _usage(run: ChoiceRun) -> dict:
 
 
 async def create_message(request: Request, ctx: ServerContext) -> Response:
-    req: AnthropicMessagesRequest = await parse_body(request, AnthropicMessagesRequest)
+    req: MessagesRequest = await parse_body(request, MessagesRequest)
     ctx.check_model(req.model)
     if req.max_tokens < 1:
         raise bad_request("max_tokens must be at least 1", param="max_tokens")
     stops = check_stop_strings(req.stop_sequences, "stop_sequences")
     ctx.admit(1)
-    text, ids, plan = await _prompt(ctx, req)
+    text, ids, plan, spec, prefilled = await _prompt(ctx, req)
     max_tokens = ctx.check_context(len(ids), req.max_tokens, "messages", "max_tokens")
     _, budget = _template_kwargs(req)
-    params = ctx.sampling_params(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
+    params = ctx.sampling_params(max_tokens=max_tokens, structured=spec, temperature=req.temperature,
+                                 top_p=req.top_p, top_k=req.top_k)
     mid = ctx.new_id("msg_")
+    # a prefill is answer text: what follows it is answer too, never a think block to split off
     run = ctx.make_run(mid, text, ids, params, stop=stops, plan=plan, thinking_budget=budget,
-                       id_prefix="toolu_", endpoint="messages")
+                       reasoning=not prefilled, id_prefix="toolu_", endpoint="messages")
     await ctx.start_runs([run])
     if req.stream:
         return EventStream(_stream(ctx, mid, run), on_close=run.abort)
     await until_disconnect(request, drain([run]))
+    if spec is not None and run.finish_reason != "length":
+        ctx.outputs.submit(spec, run.content, run.request_id)  # the format re-check (a metric)
     content: list[dict] = []
     if run.reasoning_text:
         content.append({"type": "thinking", "thinking": run.reasoning_text, "signature": ""})
