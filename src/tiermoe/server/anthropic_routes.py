@@ -221,7 +221,8 @@ async def create_message(request: Request, ctx: ServerContext) -> Response:
 
 
 async def _stream(ctx: ServerContext, mid: str, run: ChoiceRun):
-    """Anthropic SSE: message_start, content blocks (thinking / text / tool_use), message_delta."""
+    """Anthropic SSE: message_start, content blocks (thinking / text / tool_use), message_delta,
+    message_stop; or, on a failure after the headers went out, an `error` event that ends it."""
     state = {"index": -1, "kind": None, "tool": None}
 
     def open_block(kind: str, block: dict) -> str:
@@ -245,13 +246,19 @@ async def _stream(ctx: ServerContext, mid: str, run: ChoiceRun):
     def delta(payload: dict) -> str:
         return sse({"type": "content_block_delta", "index": state["index"], "delta": payload}, "content_block_delta")
 
-    start = {"id": mid, "type": "message", "role": "assistant", "model": ctx.model_name, "content": [],
-             "stop_reason": None, "stop_sequence": None,
-             "usage": {"input_tokens": run.prompt_tokens, "output_tokens": 0}}
+    def message_start() -> str:
+        # sent with the first output, once the engine has said how much of the prompt it read
+        # from cache: the usage here then means what the final message_delta's does
+        state["started"] = True
+        usage = {**_usage(run), "output_tokens": 0}
+        start = {"id": mid, "type": "message", "role": "assistant", "model": ctx.model_name, "content": [],
+                 "stop_reason": None, "stop_sequence": None, "usage": usage}
+        return sse({"type": "message_start", "message": start}, "message_start")
+
+    state["started"] = False
     try:
-        yield sse({"type": "message_start", "message": start}, "message_start")
         async for _, d in merged([run]):
-            out = ""
+            out = "" if state["started"] else message_start()
             if d.reasoning:
                 if state["kind"] != "thinking":
                     out += open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
@@ -269,16 +276,20 @@ async def _stream(ctx: ServerContext, mid: str, run: ChoiceRun):
             if d.finish_reason:
                 out += close_block()
                 if d.finish_reason == "error":
+                    # an error event ends an Anthropic stream: no message_delta / message_stop after it
                     kind = "invalid_request_error" if run.error_code == GRAMMAR_ERROR else "api_error"
                     error = {"type": kind, "message": run.error or "engine error"}
-                    out += sse({"type": "error", "error": error}, "error")
+                    yield out + sse({"type": "error", "error": error}, "error")
+                    return
             if out:
                 yield out
         usage = _usage(run)
         stop = {"stop_reason": _stop_reason(run), "stop_sequence": run.stop_matched}
-        yield sse({"type": "message_delta", "delta": stop,
-                   "usage": {"output_tokens": usage["output_tokens"], "input_tokens": usage["input_tokens"],
-                             "cache_read_input_tokens": usage["cache_read_input_tokens"]}}, "message_delta")
+        yield ("" if state["started"] else message_start()) + sse(
+            {"type": "message_delta", "delta": stop,
+             "usage": {"output_tokens": usage["output_tokens"], "input_tokens": usage["input_tokens"],
+                       "cache_read_input_tokens": usage["cache_read_input_tokens"],
+                       "cache_creation_input_tokens": 0}}, "message_delta")
         yield sse({"type": "message_stop"}, "message_stop")
     finally:
         run.abort()
