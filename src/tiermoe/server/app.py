@@ -237,6 +237,7 @@ def create_app(
             "model": served_model_name,
             "max_model_len": ctx.max_model_len,
             "server": ctx.metrics.summary(snap, running, engine.num_waiting),
+            "admitting": ctx.reserved,  # admitted, still rendering or tokenizing (queue slots held)
             "engine": snap,
             "time": time.time(),
         }

@@ -35,6 +35,21 @@ from tiermoe.server.tool_parsers import ToolParser, detect_tool_format, get_tool
 # that, any failure comes from its content (handling.run_endpoint answers 400).
 reached_engine: ContextVar[bool] = ContextVar("tiermoe_reached_engine", default=False)
 
+
+
+class Reservation:
+    """Queue slots one request has reserved at admission and not yet handed to the engine."""
+
+    __slots__ = ("slots",)
+
+    def __init__(self) -> None:
+        self.slots = 0
+
+
+# The reservation of the request being handled (one per asyncio task); run_endpoint sets it and
+# releases what is left of it however the request ends (error, disconnect, cancellation).
+reservation: ContextVar[Reservation | None] = ContextVar("tiermoe_reservation", default=None)
+
 # A logit_bias key: a token id in decimal, ASCII digits only (re's [0-9] matches no other digits).
 _TOKEN_ID = re.compile(r"[0-9]+")
 
@@ -85,6 +100,7 @@ class ServerContext:
         self._output_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiermoe-output-check")
         self.schemas = SchemaChecker(self._off_loop_checks)
         self.outputs = OutputChecker(self._output_pool, self.metrics.structured_invalid)
+        self.reserved = 0  # slots admitted but not yet in the engine (admit -> start_runs)
         self.connections = ConnectionSlots(config.max_connections, config.max_connections_per_client,
                                            config.retry_after_s)
 
@@ -105,21 +121,38 @@ class ServerContext:
                        param="model", code="model_not_found")
 
     def admit(self, n: int) -> None:
-        """Refuse work the engine cannot queue: 503 while draining, 429 when the queue is full."""
+        """Refuse work the engine cannot queue: 503 while draining, 429 when the queue is full.
+
+        The n slots are reserved here, at once: between admission and `start_runs` a handler
+        awaits rendering, tokenizing and schema checks, and a count read only from the engine
+        let a burst of simultaneous requests all pass against the same number (9 admitted for a
+        limit of 4). The reservation is released as the runs reach the engine (which counts them
+        from then on), or by `release` when the request ends without reaching it."""
         engine = self.engine
         if engine.draining:
             raise APIError(503, "server is shutting down", code="shutting_down")
         if not engine.alive:
             raise APIError(503, "engine is not running", code="engine_unavailable")
         limit = engine.capacity + self.config.max_queue
-        if engine.num_unfinished + n > limit:
+        in_flight = engine.num_unfinished + self.reserved
+        if in_flight + n > limit:
             self.metrics.rejected.inc()
             raise APIError(
                 429,
-                f"server is at capacity ({engine.num_unfinished} requests in flight, limit {limit}); retry shortly",
+                f"server is at capacity ({in_flight} requests in flight, limit {limit}); retry shortly",
                 code="queue_full",
                 headers={"Retry-After": str(self.config.retry_after_s)},
             )
+        held = reservation.get()
+        if held is not None:  # outside run_endpoint nothing could release it: check only
+            held.slots += n
+            self.reserved += n
+
+    def release(self, held: Reservation, n: int | None = None) -> None:
+        """Give back n (default: all) of a request's reserved slots."""
+        n = held.slots if n is None else min(n, held.slots)
+        held.slots -= n
+        self.reserved -= n
 
     def check_context(self, prompt_len: int, max_tokens: int | None, prompt_param: str, max_param: str) -> int:
         """Validate lengths against the context; returns the max_tokens to use."""
@@ -328,9 +361,16 @@ class ServerContext:
         """Submit every run; on any refusal abort those already started and raise a 4xx/503.
         Once all are accepted, later failures are no longer the request's content's doing."""
         started = []
+        held = reservation.get()
         try:
             for run in runs:
-                await run.start()
+                try:
+                    await run.start()
+                finally:
+                    # the engine counts the run from here on (or refused it): its slot is no longer
+                    # reserved (released after the start, so a burst never sees it uncounted)
+                    if held is not None:
+                        self.release(held, 1)
                 started.append(run)
         except BaseException as exc:
             for run in started:

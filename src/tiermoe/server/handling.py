@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from tiermoe.server.context import ServerContext, reached_engine
+from tiermoe.server.context import Reservation, ServerContext, reached_engine, reservation
 from tiermoe.server.errors import APIError, content_error, error_response, from_validation_error, to_api_error
 from tiermoe.server.streaming import ClientGone
 
@@ -50,6 +50,8 @@ async def run_endpoint(request: Request, handler: Handler) -> Response:
     """Run a route body; exceptions become error bodies (the right shape for the path)."""
     ctx: ServerContext = request.app.state.ctx
     token = reached_engine.set(False)
+    held = Reservation()
+    held_token = reservation.set(held)
     try:
         return await handler(request, ctx)
     except ClientGone:
@@ -58,4 +60,8 @@ async def run_endpoint(request: Request, handler: Handler) -> Response:
         err = to_api_error(exc) if reached_engine.get() else content_error(exc)
         return error_response(request.url.path, err)
     finally:
+        # queue slots admitted but never handed to the engine (a 4xx after admission, a client
+        # gone while tokenizing): released on every path, or the queue would shrink for good
+        ctx.release(held)
+        reservation.reset(held_token)
         reached_engine.reset(token)

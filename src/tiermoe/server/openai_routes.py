@@ -324,11 +324,10 @@ async def complete(request: Request, ctx: ServerContext) -> Response:
     await ctx.check_schemas(format_schemas(spec, schema_param))
     # Admission is counted from the list alone, so a list the queue cannot take is refused before
     # any of it is tokenized (a long list of long prompts holds the one tokenizer thread for
-    # seconds); it is checked again after tokenizing, as the queue may have filled meanwhile.
+    # seconds); the slots stay reserved while it is tokenized (ServerContext.admit).
     listed = _prompt_list(ctx, req.prompt)
     ctx.admit(req.n * len(listed))
     prompts = await _prompts(ctx, listed)
-    ctx.admit(req.n * len(prompts))
     rid = ctx.new_id("cmpl-")
     runs = []
     for p_idx, (text, ids) in enumerate(prompts):
