@@ -198,10 +198,24 @@ class ToolParser:
             out, deltas = self._close(self._open, complete=False)
             self._open = None
         else:
-            out = self._content(self._buf, before_call=False)
+            out = self._content(self._held_text(), before_call=False)
             self._buf = ""
         self._pending_ws = ""  # trailing whitespace of the answer is dropped
         return out, deltas
+
+    def _held_text(self) -> str:
+        """The text still held at the end, outside any call: a tail that may begin a start marker.
+
+        When the output stops inside the marker itself (max_tokens cut "<tool_call>" after
+        "<tool_call"), that tail is markup, not answer: it is dropped when it is more than one
+        character of the marker, or when the turn already holds or was forced to make a call.
+        A lone "<" closing a plain-text answer is kept (it may be the answer's own character)."""
+        held = self._buf
+        if not held or not self.start_marker.startswith(held):
+            return held
+        if len(held) > 1 or self._next_index > 0 or self.unique_calls:
+            return ""
+        return held
 
     # ---- internals -------------------------------------------------------------------------
     def _content(self, text: str, before_call: bool) -> str:
