@@ -364,13 +364,13 @@ class ServerContext:
         held = reservation.get()
         try:
             for run in runs:
-                try:
-                    await run.start()
-                finally:
-                    # the engine counts the run from here on (or refused it): its slot is no longer
-                    # reserved (released after the start, so a burst never sees it uncounted)
-                    if held is not None:
-                        self.release(held, 1)
+                if held is not None:
+                    # the slot moves from the reservation to the engine's count with no await in
+                    # between: AsyncEngine.add_request registers the request before its first
+                    # await, so no other request sees it counted twice (a spurious 429 at the
+                    # limit) or not at all (an overshoot)
+                    self.release(held, 1)
+                await run.start()
                 started.append(run)
         except BaseException as exc:
             for run in started:
