@@ -46,6 +46,30 @@ KNOWN_PATHS = {
 }
 
 
+# GET routes also answered for HEAD (as GET, without the body): uptime monitors and load balancers
+# probe with HEAD, and FastAPI's GET routes answer it 405. Streams are left out (a HEAD would hold
+# a stream open that sends nothing).
+HEAD_PATHS = {"/health", "/ping", "/metrics", "/stats", "/v1/models", "/"}
+HEAD_PREFIXES = ("/v1/models/", web_routes.ASSET_PREFIX)
+
+
+def answers_head(path: str) -> bool:
+    return path in HEAD_PATHS or path.startswith(HEAD_PREFIXES)
+
+
+def _without_body(send):
+    """`send` for a HEAD answered as GET: the status and headers (Content-Length included, as
+    RFC 9110 allows), no body bytes."""
+    async def head_send(message):
+        if message["type"] == "http.response.body":
+            if message.get("more_body", False):
+                return
+            message = {"type": "http.response.body", "body": b"", "more_body": False}
+        await send(message)
+
+    return head_send
+
+
 class Guard:
     """Pure ASGI middleware (keeps streaming and disconnect detection intact).
 
@@ -65,8 +89,11 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        endpoint = path if path in KNOWN_PATHS else "other"
+        endpoint = path if path in KNOWN_PATHS else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
         metrics = self.ctx.metrics
+        if scope.get("method") == "HEAD" and answers_head(path):
+            scope = {**scope, "method": "GET"}  # a copy: the HTTP layer still knows it is a HEAD
+            send = _without_body(send)
 
         async def counted_send(message):
             if message["type"] == "http.response.start":
@@ -215,13 +242,26 @@ def create_app(
     async def ping():
         return await health()
 
-    @app.get("/v1/models")
-    async def models():
-        entry = {
-            "id": served_model_name, "object": "model", "created": int(ctx.metrics.started), "owned_by": "tiermoe",
+    def model_entry(name: str) -> dict:
+        return {
+            "id": name, "object": "model", "created": int(ctx.metrics.started), "owned_by": "tiermoe",
             "max_model_len": ctx.max_model_len, "root": engine.model_info.get("name", served_model_name),
         }
-        return {"object": "list", "data": [entry]}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_entry(served_model_name)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        """OpenAI's models.retrieve: the served model (or an alias) as in the list, else 404.
+        Ids may hold '/' (org/name); an empty id (/v1/models/) is the list."""
+        if not model_id:
+            return await models()
+        if model_id not in ctx.model_names:
+            raise APIError(404, f"The model '{model_id}' does not exist; this server serves '{served_model_name}'",
+                           param="model", code="model_not_found")
+        return model_entry(model_id)
 
     @app.get("/metrics")
     async def metrics():

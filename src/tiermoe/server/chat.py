@@ -97,8 +97,8 @@ def openai_messages(messages) -> list[dict]:
         if m.reasoning_content:
             msg["reasoning_content"] = m.reasoning_content
         out.append(msg)
-    if all(m["role"] == "system" for m in out):
-        raise bad_request("messages must contain a user message", param="messages", code="empty_messages")
+    # A conversation of system (or developer) messages alone is valid (OpenAI and vLLM answer it);
+    # whether the model's chat template can render it is the template's to say (a 400 then).
     return out
 
 

@@ -316,6 +316,10 @@ async def complete(request: Request, ctx: ServerContext) -> Response:
     if req.echo and req.stream:
         raise bad_request("echo is not supported with stream", param="echo")
     # echo with max_tokens 0 scores the prompt only (one token is generated and dropped)
+    if req.max_tokens is None:
+        # an explicit null is the default, as when the field is left out (OpenAI: 16), never "up
+        # to the end of the context" (which kept a client waiting minutes for 8,000 tokens)
+        req.max_tokens = CompletionRequest.model_fields["max_tokens"].default
     score_only = req.echo and req.max_tokens == 0
     as_ids = req.return_tokens_as_token_ids
     rf = req.response_format
