@@ -58,7 +58,7 @@ def test_openapi_document_covers_every_route(fuzz_server):
 OPERATIONS = [
     ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
     ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("POST", "/tokenize"), ("POST", "/detokenize"),
-    ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/ping"), ("GET", "/metrics"), ("GET", "/stats"),
+    ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"), ("GET", "/health"), ("GET", "/ping"), ("GET", "/metrics"), ("GET", "/stats"),
 ]
 
 
@@ -67,7 +67,8 @@ def test_operation_list_is_complete(api_schema):
     assert ops == set(OPERATIONS)
 
 
-# GET operations take no parameters, so there is nothing to make invalid
+# GET operations take no body (a model id in the path at most: any string is valid), so there is
+# nothing to make invalid
 CASES = [(m, p, mode) for m, p in OPERATIONS for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
          if m == "POST" or mode is GenerationMode.POSITIVE]
 
