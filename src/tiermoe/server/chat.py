@@ -11,7 +11,7 @@ then the JSON Schema check, off the event loop).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tiermoe.server.errors import APIError, bad_request
 from tiermoe.server.limits import loads
@@ -156,3 +156,15 @@ def plan_tools(functions: list[dict] | None, choice, *, can_parse: bool, param: 
         chosen = [t for t in template_tools if t["function"]["name"] == name]
         return ToolPlan(chosen, functions, parse=True, force=True, forced_name=name, schemas=schemas)
     raise bad_request(f"invalid tool_choice {choice!r}", param=param)
+
+
+def forced_schemas(plan: ToolPlan) -> list[SchemaToCheck]:
+    """The plan's parameter schemas, those a forced call may use (every tool for "required", the
+    named one otherwise) marked enforced: a forced call's arguments are generated under its
+    schema's grammar, so a schema the grammar engine cannot compile is a 400 at request time, as
+    for a response format, not an unconstrained run whose arguments ignore the schema."""
+    if not plan.force:
+        return plan.schemas
+    with_params = [fn for fn in plan.functions if fn.get("parameters") is not None]  # check_functions' order
+    return [replace(item, enforced=True) if plan.forced_name in (None, fn["name"]) else item
+            for fn, item in zip(with_params, plan.schemas)]
