@@ -109,6 +109,13 @@ class Guard:
             if not hmac.compare_digest(token, self.key):
                 msg = "missing API key" if not token else "invalid API key"
                 return await _send_error(counted_send, path, APIError(401, msg, code="invalid_api_key"))
+        encoding = headers.get("content-encoding", b"").strip().lower()
+        if encoding not in (b"", b"identity"):
+            # the body would be read as JSON still compressed ("not valid JSON"): say what is wrong
+            shown = encoding.decode("latin-1")[:40]
+            return await _send_error(counted_send, path, APIError(
+                415, f"Content-Encoding {shown} is not supported; send the request body uncompressed",
+                code="unsupported_content_encoding"))
         length = headers.get("content-length")
         if length is not None:
             try:

@@ -97,12 +97,28 @@ def check_enforceable(schema: dict, param: str) -> None:
     """400 unless the grammar engine can compile `schema` as the engine will (same options)."""
     import llguidance
 
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(
-        {**schema, "x-guidance": {**GRAMMAR_OPTIONS, **grammar_options(schema)}})
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            {**schema, "x-guidance": {**GRAMMAR_OPTIONS, **grammar_options(schema)}})
+    except ValueError as exc:
+        # the grammar engine reads numbers as 64-bit values: a larger integer literal (a
+        # "maximum" of 10**30) cannot be passed to it at all, and was a 400 naming nothing
+        raise bad_request(f"the JSON schema cannot be enforced: {_unreadable(exc)}", param=param,
+                          code="unsupported_schema") from None
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise bad_request(f"the JSON schema cannot be enforced: {_one_line(error)}", param=param,
                           code="unsupported_schema")
+
+
+def _unreadable(exc: ValueError) -> str:
+    text = str(exc)
+    prefix = "Value is not JSON serializable: "
+    if text.startswith(prefix):
+        value = text[len(prefix):]
+        value = value if len(value) <= 60 else value[:57] + "..."
+        return f"it holds the number {value}, outside the 64-bit range the grammar engine reads"
+    return _one_line(text)
 
 
 def _one_line(message: str) -> str:
