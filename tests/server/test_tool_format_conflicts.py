@@ -56,3 +56,16 @@ def test_auto_tools_with_a_response_format_are_still_served(client):
     r = client.chat.completions.create(model="scripted", messages=MSG, max_tokens=20, tools=[_tool("ok", FINE)],
                                        response_format={"type": "json_object"})
     assert r.choices[0].message.role == "assistant"
+
+
+def test_responses_route_applies_the_same_checks(client):
+    """/v1/responses forces calls the same way, so it refuses the same requests."""
+    bad = {"type": "function", "name": "bad", "parameters": UNSATISFIABLE}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="scripted", input="call it", tools=[bad], tool_choice="required")
+    assert e.value.body["code"] == "unsupported_schema" and e.value.body["param"] == "tools[0].parameters"
+    ok = {"type": "function", "name": "ok", "parameters": FINE}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="scripted", input="call it", tools=[ok], tool_choice="required",
+                                text={"format": {"type": "json_object"}})
+    assert e.value.body["code"] == "conflicting_constraints" and e.value.body["param"] == "text.format"
