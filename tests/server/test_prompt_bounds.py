@@ -65,3 +65,24 @@ def test_detokenize_is_bounded_by_the_context_and_runs_off_the_loop(server, deco
     assert [name for _, name in decodes] and all(name.startswith("tiermoe-tokenize") for _, name in decodes)
     r = httpx.post(server.url + "/detokenize", json={"tokens": [1, 2, -4]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens[2]"
+
+
+def test_a_large_body_is_parsed_off_the_event_loop(client, monkeypatch):
+    """Parsing a body of megabytes takes long enough to stall every stream; past 1 MiB it runs
+    on a worker thread (smaller bodies are parsed in place)."""
+    from tiermoe.server.protocol import CompletionRequest
+
+    threads = []
+    real = CompletionRequest.model_validate_json.__func__
+
+    def spy(cls, raw, *args, **kwargs):
+        threads.append((len(raw), threading.current_thread().name))
+        return real(cls, raw, *args, **kwargs)
+
+    monkeypatch.setattr(CompletionRequest, "model_validate_json", classmethod(spy))
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="scripted", prompt=[5] * 600_000, max_tokens=1)
+    client.completions.create(model="scripted", prompt="hi", max_tokens=1)
+    big, small = threads
+    assert big[0] > 1 << 20 and big[1].startswith("tiermoe-parse")
+    assert small[0] < 1000 and not small[1].startswith("tiermoe-parse")

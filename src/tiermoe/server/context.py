@@ -98,6 +98,7 @@ class ServerContext:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiermoe-tokenize")
         self._check_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiermoe-check")
         self._output_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiermoe-output-check")
+        self.parse_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiermoe-parse")  # large bodies
         self.schemas = SchemaChecker(self._off_loop_checks)
         self.outputs = OutputChecker(self._output_pool, self.metrics.structured_invalid)
         self.reserved = 0  # slots admitted but not yet in the engine (admit -> start_runs)
@@ -108,6 +109,7 @@ class ServerContext:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._check_pool.shutdown(wait=False, cancel_futures=True)
         self._output_pool.shutdown(wait=False, cancel_futures=True)
+        self.parse_pool.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
     def new_id(prefix: str) -> str:
