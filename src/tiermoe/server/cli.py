@@ -28,7 +28,9 @@ def _limits_epilog() -> str:
                                        MAX_STOP_STRINGS)
 
     return f"""limits on requests (fixed unless a flag above changes them):
-  body           --max-body-mb (413 beyond); request headers at most 16 KiB (400 beyond)
+  body           --max-body-mb (413 beyond); headers: only a header block still incomplete past
+                 16 KiB is refused (the connection is closed, no response); a larger block that
+                 arrives in one read is taken
   JSON nesting   about 200 levels in a body (400 invalid_json beyond)
   JSON schemas   (tool parameters, response_format, text.format, input_schema): at most
                  {MAX_SCHEMA_DEPTH} levels of objects/arrays in one schema and {MAX_SCHEMA_VALUES} JSON values over all

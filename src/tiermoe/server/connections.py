@@ -9,8 +9,9 @@ body held every slot for as long as they stayed open, and every other client got
     closed (its slot is free again);
   - header timeout (`--header-timeout`, the uvicorn protocol below): a connection must finish
     sending a request's headers within this many seconds of opening, or of its previous
-    response; else 408 (if part of a request came) and the connection is closed. Request
-    headers are also capped at 16 KiB by h11 (400 beyond);
+    response; else 408 (if part of a request came) and the connection is closed. h11 bounds
+    only a header block still incomplete (16 KiB: past it the connection is closed without a
+    response); a larger block that arrives in one read is accepted;
   - idle keep-alive (`--keep-alive-timeout`): an idle connection between requests is closed;
   - a per-client share (`--max-connections-per-client`, default half of `--max-connections`):
     no one address (IPv6: one /64 network) may hold more API request slots than that, so one
