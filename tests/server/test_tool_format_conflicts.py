@@ -1,4 +1,4 @@
-"""Forced tool calls on /v1/chat/completions: a schema the grammar engine cannot compile, and a
+"""Forced tool calls on /v1/chat/completions and /v1/messages: a schema the grammar engine cannot compile, and a
 response format alongside, are refused at request time.
 
 A forced call's arguments are generated under its schema's grammar. A schema that could not be
@@ -69,3 +69,20 @@ def test_responses_route_applies_the_same_checks(client):
         client.responses.create(model="scripted", input="call it", tools=[ok], tool_choice="required",
                                 text={"format": {"type": "json_object"}})
     assert e.value.body["code"] == "conflicting_constraints" and e.value.body["param"] == "text.format"
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "bad"}])
+def test_a_forced_anthropic_tool_whose_schema_cannot_be_enforced_is_a_400(anthropic_client, choice):
+    """/v1/messages forces a call with tool_choice any or tool: the same check, Anthropic's error shape."""
+    import anthropic
+
+    tools = [{"name": "ok", "input_schema": FINE}, {"name": "bad", "input_schema": UNSATISFIABLE}]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        anthropic_client.messages.create(model="scripted", max_tokens=20, messages=MSG, tools=tools,
+                                         tool_choice=choice)
+    body = e.value.body
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+    assert "cannot be enforced" in body["error"]["message"]
+    r = anthropic_client.messages.create(model="scripted", max_tokens=20, messages=MSG, tools=tools,
+                                         tool_choice={"type": "auto"})  # auto enforces none: still served
+    assert r.role == "assistant"

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from tiermoe.protocol import GRAMMAR_ERROR
 from tiermoe.server.anthropic_protocol import CountTokensRequest, MessagesRequest, output_spec
-from tiermoe.server.chat import plan_tools
+from tiermoe.server.chat import forced_schemas, plan_tools
 from tiermoe.server.context import ServerContext
 from tiermoe.server.errors import bad_request
 from tiermoe.server.generation import ChoiceRun
@@ -141,7 +141,9 @@ async def _prompt(ctx: ServerContext, req) -> tuple[str, list[int], object, dict
     messages, functions, choice = to_chat(req)
     plan = plan_tools(functions, choice, can_parse=True)
     spec, schema_param = output_spec(req)
-    await ctx.check_schemas(plan.schemas + format_schemas(spec, schema_param))
+    # a forced call (tool_choice any / tool) is generated under its schema's grammar: one the engine cannot
+    # compile is a 400 now, as on the OpenAI routes, not an unconstrained run with made-up arguments
+    await ctx.check_schemas(forced_schemas(plan) + format_schemas(spec, schema_param))
     if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use:
         plan.max_calls = 1
     if spec is not None and plan.force:
