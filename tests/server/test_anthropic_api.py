@@ -24,6 +24,14 @@ def test_thinking_disabled_and_system(anthropic_client):
     assert [b.type for b in m.content] == ["text"]
 
 
+@pytest.mark.parametrize("kind", ["adaptive", "between_tools"])
+def test_thinking_the_model_decides(anthropic_client, kind):
+    """The SDK's "adaptive" and "between_tools" configs are accepted and think as "enabled" does."""
+    m = anthropic_client.messages.create(model="scripted", max_tokens=200, thinking={"type": kind},
+                                         messages=[{"role": "user", "content": "What is 17 * 23?"}])
+    assert [b.type for b in m.content] == ["thinking", "text"] and m.content[1].text == "391"
+
+
 def test_stream_accumulates(anthropic_client):
     messages = [{"role": "user", "content": "Name three primary colors"}]
     with anthropic_client.messages.stream(model="scripted", max_tokens=200, messages=messages) as stream:

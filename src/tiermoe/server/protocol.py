@@ -212,7 +212,10 @@ class AnthropicToolChoice(_Strict):
 
 
 class AnthropicThinking(_Strict):
-    type: Literal["enabled", "disabled", "adaptive"]
+    """Anthropic's thinking config. "adaptive" and "between_tools" (think between tool calls) let the model decide,
+    which a template's enable_thinking switch serves as "enabled" without a budget (anthropic_routes)."""
+
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: int | None = Field(default=None, ge=0)
 
 
