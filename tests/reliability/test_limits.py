@@ -275,6 +275,8 @@ def test_cors_only_for_configured_origins():
         assert bad.headers.get("access-control-allow-origin") != "https://evil.example"
         r = httpx.get(s.url + "/v1/models", headers={"origin": "https://evil.example", "authorization": "Bearer k"})
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+        r = httpx.get(s.url + "/v1/models", headers={"origin": "https://app.example", "authorization": "Bearer k"})
+        assert "retry-after" in r.headers["access-control-expose-headers"].lower()  # a browser reads it on a 429
 
 
 PATH_NAMES = ["../../etc/passwd", "/etc/passwd", "..%2f..%2fetc%2fpasswd", "....//....//etc/passwd", "~root/.ssh/id_rsa",

@@ -227,7 +227,9 @@ def create_app(
     if config.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["*"], allow_headers=["*"])
+        # Retry-After exposed: a browser client reads it on a 429 (queue full) or 503 to know when to come back
+        app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["Retry-After"])
 
     @app.get("/health")
     async def health():
