@@ -63,8 +63,8 @@ SCHEMA_SITES = {
     "tokenize tools": ("/tokenize", lambda s: {"messages": MSG, "tools": [tool(s)]}, "tools[0].parameters"),
 }
 FORMAT_SITES = [k for k in SCHEMA_SITES if "format" in k]
-# schemas compiled into a grammar: response formats, and the tools of a forced call (tool_choice required)
-ENFORCED_SITES = [*FORMAT_SITES, "chat tools", "responses tools"]
+# schemas compiled into a grammar: response formats, and the tools of a forced call (tool_choice required / any)
+ENFORCED_SITES = [*FORMAT_SITES, "chat tools", "responses tools", "messages input_schema"]
 
 
 def answered_at_once(url: str) -> None:
