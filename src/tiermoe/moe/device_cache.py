@@ -362,10 +362,10 @@ class DeviceCacheExperts(StoreBackend):
         """A fast-mode decode step of one layer with no host sync (module doc): x [T, H] ->
         [T, H] in x's dtype, or with `partial` both parts' fp32 sum before its rounding (an
         expert-parallel rank's part, rounded once after the ranks' sum). The lane's answer
-        arrives through `mailbox` (a Mailbox with
-        meta_words >= lane_cap + 2 T k; `slot` is this layer's) as the fp32 partial of the
-        experts in the cache's lane_ids, given meta = lane_ids (-1 padded to lane_cap) |
-        topk_ids [T k] | topk_weights as fp32 bits [T k] (moe/device_lane.py)."""
+        arrives through `mailbox` (a Mailbox with meta_words >= lane_cap + 2 T k; `slot` is
+        this layer's) as the fp32 partial of the experts in the cache's lane_ids, given meta =
+        lane_ids (-1 padded to lane_cap) | topk_ids [T k] | topk_weights as fp32 bits [T k]
+        (moe/device_lane.py)."""
         cache = self.caches[layer]
         if topk_ids.numel() > self.max_picks or not cache.lane_max:
             return self.forward(layer, x, topk_ids, topk_weights, decode=True, partial=partial)
