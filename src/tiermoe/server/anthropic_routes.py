@@ -141,26 +141,26 @@ async def _prompt(ctx: ServerContext, req) -> tuple[str, list[int], object, dict
     messages, functions, choice = to_chat(req)
     plan = plan_tools(functions, choice, can_parse=True)
     spec, schema_param = output_spec(req)
-    # a forced call (tool_choice any / tool) is generated under its schema's grammar: one the engine cannot
-    # compile is a 400 now, as on the OpenAI routes, not an unconstrained run with made-up arguments
-    await ctx.check_schemas(forced_schemas(plan) + format_schemas(spec, schema_param))
-    if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use:
-        plan.max_calls = 1
     if spec is not None and plan.force:
         # the forced call's grammar and the answer's schema cannot both hold
         raise bad_request("output_config.format cannot be combined with tool_choice 'any' or 'tool'",
                           param="output_config.format")
     kwargs, _ = _template_kwargs(req)
-    prefill = _prefill(req, messages)
+    prefill = _prefill(req, messages)  # its own 400s, too, come before the schemas' compile below
+    if prefill is not None and plan.force:
+        raise bad_request("an assistant prefill cannot be combined with tool_choice 'any' or 'tool' "
+                          "(a forced tool call is itself written into the assistant turn)", param="messages")
+    if prefill is not None and spec is not None:
+        raise bad_request("an assistant prefill cannot be combined with output_config.format "
+                          "(the answer must be the schema's JSON from its first character)", param="messages")
+    # a forced call (tool_choice any / tool) is generated under its schema's grammar: one the engine cannot
+    # compile is a 400 now, as on the OpenAI routes, not an unconstrained run with made-up arguments
+    await ctx.check_schemas(forced_schemas(plan) + format_schemas(spec, schema_param))
+    if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use:
+        plan.max_calls = 1
     if prefill is None:
         text = await ctx.render_chat(messages, plan.template_tools, kwargs) + ctx.forced_text(plan)
         return text, await ctx.encode(text), plan, spec, False
-    if plan.force:
-        raise bad_request("an assistant prefill cannot be combined with tool_choice 'any' or 'tool' "
-                          "(a forced tool call is itself written into the assistant turn)", param="messages")
-    if spec is not None:
-        raise bad_request("an assistant prefill cannot be combined with output_config.format "
-                          "(the answer must be the schema's JSON from its first character)", param="messages")
     text = await ctx.render_chat(messages, plan.template_tools, {**kwargs, "continue_final_message": True},
                                  add_generation_prompt=False)
     return text, await ctx.encode(text), plan, None, True

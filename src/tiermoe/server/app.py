@@ -267,9 +267,7 @@ def create_app(
         Ids may hold '/' (org/name); an empty id (/v1/models/) is the list."""
         if not model_id:
             return await models()
-        if model_id not in ctx.model_names:
-            raise APIError(404, f"The model '{model_id}' does not exist; this server serves '{served_model_name}'",
-                           param="model", code="model_not_found")
+        ctx.check_model(model_id)  # 404 model_not_found for another id
         return model_entry(model_id)
 
     @app.get("/metrics")
