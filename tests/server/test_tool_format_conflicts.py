@@ -86,3 +86,18 @@ def test_a_forced_anthropic_tool_whose_schema_cannot_be_enforced_is_a_400(anthro
     r = anthropic_client.messages.create(model="scripted", max_tokens=20, messages=MSG, tools=tools,
                                          tool_choice={"type": "auto"})  # auto enforces none: still served
     assert r.role == "assistant"
+
+
+@pytest.mark.parametrize("field", ["output_config", "output_format"])
+def test_a_forced_anthropic_tool_with_a_format_names_the_field_sent(anthropic_client, field):
+    """The same conflict on /v1/messages, whichever of the two format fields carried the format."""
+    import anthropic
+
+    fmt = {"type": "json_schema", "schema": FINE}
+    extra = {"output_config": {"format": fmt}} if field == "output_config" else {"output_format": fmt}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        anthropic_client.messages.create(model="scripted", max_tokens=20, messages=MSG, tool_choice={"type": "any"},
+                                         tools=[{"name": "ok", "input_schema": FINE}], extra_body=extra)
+    message = e.value.body["error"]["message"]
+    assert message.startswith("output_config.format" if field == "output_config" else "output_format ("), message
+    assert "tool_choice" in message

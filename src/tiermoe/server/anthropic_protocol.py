@@ -42,7 +42,7 @@ class CountTokensRequest(AnthropicCountTokensRequest):
 
 
 def output_spec(req) -> tuple[dict | None, str]:
-    """(sampler spec or None, the request field its schema sits in) for a structured-output request.
+    """(sampler spec or None, the request's format field) for a structured-output request.
 
     Only `json_schema` exists in Anthropic's API; another type is a 400, not plain text."""
     config_format = req.output_config.format if req.output_config is not None else None
@@ -59,4 +59,4 @@ def output_spec(req) -> tuple[dict | None, str]:
         raise bad_request(f"{where}.type must be 'json_schema', not {fmt.type!r}", param=f"{where}.type")
     if fmt.schema_ is None:
         raise bad_request(f"{where} of type json_schema needs a 'schema' object", param=f"{where}.schema")
-    return structured_spec("json_schema", fmt.schema_, f"{where}.schema"), f"{where}.schema"
+    return structured_spec("json_schema", fmt.schema_, f"{where}.schema"), where

@@ -13,14 +13,13 @@ from starlette.responses import JSONResponse, Response
 
 from tiermoe.protocol import GRAMMAR_ERROR
 from tiermoe.server.anthropic_protocol import CountTokensRequest, MessagesRequest, output_spec
-from tiermoe.server.chat import forced_schemas, plan_tools
+from tiermoe.server.chat import constraint_schemas, plan_tools
 from tiermoe.server.context import ServerContext
 from tiermoe.server.errors import bad_request
 from tiermoe.server.generation import ChoiceRun
 from tiermoe.server.handling import parse_body, run_endpoint
 from tiermoe.server.limits import check_stop_strings
 from tiermoe.server.streaming import EventStream, drain, merged, sse, until_disconnect
-from tiermoe.server.structured import format_schemas
 
 
 def register(app) -> None:
@@ -140,22 +139,19 @@ async def _prompt(ctx: ServerContext, req) -> tuple[str, list[int], object, dict
     """(prompt text, its ids, the tool plan, the structured-output spec, whether it continues a prefill)."""
     messages, functions, choice = to_chat(req)
     plan = plan_tools(functions, choice, can_parse=True)
-    spec, schema_param = output_spec(req)
-    if spec is not None and plan.force:
-        # the forced call's grammar and the answer's schema cannot both hold
-        raise bad_request("output_config.format cannot be combined with tool_choice 'any' or 'tool'",
-                          param="output_config.format")
+    spec, format_param = output_spec(req)
+    schemas = constraint_schemas(plan, spec, format_param, f"{format_param}.schema")  # its 400s first
     kwargs, _ = _template_kwargs(req)
     prefill = _prefill(req, messages)  # its own 400s, too, come before the schemas' compile below
     if prefill is not None and plan.force:
         raise bad_request("an assistant prefill cannot be combined with tool_choice 'any' or 'tool' "
                           "(a forced tool call is itself written into the assistant turn)", param="messages")
     if prefill is not None and spec is not None:
-        raise bad_request("an assistant prefill cannot be combined with output_config.format "
+        raise bad_request(f"an assistant prefill cannot be combined with {format_param} "
                           "(the answer must be the schema's JSON from its first character)", param="messages")
     # a forced call (tool_choice any / tool) is generated under its schema's grammar: one the engine cannot
     # compile is a 400 now, as on the OpenAI routes, not an unconstrained run with made-up arguments
-    await ctx.check_schemas(forced_schemas(plan) + format_schemas(spec, schema_param))
+    await ctx.check_schemas(schemas)
     if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use:
         plan.max_calls = 1
     if prefill is None:

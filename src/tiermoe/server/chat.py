@@ -11,11 +11,11 @@ then the JSON Schema check, off the event loop).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from tiermoe.server.errors import APIError, bad_request
 from tiermoe.server.limits import loads
-from tiermoe.server.structured import SchemaToCheck
+from tiermoe.server.structured import SchemaToCheck, format_schemas
 
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_.:-]{1,64}$")
 
@@ -102,9 +102,13 @@ def openai_messages(messages) -> list[dict]:
     return out
 
 
-def check_functions(functions: list[dict], param: str = "tools") -> list[SchemaToCheck]:
+def check_functions(functions: list[dict], param: str = "tools", forced: bool | str = False) -> list[SchemaToCheck]:
     """Tool definitions: a valid name, unique, parameters an object schema of type object.
-    Returns the parameter schemas, for ServerContext.check_schemas."""
+    Returns the parameter schemas, for ServerContext.check_schemas; those a forced call may use
+    (`forced`: True for every tool, a name for that one) are marked enforced: a forced call's
+    arguments are generated under its schema's grammar, so a schema the grammar engine cannot
+    compile is a 400 at request time, as for a response format, not an unconstrained run whose
+    arguments ignore the schema."""
     seen = set()
     schemas = []
     for i, fn in enumerate(functions):
@@ -125,7 +129,8 @@ def check_functions(functions: list[dict], param: str = "tools") -> list[SchemaT
         if schema.get("type", "object") != "object":
             raise bad_request("tool parameters must describe an object (type: object)",
                               param=f"{param}[{i}].parameters.type")
-        schemas.append(SchemaToCheck(schema, f"{param}[{i}].parameters"))
+        enforced = forced is True or forced == name
+        schemas.append(SchemaToCheck(schema, f"{param}[{i}].parameters", enforced=enforced))
     return schemas
 
 
@@ -135,7 +140,10 @@ def plan_tools(functions: list[dict] | None, choice, *, can_parse: bool, param: 
     choice: None | "auto" | "none" | "required" | {"name": str}
     """
     functions = functions or []
-    schemas = check_functions(functions)
+    forced: bool | str = choice == "required"  # whose schemas a forced call is generated under
+    if isinstance(choice, dict) and isinstance(choice.get("name"), str):
+        forced = choice["name"]
+    schemas = check_functions(functions, forced=forced)
     if not functions:
         if choice == "required" or isinstance(choice, dict):
             raise bad_request("tool_choice requires tools", param=param)
@@ -158,13 +166,13 @@ def plan_tools(functions: list[dict] | None, choice, *, can_parse: bool, param: 
     raise bad_request(f"invalid tool_choice {choice!r}", param=param)
 
 
-def forced_schemas(plan: ToolPlan) -> list[SchemaToCheck]:
-    """The plan's parameter schemas, those a forced call may use (every tool for "required", the
-    named one otherwise) marked enforced: a forced call's arguments are generated under its
-    schema's grammar, so a schema the grammar engine cannot compile is a 400 at request time, as
-    for a response format, not an unconstrained run whose arguments ignore the schema."""
-    if not plan.force:
-        return plan.schemas
-    with_params = [fn for fn in plan.functions if fn.get("parameters") is not None]  # check_functions' order
-    return [replace(item, enforced=True) if plan.forced_name in (None, fn["name"]) else item
-            for fn, item in zip(with_params, plan.schemas)]
+def constraint_schemas(plan: ToolPlan, spec: dict | None, format_param: str, schema_param: str) -> list[SchemaToCheck]:
+    """Every schema a request brings, for ServerContext.check_schemas: the tools' parameters
+    (a forced call's marked enforced by plan_tools) and a structured-output format's schema.
+    A forced call and a format would both constrain the same output (the call's grammar or the
+    format's), so that pair is a 400 naming the format field (`format_param`)."""
+    if spec is not None and plan.force:
+        call = f"tool_choice names {plan.forced_name!r}" if plan.forced_name else "tool_choice forces a call"
+        raise bad_request(f"{format_param} ({spec['type']}) and a forced tool call ({call}) would constrain the "
+                          f"same output; send one of them", param=format_param, code="conflicting_constraints")
+    return plan.schemas + format_schemas(spec, schema_param)

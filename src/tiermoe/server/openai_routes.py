@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tiermoe.protocol import GRAMMAR_ERROR, STORE_CODES, TokenLogprob
-from tiermoe.server.chat import forced_schemas, openai_messages, plan_tools
+from tiermoe.server.chat import constraint_schemas, openai_messages, plan_tools
 from tiermoe.server.context import ServerContext
 from tiermoe.server.errors import bad_request
 from tiermoe.server.generation import ChoiceRun, Delta
@@ -97,12 +97,7 @@ async def chat(request: Request, ctx: ServerContext) -> Response:
     rf = req.response_format
     schema_param = "response_format.json_schema.schema"
     spec = structured_spec(rf.type, rf.json_schema.schema_ if rf.json_schema else None, schema_param) if rf else None
-    if spec is not None and plan.force:
-        # both would constrain the same output: the forced call's grammar, or the format's
-        forced = "a named function" if plan.forced_name else "'required'"
-        raise bad_request(f"tool_choice {forced} forces a tool call, which cannot also follow response_format "
-                          f"{spec['type']}; send one of them", param="response_format", code="conflicting_constraints")
-    await ctx.check_schemas(forced_schemas(plan) + format_schemas(spec, schema_param))
+    await ctx.check_schemas(constraint_schemas(plan, spec, "response_format", schema_param))
     template_kwargs = dict(req.chat_template_kwargs or {})
     budget = req.thinking_budget
     if budget is None and "thinking_budget" in template_kwargs:

@@ -13,7 +13,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tiermoe.server.chat import forced_schemas, plan_tools, text_content
+from tiermoe.server.chat import constraint_schemas, plan_tools, text_content
 from tiermoe.server.context import ServerContext
 from tiermoe.server.errors import bad_request
 from tiermoe.server.generation import ChoiceRun
@@ -21,7 +21,7 @@ from tiermoe.server.handling import parse_body, run_endpoint
 from tiermoe.server.protocol import ResponsesRequest
 from tiermoe.server.streaming import EventStream, drain, merged, sse, until_disconnect
 from tiermoe.server.limits import loads
-from tiermoe.server.structured import format_schemas, structured_spec
+from tiermoe.server.structured import structured_spec
 
 
 def register(app) -> None:
@@ -166,10 +166,7 @@ async def create_response(request: Request, ctx: ServerContext) -> Response:
         plan.max_calls = 1
     fmt = req.text.format if req.text and req.text.format else None
     spec = structured_spec(fmt.type, fmt.schema_, "text.format.schema") if fmt else None
-    if spec is not None and plan.force:  # as on chat: two grammars for one output
-        raise bad_request(f"tool_choice forces a tool call, which cannot also follow text.format {spec['type']}; "
-                          f"send one of them", param="text.format", code="conflicting_constraints")
-    await ctx.check_schemas(forced_schemas(plan) + format_schemas(spec, "text.format.schema"))
+    await ctx.check_schemas(constraint_schemas(plan, spec, "text.format", "text.format.schema"))
     kwargs = {}
     if req.reasoning and req.reasoning.effort in ("none", "minimal"):
         kwargs["enable_thinking"] = False
