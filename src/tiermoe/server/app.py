@@ -323,19 +323,13 @@ async def _tokenize(request: Request, ctx: ServerContext) -> Response:
 
 async def _detokenize(request: Request, ctx: ServerContext) -> Response:
     """Token ids -> text. At most a context's worth of ids (anything the model reads or writes
-    fits in it), refused by length before any is read; the range check and the decode run on
-    the tokenizer thread, so a 10-million-id list never stalls the event loop."""
+    fits in it), refused by length before any is read, so a 10-million-id list never stalls the
+    event loop; then range-checked in place and decoded on the tokenizer thread."""
     req = await parse_body(request, DetokenizeRequest)
     ctx.check_model(req.model)
     if len(req.tokens) > ctx.max_model_len:
         raise bad_request(f"tokens has {len(req.tokens)} ids; at most this model's context of "
                           f"{ctx.max_model_len} tokens can be detokenized", param="tokens",
                           code="context_length_exceeded")
-
-    def check() -> None:
-        ids = req.tokens
-        if ids and (min(ids) < 0 or max(ids) >= ctx.vocab_size):
-            i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < ctx.vocab_size)
-            raise bad_request(f"token {t} is outside the vocabulary (size {ctx.vocab_size})", param=f"tokens[{i}]")
-
-    return JSONResponse({"prompt": await ctx.decode(req.tokens, check)})
+    ctx.check_token_ids(req.tokens, "tokens")
+    return JSONResponse({"prompt": await ctx.decode(req.tokens)})

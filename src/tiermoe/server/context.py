@@ -98,7 +98,6 @@ class ServerContext:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiermoe-tokenize")
         self._check_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiermoe-check")
         self._output_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiermoe-output-check")
-        self.parse_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiermoe-parse")  # large bodies
         self.schemas = SchemaChecker(self._off_loop_checks)
         self.outputs = OutputChecker(self._output_pool, self.metrics.structured_invalid)
         self.reserved = 0  # slots admitted but not yet in the engine (admit -> start_runs)
@@ -109,7 +108,6 @@ class ServerContext:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._check_pool.shutdown(wait=False, cancel_futures=True)
         self._output_pool.shutdown(wait=False, cancel_futures=True)
-        self.parse_pool.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
     def new_id(prefix: str) -> str:
@@ -267,16 +265,16 @@ class ServerContext:
             k *= 4
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    async def decode(self, ids: list[int], check=None) -> str:
-        """The text of token ids (special tokens kept), on the tokenizer thread; `check(...)`
-        (a range check raising a 400) runs there first, so a long list is never walked on the
-        event loop. Callers bound the list's length before (by the context)."""
-        def work() -> str:
-            if check is not None:
-                check()
-            return self.tokenizer.decode(ids, skip_special_tokens=False)
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """400 naming the first id outside the vocabulary (`param`[index]). min and max first, so a
+        valid list costs two C-speed passes; callers bound its length by the context before."""
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < self.vocab_size)
+            raise bad_request(f"token {t} is outside the vocabulary (size {self.vocab_size})", param=f"{param}[{i}]")
 
-        return await self._off_loop(work)
+    async def decode(self, ids: list[int]) -> str:
+        """The text of token ids (special tokens kept), on the tokenizer thread."""
+        return await self._off_loop(lambda: self.tokenizer.decode(ids, skip_special_tokens=False))
 
     async def render_chat(
         self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None,

@@ -10,7 +10,6 @@ set by ServerContext.start_runs), are the server's or the engine's: 500.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Awaitable, Callable
 
 from pydantic import BaseModel, ValidationError
@@ -20,12 +19,6 @@ from starlette.responses import Response
 from tiermoe.server.context import Reservation, ServerContext, reached_engine, reservation
 from tiermoe.server.errors import APIError, content_error, error_response, from_validation_error, to_api_error
 from tiermoe.server.streaming import ClientGone
-
-# Bodies past this are validated on a worker thread: parsing a 30 MB body (a million content parts,
-# ten million token ids) takes seconds, which on the event loop stalled every open stream. Smaller
-# ones are parsed in place, where a thread hop would cost more than the parse.
-PARSE_OFF_LOOP_BYTES = 1 << 20
-
 
 def too_large(limit: int) -> APIError:
     return APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
@@ -46,8 +39,8 @@ async def parse_body(request: Request, model: type[BaseModel]):
         raise APIError(400, "client disconnected while sending the body") from None
     raw = b"".join(chunks) or b""
     try:
-        if len(raw) > PARSE_OFF_LOOP_BYTES:
-            return await asyncio.get_running_loop().run_in_executor(ctx.parse_pool, model.model_validate_json, raw)
+        # in place: pydantic-core holds the GIL while it validates, so a worker thread would stall the
+        # event loop as long; what bounds the stall is the body limit (--max-body-bytes)
         return model.model_validate_json(raw)
     except ValidationError as exc:
         raise from_validation_error(exc) from None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -237,7 +236,7 @@ def _prompt_list(ctx: ServerContext, prompt) -> list[str | list[int]]:
 
     O(number of prompts), never O(tokens): an id list longer than the context is refused by its
     length alone (a 20 MB body holds 10 million ids, and walking them on the event loop stalled
-    every stream for seconds); the ids themselves are range-checked off the loop (`_prompts`).
+    every stream for seconds); the ids themselves are range-checked in `_prompts`.
     pydantic has already typed the union, so the first element tells an id list from a list."""
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -253,26 +252,19 @@ def _prompt_list(ctx: ServerContext, prompt) -> list[str | list[int]]:
     return prompts
 
 
-def _check_prompt_ids(ctx: ServerContext, ids: list[int], param: str) -> None:
-    """400 naming the first id outside the vocabulary (on the tokenizer thread, see `_prompts`);
-    min and max first, so a valid list costs two C-speed passes rather than a Python loop."""
-    if ids and (min(ids) < 0 or max(ids) >= ctx.vocab_size):
-        t = next(t for t in ids if not 0 <= t < ctx.vocab_size)
-        raise bad_request(f"prompt token {t} is outside the vocabulary", param=param)
-
-
 async def _prompts(ctx: ServerContext, prompts: list[str | list[int]]) -> list[tuple[str, list[int]]]:
-    """(text, token ids) of each prompt: text prompts are tokenized, id prompts range-checked and
-    decoded, all on the tokenizer thread (a decode of a context's worth of ids takes milliseconds
-    that the event loop streaming other clients' tokens should not pay)."""
+    """(text, token ids) of each prompt: text prompts are tokenized and id prompts decoded on the
+    tokenizer thread (a decode of a context's worth of ids takes milliseconds that the event loop
+    streaming other clients' tokens should not pay); id prompts are range-checked first, in place
+    (min and max of a list the context bounds)."""
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
             ids = await ctx.encode(p, add_special_tokens=True)
             out.append((p, ids))
         else:
-            check = partial(_check_prompt_ids, ctx, p, f"prompt[{i}]")
-            out.append((await ctx.decode(p, check), list(p)))
+            ctx.check_token_ids(p, f"prompt[{i}]")
+            out.append((await ctx.decode(p), list(p)))
     return out
 
 
