@@ -1,4 +1,4 @@
-"""Refusals that say what is wrong: a schema number past 64 bits, a compressed body."""
+"""Refusals that say what is wrong: a schema number past 64 bits, a compressed body, a format field by its name."""
 
 import gzip
 import json
@@ -55,3 +55,17 @@ def test_identity_encoding_is_read_as_before(server):
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": "scripted", "messages": MSG, "max_tokens": 4},
                    headers={"content-encoding": "identity"})
     assert r.status_code == 200
+
+
+def test_a_format_without_its_schema_names_the_field_of_each_api(client):
+    """Each API puts its format elsewhere; the 400 names the field the client sent."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="scripted", input="hi", text={"format": {"type": "json_schema", "name": "n"}})
+    assert e.value.body["param"] == "text.format.schema" and e.value.body["message"].startswith("text.format ")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="scripted", input="hi", text={"format": {"type": "yaml"}})
+    assert e.value.body["param"] == "text.format.type"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="scripted", messages=MSG, response_format={"type": "json_schema"})
+    assert e.value.body["param"] == "response_format.json_schema.schema"
+    assert e.value.body["message"].startswith("response_format ")

@@ -57,6 +57,4 @@ def output_spec(req) -> tuple[dict | None, str]:
         return None, where
     if fmt.type != "json_schema":
         raise bad_request(f"{where}.type must be 'json_schema', not {fmt.type!r}", param=f"{where}.type")
-    if fmt.schema_ is None:
-        raise bad_request(f"{where} of type json_schema needs a 'schema' object", param=f"{where}.schema")
-    return structured_spec("json_schema", fmt.schema_, f"{where}.schema"), where
+    return structured_spec("json_schema", fmt.schema_, where, f"{where}.schema"), where

@@ -18,6 +18,16 @@ from tiermoe.server.protocol import ChatCompletionRequest, CompletionRequest
 from tiermoe.server.streaming import EventStream, drain, merged, sse, until_disconnect
 from tiermoe.server.structured import format_schemas, structured_spec
 
+FORMAT_SCHEMA = "response_format.json_schema.schema"  # where chat and completions requests put a schema
+
+
+def _format_spec(rf) -> dict | None:
+    """The sampler spec of a chat or completions request's response_format (None: plain text)."""
+    if rf is None:
+        return None
+    return structured_spec(rf.type, rf.json_schema.schema_ if rf.json_schema else None, "response_format",
+                           FORMAT_SCHEMA)
+
 
 def register(app) -> None:
     @app.post("/v1/chat/completions")
@@ -93,10 +103,8 @@ async def chat(request: Request, ctx: ServerContext) -> Response:
     # and 0 or less is refused for both (check_context), never read as "no limit"
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    rf = req.response_format
-    schema_param = "response_format.json_schema.schema"
-    spec = structured_spec(rf.type, rf.json_schema.schema_ if rf.json_schema else None, schema_param) if rf else None
-    await ctx.check_schemas(constraint_schemas(plan, spec, "response_format", schema_param))
+    spec = _format_spec(req.response_format)
+    await ctx.check_schemas(constraint_schemas(plan, spec, "response_format", FORMAT_SCHEMA))
     template_kwargs = dict(req.chat_template_kwargs or {})
     budget = req.thinking_budget
     if budget is None and "thinking_budget" in template_kwargs:
@@ -314,10 +322,8 @@ async def complete(request: Request, ctx: ServerContext) -> Response:
         req.max_tokens = CompletionRequest.model_fields["max_tokens"].default
     score_only = req.echo and req.max_tokens == 0
     as_ids = req.return_tokens_as_token_ids
-    rf = req.response_format
-    schema_param = "response_format.json_schema.schema"
-    spec = structured_spec(rf.type, rf.json_schema.schema_ if rf.json_schema else None, schema_param) if rf else None
-    await ctx.check_schemas(format_schemas(spec, schema_param))
+    spec = _format_spec(req.response_format)
+    await ctx.check_schemas(format_schemas(spec, FORMAT_SCHEMA))
     # Admission is counted from the list alone, so a list the queue cannot take is refused before
     # any of it is tokenized (a long list of long prompts holds the one tokenizer thread for
     # seconds); the slots stay reserved while it is tokenized (ServerContext.admit).

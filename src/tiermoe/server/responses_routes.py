@@ -165,7 +165,7 @@ async def create_response(request: Request, ctx: ServerContext) -> Response:
     if req.parallel_tool_calls is False:
         plan.max_calls = 1
     fmt = req.text.format if req.text and req.text.format else None
-    spec = structured_spec(fmt.type, fmt.schema_, "text.format.schema") if fmt else None
+    spec = structured_spec(fmt.type, fmt.schema_, "text.format", "text.format.schema") if fmt else None
     await ctx.check_schemas(constraint_schemas(plan, spec, "text.format", "text.format.schema"))
     kwargs = {}
     if req.reasoning and req.reasoning.effort in ("none", "minimal"):

@@ -39,18 +39,22 @@ class SchemaToCheck:
     enforced: bool = False  # compiled into a grammar the output must follow (response formats)
 
 
-def structured_spec(kind: str | None, schema, param: str) -> dict | None:
-    """The sampler spec for a response format (None for plain text); `param` names the schema
-    field. The schema itself is checked by `SchemaChecker` (see `format_schemas`)."""
+def structured_spec(kind: str | None, schema, format_param: str, schema_param: str) -> dict | None:
+    """The sampler spec for a response format (None for plain text). `format_param` and
+    `schema_param` name the format and its schema where the route's API puts them (chat's
+    response_format, the Responses API's text.format, Anthropic's output_config.format), so a
+    400 names the field the client sent. The schema itself is checked by `SchemaChecker` (see
+    `format_schemas`)."""
     if kind in (None, "text"):
         return None
     if kind == "json_object":
         return {"type": "json_object"}
     if kind == "json_schema":
         if not isinstance(schema, dict):
-            raise bad_request("response_format json_schema needs a 'schema' object", param=param)
+            raise bad_request(f"{format_param} of type json_schema needs a 'schema' object", param=schema_param)
         return {"type": "json_schema", "schema": schema}
-    raise bad_request(f"unsupported response_format type {kind!r}", param=param)
+    raise bad_request(f"unsupported {format_param} type {kind!r} (text, json_object or json_schema)",
+                      param=f"{format_param}.type")
 
 
 def format_schemas(spec: dict | None, param: str) -> list[SchemaToCheck]:
