@@ -51,6 +51,10 @@ def test_openapi_document_covers_every_route(fuzz_server):
     assert body["$ref"].endswith("/ChatCompletionRequest")
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]
     assert "messages" in chat["required"] and "max_tokens" in chat["properties"]
+    # /v1/messages is documented by the model its route validates with, structured output included
+    ref = paths["/v1/messages"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    messages = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
+    assert {"output_config", "output_format"} <= set(messages["properties"]), sorted(messages["properties"])
 
 
 # (method, path) of every operation; test_openapi_document_covers_every_route checks the

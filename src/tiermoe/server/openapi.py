@@ -12,15 +12,15 @@ from __future__ import annotations
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from tiermoe.server import protocol
+from tiermoe.server import anthropic_protocol, protocol
 
 # path -> the model its POST body is validated against
 REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": protocol.ChatCompletionRequest,
     "/v1/completions": protocol.CompletionRequest,
     "/v1/responses": protocol.ResponsesRequest,
-    "/v1/messages": protocol.AnthropicMessagesRequest,
-    "/v1/messages/count_tokens": protocol.AnthropicCountTokensRequest,
+    "/v1/messages": anthropic_protocol.MessagesRequest,  # output_config, output_format: the routes' own models
+    "/v1/messages/count_tokens": anthropic_protocol.CountTokensRequest,
     "/tokenize": protocol.TokenizeRequest,
     "/detokenize": protocol.DetokenizeRequest,
 }
@@ -61,6 +61,7 @@ _ERROR_STATUSES = {
     "404": "unknown model",
     "408": "the request body did not arrive within the server's body timeout (the connection is closed)",
     "413": "request body too large",
+    "415": "a compressed request body (Content-Encoding other than identity)",
     "429": "queue, connection or per-client connection limit reached; see Retry-After",
     "500": "the engine failed this request",
     "503": "shutting down or engine unavailable",
