@@ -11,17 +11,18 @@ MSG = [{"role": "user", "content": "hi"}]
 HUGE = 123456789012345678901234567890
 
 
-@pytest.mark.parametrize("schema", [
-    {"type": "integer", "maximum": HUGE},
-    {"type": "object", "properties": {"n": {"type": "integer", "minimum": -HUGE}}},
+@pytest.mark.parametrize("schema, where", [
+    ({"type": "integer", "maximum": HUGE}, "/maximum"),
+    ({"type": "object", "properties": {"n": {"type": "integer", "minimum": -HUGE}}}, "/properties/n/minimum"),
 ])
-def test_a_schema_number_past_64_bits_names_the_response_format(client, schema):
+def test_a_schema_number_past_64_bits_names_the_response_format(client, schema, where):
     fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="scripted", messages=MSG, response_format=fmt)
     err = e.value.body
     assert err["param"] == "response_format.json_schema.schema" and err["code"] == "unsupported_schema"
     assert "64-bit" in err["message"] and str(HUGE)[:20] in err["message"] and "ValueError" not in err["message"]
+    assert f" at {where}," in err["message"]
 
 
 def test_a_forced_tool_with_a_number_past_64_bits_names_the_tool(client):

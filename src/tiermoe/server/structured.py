@@ -101,13 +101,19 @@ def check_enforceable(schema: dict, param: str) -> None:
     """400 unless the grammar engine can compile `schema` as the engine will (same options)."""
     import llguidance
 
+    huge = _number_past_64_bits(schema)
+    if huge is not None:
+        # the grammar engine reads numbers as 64-bit values: a larger integer literal (a "maximum"
+        # of 10**30) cannot be passed to it at all
+        path, value = huge
+        shown = str(value) if len(str(value)) <= 60 else str(value)[:57] + "..."
+        raise bad_request(f"the JSON schema cannot be enforced: it holds the number {shown} at {path}, outside "
+                          f"the 64-bit range the grammar engine reads", param=param, code="unsupported_schema")
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
             {**schema, "x-guidance": {**GRAMMAR_OPTIONS, **grammar_options(schema)}})
     except ValueError as exc:
-        # the grammar engine reads numbers as 64-bit values: a larger integer literal (a
-        # "maximum" of 10**30) cannot be passed to it at all, and was a 400 naming nothing
-        raise bad_request(f"the JSON schema cannot be enforced: {_unreadable(exc)}", param=param,
+        raise bad_request(f"the JSON schema cannot be enforced: {_one_line(str(exc))}", param=param,
                           code="unsupported_schema") from None
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
@@ -115,14 +121,19 @@ def check_enforceable(schema: dict, param: str) -> None:
                           code="unsupported_schema")
 
 
-def _unreadable(exc: ValueError) -> str:
-    text = str(exc)
-    prefix = "Value is not JSON serializable: "
-    if text.startswith(prefix):
-        value = text[len(prefix):]
-        value = value if len(value) <= 60 else value[:57] + "..."
-        return f"it holds the number {value}, outside the 64-bit range the grammar engine reads"
-    return _one_line(text)
+def _number_past_64_bits(schema: dict) -> tuple[str, int] | None:
+    """(JSON pointer, value) of the first integer outside [-2**63, 2**64), the values a 64-bit
+    signed or unsigned field holds; None if there is none. Iterative: the limits allow deep schemas."""
+    stack = [(schema, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((v, f"{path}/{k}") for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}/{i}") for i, v in reversed(list(enumerate(value))))
+        elif isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
+            return path or "/", value
+    return None
 
 
 def _one_line(message: str) -> str:
