@@ -5,15 +5,20 @@ both when complete and while it is still arriving. This base class handles the r
 finding the markers in a stream of text deltas (holding back a tail that may be the start of
 a marker), emitting content outside calls, and turning each call's growing state into OpenAI
 style deltas: the first delta of a call carries its id and name, later ones append to
-`arguments`. A parser only ever reports an arguments *prefix* that later text cannot change,
-so the streamed pieces concatenate to exactly the final arguments string.
+`arguments`. A parser only ever reports arguments text that later text cannot change, in
+order, so the streamed pieces concatenate to exactly the final arguments string.
 
 Two rules for every format, as tool schemas come from clients and call bodies from the model:
 schema values are read through `schema_object` (a JSON Schema may be `true` where an object is
 expected; anything not an object reads as {}), and model text is parsed with `limits.loads`
-(a deeply nested call is malformed output, not an exception). `parse_partial` runs once per
-text delta of a call, so it gets a per-call `scratch` dict to resume from instead of rescanning
-the whole body each time (that is quadratic in the call's length, on the event loop).
+(a deeply nested call is malformed output, not an exception).
+
+A call may run to hundreds of kilobytes (an agent writing a file through one call) and arrives
+a few characters per delta, on the event loop: any work per delta that grows with the call so
+far makes the whole call cost O(n^2). So nothing here touches the whole call while it streams:
+the body is kept as pieces (TextBuffer, joined once when the call closes), `parse_partial` is
+given only the new piece with a per-call `scratch` dict holding what it needs to resume, and it
+reports only the arguments text that became certain with that piece, which is sent as it is.
 """
 
 from __future__ import annotations
@@ -59,18 +64,19 @@ class ToolCall:
 class _Open:
     index: int
     id: str
-    body: str = ""
-    name_sent: bool = False
-    args_sent: str = ""
+    body: TextBuffer = field(default_factory=TextBuffer)
+    name: str | None = None  # once announced (the first delta)
+    args_sent: TextBuffer = field(default_factory=TextBuffer)
     scratch: dict = field(default_factory=dict)  # the format's parse state, kept between deltas
 
 
 @dataclass
 class PartialCall:
-    """What can be said about a call body so far: its name and a stable arguments prefix."""
+    """What a new piece of a call body made certain: the call's name (once known, every time;
+    it never changes after), and the arguments text that follows what was reported before."""
 
     name: str | None = None
-    arguments_prefix: str = ""
+    arguments: str = ""
 
 
 @dataclass
@@ -85,8 +91,9 @@ def schema_object(value) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+def _partial_suffix(text: str, marker: str, start: int = 0) -> int:
+    """Length of the longest tail of text[start:] that begins `marker` (held for the next delta)."""
+    for k in range(min(len(marker) - 1, len(text) - start), 0, -1):
         if marker.startswith(text[-k:]):
             return k
     return 0
@@ -115,9 +122,9 @@ class ToolParser:
         self.repeated = False
         self.calls: list[ToolCall] = []
         self._plain = TextBuffer()  # plain text outside calls (text_buffer.py: joined when read)
-        self._buf = ""
+        self._buf = ""  # a tail that may begin a marker: shorter than the marker
         self._open: _Open | None = None
-        self._pending_ws = ""  # whitespace held until we know it is not padding before a call
+        self._pending_ws: list[str] = []  # whitespace held until we know it is not padding before a call
         self._content_started = False
         self._next_index = 0
 
@@ -131,9 +138,11 @@ class ToolParser:
         """A complete call body -> name and arguments JSON text, or None if malformed."""
         raise NotImplementedError
 
-    def parse_partial(self, body: str, scratch: dict | None = None) -> PartialCall:
-        """An incomplete body -> what is already certain. `scratch`: a dict kept for this call
-        across calls (the body only grows), for resuming a scan; None: start afresh."""
+    def parse_partial(self, piece: str, scratch: dict) -> PartialCall:
+        """The body of an open call grew by `piece` -> what is certain now (see PartialCall).
+        `scratch` starts empty and is kept for this call: the state to resume from, so that the
+        work is proportional to the piece, not to the body so far. Arguments are reported only
+        with or after a name: text reported before the name is not sent."""
         raise NotImplementedError
 
     def forced_prefix(self, name: str | None) -> str:
@@ -158,49 +167,50 @@ class ToolParser:
     # ---- streaming -----------------------------------------------------------------------
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """Add a content delta; returns (plain content delta, tool-call deltas)."""
-        self._buf += text
-        out, deltas = "", []
+        buf, pos = self._buf + text, 0  # read from pos on: slicing off what was read copies the rest
+        out, deltas = [], []
         while True:
             if self._open is None:
-                i = self._buf.find(self.start_marker)
+                i = buf.find(self.start_marker, pos)
                 if i != -1:
-                    out += self._content(self._buf[:i], before_call=True)
-                    self._buf = self._buf[i + len(self.start_marker) :]
+                    out.append(self._content(buf[pos:i], before_call=True))
+                    pos = i + len(self.start_marker)
                     self._open = _Open(self._next_index, f"{self.id_prefix}{uuid.uuid4().hex[:24]}")
                     self._next_index += 1
                     continue
-                hold = _partial_suffix(self._buf, self.start_marker)
-                out += self._content(self._buf[: len(self._buf) - hold], before_call=False)
-                self._buf = self._buf[len(self._buf) - hold :] if hold else ""
+                keep = len(buf) - _partial_suffix(buf, self.start_marker, pos)
+                out.append(self._content(buf[pos:keep], before_call=False))
+                self._buf = buf[keep:]
                 break
-            j = self._buf.find(self.end_marker)
+            j = buf.find(self.end_marker, pos)
             if j != -1:
-                self._open.body += self._buf[:j]
-                self._buf = self._buf[j + len(self.end_marker) :]
+                self._open.body.append(buf[pos:j])
+                pos = j + len(self.end_marker)
                 out_text, d = self._close(self._open, complete=True)
-                out += out_text
+                out.append(out_text)
                 deltas += d
                 self._open = None
                 continue
-            hold = _partial_suffix(self._buf, self.end_marker)
-            self._open.body += self._buf[: len(self._buf) - hold]
-            self._buf = self._buf[len(self._buf) - hold :] if hold else ""
-            deltas += self._progress(self._open)
+            keep = len(buf) - _partial_suffix(buf, self.end_marker, pos)
+            piece = buf[pos:keep]
+            self._open.body.append(piece)
+            self._buf = buf[keep:]
+            deltas += self._progress(self._open, piece)
             break
-        return out, deltas
+        return "".join(out), deltas
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """End of output: an unterminated call is parsed as if closed (models often stop at eos)."""
         out, deltas = "", []
         if self._open is not None:
-            self._open.body += self._buf
+            self._open.body.append(self._buf)
             self._buf = ""
             out, deltas = self._close(self._open, complete=False)
             self._open = None
         else:
             out = self._content(self._held_text(), before_call=False)
             self._buf = ""
-        self._pending_ws = ""  # trailing whitespace of the answer is dropped
+        self._pending_ws.clear()  # trailing whitespace of the answer is dropped
         return out, deltas
 
     def _held_text(self) -> str:
@@ -219,14 +229,20 @@ class ToolParser:
 
     # ---- internals -------------------------------------------------------------------------
     def _content(self, text: str, before_call: bool) -> str:
-        text = self._pending_ws + text
-        self._pending_ws = ""
         if not self._content_started:
             text = text.lstrip()
-        if before_call:
-            return self._append(text.rstrip())
+        if not text or text.isspace():  # only held: a run of whitespace costs its length once
+            if before_call:
+                self._pending_ws.clear()
+            elif text:
+                self._pending_ws.append(text)
+            return ""
+        if self._pending_ws:
+            text = "".join(self._pending_ws) + text
+            self._pending_ws.clear()
         stripped = text.rstrip()
-        self._pending_ws = text[len(stripped) :]
+        if not before_call and len(stripped) < len(text):
+            self._pending_ws.append(text[len(stripped) :])
         return self._append(stripped)
 
     def _append(self, text: str) -> str:
@@ -242,28 +258,28 @@ class ToolParser:
         new = ToolCall("", parsed.name, parsed.arguments).arguments_dict()
         return any(c.name == parsed.name and c.arguments_dict() == new for c in self.calls)
 
-    def _progress(self, call: _Open) -> list[ToolCallDelta]:
+    def _progress(self, call: _Open, piece: str) -> list[ToolCallDelta]:
         if self._dropped(call) or (self.unique_calls and call.index > 0):
             return []
-        part = self.parse_partial(call.body, call.scratch)
+        part = self.parse_partial(piece, call.scratch)
         deltas = []
-        if part.name and not call.name_sent:
-            call.name_sent = True
+        if part.name and call.name is None:
+            call.name = part.name
             deltas.append(ToolCallDelta(call.index, id=call.id, name=part.name, arguments=""))
-        prefix = part.arguments_prefix
-        if call.name_sent and len(prefix) > len(call.args_sent) and prefix.startswith(call.args_sent):
-            deltas.append(ToolCallDelta(call.index, arguments=part.arguments_prefix[len(call.args_sent) :]))
-            call.args_sent = part.arguments_prefix
+        if call.name is not None and part.arguments:
+            call.args_sent.append(part.arguments)
+            deltas.append(ToolCallDelta(call.index, arguments=part.arguments))
         return deltas
 
     def _close(self, call: _Open, complete: bool) -> tuple[str, list[ToolCallDelta]]:
-        parsed = self.parse_body(call.body)
+        body, sent = call.body.value, call.args_sent.value
+        parsed = self.parse_body(body)
         if parsed is None:
-            if call.name_sent:  # already announced: close it with what we have
-                parsed = ParsedBody(self.parse_partial(call.body).name or "", call.args_sent or "{}")
+            if call.name is not None:  # already announced: close it with what we have
+                parsed = ParsedBody(call.name, sent or "{}")
             else:  # not a call after all: give the text back as content
                 self._next_index -= 1
-                raw = self.start_marker + call.body + (self.end_marker if complete else "")
+                raw = self.start_marker + body + (self.end_marker if complete else "")
                 return self._append(raw), []
         if self._dropped(call):
             return "", []
@@ -271,11 +287,10 @@ class ToolParser:
             self.repeated = True
             return "", []
         deltas = []
-        if not call.name_sent:
+        if call.name is None:
             deltas.append(ToolCallDelta(call.index, id=call.id, name=parsed.name, arguments=""))
-        rest = parsed.arguments[len(call.args_sent) :] if parsed.arguments.startswith(call.args_sent) else ""
+        rest = parsed.arguments[len(sent) :] if parsed.arguments.startswith(sent) else ""
         if rest:
             deltas.append(ToolCallDelta(call.index, arguments=rest))
-        final_args = call.args_sent + rest
-        self.calls.append(ToolCall(call.id, parsed.name, final_args))
+        self.calls.append(ToolCall(call.id, parsed.name, sent + rest))
         return "", deltas

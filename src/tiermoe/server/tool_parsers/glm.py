@@ -5,6 +5,11 @@ schema (a "string" property stays text, any other type is read as JSON when it p
 Arguments stream one complete key/value pair at a time: '{"city": "Paris"', then
 ', "unit": "c"', then '}' when the call closes, so the pieces always concatenate to the
 final JSON object.
+
+Pairs are read as `_PAIR.finditer` reads them, by `_read_pairs`, which takes the body a piece
+at a time and keeps its place in scratch: a value of hundreds of kilobytes arriving a token
+at a time is searched once for its end, not once per token. The complete body is read by the
+same function, so the streamed pairs are the final ones.
 """
 
 from __future__ import annotations
@@ -15,7 +20,67 @@ import re
 from tiermoe.server.limits import loads
 from tiermoe.server.tool_parsers.base import FORCED_WS, ParsedBody, PartialCall, ToolParser, schema_object
 
+# what a pair is; _read_pairs reads the same pairs from a growing text
 _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+_KEY0, _KEY1, _VALUE0, _VALUE1 = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+_SPACE = re.compile(r"\s*")
+
+
+def _new_reader() -> dict:
+    return {"mode": "seek", "hold": "", "key": [], "gap": [], "value": []}
+
+
+def _keep(text: str, start: int, marker: str) -> int:
+    """Where the tail of text[start:] that may begin `marker` starts (that tail waits for more)."""
+    return max(start, len(text) - len(marker) + 1)
+
+
+def _read_pairs(piece: str, st: dict) -> list[tuple[str, str]]:
+    """The (key, value) pairs, as `_PAIR.finditer` groups, that `piece` completes, for a text
+    read so far with state `st`. A match starts at the first <arg_key> (its key may reach past
+    any later one), its key ends at the first </arg_key> followed by whitespace and <arg_value>,
+    its value at the next </arg_value>: so each mode looks for one marker, and `hold` keeps a
+    tail that may be the start of one (never longer than a marker) for the next piece."""
+    text, i, pairs = st["hold"] + piece, 0, []
+    st["hold"] = ""
+    while True:
+        mode = st["mode"]
+        if mode == "seek":
+            j = text.find(_KEY0, i)
+            if j == -1:
+                st["hold"] = text[_keep(text, i, _KEY0) :]
+                return pairs
+            i, st["mode"], st["key"] = j + len(_KEY0), "key", []
+        elif mode == "key":
+            j = text.find(_KEY1, i)
+            if j == -1:
+                keep = _keep(text, i, _KEY1)
+                st["key"].append(text[i:keep])
+                st["hold"] = text[keep:]
+                return pairs
+            st["key"].append(text[i:j])
+            i, st["mode"], st["gap"] = j + len(_KEY1), "gap", [_KEY1]
+        elif mode == "gap":
+            j = _SPACE.match(text, i).end()
+            st["gap"].append(text[i:j])
+            if text.startswith(_VALUE0, j):
+                i, st["mode"], st["value"] = j + len(_VALUE0), "value", []
+            elif len(text) - j < len(_VALUE0) and _VALUE0.startswith(text[j:]):
+                st["hold"] = text[j:]  # the text ends in whitespace or in a part of the marker
+                return pairs
+            else:  # no value follows: the key goes on, through what the gap held
+                st["key"] += st["gap"]
+                i, st["mode"] = j, "key"
+        else:
+            j = text.find(_VALUE1, i)
+            if j == -1:
+                keep = _keep(text, i, _VALUE1)
+                st["value"].append(text[i:keep])
+                st["hold"] = text[keep:]
+                return pairs
+            st["value"].append(text[i:j])
+            pairs.append(("".join(st["key"]), "".join(st["value"])))
+            i, st["mode"] = j + len(_VALUE1), "seek"
 
 
 class GlmToolParser(ToolParser):
@@ -44,37 +109,47 @@ class GlmToolParser(ToolParser):
         except (ValueError, RecursionError):
             return raw
 
-    def _args_prefix(self, fn: str, body: str, scratch: dict | None = None) -> tuple[str, int]:
-        """The arguments object's text up to its last complete key/value pair, and the pair
-        count. With `scratch` (same call, growing body) pairs already read are not read again."""
-        state = scratch if scratch is not None else {}
-        if state.get("fn") != fn:
-            state.clear()
-            state.update(fn=fn, pos=0, items=[], seen=0)
-        # a new pair can only have completed if a closing tag arrived since the last look
-        if body.find("</arg_value>", max(state["seen"] - len("</arg_value>"), state["pos"])) != -1:
-            for m in _PAIR.finditer(body, state["pos"]):
-                key = m.group(1).strip()
-                value = json.dumps(self._value(fn, key, m.group(2)), ensure_ascii=False)
-                state["items"].append(f"{json.dumps(key, ensure_ascii=False)}: {value}")
-                state["pos"] = m.end()
-        state["seen"] = len(body)
-        items = state["items"]
-        return ("{" + ", ".join(items) if items else ""), len(items)
+    def _items(self, fn: str, pairs: list[tuple[str, str]], first: bool) -> str:
+        """Pairs as the arguments object's text: '{' before the first, ', ' between."""
+        out = []
+        for key, raw in pairs:
+            key = key.strip()
+            value = json.dumps(self._value(fn, key, raw), ensure_ascii=False)
+            out.append(("{" if first and not out else ", ") + f"{json.dumps(key, ensure_ascii=False)}: {value}")
+        return "".join(out)
 
-    def parse_partial(self, body: str, scratch: dict | None = None) -> PartialCall:
-        name = self._name(body, complete=False)
-        if name is None:
-            return PartialCall()
-        prefix, _ = self._args_prefix(name, body, scratch)
-        return PartialCall(name=name, arguments_prefix=prefix)
+    def _partial_name(self, piece: str, st: dict) -> str | None:
+        """The name once the text after it has begun (_name), found looking at each piece once."""
+        if "fn" in st:
+            return st["fn"]
+        text = st["tail"] + piece  # the tail: the last characters read, that may begin <arg_key>
+        cuts = [i for i in (text.find("\n"), text.find(_KEY0)) if i != -1]
+        st["head"].append(piece)
+        if not cuts:
+            st["tail"] = text[_keep(text, 0, _KEY0) :]
+            st["read"] += len(piece)
+            return None
+        cut = st["read"] - len(st["tail"]) + min(cuts)
+        st["fn"] = "".join(st["head"])[:cut].strip() or None
+        st["head"] = []
+        return st["fn"]
+
+    def parse_partial(self, piece: str, scratch: dict) -> PartialCall:
+        if not scratch:
+            scratch.update(_new_reader(), head=[], tail="", read=0, sent=0)
+        name = self._partial_name(piece, scratch)
+        pairs = _read_pairs(piece, scratch)
+        if name is None or not pairs:
+            return PartialCall(name=name)
+        first, scratch["sent"] = scratch["sent"] == 0, scratch["sent"] + len(pairs)
+        return PartialCall(name=name, arguments=self._items(name, pairs, first))
 
     def parse_body(self, body: str) -> ParsedBody | None:
         name = self._name(body, complete=True)
         if name is None or any(c in name for c in "<>{}\"") or " " in name:
             return None
-        prefix, n = self._args_prefix(name, body)
-        return ParsedBody(name, prefix + "}" if n else "{}")
+        pairs = _read_pairs(body, _new_reader())
+        return ParsedBody(name, self._items(name, pairs, True) + "}" if pairs else "{}")
 
     def forced_prefix(self, name: str | None) -> str:
         return "<tool_call>" if name is None else f"<tool_call>{name}\n"

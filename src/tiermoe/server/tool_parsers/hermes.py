@@ -4,6 +4,10 @@ Arguments stream as the model writes them: once the body reads `{"name": "f", "a
 the characters of the arguments object are passed through as they arrive, up to the brace
 that closes it (tracked with a small JSON lexer, so braces inside strings do not count). The
 final arguments are that same raw text, so streamed and non-streamed results agree.
+
+While a call streams, each piece is read once: the head (`{"name": "f", "arguments": `) by a
+small state machine that accepts what `_HEAD` matches, one character at a time, so a piece
+never sends it back to the start of the body; the arguments by the lexer, resumed from scratch.
 """
 
 from __future__ import annotations
@@ -16,41 +20,53 @@ from tiermoe.server.limits import loads
 from tiermoe.server.tool_parsers.base import FORCED_WS, ParsedBody, PartialCall, ToolParser
 
 _HEAD = re.compile(r'^\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*', re.S)
-_NAME = re.compile(r'^\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"', re.S)
+_PLAIN = re.compile(r'[^"\\]*')  # a run inside a JSON string, up to a quote or escape
+_OTHER = re.compile(r'[^"{}\[\]]*')  # a run outside strings, up to what the lexer counts
+_SPACE = re.compile(r"\s*")
+# _HEAD, one step at a time: a run of whitespace, the name string (after its opening quote, up
+# to its closing one), or a literal (one of a tuple), matched character by character.
+_HEAD_STEPS = ("ws", ("{",), "ws", ('"name"',), "ws", (":",), "ws", ('"',), "name", "ws", (",",), "ws",
+               ('"arguments"', '"parameters"'), "ws", (":",), "ws")
+_DEAD = -1  # the head can no longer match: no (more) name, no arguments
 
 
-def _object_extent(text: str, start: int = 0, state: dict | None = None) -> tuple[int, bool]:
-    """How far the JSON object at text[start] reaches: (chars consumed, closed?).
-
-    `state` (a dict kept between calls on a growing text with the same start) resumes the scan
-    where the last call stopped, so streaming a long call costs linear time, not quadratic."""
-    if state is None or state.get("start") != start:
-        state = {} if state is None else state
-        state.clear()
-        state.update(start=start, pos=start, depth=0, in_str=False, esc=False, end=None)
-    if state["end"] is not None:
-        return state["end"] - start, True
+def _scan_object(text: str, pos: int, state: dict) -> int:
+    """Lex text[pos:] as the continuation of a JSON value whose lexer state is `state` (depth,
+    in a string, after a backslash; kept between calls): where the value ends in text (the index
+    after its closing bracket; `state["closed"]` is then set), else len(text)."""
     depth, in_str, esc = state["depth"], state["in_str"], state["esc"]
-    for i in range(state["pos"], len(text)):
-        ch = text[i]
+    i, n = pos, len(text)
+    while i < n:
         if in_str:
             if esc:
                 esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                state["end"] = i + 1
-                return i + 1 - start, True
-    state.update(pos=len(text), depth=depth, in_str=in_str, esc=esc)
-    return len(text) - start, False
+            else:
+                i = _PLAIN.match(text, i).end()
+                if i == n:
+                    break
+                esc = text[i] == "\\"
+                in_str = esc
+        else:
+            i = _OTHER.match(text, i).end()
+            if i == n:
+                break
+            ch = text[i]
+            if ch == '"':
+                in_str = True
+            elif ch in "{[":
+                depth += 1
+            else:
+                depth -= 1
+                if depth == 0:
+                    state["closed"] = True
+                    return i + 1
+        i += 1
+    state.update(depth=depth, in_str=in_str, esc=esc)
+    return n
+
+
+def _new_lexer() -> dict:
+    return {"depth": 0, "in_str": False, "esc": False, "closed": False}
 
 
 def _unquote(text: str) -> str | None:
@@ -61,20 +77,62 @@ def _unquote(text: str) -> str | None:
         return None
 
 
+def _read_head(text: str, st: dict) -> int | None:
+    """Advance the head's state `st` over text: the index in text where the arguments object
+    begins (its "{"), or None (not yet, or never: the step is then _DEAD). `st["name"]` is set
+    once the name's closing quote has arrived (the name alone is certain then)."""
+    i, n = 0, len(text)
+    while i < n and st["step"] != _DEAD:
+        if st["step"] == len(_HEAD_STEPS):  # the head is complete: an object, or not one
+            if text[i] == "{":
+                return i
+            st["step"] = _DEAD  # a string (or worse): the arguments wait for the end
+            break
+        step = _HEAD_STEPS[st["step"]]
+        if step == "ws":
+            i = _SPACE.match(text, i).end()
+            if i < n:  # what follows the run has arrived
+                st["step"] += 1
+        elif step == "name":
+            j, esc = i, st["esc"]
+            while j < n and (esc or text[j] != '"'):
+                esc = not esc and text[j] == "\\"
+                j += 1
+            st["esc"] = esc
+            st["parts"].append(text[i:j])
+            if j < n:
+                st["name"] = _unquote("".join(st["parts"]))
+                st["step"] = _DEAD if st["name"] is None else st["step"] + 1
+            i = j + 1
+        else:
+            lit = st["lit"] + text[i]
+            if lit in step:
+                st["step"], st["lit"] = st["step"] + 1, ""
+            elif any(option.startswith(lit) for option in step):
+                st["lit"] = lit
+            else:
+                st["step"] = _DEAD
+            i += 1
+    return None
+
+
 class HermesToolParser(ToolParser):
     name = "hermes"
 
-    def parse_partial(self, body: str, scratch: dict | None = None) -> PartialCall:
-        m = _HEAD.match(body)
-        if m is None:
-            n = _NAME.match(body)
-            # the name alone is certain once its closing quote has arrived
-            return PartialCall(name=_unquote(n.group(1)) if n else None)
-        name = _unquote(m.group(1))
-        if name is None or not body.startswith("{", m.end()):
-            return PartialCall(name=name)  # not an object yet (or a string): wait for the end
-        end, _ = _object_extent(body, m.end(), scratch)
-        return PartialCall(name=name, arguments_prefix=body[m.end() : m.end() + end])
+    def parse_partial(self, piece: str, scratch: dict) -> PartialCall:
+        if not scratch:
+            scratch.update(step=0, lit="", esc=False, parts=[], name=None, args=None)
+        start = 0
+        if scratch["args"] is None:
+            at = _read_head(piece, scratch)
+            if at is None:
+                return PartialCall(name=scratch["name"])
+            scratch["args"], start = _new_lexer(), at
+        lexer = scratch["args"]
+        if lexer["closed"]:
+            return PartialCall(name=scratch["name"])
+        end = _scan_object(piece, start, lexer)
+        return PartialCall(name=scratch["name"], arguments=piece[start:end])
 
     def parse_body(self, body: str) -> ParsedBody | None:
         try:
@@ -98,11 +156,11 @@ class HermesToolParser(ToolParser):
         if not isinstance(args, dict):
             return None
         m = _HEAD.match(text)
-        if m is not None and text[m.end() :].startswith("{"):
-            end, closed = _object_extent(text[m.end() :])
-            raw = text[m.end() : m.end() + end]
+        if m is not None and text.startswith("{", m.end()):
+            lexer = _new_lexer()
+            raw = text[m.end() : _scan_object(text, m.end(), lexer)]
             try:
-                if closed and loads(raw) == args:
+                if lexer["closed"] and loads(raw) == args:
                     return ParsedBody(obj["name"], raw)
             except ValueError:
                 pass
