@@ -200,6 +200,22 @@ def test_responses_text_and_stream(client):
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
+@pytest.mark.parametrize("prompt, cut_kind", [("THINK_LONG", "reasoning"), ("UNICODE", "message")])
+def test_responses_item_cut_by_max_output_tokens_is_incomplete(client, prompt, cut_kind):
+    """The item being written when max_output_tokens ends the run says so, in both shapes alike;
+    a run cut in its reasoning has no message item."""
+    budget = 8 if cut_kind == "reasoning" else 5
+    r = client.responses.create(model="scripted", input=prompt, max_output_tokens=budget)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[-1].type == cut_kind and r.output[-1].status == "incomplete"
+    assert all(o.status == "completed" for o in r.output[:-1])
+    events = list(client.responses.create(model="scripted", input=prompt, max_output_tokens=budget, stream=True))
+    assert events[-1].type == "response.incomplete"
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(o.type, o.status) for o in done] == [(o.type, o.status) for o in r.output]
+    assert [(o.type, o.status) for o in events[-1].response.output] == [(o.type, o.status) for o in r.output]
+
+
 def test_responses_tool_round_trip(client):
     tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER[0]["function"]["parameters"]}]
     r = client.responses.create(model="scripted", input="What is the weather in Paris?", tools=tools)

@@ -22,6 +22,7 @@ from tiermoe.server.protocol import ResponsesRequest
 from tiermoe.server.streaming import EventStream, drain, merged, sse, until_disconnect
 from tiermoe.server.limits import loads
 from tiermoe.server.structured import structured_spec
+from tiermoe.server.text_buffer import TextBuffer
 
 
 def register(app) -> None:
@@ -131,15 +132,21 @@ def _response(ctx: ServerContext, rid: str, created: int, req: ResponsesRequest,
 
 
 def _items(ctx: ServerContext, run: ChoiceRun) -> list[dict]:
+    """The output items of a finished run, as the stream's `response.output_item.done` events give
+    them: the item being written when max_output_tokens cut the run is "incomplete", and a run cut
+    in its reasoning has no message item (the stream never opened one)."""
     items: list[dict] = []
     if run.reasoning_text:
         items.append({"type": "reasoning", "id": ctx.new_id("rs_"), "summary": [],
                       "content": [{"type": "reasoning_text", "text": run.reasoning_text}], "status": "completed"})
-    if run.content or not (run.tools and run.tools.calls):
+    calls = run.tools.calls if run.tools else []
+    if run.content or not (calls or items):
         items.append(_message_item(ctx.new_id("msg_"), run.content, "completed"))
-    for call in run.tools.calls if run.tools else []:
+    for call in calls:
         items.append({"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
                       "name": call.name, "arguments": call.arguments, "status": "completed"})
+    if run.finish_reason == "length" and items:
+        items[-1]["status"] = "incomplete"
     return items
 
 
@@ -188,42 +195,44 @@ async def create_response(request: Request, ctx: ServerContext) -> Response:
 async def _stream(ctx: ServerContext, rid: str, created: int, req: ResponsesRequest, run: ChoiceRun):
     seq = 0
     output: list[dict] = []
-    cur: dict = {"kind": None, "item": None, "text": "", "tool": None}
+    # the item being written; its text kept as pieces (text_buffer.py: appends to a dict entry copy it whole)
+    cur: dict = {"kind": None, "item": None, "text": TextBuffer(), "tool": None}
 
     def ev(kind: str, **fields) -> str:
         nonlocal seq
         seq += 1
         return sse({"type": kind, "sequence_number": seq - 1, **fields}, kind)
 
-    def close() -> str:
+    def close(status: str = "completed") -> str:
         item, kind = cur["item"], cur["kind"]
         if item is None:
             return ""
         idx = len(output)
         out = ""
+        text = cur["text"].value
         if kind == "reasoning":
-            item["content"] = [{"type": "reasoning_text", "text": cur["text"]}]
+            item["content"] = [{"type": "reasoning_text", "text": text}]
             out += ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0,
-                      text=cur["text"])
+                      text=text)
         elif kind == "message":
-            part = {"type": "output_text", "text": cur["text"], "annotations": [], "logprobs": []}
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             item["content"] = [part]
             out += ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
-                      text=cur["text"], logprobs=[])
+                      text=text, logprobs=[])
             out += ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part)
         elif kind == "function_call":
-            item["arguments"] = cur["text"]
+            item["arguments"] = text
             out += ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                      arguments=cur["text"], name=item["name"])
-        item["status"] = "completed"
+                      arguments=text, name=item["name"])
+        item["status"] = status  # "incomplete": max_output_tokens cut it
         out += ev("response.output_item.done", output_index=idx, item=item)
         output.append(item)
-        cur.update(kind=None, item=None, text="", tool=None)
+        cur.update(kind=None, item=None, text=TextBuffer(), tool=None)
         return out
 
     def open_item(kind: str, item: dict) -> str:
         out = close()
-        cur.update(kind=kind, item=item, text="")
+        cur.update(kind=kind, item=item, text=TextBuffer())
         idx = len(output)
         out += ev("response.output_item.added", output_index=idx, item=dict(item))
         if kind == "message":
@@ -240,13 +249,13 @@ async def _stream(ctx: ServerContext, rid: str, created: int, req: ResponsesRequ
                 if cur["kind"] != "reasoning":
                     reasoning = {"type": "reasoning", "id": ctx.new_id("rs_"), "summary": [], "status": "in_progress"}
                     out += open_item("reasoning", reasoning)
-                cur["text"] += d.reasoning
+                cur["text"].append(d.reasoning)
                 out += ev("response.reasoning_text.delta", item_id=cur["item"]["id"], output_index=len(output),
                           content_index=0, delta=d.reasoning)
             if d.content:
                 if cur["kind"] != "message":
                     out += open_item("message", _message_item(ctx.new_id("msg_"), None, "in_progress"))
-                cur["text"] += d.content
+                cur["text"].append(d.content)
                 out += ev("response.output_text.delta", item_id=cur["item"]["id"], output_index=len(output),
                           content_index=0, delta=d.content, logprobs=[])
             for tc in d.tool_calls:
@@ -256,11 +265,11 @@ async def _stream(ctx: ServerContext, rid: str, created: int, req: ResponsesRequ
                     out += open_item("function_call", call)
                     cur["tool"] = tc.index
                 if tc.arguments and cur["tool"] == tc.index:
-                    cur["text"] += tc.arguments
+                    cur["text"].append(tc.arguments)
                     out += ev("response.function_call_arguments.delta", item_id=cur["item"]["id"],
                               output_index=len(output), delta=tc.arguments)
             if d.finish_reason:
-                out += close()
+                out += close("incomplete" if d.finish_reason == "length" else "completed")
             if out:
                 yield out
         if run.finish_reason == "error":
