@@ -65,3 +65,13 @@ def test_detokenize_is_bounded_by_the_context_and_runs_off_the_loop(server, deco
     assert [name for _, name in decodes] and all(name.startswith("tiermoe-tokenize") for _, name in decodes)
     r = httpx.post(server.url + "/detokenize", json={"tokens": [1, 2, -4]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens[2]"
+
+
+def test_an_out_of_range_id_of_thousands_of_digits_is_named_briefly(server):
+    """JSON integers have no length limit (pydantic reads up to 4300 digits): the 400 shows the id cut short."""
+    for path, key in (("/v1/completions", "prompt"), ("/detokenize", "tokens")):
+        body = ('{"model": "scripted", "%s": [1, %s]}' % (key, "9" * 4300)).encode()
+        r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"})
+        err = r.json()["error"]
+        assert r.status_code == 400 and "outside the vocabulary" in err["message"] and len(err["message"]) < 120, err
+        assert err["param"] == ("prompt[0][1]" if key == "prompt" else "tokens[1]")

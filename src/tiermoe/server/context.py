@@ -270,7 +270,9 @@ class ServerContext:
         valid list costs two C-speed passes; callers bound its length by the context before."""
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
             i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < self.vocab_size)
-            raise bad_request(f"token {t} is outside the vocabulary (size {self.vocab_size})", param=f"{param}[{i}]")
+            shown = str(t) if abs(t) < 10**36 else f"{str(t)[:37]}..."  # a JSON integer of up to 4300 digits
+            raise bad_request(f"token {shown} is outside the vocabulary (size {self.vocab_size})",
+                              param=f"{param}[{i}]")
 
     async def decode(self, ids: list[int]) -> str:
         """The text of token ids (special tokens kept), on the tokenizer thread."""
