@@ -77,6 +77,12 @@ class ServerConfig:
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
+def brief(text: str) -> str:
+    """A client's value shown in an error message, cut to 40 characters: a JSON integer may have
+    thousands of digits, a key any length."""
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 class ServerContext:
     def __init__(self, engine: AsyncEngine, config: ServerConfig):
         self.engine = engine
@@ -194,7 +200,8 @@ class ServerContext:
             raise bad_request("seed must fit in 64 bits", param="seed")
         for tid in params.stop_token_ids:
             if not 0 <= tid < self.vocab_size:
-                raise bad_request(f"stop_token_ids holds {tid}, outside the vocabulary", param="stop_token_ids")
+                raise bad_request(f"stop_token_ids holds {brief(str(tid))}, outside the vocabulary",
+                                  param="stop_token_ids")
         try:
             params.validate()
         except InvalidRequest as exc:
@@ -211,13 +218,12 @@ class ServerContext:
         width = len(str(self.vocab_size))
         for key, value in raw.items():
             if not isinstance(key, str) or not _TOKEN_ID.fullmatch(key):
-                shown = repr(key)
-                shown = shown if len(shown) <= 40 else shown[:37] + "..."
+                shown = brief(repr(key))
                 raise bad_request(f"logit_bias key {shown} is not a token id (a decimal number of ASCII digits)",
                                   param="logit_bias", code="invalid_value")
             digits = key.lstrip("0") or "0"
             if len(digits) > width or int(digits) >= self.vocab_size:
-                shown = digits if len(digits) <= 40 else digits[:37] + "..."
+                shown = brief(digits)
                 raise bad_request(f"logit_bias key {shown} is outside the vocabulary [0, {self.vocab_size})",
                                   param="logit_bias")
             tid = int(digits)
@@ -270,8 +276,7 @@ class ServerContext:
         valid list costs two C-speed passes; callers bound its length by the context before."""
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
             i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < self.vocab_size)
-            shown = str(t) if abs(t) < 10**36 else f"{str(t)[:37]}..."  # a JSON integer of up to 4300 digits
-            raise bad_request(f"token {shown} is outside the vocabulary (size {self.vocab_size})",
+            raise bad_request(f"token {brief(str(t))} is outside the vocabulary (size {self.vocab_size})",
                               param=f"{param}[{i}]")
 
     async def decode(self, ids: list[int]) -> str:
