@@ -51,15 +51,6 @@ def _read_pairs(piece: str, st: dict) -> list[tuple[str, str]]:
                 st["hold"] = text[_keep(text, i, _KEY0) :]
                 return pairs
             i, st["mode"], st["key"] = j + len(_KEY0), "key", []
-        elif mode == "key":
-            j = text.find(_KEY1, i)
-            if j == -1:
-                keep = _keep(text, i, _KEY1)
-                st["key"].append(text[i:keep])
-                st["hold"] = text[keep:]
-                return pairs
-            st["key"].append(text[i:j])
-            i, st["mode"], st["gap"] = j + len(_KEY1), "gap", [_KEY1]
         elif mode == "gap":
             j = _SPACE.match(text, i).end()
             st["gap"].append(text[i:j])
@@ -71,16 +62,21 @@ def _read_pairs(piece: str, st: dict) -> list[tuple[str, str]]:
             else:  # no value follows: the key goes on, through what the gap held
                 st["key"] += st["gap"]
                 i, st["mode"] = j, "key"
-        else:
-            j = text.find(_VALUE1, i)
+        else:  # "key" or "value": its text runs to its closing marker
+            end = _KEY1 if mode == "key" else _VALUE1
+            j = text.find(end, i)
             if j == -1:
-                keep = _keep(text, i, _VALUE1)
-                st["value"].append(text[i:keep])
+                keep = _keep(text, i, end)
+                st[mode].append(text[i:keep])
                 st["hold"] = text[keep:]
                 return pairs
-            st["value"].append(text[i:j])
-            pairs.append(("".join(st["key"]), "".join(st["value"])))
-            i, st["mode"] = j + len(_VALUE1), "seek"
+            st[mode].append(text[i:j])
+            i = j + len(end)
+            if mode == "key":
+                st["mode"], st["gap"] = "gap", [_KEY1]
+            else:
+                pairs.append(("".join(st["key"]), "".join(st["value"])))
+                st["mode"] = "seek"
 
 
 class GlmToolParser(ToolParser):
