@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
 class _Strict(BaseModel):
@@ -22,6 +22,18 @@ class _Open(BaseModel):
     """Nested objects whose extra keys are kept (content parts, tool schemas)."""
 
     model_config = ConfigDict(strict=True, extra="allow")
+
+
+def _null_is_default(cls, value, info: ValidationInfo):
+    """An explicit null takes the field's default: the OpenAI reference types these fields "or
+    null" and vLLM reads them as Optional, so clients that send every field (unset ones as null)
+    must get the default, not a 400."""
+    return cls.model_fields[info.field_name].default if value is None else value
+
+
+def null_means_default(*names: str):
+    """A before-validator mapping null to the default for `names` (fields with a non-null default)."""
+    return field_validator(*names, mode="before")(classmethod(_null_is_default))
 
 
 # ---- OpenAI chat ---------------------------------------------------------------------------
@@ -112,6 +124,8 @@ class SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
+    _nulls = null_means_default("n", "stream", "ignore_eos", "min_tokens")
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
@@ -127,6 +141,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens as "token_id:N"
 
+    _chat_nulls = null_means_default("logprobs", "add_generation_prompt", "return_tokens_as_token_ids")
+
 
 # ---- OpenAI completions --------------------------------------------------------------------
 
@@ -140,6 +156,8 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     response_format: ResponseFormat | None = None
     return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens as "token_id:N"
+
+    _completion_nulls = null_means_default("echo", "return_tokens_as_token_ids")
 
 
 # ---- OpenAI responses ----------------------------------------------------------------------
@@ -184,6 +202,8 @@ class ResponsesRequest(_Strict):
     parallel_tool_calls: bool | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
+
+    _nulls = null_means_default("stream")
 
 
 # ---- Anthropic messages --------------------------------------------------------------------
@@ -255,6 +275,8 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
     tools: list[ToolDef] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    _nulls = null_means_default("add_special_tokens", "add_generation_prompt")
 
 
 class DetokenizeRequest(_Strict):
