@@ -53,6 +53,23 @@ def _tool_result_text(block, param: str) -> str:
     raise bad_request("tool_result content must be a string or text blocks", param=f"{param}.content")
 
 
+def _append_turn(out: list[dict], msg: dict) -> None:
+    """Append a user or assistant turn; one after a turn of the same role is folded into it.
+
+    The Anthropic API combines consecutive user or assistant messages into one turn, so clients send
+    them (a reminder beside a question, tool results then a follow-up). Rendered as separate turns they
+    would be a conversation the client did not send, and a template that insists on alternating roles
+    would refuse it. Folded, they read as one message holding both block lists (text joined as a
+    message's blocks are, tool calls kept in order)."""
+    last = out[-1] if out else None
+    if last is None or last["role"] != msg["role"]:
+        out.append(msg)
+        return
+    last["content"] += msg["content"]
+    if msg.get("tool_calls"):
+        last["tool_calls"] = last.get("tool_calls", []) + msg["tool_calls"]
+
+
 def to_chat(req) -> tuple[list[dict], list[dict], object]:
     """Anthropic request -> (OpenAI-style messages, function definitions, tool_choice)."""
     if not req.messages:
@@ -67,7 +84,7 @@ def to_chat(req) -> tuple[list[dict], list[dict], object]:
             out.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):
         if isinstance(m.content, str):
-            out.append({"role": m.role, "content": m.content})
+            _append_turn(out, {"role": m.role, "content": m.content})
             continue
         texts, calls = [], []
         for j, block in enumerate(m.content):
@@ -92,7 +109,7 @@ def to_chat(req) -> tuple[list[dict], list[dict], object]:
             msg: dict = {"role": m.role, "content": "".join(texts)}
             if calls:
                 msg["tool_calls"] = calls
-            out.append(msg)
+            _append_turn(out, msg)
     functions = [{"name": t.name, "description": t.description or "", "parameters": t.input_schema}
                  for t in req.tools or []]
     choice = None
