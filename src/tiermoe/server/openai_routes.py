@@ -366,7 +366,7 @@ async def complete(request: Request, ctx: ServerContext) -> Response:
                     if d.finish_reason == "error":  # as on chat: say why, in band
                         yield in_band_error(run)
                 if include_usage:
-                    yield sse({**base, "choices": [], "usage": usage_dict(runs)})
+                    yield sse({**base, "choices": [], "usage": _completion_usage(runs, prompts, req.n)})
                 yield "data: [DONE]\n\n"
             finally:
                 for r in runs:
@@ -383,9 +383,17 @@ async def complete(request: Request, ctx: ServerContext) -> Response:
         text = prefix + ("" if score_only else run.content)
         finish = "length" if score_only and run.finish_reason != "error" else _finish(run)
         choices.append({"index": run.index, "text": text, "logprobs": lp, "finish_reason": finish})
+    return JSONResponse({**base, "choices": choices, "usage": _completion_usage(runs, prompts, req.n, score_only)})
+
+
+def _completion_usage(runs: list[ChoiceRun], prompts: list[tuple[str, list[int]]], n: int,
+                      score_only: bool = False) -> dict:
+    """Usage of a completions request, streamed or not: each prompt counted once (its n choices
+    read it once), cached tokens likewise from each prompt's first choice."""
     usage = usage_dict(runs)
     if score_only:
         usage["completion_tokens"] = 0
     usage["prompt_tokens"] = sum(len(ids) for _, ids in prompts)
+    usage["prompt_tokens_details"]["cached_tokens"] = sum(r.cached_tokens for r in runs if r.index % n == 0)
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    return JSONResponse({**base, "choices": choices, "usage": usage})
+    return usage
