@@ -42,3 +42,26 @@ def test_consecutive_assistant_messages_and_a_follow_up_after_tool_results(anthr
     ]
     m = anthropic_client.messages.create(model="scripted", max_tokens=100, messages=messages)
     assert m.content[-1].text == "6"
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": []}],
+    [{"role": "user", "content": ""}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": []}, {"role": "user", "content": "2 * 3?"}],
+])
+def test_an_empty_message_is_a_clear_400(anthropic_client, messages):
+    """As the Anthropic API: every message but a final assistant one must say something (an empty one
+    was dropped without a word, or reached the template as an empty conversation)."""
+    for call in (anthropic_client.messages.create, anthropic_client.messages.count_tokens):
+        kwargs = {"max_tokens": 20} if call == anthropic_client.messages.create else {}
+        with pytest.raises(anthropic.BadRequestError) as e:
+            call(model="scripted", messages=messages, **kwargs)
+        assert e.value.body["error"]["type"] == "invalid_request_error"
+        assert "non-empty content" in e.value.body["error"]["message"], e.value.body
+
+
+@pytest.mark.parametrize("empty", ["", []])
+def test_a_final_empty_assistant_message_is_still_a_new_turn(anthropic_client, empty):
+    m = anthropic_client.messages.create(model="scripted", max_tokens=100, messages=[
+        {"role": "user", "content": "What is 2 * 3?"}, {"role": "assistant", "content": empty}])
+    assert m.content[-1].text == "6"

@@ -83,6 +83,11 @@ def to_chat(req) -> tuple[list[dict], list[dict], object]:
         if system:
             out.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):
+        if not m.content and not (m.role == "assistant" and i == len(req.messages) - 1):
+            # Anthropic's rule: an empty turn says nothing and would be dropped or rendered as a turn the
+            # client did not write; only a final empty assistant message has a meaning (a new turn)
+            raise bad_request("all messages must have non-empty content except for the optional final "
+                              "assistant message", param=f"messages[{i}].content")
         if isinstance(m.content, str):
             _append_turn(out, {"role": m.role, "content": m.content})
             continue
