@@ -33,8 +33,14 @@ class ToolPlan:
     schemas: list[SchemaToCheck] = field(default_factory=list)  # the tools' parameters, to check
 
 
-def text_content(content, param: str) -> str:
-    """A message's content as text; non-text parts are refused (this server is text-only)."""
+_TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def text_content(content, param: str, assistant: bool = False) -> str:
+    """A message's content as text; non-text parts are refused (this server is text-only).
+
+    An assistant's "refusal" part (a refusal the model gave, replayed in the conversation; the
+    OpenAI chat and Responses APIs both accept it there) is read as its text."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -42,15 +48,23 @@ def text_content(content, param: str) -> str:
     pieces = []
     for i, part in enumerate(content):
         if isinstance(part, dict):  # Responses items arrive as plain JSON
-            kind, text = part.get("type"), part.get("text")
-        elif hasattr(part, "type"):  # pydantic content parts (chat)
-            kind, text = part.type, getattr(part, "text", None)
+            get = part.get
+        elif hasattr(part, "type"):  # pydantic content parts (chat; extra keys are attributes)
+            def get(key, part=part):
+                return getattr(part, key, None)
         else:
             raise bad_request("content parts must be objects", param=f"{param}[{i}]")
-        if kind in ("text", "input_text", "output_text") and isinstance(text, str):
-            pieces.append(text)
-        else:
+        kind = get("type")
+        key = "text" if kind in _TEXT_PARTS else "refusal" if kind == "refusal" else None
+        if key is None:
             raise bad_request(f"content part of type {kind!r} is not supported (text only)", param=f"{param}[{i}].type")
+        if key == "refusal" and not assistant:
+            raise bad_request("a content part of type 'refusal' may only be in an assistant message",
+                              param=f"{param}[{i}].type")
+        value = get(key)
+        if not isinstance(value, str):
+            raise bad_request(f"a content part of type {kind!r} needs a '{key}' string", param=f"{param}[{i}].{key}")
+        pieces.append(value)
     return "".join(pieces)
 
 
@@ -74,7 +88,8 @@ def openai_messages(messages) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
-        msg: dict = {"role": role, "content": text_content(m.content, f"messages[{i}].content")}
+        msg: dict = {"role": role,
+                     "content": text_content(m.content, f"messages[{i}].content", assistant=m.role == "assistant")}
         if m.role == "assistant" and m.tool_calls:
             msg["tool_calls"] = [
                 {

@@ -53,7 +53,7 @@ def to_chat(req: ResponsesRequest) -> list[dict]:
             for part in content if isinstance(content, list) else []:
                 if not isinstance(part, dict):
                     raise bad_request("content parts must be objects", param=f"{param}.content")
-            text = text_content(content, f"{param}.content")
+            text = text_content(content, f"{param}.content", assistant=role == "assistant")
             messages.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
             name, args = item.get("name"), item.get("arguments", "{}")
