@@ -135,8 +135,8 @@ async def chat(request: Request, ctx: ServerContext) -> Response:
     await ctx.start_runs(runs)
     created = int(time.time())
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return EventStream(_chat_stream(ctx, rid, created, runs, top_n, include_usage, as_ids),
+        include_usage, continuous = _usage_options(req.stream_options)
+        return EventStream(_chat_stream(ctx, rid, created, runs, top_n, include_usage, as_ids, continuous),
                            on_close=lambda: [r.abort() for r in runs])
     await until_disconnect(request, drain(runs))
     choices = []
@@ -162,6 +162,13 @@ async def chat(request: Request, ctx: ServerContext) -> Response:
     return JSONResponse(body)
 
 
+def _usage_options(options) -> tuple[bool, bool]:
+    """(include_usage, continuous): the final usage chunk, and vLLM's continuous_usage_stats (every
+    chunk carries the usage so far; only together with include_usage, as in vLLM)."""
+    include = bool(options and options.include_usage)
+    return include, include and bool(options.continuous_usage_stats)
+
+
 def _finish(run: ChoiceRun) -> str:
     return "stop" if run.finish_reason in (None, "abort") else run.finish_reason
 
@@ -173,12 +180,12 @@ def _check_structured(ctx: ServerContext, spec: dict | None, run: ChoiceRun) -> 
 
 
 async def _chat_stream(ctx: ServerContext, rid: str, created: int, runs: list[ChoiceRun], top_n: int,
-                       include_usage: bool, as_ids: bool = False):
+                       include_usage: bool, as_ids: bool = False, continuous: bool = False):
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
-    extra = {"usage": None} if include_usage else {}
 
     def chunk(index: int, delta: dict, finish=None, logprobs=None) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        extra = {"usage": usage_dict(runs) if continuous else None} if include_usage else {}
         return sse({**base, "choices": [choice], **extra})
 
     try:
@@ -348,7 +355,7 @@ async def complete(request: Request, ctx: ServerContext) -> Response:
     created = int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage, continuous = _usage_options(req.stream_options)
 
         async def events():
             offsets = {r.index: 0 for r in runs}
@@ -362,7 +369,8 @@ async def complete(request: Request, ctx: ServerContext) -> Response:
                     if d.content or d.finish_reason or lp:
                         finish = _finish(run) if d.finish_reason else None
                         choice = {"index": run.index, "text": d.content, "logprobs": lp, "finish_reason": finish}
-                        yield sse({**base, "choices": [choice]})
+                        running = {"usage": _completion_usage(runs, prompts, req.n)} if continuous else {}
+                        yield sse({**base, "choices": [choice], **running})
                     if d.finish_reason == "error":  # as on chat: say why, in band
                         yield in_band_error(run)
                 if include_usage:
