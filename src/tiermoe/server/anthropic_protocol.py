@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import Field
 
 from tiermoe.server.errors import bad_request
-from tiermoe.server.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest, _Open
+from tiermoe.server.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest, AnthropicTool, _Open
 from tiermoe.server.structured import structured_spec
 
 
@@ -31,14 +31,40 @@ class AnthropicOutputConfig(_Open):
     format: AnthropicOutputFormat | None = None
 
 
+class ToolDefinition(AnthropicTool):
+    """A tool as the Anthropic API takes it: a custom tool (`type` absent or "custom") with its
+    input_schema, or one of Anthropic's own (`web_search_20250305`, `bash_20250124`, ...), which
+    carries no schema. Read as one model so that the latter gets a 400 naming its type
+    (`check_tools`), not "missing input_schema", which would send the client looking for a typo."""
+
+    type: str | None = None
+    input_schema: dict[str, Any] | None = None
+
+
 class MessagesRequest(AnthropicMessagesRequest):
+    tools: list[ToolDefinition] | None = None
     output_config: AnthropicOutputConfig | None = None
     output_format: AnthropicOutputFormat | None = None  # the structured-outputs beta's spelling
 
 
 class CountTokensRequest(AnthropicCountTokensRequest):
+    tools: list[ToolDefinition] | None = None
     output_config: AnthropicOutputConfig | None = None
     output_format: AnthropicOutputFormat | None = None
+
+
+def check_tools(tools: list[ToolDefinition] | None) -> None:
+    """Only custom tools can be served: Anthropic's own tools run on Anthropic's side (web search,
+    code execution) or follow schemas only Anthropic's models are trained on (bash, text editor,
+    computer use), so each is a 400 naming it rather than a tool the model knows nothing about."""
+    for i, tool in enumerate(tools or []):
+        if tool.type not in (None, "custom"):
+            raise bad_request(f"tools[{i}] ({tool.name!r}) has type {tool.type!r}, one of Anthropic's own tools, "
+                              "which this server does not provide; send it as a custom tool with an input_schema",
+                              param=f"tools[{i}].type")
+        if tool.input_schema is None:
+            raise bad_request(f"missing required field 'tools[{i}].input_schema'", param=f"tools[{i}].input_schema",
+                              code="missing_field")
 
 
 def output_spec(req) -> tuple[dict | None, str]:

@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tiermoe.protocol import GRAMMAR_ERROR
-from tiermoe.server.anthropic_protocol import CountTokensRequest, MessagesRequest, output_spec
+from tiermoe.server.anthropic_protocol import CountTokensRequest, MessagesRequest, check_tools, output_spec
 from tiermoe.server.chat import constraint_schemas, plan_tools
 from tiermoe.server.context import ServerContext
 from tiermoe.server.errors import bad_request
@@ -115,6 +115,7 @@ def to_chat(req) -> tuple[list[dict], list[dict], object]:
             if calls:
                 msg["tool_calls"] = calls
             _append_turn(out, msg)
+    check_tools(req.tools)
     functions = [{"name": t.name, "description": t.description or "", "parameters": t.input_schema}
                  for t in req.tools or []]
     choice = None
