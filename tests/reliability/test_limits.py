@@ -42,7 +42,9 @@ def test_too_many_messages_is_400_before_rendering(small):
     err = assert_error_body("/v1/chat/completions", r)
     assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "messages"
     assert "600 messages" in err["message"] and "512" in err["message"]
-    r = httpx.post(small.url + "/v1/messages", json={"model": "scripted", "max_tokens": 5, "messages": MSG * 600})
+    # alternating turns: consecutive user messages are one turn on /v1/messages, as Anthropic combines them
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}] * 300
+    r = httpx.post(small.url + "/v1/messages", json={"model": "scripted", "max_tokens": 5, "messages": turns})
     assert r.status_code == 400 and "600 messages" in assert_error_body("/v1/messages", r)["message"]
 
 
