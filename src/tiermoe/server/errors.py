@@ -82,6 +82,11 @@ def is_anthropic_path(path: str) -> bool:
 
 def error_body(status: int, message: str, param: str | None, code: str | None, anthropic: bool) -> dict:
     if anthropic:
+        # Anthropic's body has no `param`: the field goes in front of the message (as the Anthropic API
+        # writes "messages.1.content.0: ..."), or "tool_result content must be text" leaves a client with
+        # twenty tool results to guess which one
+        if param and param not in message:
+            message = f"{param}: {message}"
         return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
     kind = _OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
