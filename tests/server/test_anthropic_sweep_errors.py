@@ -32,3 +32,14 @@ def test_a_message_that_names_its_field_is_not_prefixed_twice(anthropic_client):
         anthropic_client.messages.create(model="scripted", max_tokens=20, messages=[Q], stop_sequences=["x"] * 100)
     message = e.value.body["error"]["message"]
     assert message.startswith("stop_sequences has 100 entries"), message
+
+
+@pytest.mark.parametrize("block", [{"type": "text"}, {"type": "text", "text": None}])
+def test_a_text_block_without_text_says_so(anthropic_client, block):
+    """Not "content block of type 'text' is not supported (text only)", which contradicts itself."""
+    for kwargs in ({"messages": [{"role": "user", "content": [block]}]},
+                   {"messages": [Q], "system": [block]}):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            anthropic_client.messages.create(model="scripted", max_tokens=20, **kwargs)
+        message = e.value.body["error"]["message"]
+        assert "needs a string 'text'" in message and "not supported" not in message, message

@@ -35,6 +35,8 @@ def register(app) -> None:
 def _block_text(block, param: str) -> str:
     if block.type == "text" and isinstance(block.text, str):
         return block.text
+    if block.type == "text":  # not "type 'text' is not supported": the block lacks its text
+        raise bad_request("a text block needs a string 'text'", param=f"{param}.text")
     raise bad_request(f"content block of type {block.type!r} is not supported here (text only)", param=param)
 
 
