@@ -127,9 +127,17 @@ def _response(ctx: ServerContext, rid: str, created: int, req: ResponsesRequest,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
         "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
         "temperature": req.temperature, "top_p": req.top_p, "tool_choice": req.tool_choice or "auto",
-        "tools": [t.model_dump(exclude_none=True) for t in req.tools or []], "text": {"format": {"type": "text"}},
+        "tools": [t.model_dump(exclude_none=True) for t in req.tools or []], "text": _text_config(req),
+        "reasoning": req.reasoning.model_dump(exclude_none=True) if req.reasoning else None,
         "truncation": "disabled", "store": False, "previous_response_id": None,
     }
+
+
+def _text_config(req: ResponsesRequest) -> dict:
+    """The request's text configuration as the response echoes it (the OpenAI API does): the format
+    asked for (plain text when none) and any other keys given, such as verbosity."""
+    text = req.text.model_dump(by_alias=True, exclude_none=True) if req.text else {}
+    return {**text, "format": text.get("format") or {"type": "text"}}
 
 
 def _items(ctx: ServerContext, run: ChoiceRun) -> list[dict]:
