@@ -127,7 +127,7 @@ class Guard:
         receive = with_body_deadline(receive, self.ctx.config.body_timeout_s)
         if path in OPEN_PATHS:
             return await self.app(scope, receive, counted_send)
-        slots, client = self.ctx.connections, client_key(scope)
+        slots, client = self.ctx.connections.pool(path), client_key(scope)
         refusal = slots.refusal(client)
         if refusal is not None:
             metrics.rejected.inc()

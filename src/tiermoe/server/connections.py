@@ -22,6 +22,13 @@ body held every slot for as long as they stayed open, and every other client got
     raise the share to `--max-connections` there and let the proxy limit its clients.
 
 /health answers 503 "saturated" while every slot is taken (the server is refusing everyone).
+
+The live stats streams (`/v1/stats/stream`, one per open dashboard) are counted in a pool of their
+own, with the same two limits. A stream stays open for as long as its page does while costing next
+to nothing (one sampler serves them all), so in the API pool a user's few dashboard tabs took that
+address's whole share for good: its API requests, and the page itself, got 429, and enough
+dashboards made /health report an idle server "saturated". Left uncounted they would be sockets
+without bound; in their own pool they stay bounded and leave the API slots to requests.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import json
 import logging
 
 from tiermoe.server.errors import APIError, error_body
+from tiermoe.server.web_routes import STREAM_PATH
 
 log = logging.getLogger("tiermoe.server")
 
@@ -54,12 +62,21 @@ def client_key(scope) -> str:
 class ConnectionSlots:
     """API requests being handled now, in all and per client address (one event loop: no lock)."""
 
-    def __init__(self, limit: int | None, per_client: int | None, retry_after_s: int):
+    def __init__(self, limit: int | None, per_client: int | None, retry_after_s: int, *,
+                 what: str = "concurrent requests"):
         self.limit = limit
         self.per_client = per_client
         self.retry_after_s = retry_after_s
+        self.what = what
         self.active = 0
         self.by_client: dict[str, int] = {}
+        self.streams: ConnectionSlots | None = None
+        if what == "concurrent requests":  # the stats streams' own pool (module doc)
+            self.streams = ConnectionSlots(limit, per_client, retry_after_s, what="open stats streams")
+
+    def pool(self, path: str) -> ConnectionSlots:
+        """The pool a request to `path` takes its slot from."""
+        return self.streams if path == STREAM_PATH and self.streams is not None else self
 
     @property
     def saturated(self) -> bool:
@@ -69,11 +86,11 @@ class ConnectionSlots:
         """The 429 a new request from `key` gets now, or None if it may take a slot."""
         retry = {"Retry-After": str(self.retry_after_s)}
         if self.saturated:
-            return APIError(429, f"too many concurrent requests ({self.active}, limit {self.limit}); retry shortly",
+            return APIError(429, f"too many {self.what} ({self.active}, limit {self.limit}); retry shortly",
                             code="too_many_connections", headers=retry)
         held = self.by_client.get(key, 0)
         if self.per_client is not None and held >= self.per_client:
-            return APIError(429, f"too many concurrent requests from this client address ({held}, limit "
+            return APIError(429, f"too many {self.what} from this client address ({held}, limit "
                                  f"{self.per_client} per address); retry shortly",
                             code="too_many_client_connections", headers=retry)
         return None
