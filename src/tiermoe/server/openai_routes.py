@@ -308,6 +308,18 @@ def _completion_logprobs(ctx: ServerContext, ids: list[int], items: list[TokenLo
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def _echo_choice(ctx: ServerContext, run: ChoiceRun, text: str, ids: list[int], as_ids: bool) -> tuple[dict, int]:
+    """The chunk that opens a choice streamed with echo: its prompt, with the prompt's logprobs
+    when asked (the run has them from its first engine output); and the text offset at which the
+    generated tokens' logprobs go on, as in the non-streamed answer."""
+    lp, end = None, 0
+    if run.params.logprobs is not None:
+        items: list[TokenLogprob | None] = list(run.prompt_logprobs or [None] * len(ids))
+        lp = _completion_logprobs(ctx, ids, items, run.params.logprobs or 0, 0, as_ids)
+        end = sum(len(ctx.token_texts.text(t)) for t in ids)
+    return {"index": run.index, "text": text, "logprobs": lp, "finish_reason": None}, end
+
+
 def _choice_logprobs(ctx: ServerContext, run: ChoiceRun, prompt_ids: list[int], echo: bool, as_ids: bool,
                      score_only: bool) -> dict | None:
     """A finished choice's logprobs; with echo they start with the prompt's (OpenAI legacy semantics)."""
@@ -329,14 +341,15 @@ async def complete(request: Request, ctx: ServerContext) -> Response:
     stops = check_stop_strings(req.stop, "stop")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of other than n is not supported", param="best_of")
-    if req.echo and req.stream:
-        raise bad_request("echo is not supported with stream", param="echo")
     # echo with max_tokens 0 scores the prompt only (one token is generated and dropped)
     if req.max_tokens is None:
         # an explicit null is the default, as when the field is left out (OpenAI: 16), never "up
         # to the end of the context" (which kept a client waiting minutes for 8,000 tokens)
         req.max_tokens = CompletionRequest.model_fields["max_tokens"].default
     score_only = req.echo and req.max_tokens == 0
+    if score_only and req.stream:
+        raise bad_request("echo with max_tokens 0 (scoring the prompt) is not supported with stream; send it "
+                          "without stream", param="echo")
     as_ids = req.return_tokens_as_token_ids
     spec = _format_spec(req.response_format)
     await ctx.check_schemas(format_schemas(spec, FORMAT_SCHEMA))
@@ -368,8 +381,13 @@ async def complete(request: Request, ctx: ServerContext) -> Response:
 
         async def events():
             offsets = {r.index: 0 for r in runs}
+            echoed: set[int] = set()
             try:
                 async for run, d in merged(runs):
+                    if req.echo and run.index not in echoed:  # the choice's first chunk: its prompt
+                        echoed.add(run.index)
+                        choice, offsets[run.index] = _echo_choice(ctx, run, *prompts[run.index // req.n], as_ids)
+                        yield sse({**base, "choices": [choice]})
                     lp = None
                     if d.logprobs and run.params.logprobs is not None:
                         lp = _completion_logprobs(ctx, [it.token_id for it in d.logprobs], d.logprobs,
