@@ -41,8 +41,16 @@ class ToolDefinition(AnthropicTool):
     input_schema: dict[str, Any] | None = None
 
 
+class AnthropicMetadata(_Open):
+    """`metadata.user_id` is typed "string or null" by the Anthropic API, which refuses anything else;
+    it has no effect here, but a number or object sent there is a client bug worth a 400."""
+
+    user_id: str | None = None
+
+
 class MessagesRequest(AnthropicMessagesRequest):
     tools: list[ToolDefinition] | None = None
+    metadata: AnthropicMetadata | None = None
     output_config: AnthropicOutputConfig | None = None
     output_format: AnthropicOutputFormat | None = None  # the structured-outputs beta's spelling
 
