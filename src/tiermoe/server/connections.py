@@ -63,16 +63,20 @@ class ConnectionSlots:
     """API requests being handled now, in all and per client address (one event loop: no lock)."""
 
     def __init__(self, limit: int | None, per_client: int | None, retry_after_s: int, *,
-                 what: str = "concurrent requests"):
+                 what: str = "concurrent requests", streams: ConnectionSlots | None = None):
         self.limit = limit
         self.per_client = per_client
         self.retry_after_s = retry_after_s
-        self.what = what
+        self.what = what  # what the slots hold, for the 429's message
         self.active = 0
         self.by_client: dict[str, int] = {}
-        self.streams: ConnectionSlots | None = None
-        if what == "concurrent requests":  # the stats streams' own pool (module doc)
-            self.streams = ConnectionSlots(limit, per_client, retry_after_s, what="open stats streams")
+        self.streams = streams  # the live stats streams' own pool (module doc); None: they share this one
+
+    @classmethod
+    def with_stream_pool(cls, limit: int | None, per_client: int | None, retry_after_s: int) -> ConnectionSlots:
+        """The API pool, with a pool of the same limits for the live stats streams."""
+        streams = cls(limit, per_client, retry_after_s, what="open stats streams")
+        return cls(limit, per_client, retry_after_s, streams=streams)
 
     def pool(self, path: str) -> ConnectionSlots:
         """The pool a request to `path` takes its slot from."""

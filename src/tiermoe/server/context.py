@@ -107,8 +107,8 @@ class ServerContext:
         self.schemas = SchemaChecker(self._off_loop_checks)
         self.outputs = OutputChecker(self._output_pool, self.metrics.structured_invalid)
         self.reserved = 0  # slots admitted but not yet in the engine (admit -> start_runs)
-        self.connections = ConnectionSlots(config.max_connections, config.max_connections_per_client,
-                                           config.retry_after_s)
+        self.connections = ConnectionSlots.with_stream_pool(config.max_connections, config.max_connections_per_client,
+                                                            config.retry_after_s)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
