@@ -18,3 +18,15 @@ def test_a_user_id_that_is_not_a_string_is_a_400_naming_it(anthropic_client, use
     with pytest.raises(anthropic.BadRequestError) as e:
         anthropic_client.messages.create(model="scripted", max_tokens=50, messages=Q, metadata={"user_id": user_id})
     assert "metadata.user_id" in e.value.body["error"]["message"]
+
+
+def test_temperature_above_one_is_a_400_as_in_the_anthropic_api(anthropic_client):
+    """Anthropic's range is [0, 1] (the OpenAI routes allow 2): above it the request is refused, naming it."""
+    import anthropic
+
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        anthropic_client.messages.create(model="scripted", max_tokens=4, messages=msgs, extra_body={"temperature": 1.5})
+    assert "temperature" in e.value.body["error"]["message"]
+    r = anthropic_client.messages.create(model="scripted", max_tokens=4, messages=msgs, extra_body={"temperature": 1})
+    assert r.role == "assistant"

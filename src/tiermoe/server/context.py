@@ -77,6 +77,15 @@ class ServerConfig:
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
+def check_temperature(value: float | None, upper: float) -> None:
+    """The API's own range for temperature, [0, upper] (OpenAI 2, Anthropic 1), on its routes: vLLM
+    has no upper bound, but a 20 meant as 0.2 would sample noise. Below 0 and non-finite values are
+    SamplingParams.validate's."""
+    if value is not None and math.isfinite(value) and value > upper:
+        raise bad_request(f"temperature must be in [0, {upper:g}], got {value:g}", param="temperature",
+                          code="invalid_value")
+
+
 def brief(text: str) -> str:
     """A client's value shown in an error message, cut to 40 characters: a JSON integer may have
     thousands of digits, a key any length."""

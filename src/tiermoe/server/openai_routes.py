@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 
 from starlette.requests import Request
@@ -10,7 +9,7 @@ from starlette.responses import JSONResponse, Response
 
 from tiermoe.protocol import GRAMMAR_ERROR, STORE_CODES, TokenLogprob
 from tiermoe.server.chat import constraint_schemas, openai_messages, plan_tools
-from tiermoe.server.context import ServerContext
+from tiermoe.server.context import ServerContext, check_temperature
 from tiermoe.server.errors import bad_request
 from tiermoe.server.generation import ChoiceRun, Delta
 from tiermoe.server.handling import parse_body, run_endpoint
@@ -40,15 +39,8 @@ def register(app) -> None:
         return await run_endpoint(request, complete)
 
 
-def check_temperature(value: float | None) -> None:
-    """The OpenAI API's range for temperature, [0, 2], on its routes (vLLM has no upper bound; a
-    20 meant as 0.2 would sample noise). Below 0 and non-finite values are SamplingParams.validate's."""
-    if value is not None and math.isfinite(value) and value > 2:
-        raise bad_request(f"temperature must be in [0, 2], got {value:g}", param="temperature", code="invalid_value")
-
-
 def _sampling_fields(req) -> dict:
-    check_temperature(req.temperature)
+    check_temperature(req.temperature, 2)
     return dict(
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,

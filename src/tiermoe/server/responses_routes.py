@@ -14,11 +14,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tiermoe.server.chat import constraint_schemas, plan_tools, text_content
-from tiermoe.server.context import ServerContext
+from tiermoe.server.context import ServerContext, check_temperature
 from tiermoe.server.errors import bad_request
 from tiermoe.server.generation import ChoiceRun
 from tiermoe.server.handling import parse_body, run_endpoint
-from tiermoe.server.openai_routes import check_temperature
 from tiermoe.server.protocol import ResponsesRequest
 from tiermoe.server.streaming import EventStream, drain, merged, sse, until_disconnect
 from tiermoe.server.limits import loads
@@ -183,6 +182,7 @@ async def create_response(request: Request, ctx: ServerContext) -> Response:
     fmt = req.text.format if req.text and req.text.format else None
     spec = structured_spec(fmt.type, fmt.schema_, "text.format", "text.format.schema") if fmt else None
     await ctx.check_schemas(constraint_schemas(plan, spec, "text.format", "text.format.schema"))
+    check_temperature(req.temperature, 2)
     kwargs = {}
     if req.reasoning and req.reasoning.effort in ("none", "minimal"):
         kwargs["enable_thinking"] = False
@@ -190,7 +190,6 @@ async def create_response(request: Request, ctx: ServerContext) -> Response:
     text = await ctx.render_chat(to_chat(req), plan.template_tools, kwargs) + ctx.forced_text(plan)
     ids = await ctx.encode(text)
     max_tokens = ctx.check_context(len(ids), req.max_output_tokens, "input", "max_output_tokens")
-    check_temperature(req.temperature)
     params = ctx.sampling_params(max_tokens=max_tokens, structured=spec, temperature=req.temperature, top_p=req.top_p)
     rid = ctx.new_id("resp_")
     run = ctx.make_run(rid, text, ids, params, plan=plan, endpoint="responses")
