@@ -73,6 +73,10 @@ class SamplingParams:
             raise InvalidRequest("top_k must be an integer >= -1", "top_k")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise InvalidRequest("max_tokens must be a positive integer", "max_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            # as vLLM: the request could only stop at max_tokens, short of its own minimum
+            raise InvalidRequest(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})",
+                                 "min_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequest("top_logprobs must be in [0, 20]", "top_logprobs")
         if self.seed is not None and not isinstance(self.seed, int):

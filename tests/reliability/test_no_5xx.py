@@ -33,7 +33,7 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type":
 ROUTES = {
     "/v1/chat/completions": (protocol.ChatCompletionRequest, {
         "model": "scripted", "messages": MSG, "max_tokens": 4, "tools": [TOOL], "tool_choice": "auto",
-        "response_format": FORMAT, "stream_options": {"include_usage": True}, "logit_bias": {"5": 1},
+        "response_format": FORMAT, "stream": True, "stream_options": {"include_usage": True}, "logit_bias": {"5": 1},
         "chat_template_kwargs": {"enable_thinking": False}}, [
         "messages[0]", "messages[0].content", "messages[0].role", "messages[0].name", "messages[0].tool_calls",
         "tools[0]", "tools[0].function", "tools[0].function.name", "tools[0].function.parameters",

@@ -304,6 +304,7 @@ class ChoiceRun:
                 self._finish("length", delta)
                 return
             params.max_tokens = left
+        params.min_tokens = max(0, params.min_tokens - self._prior_tokens)  # both count this segment's tokens
         if params.seed is not None:
             params.seed += 1
         self._segment += 1

@@ -38,6 +38,8 @@ async def parse_body(request: Request, model: type[BaseModel]):
     except ClientDisconnect:
         raise APIError(400, "client disconnected while sending the body") from None
     raw = b"".join(chunks) or b""
+    if raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark (Windows tools write one): RFC 8259 lets
+        raw = raw[3:]  # a parser ignore it, and pydantic reads it as a character before the value
     try:
         # in place: pydantic-core holds the GIL while it validates, so a worker thread would stall the
         # event loop as long; what bounds the stall is the body limit (--max-body-bytes)

@@ -41,6 +41,9 @@ def register(app) -> None:
 
 def _sampling_fields(req) -> dict:
     check_temperature(req.temperature, 2)
+    if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM: options of a stream not asked for
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options",
+                          code="invalid_value")
     return dict(
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,

@@ -198,6 +198,7 @@ class ResponsesRequest(_Strict):
     reasoning: ResponsesReasoning | None = None
     text: ResponsesText | None = None
     previous_response_id: str | None = None
+    background: bool | None = None  # true is refused: nothing to poll later (no stored responses)
     store: bool | None = None
     parallel_tool_calls: bool | None = None
     metadata: dict[str, Any] | None = None

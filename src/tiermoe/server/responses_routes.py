@@ -169,6 +169,9 @@ async def create_response(request: Request, ctx: ServerContext) -> Response:
     if req.previous_response_id:
         raise bad_request("previous_response_id is not supported: this server stores no responses; send the full input",
                           param="previous_response_id")
+    if req.background:  # answered at once instead, a client would poll GET /v1/responses/{id}, which does not exist
+        raise bad_request("background mode is not supported: this server stores no responses to poll; "
+                          "send the request without it (or stream it)", param="background")
     functions = []
     for i, tool in enumerate(req.tools or []):
         if tool.type != "function" or not tool.name:
