@@ -51,3 +51,14 @@ def test_a_body_with_a_byte_order_mark_is_read(server, path, body):
     r = httpx.post(server.url + path, content=b"\xef\xbb\xbf" + json.dumps(body).encode(),
                    headers={"content-type": "application/json"})
     assert r.status_code == 200, r.text
+
+
+def test_deprecated_functions_are_refused_not_ignored(client):
+    """Ignored, the request would be answered as if the model had no functions at all."""
+    fn = {"name": "f", "parameters": {"type": "object"}}
+    for extra, param in (({"functions": [fn]}, "functions"), ({"function_call": "auto"}, "function_call")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="scripted", messages=MSG, max_tokens=2, extra_body=extra)
+        assert e.value.body["param"] == param and "tools" in e.value.body["message"]
+    r = client.chat.completions.create(model="scripted", messages=MSG, max_tokens=2, extra_body={"functions": []})
+    assert r.choices[0].message.role == "assistant"  # an empty list asks for nothing

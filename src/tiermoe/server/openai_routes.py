@@ -91,6 +91,10 @@ async def chat(request: Request, ctx: ServerContext) -> Response:
     req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
     ctx.check_model(req.model)
     stops = check_stop_strings(req.stop, "stop")
+    if req.functions or req.function_call is not None:
+        raise bad_request("functions and function_call (deprecated by OpenAI) are not supported; send the same "
+                          "definitions as tools ({\"type\": \"function\", \"function\": ...}) and tool_choice",
+                          param="functions" if req.functions else "function_call", code="unsupported_parameter")
     messages = openai_messages(req.messages)
     choice = req.tool_choice
     if choice is not None and not isinstance(choice, str):

@@ -140,6 +140,10 @@ class ChatCompletionRequest(SamplingFields):
     thinking_budget: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
     return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens as "token_id:N"
+    # OpenAI's deprecated forms of tools and tool_choice: read only to refuse them (chat route), as
+    # ignoring them would answer as if the model had no functions
+    functions: list[Any] | None = None
+    function_call: Any = None
 
     _chat_nulls = null_means_default("logprobs", "add_generation_prompt", "return_tokens_as_token_ids")
 
