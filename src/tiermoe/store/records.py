@@ -330,11 +330,15 @@ def load_manifest(root: str | os.PathLike) -> Manifest:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise UserError(f"{path}: unreadable JSON ({exc})") from None
+    if not isinstance(data, dict):  # a list or a number has no fields to check: say so, not AttributeError
+        raise UserError(f"{path}: expected a JSON object (the store's manifest), got {type(data).__name__}")
     if data.get("format_version") != FORMAT_VERSION:
         raise UserError(f"{path}: format_version {data.get('format_version')!r}, this build reads {FORMAT_VERSION}")
     try:
         m = Manifest(data, root)
-    except (KeyError, TypeError, ValueError) as exc:
+        if not isinstance(m.config, dict):
+            raise TypeError(f"model_config is a {type(m.config).__name__}, not an object")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UserError(f"{path}: malformed manifest ({exc!r})") from None
     return m
 

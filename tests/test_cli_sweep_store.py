@@ -1,0 +1,50 @@
+"""Hostile input to the store commands (`verify`, `plan`, `pack`): every refusal is exit code 2 and
+one `tiermoe: error:` line naming the bad value, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tiermoe.cli import main
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, tiny_dir):
+    """A packed tiny qwen3_moe store (bf16)."""
+    out = tmp_path_factory.mktemp("sweep") / "store"
+    assert main(["pack", str(tiny_dir("qwen3_moe")), str(out), "--quiet", "--no-direct-io"]) == 0
+    return out
+
+
+def _refused(capsys, argv: list[str], *words: str) -> str:
+    """Run argv in-process; assert exit code 2 and one error line that holds every word."""
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tiermoe: error:"), err
+    assert all(w in err[0] for w in words), err[0]
+    return err[0]
+
+
+def _copy_with_manifest(store, tmp_path, data) -> str:
+    bad = tmp_path / "bad"
+    shutil.copytree(store, bad)
+    (bad / "manifest.json").write_text(json.dumps(data))
+    return str(bad)
+
+
+@pytest.mark.parametrize("command", [["verify"], ["plan", "--device", "cpu"]])
+def test_manifest_that_is_a_list(store, tmp_path, capsys, command):
+    bad = _copy_with_manifest(store, tmp_path, [1, 2])
+    _refused(capsys, [command[0], bad, *command[1:]], "manifest.json", "JSON object")
+
+
+@pytest.mark.parametrize("field, value", [("experts_per_layer", [8]), ("model_config", "x")])
+def test_manifest_field_of_the_wrong_type(store, tmp_path, capsys, field, value):
+    data = json.loads((store / "manifest.json").read_text())
+    data[field] = value
+    bad = _copy_with_manifest(store, tmp_path, data)
+    _refused(capsys, ["plan", bad, "--device", "cpu"], "manifest.json", "malformed")
