@@ -20,13 +20,39 @@ def register(subparsers) -> None:
     p.set_defaults(handler=_run)
 
 
+def _check_out_dir(text: str) -> None:
+    """OUT_DIR must be new or empty and creatable: the checkpoint's files would replace those of the
+    same names in a directory holding something else (a real model's config.json), and "" is the
+    working directory (an unset shell variable)."""
+    from pathlib import Path
+
+    from tiermoe.errors import UserError
+
+    if not text.strip():
+        raise UserError("OUT_DIR is empty: give the directory to write the checkpoint to")
+    out = Path(text)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        raise UserError(f"{out}: directory is not empty; choose a new or empty directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a parent that is a file, or one this user cannot write
+        raise UserError(f"{out}: cannot create the directory ({exc.strerror or exc})") from None
+
+
 def _run(args) -> int:
+    from tiermoe.errors import UserError
+    from tiermoe.models.registry import TINY_ARCHS
     from tiermoe.models.tiny import write_tiny
 
+    if args.arch not in TINY_ARCHS:  # before OUT_DIR is made
+        raise UserError(f"unknown architecture '{args.arch}' for tiny (choose from {', '.join(TINY_ARCHS)})")
     if args.distill_mtp and args.arch != "glm5_next":
-        from tiermoe.errors import UserError
-
         raise UserError(f"--distill-mtp: {args.arch} has no MTP layer (only glm5_next)")
+    if not -2**63 <= args.seed < 2**64:  # torch.Generator.manual_seed's range
+        raise UserError(f"--seed {args.seed}: out of range (a 64-bit integer)")
+    _check_out_dir(args.out_dir)
     out = write_tiny(args.arch, args.out_dir, seed=args.seed, dtype=args.dtype)
     if args.distill_mtp:
         from tiermoe.models.glm5_next.distill import distill_mtp

@@ -352,6 +352,8 @@ def pack(
     """
     if quant not in QUANT_KINDS:
         raise UserError(f"--quant {quant!r}: choose one of {', '.join(QUANT_KINDS)}")
+    if not str(out).strip():  # Path("") is the working directory: an unset $OUT would pack into it
+        raise UserError("OUT is empty: give the directory to write the store to")
     ck = Checkpoint(src)
     out = Path(out)
     if out.resolve() == ck.root.resolve():
@@ -373,7 +375,10 @@ def pack(
         plan = mixed_plan(keys, ck.experts_per_layer, layout, cold, str(expert_stats), hot_share, log)
     fingerprint = _fingerprint(ck, plan, shard_bytes, source)
     check_target(out, fingerprint)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a parent that is a file, or one this user cannot write
+        raise UserError(f"{out}: cannot create the store directory ({exc.strerror or exc})") from None
     lock = StoreLock.exclusive(out)
     if lock.unavailable:
         log(f"note: {lock.path} cannot be locked here ({lock.unavailable}): a process using this store would "
