@@ -215,6 +215,8 @@ def _kv_pages(cfg: EngineConfig, per_token: int, state_bytes: int = 0) -> int:
     model's state in its cache budget."""
     page = cfg.page_size
     pages_one_seq = math.ceil(cfg.max_model_len / page) + 1
+    if cfg.kv_cache_gb is not None and not 0 < cfg.kv_cache_gb < math.inf:  # nan, inf: no byte count
+        raise UserError(f"--kv-cache-gb must be a finite number > 0, got {cfg.kv_cache_gb}")
     if cfg.kv_cache_gb:
         num_pages = max(0, int((cfg.kv_cache_gb * 2**30 - state_bytes) / (per_token * page) + 1e-6))
     else:

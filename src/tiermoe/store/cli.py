@@ -25,8 +25,8 @@ def _pack_prechecks(args: argparse.Namespace) -> None:
     from tiermoe.store.lock import LOCK_NAME, StoreLock
     from tiermoe.store.pack_checks import INT_QUANTS, check_target, choose_group_size, source_shapes
 
-    if args.shard_size_gb is not None and not args.shard_size_gb > 0:
-        raise UserError("--shard-size-gb must be > 0")
+    if args.shard_size_gb is not None and not 0 < args.shard_size_gb < float("inf"):
+        raise UserError(f"--shard-size-gb must be a finite number > 0, got {args.shard_size_gb}")
     if args.quant in INT_QUANTS:
         shapes = source_shapes(args.src)
         if shapes is not None:

@@ -20,6 +20,7 @@ counted, so real decode is slower; a small model on a CPU serves a fraction of t
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -167,8 +168,8 @@ def size_tiers(
     """(n_slots, n_host, notes) for this machine and these flags."""
     notes: list[str] = []
     for name, v in (("--gpu-expert-gb", gpu_expert_gb), ("--host-expert-gb", host_expert_gb)):
-        if v is not None and (v != v or v < 0):
-            raise UserError(f"{name} must be >= 0, got {v}")
+        if v is not None and not 0 <= v < math.inf:  # nan and inf too: a byte count is finite
+            raise UserError(f"{name} must be a finite number >= 0, got {v}")
     if gpu_expert_gb is not None:
         n_slots = int(gpu_expert_gb * GIB // record_bytes)
     elif device.type == "cuda":
