@@ -28,6 +28,27 @@ def test_serve_builds_its_engine_with_the_threads_asked_for(tiny_dir):
     assert r.stdout.split()[-1] == "1"
 
 
+def test_serve_on_a_cpu_leaves_one_core_to_the_server_when_not_told(tiny_dir):
+    """Unset, `serve` on a CPU device takes one thread less than torch's count (at least one): the
+    event loop and the clients need a core, else every OpenMP barrier waits for a preempted thread."""
+    r = _python(f"""
+        import argparse, torch
+        from tiermoe.server.cli import build_core, register
+        torch.set_num_threads(3)
+        parser = argparse.ArgumentParser()
+        register(parser.add_subparsers())
+        args = parser.parse_args(["serve", {str(tiny_dir("qwen3_moe"))!r}, "--device", "cpu"])
+        build_core(args)
+        print(torch.get_num_threads())
+        from tiermoe.engine.threads import serving_threads
+        print(serving_threads(None, "cuda"), serving_threads(4, "cpu"))
+        torch.set_num_threads(1)
+        print(serving_threads(None, "cpu"))
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[-4:] == ["2", "None", "4", "1"]
+
+
 def test_the_cpu_lane_takes_its_share_of_them(tiny_dir, tmp_path):
     store = tmp_path / "st"
     pack(tiny_dir("qwen3_moe"), store, progress=False, log=lambda _: None)

@@ -6,6 +6,8 @@ its engine thread: async_engine.py). What is sized from torch's count then follo
 device all of the model's compute; the CPU lane's threads unless --cpu-lane-threads is given
 (half of them on a CPU device, where the lane shares the cores with the model, all of them beside
 a GPU: engine/settle.settle_lane); and the decode bound the store's plan logs (store/planner.py).
+`tiermoe serve` on a CPU device leaves one core to the server when the flag is unset
+(`serving_threads`).
 """
 
 from __future__ import annotations
@@ -31,3 +33,20 @@ def use_cpu_threads(n: int | None) -> None:
     import torch
 
     torch.set_num_threads(n)
+
+
+def serving_threads(n: int | None, device: str) -> int | None:
+    """The thread count `tiermoe serve` uses: --cpu-threads as given; unset on a CPU device, one
+    less than torch's (at least 1); unset beside a GPU, torch's (None).
+
+    Why one less: the server's event loop, its tokenizer threads and the clients on the same
+    machine need a core as well. With torch's OpenMP team on every core, each of them preempts a
+    team thread, and each of the thousand or so parallel regions of a decode step then waits at
+    its barrier until that thread runs again: the default model's decode on a 2-core machine fell
+    from about 25 to under 1 token/s while another process computed (docs/results.md section 35).
+    Beside a GPU the model's compute is on the device, and the CPU lane sizes its own pool."""
+    if n is not None or not device.startswith("cpu"):
+        return n
+    import torch
+
+    return max(1, torch.get_num_threads() - 1)

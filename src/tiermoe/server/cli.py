@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tiermoe import env
 from tiermoe.engine.build import add_routing_args, add_sizing_args, add_store_args
-from tiermoe.engine.threads import add_cpu_threads_arg, use_cpu_threads
+from tiermoe.engine.threads import add_cpu_threads_arg, serving_threads, use_cpu_threads
 from tiermoe.errors import UserError
 from tiermoe.model_source import check_name, is_repo_id, resolve_model
 from tiermoe.server.access_log import REQUESTS_LOGGER, STATS_LOGGER
@@ -219,13 +219,15 @@ def build_core(args):
                                   step_delay_s=args.scripted_step_delay, tool_format=args.scripted_tool_format)
     try:
         from tiermoe.engine.build import build_engine_core
+        from tiermoe.engine.settle import resolve_device
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.startswith("tiermoe"):
             raise UserError("this install has no model engine (tiermoe.engine.build); "
                             "use --scripted to test the server") from None
         raise
     options = {k: v for k, v in vars(args).items() if k not in ("handler", "api_key")}
-    use_cpu_threads(args.cpu_threads)  # on this thread: the engine thread, which will step the core
+    # on this thread: the engine thread, which will step the core
+    use_cpu_threads(serving_threads(args.cpu_threads, resolve_device(args.device)))
     try:
         core = build_engine_core(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                                  max_num_seqs=args.max_num_seqs, options=options)
