@@ -65,6 +65,8 @@ def settle_config(args: EngineArgs) -> EngineConfig:
             raise UserError(f"--max-model-len {args.max_model_len}: must be between 2 and the model's {ctx}")
         ctx = args.max_model_len
     max_num_seqs = max(1, int(args.max_num_seqs or DEFAULTS.max_num_seqs))
+    if args.seed is not None and not -2**63 <= args.seed < 2**64:  # torch.Generator.manual_seed's range
+        raise UserError(f"--seed {args.seed}: out of range (a 64-bit integer)")
     attention = args.decode_attention or "auto"
     if attention not in DECODE_ATTENTION_CHOICES:
         raise UserError(f"--decode-attention {attention!r}: choose auto, sdpa or paged")

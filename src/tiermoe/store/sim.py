@@ -165,6 +165,8 @@ def simulate(
             raise UserError(f"--ram-rule {rule!r}: choose from {', '.join(RAM_RULES)}")
     if tokens < 1 or slots < 0 or host_experts < 0 or not 0 <= reserve <= host_experts:
         raise UserError("--tokens must be >= 1, --slots/--host-experts >= 0 and --reserve in 0..--host-experts")
+    if seed < 0:  # numpy's generators take none
+        raise UserError(f"--seed {seed}: must be >= 0")
     if stats_file is None and trace_file is None:
         raise UserError("give --stats (per-layer pick counts) or --trace (a recorded routing trace)")
     stats = load_stats(stats_file) if stats_file is not None else None
@@ -191,6 +193,8 @@ def simulate(
         raise UserError(f"--warmup must be in 0..{tokens - 1}")
     layers = sorted(stats)
     n_e = len(stats[layers[0]])
+    # A tier larger than every expert holds them all; the policies allocate a list per capacity.
+    slots, host_experts = min(slots, len(layers) * n_e), min(host_experts, len(layers) * n_e)
     pr = pick_rates({i: stats[L] for i, L in enumerate(layers)}, top_k)
     rates = {i * n_e + e: r for i, row in pr.items() for e, r in enumerate(row)} if warm_start else None
     out = []
