@@ -48,3 +48,13 @@ def test_manifest_field_of_the_wrong_type(store, tmp_path, capsys, field, value)
     data[field] = value
     bad = _copy_with_manifest(store, tmp_path, data)
     _refused(capsys, ["plan", bad, "--device", "cpu"], "manifest.json", "malformed")
+
+
+def test_plan_unknown_device(store, capsys):
+    _refused(capsys, ["plan", str(store), "--device", "tpu"], "--device", "tpu")
+
+
+def test_verify_more_threads_than_records(store, capsys):
+    """A reader beyond one a record has nothing to read: 10**20 of them finish at once, not by
+    allocating 2 * 10**20 buffers."""
+    assert main(["verify", str(store), "--threads", str(10**20), "--quiet", "--no-direct-io"]) == 0

@@ -121,6 +121,8 @@ def _plan_manifest(model: str, quant: str, group_size: int | None):
 
 
 def _plan(args: argparse.Namespace) -> int:
+    if args.device and args.device != "cpu" and not args.device.startswith("cuda"):  # as generate's check
+        raise UserError(f"--device: unknown device '{args.device}' (use cpu or cuda)")
     if args.cpu_threads is not None and args.cpu_threads < 1:
         raise UserError("--cpu-threads must be at least 1")
     if args.max_num_seqs < 1:

@@ -46,6 +46,7 @@ def verify_store(
     bad: list[RecordInfo] = []
     if not m.records:
         return 0, bad
+    threads = min(threads, len(m.records))  # readers beyond one a record idle, and each holds buffers
     depth = 2 * threads
     bufs = [aligned_buffer(max(r.length for r in m.records)) for _ in range(depth)]
     window: list[tuple[RecordInfo, Future]] = []
