@@ -54,7 +54,10 @@ def write_trace(path: str | os.PathLike, header: dict, picks: np.ndarray, decode
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        try:  # under a file (NotADirectoryError) there is no temp file to remove either
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
         raise UserError(f"{path}: cannot write the routing trace ({exc.strerror or exc})") from None
 
 
