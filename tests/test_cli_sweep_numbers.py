@@ -8,17 +8,10 @@ import json
 
 import pytest
 
+from testkit.cli import refused as _refused
 from tiermoe.cli import main
 
 HUGE = str(10**20)
-
-
-def _refused(capsys, argv: list[str], *words: str) -> None:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("tiermoe: error:"), err
-    assert all(w in err[0] for w in words), err[0]
 
 
 @pytest.fixture

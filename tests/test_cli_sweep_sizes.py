@@ -6,15 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from testkit.cli import refused as _refused
 from tiermoe.cli import main
-
-
-def _refused(capsys, argv: list[str], *words: str) -> None:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("tiermoe: error:"), err
-    assert all(w in err[0] for w in words), err[0]
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from testkit.cli import refused as _refused
 from tiermoe.cli import main
 
 
@@ -17,16 +18,6 @@ def store(tmp_path_factory, tiny_dir):
     out = tmp_path_factory.mktemp("sweep") / "store"
     assert main(["pack", str(tiny_dir("qwen3_moe")), str(out), "--quiet", "--no-direct-io"]) == 0
     return out
-
-
-def _refused(capsys, argv: list[str], *words: str) -> str:
-    """Run argv in-process; assert exit code 2 and one error line that holds every word."""
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("tiermoe: error:"), err
-    assert all(w in err[0] for w in words), err[0]
-    return err[0]
 
 
 def _copy_with_manifest(store, tmp_path, data) -> str:
