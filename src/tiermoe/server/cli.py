@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
 import socket
@@ -149,8 +150,8 @@ def _check_args(args) -> None:
         raise UserError("--max-queue must be >= 0")
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
         raise UserError("--max-num-batched-tokens must be at least 1")
-    if args.kv_cache_gb is not None and args.kv_cache_gb <= 0:
-        raise UserError("--kv-cache-gb must be > 0")
+    if args.kv_cache_gb is not None and not 0 < args.kv_cache_gb < math.inf:  # nan, inf: no byte count
+        raise UserError(f"--kv-cache-gb must be a finite number > 0, got {args.kv_cache_gb}")
     if args.thinking_budget is not None and args.thinking_budget < 0:
         raise UserError("--thinking-budget must be >= 0")
     if args.request_timeout is not None and not args.request_timeout > 0:
