@@ -22,3 +22,21 @@ def no_bind(monkeypatch):
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
 def test_serve_kv_cache_gb_not_finite(no_bind, capsys, value):
     _refused(capsys, ["serve", "--scripted", f"--kv-cache-gb={value}"], "--kv-cache-gb")
+
+
+@pytest.mark.parametrize("flags", [["--max-num-seqs", "0"], ["--max-num-seqs=-3"], ["--max-num-batched-tokens", "0"],
+                                   ["--kv-cache-gb", "0"]])
+def test_generate_sizing_zero_refused_as_serve_and_plan_do(tiny_dir, capsys, flags):
+    """generate decodes one prompt, so it once clamped these (or read 0 as "the default") in silence."""
+    _refused(capsys, ["generate", "--model", str(tiny_dir("qwen3_moe")), "--device", "cpu", "--prompt", "hi",
+                      "--max-tokens", "1", *flags], flags[0].split("=")[0])
+
+
+def test_bench_decode_max_num_seqs_zero(capsys):
+    _refused(capsys, ["bench", "decode", "--tiny", "qwen3_moe", "--device", "cpu", "--tokens", "1",
+                      "--max-num-seqs", "0"], "--max-num-seqs")
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_serve_max_num_seqs_zero(no_bind, capsys, value):
+    _refused(capsys, ["serve", "--scripted", f"--max-num-seqs={value}"], "--max-num-seqs")

@@ -53,8 +53,10 @@ def measure(engine, batch: int, tokens: int, prompt_len: int, seed: int = 0) -> 
 
 
 def _run(args) -> int:
-    from tiermoe.engine.build import build_engine_core
+    from tiermoe.engine.build import build_engine_core, check_sizing_args
     from tiermoe.errors import UserError
+
+    check_sizing_args(args)
 
     try:
         sizes = [int(x) for x in args.batch_sizes.split(",")]

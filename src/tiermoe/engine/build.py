@@ -84,6 +84,20 @@ def add_sizing_args(p, max_num_seqs: int = DEFAULTS.max_num_seqs) -> None:
                    help="MTP draft tokens verified per greedy decode step (0: off; models with an MTP head)")
 
 
+def check_sizing_args(args) -> None:
+    """Refuse add_sizing_args values with no meaning, before any model loads: settle_config reads 0 as "the
+    default" (`or`) and generate fixes its batch at 1, so 0 or a negative would otherwise be taken silently
+    where `plan` and `serve` refuse it."""
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise UserError("--max-model-len must be at least 2")
+    if args.max_num_seqs < 1:
+        raise UserError("--max-num-seqs must be at least 1")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+        raise UserError("--max-num-batched-tokens must be at least 1")
+    if args.kv_cache_gb is not None and not 0 < args.kv_cache_gb < math.inf:  # nan, inf: no byte count
+        raise UserError(f"--kv-cache-gb must be a finite number > 0, got {args.kv_cache_gb}")
+
+
 def add_store_args(p, with_mode: bool = True) -> None:
     """Expert-store flags (read only for packed stores); one definition for every command."""
     g = p.add_argument_group("expert store (packed stores only)")

@@ -35,13 +35,14 @@ def register(subparsers) -> None:
 
 
 def _run(args) -> int:
-    from tiermoe.engine.build import build_engine_core
+    from tiermoe.engine.build import build_engine_core, check_sizing_args
     from tiermoe.engine.llm_engine import generate_ids
     from tiermoe.engine.prompts import chat_prompt_ids
     from tiermoe.errors import UserError
     from tiermoe.engine.threads import use_cpu_threads
     from tiermoe.protocol import InvalidRequest, SamplingParams
 
+    check_sizing_args(args)  # one prompt decodes alone, yet a batch of 0 is refused here as by serve and plan
     use_cpu_threads(args.cpu_threads)
     engine = build_engine_core(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                                max_num_seqs=1, options=vars(args))

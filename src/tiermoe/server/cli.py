@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
 import os
 import signal
 import socket
@@ -13,7 +12,7 @@ import sys
 from pathlib import Path
 
 from tiermoe import env
-from tiermoe.engine.build import add_routing_args, add_sizing_args, add_store_args
+from tiermoe.engine.build import add_routing_args, add_sizing_args, add_store_args, check_sizing_args
 from tiermoe.engine.threads import add_cpu_threads_arg, serving_threads, use_cpu_threads
 from tiermoe.errors import UserError
 from tiermoe.model_source import check_name, is_repo_id, resolve_model
@@ -142,16 +141,9 @@ def _served_name(args) -> str:
 def _check_args(args) -> None:
     if not 0 < args.port < 65536:
         raise UserError(f"--port {args.port} is not a valid TCP port")
-    if args.max_model_len is not None and args.max_model_len < 2:
-        raise UserError("--max-model-len must be at least 2")
-    if args.max_num_seqs < 1:
-        raise UserError("--max-num-seqs must be at least 1")
+    check_sizing_args(args)
     if args.max_queue < 0:
         raise UserError("--max-queue must be >= 0")
-    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
-        raise UserError("--max-num-batched-tokens must be at least 1")
-    if args.kv_cache_gb is not None and not 0 < args.kv_cache_gb < math.inf:  # nan, inf: no byte count
-        raise UserError(f"--kv-cache-gb must be a finite number > 0, got {args.kv_cache_gb}")
     if args.thinking_budget is not None and args.thinking_budget < 0:
         raise UserError("--thinking-budget must be >= 0")
     if args.request_timeout is not None and not args.request_timeout > 0:
