@@ -33,3 +33,13 @@ def test_sim_capacity_beyond_every_expert(stats, capsys, flags):
 def test_generate_seed_out_of_range(tiny_dir, capsys):
     _refused(capsys, ["generate", "--model", str(tiny_dir("qwen3_moe")), "--device", "cpu", "--prompt", "hi",
                       "--max-tokens", "1", "--seed", HUGE], "--seed", HUGE)
+
+
+def test_sim_negative_static_hot(stats, capsys):
+    """A negative count once sliced the hot list from its end, pinning every expert but the coldest."""
+    _refused(capsys, ["sim", "--slots", "4", "--stats", stats, "--static-hot=-1"], "--static-hot -1")
+
+
+def test_sim_static_hot_beyond_every_expert_pins_them_all(stats, capsys):
+    assert main(["sim", "--stats", stats, "--slots", "4", "--tokens", "50", "--policy", "lru",
+                 "--static-hot", HUGE]) == 0

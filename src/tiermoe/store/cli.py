@@ -359,7 +359,9 @@ def register(subparsers) -> None:
     p.add_argument("--warmup", type=int, default=None,
                    help="tokens excluded from the figures (default: the first 10%%)")
     p.add_argument("--no-warm-start", action="store_true", help="start with empty tiers instead of the hottest experts")
-    p.add_argument("--static-hot", type=int, default=0, help="hottest experts pinned in the slots for good")
+    p.add_argument("--static-hot", type=int, default=0,
+                   help="hottest experts pinned in the slots for good (those beyond --slots in the host tier; "
+                        "beyond both tiers, or every expert: as many as they hold)")
     p.add_argument("--ram-rule", default="heat",
                    help="with --policy device and --host-experts: how host RAM caches the disk (heat: as served; "
                         "prior: the statistics' order for good; exclusive: slot victims back to RAM), a comma list")

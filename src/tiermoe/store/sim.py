@@ -165,6 +165,8 @@ def simulate(
             raise UserError(f"--ram-rule {rule!r}: choose from {', '.join(RAM_RULES)}")
     if tokens < 1 or slots < 0 or host_experts < 0 or not 0 <= reserve <= host_experts:
         raise UserError("--tokens must be >= 1, --slots/--host-experts >= 0 and --reserve in 0..--host-experts")
+    if static_hot < 0:  # a slice [:-1] would pin every expert but the coldest
+        raise UserError(f"--static-hot {static_hot}: must be >= 0 (experts pinned)")
     if seed < 0:  # numpy's generators take none
         raise UserError(f"--seed {seed}: must be >= 0")
     if stats_file is None and trace_file is None:
