@@ -8,6 +8,7 @@ import pytest
 
 from testkit.cli import refused as _refused
 import tiermoe.server.cli as serve_cli
+from tiermoe.cli import main
 
 
 @pytest.fixture
@@ -40,3 +41,21 @@ def test_bench_decode_max_num_seqs_zero(capsys):
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_serve_max_num_seqs_zero(no_bind, capsys, value):
     _refused(capsys, ["serve", "--scripted", f"--max-num-seqs={value}"], "--max-num-seqs")
+
+
+@pytest.mark.parametrize("flag", ["--drain-timeout=nan", "--drain-timeout=inf", "--drain-timeout=-1",
+                                  "--max-body-mb=inf"])
+def test_serve_number_without_a_count(no_bind, capsys, flag):
+    """These once reached int() after the model loaded: a ValueError or OverflowError traceback."""
+    _refused(capsys, ["serve", "--scripted", flag], flag.split("=")[0])
+
+
+@pytest.mark.parametrize("flag", ["--header-timeout=inf", "--request-timeout=inf", "--drain-timeout=0"])
+def test_serve_timeout_without_limit_is_taken(monkeypatch, capsys, flag):
+    """inf: no limit (asyncio takes it); --drain-timeout 0: running requests are not waited for."""
+    def stop(host, port):
+        raise SystemExit("checked")
+
+    monkeypatch.setattr(serve_cli, "_check_port", stop)
+    with pytest.raises(SystemExit, match="checked"):
+        main(["serve", "--scripted", flag])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
 import socket
@@ -155,8 +156,10 @@ def _check_args(args) -> None:
     for flag in ("header_timeout", "body_timeout", "keep_alive_timeout"):
         if not getattr(args, flag) > 0:
             raise UserError(f"--{flag.replace('_', '-')} must be > 0")
-    if not args.max_body_mb > 0:
-        raise UserError("--max-body-mb must be > 0")
+    if not 0 < args.max_body_mb < math.inf:  # a byte count: inf has none (int() would fail after the load)
+        raise UserError(f"--max-body-mb must be a finite number > 0, got {args.max_body_mb}")
+    if not 0 <= args.drain_timeout < math.inf:  # uvicorn takes whole seconds: nan, inf have none
+        raise UserError(f"--drain-timeout must be a finite number of seconds >= 0, got {args.drain_timeout}")
     if args.tensor_parallel_size < 1:
         raise UserError(f"--tensor-parallel-size {args.tensor_parallel_size}: must be >= 1")
     if args.model and not args.scripted:
