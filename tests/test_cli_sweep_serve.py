@@ -59,3 +59,9 @@ def test_serve_timeout_without_limit_is_taken(monkeypatch, capsys, flag):
     monkeypatch.setattr(serve_cli, "_check_port", stop)
     with pytest.raises(SystemExit, match="checked"):
         main(["serve", "--scripted", flag])
+
+
+@pytest.mark.parametrize("flag", ["--api-key", "--host", "--generation-config", "--served-model-name"])
+def test_serve_empty_text(no_bind, capsys, flag):
+    """An empty --api-key once served with no key at all; the others changed meaning or failed unclearly."""
+    _refused(capsys, ["serve", "--scripted", f"{flag}=", "--log-level", "error"], flag, "empty")

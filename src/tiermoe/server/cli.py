@@ -164,8 +164,23 @@ def _check_args(args) -> None:
         raise UserError(f"--tensor-parallel-size {args.tensor_parallel_size}: must be >= 1")
     if args.model and not args.scripted:
         check_name(args.model)
+    _check_blank(args)
     if args.generation_config not in SAMPLING_MODES and not Path(args.generation_config).expanduser().is_dir():
         raise UserError(f"--generation-config {args.generation_config}: not auto, vllm or an existing folder")
+
+
+def _check_blank(args) -> None:
+    """Empty text given on purpose (often an unset shell variable) would otherwise change meaning in silence:
+    --api-key "" served with no key at all, --host "" failed as an unknown name, --generation-config "" read
+    the working directory, --served-model-name "" fell back to the default name."""
+    if args.api_key is not None and not args.api_key.strip():
+        raise UserError("--api-key is empty; omit the flag (and $TIERMOE_API_KEY) to serve without a key")
+    if not args.host.strip():
+        raise UserError("--host is empty; give an address (0.0.0.0: every interface, 127.0.0.1: this machine)")
+    if not args.generation_config.strip():
+        raise UserError("--generation-config is empty; give auto, vllm or a folder")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise UserError("--served-model-name is empty; omit it for the default name")
 
 
 def resolve(args) -> tuple[argparse.Namespace, SamplingDefaults]:
