@@ -43,3 +43,10 @@ def test_sim_negative_static_hot(stats, capsys):
 def test_sim_static_hot_beyond_every_expert_pins_them_all(stats, capsys):
     assert main(["sim", "--stats", stats, "--slots", "4", "--tokens", "50", "--policy", "lru",
                  "--static-hot", HUGE]) == 0
+
+
+def test_generate_negative_routing_replay_seed(tiny_dir, stats, capsys):
+    """numpy's SeedSequence once raised its ValueError as a traceback."""
+    _refused(capsys, ["generate", "--model", str(tiny_dir("qwen3_moe")), "--device", "cpu", "--prompt", "hi",
+                      "--max-tokens", "1", "--routing-replay", stats, "--routing-replay-seed=-1"],
+             "--routing-replay-seed -1")

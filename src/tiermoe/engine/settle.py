@@ -72,6 +72,8 @@ def settle_config(args: EngineArgs) -> EngineConfig:
         raise UserError(f"--decode-attention {attention!r}: choose auto, sdpa or paged")
     paged = attention == "paged" or (attention == "auto" and device != "cpu")
     routing = None
+    if args.routing_replay_seed is not None and args.routing_replay_seed < 0:  # numpy's generators take none
+        raise UserError(f"--routing-replay-seed {args.routing_replay_seed}: must be >= 0")
     if args.routing_replay or args.record_routing:
         routing = RoutingConfig(replay=args.routing_replay, seed=int(args.routing_replay_seed or 0),
                                 record=args.record_routing, record_max_tokens=args.record_routing_max_tokens)
