@@ -6,7 +6,6 @@ step (prefill) is excluded from the timing. On CUDA the clock is read after a sy
 
 from __future__ import annotations
 
-import json
 import random
 import tempfile
 import time
@@ -53,15 +52,21 @@ def measure(engine, batch: int, tokens: int, prompt_len: int, seed: int = 0) -> 
 
 
 def _run(args) -> int:
+    from tiermoe.bench.results import check_out, write_json
     from tiermoe.engine.build import build_engine_core, check_sizing_args
     from tiermoe.errors import UserError
+    from tiermoe.protocol import InvalidRequest
 
     check_sizing_args(args)
-
     try:
         sizes = [int(x) for x in args.batch_sizes.split(",")]
     except ValueError:
         raise UserError(f"--batch-sizes: expected comma-separated integers, got {args.batch_sizes!r}") from None
+    if min(sizes) < 1:
+        raise UserError(f"--batch-sizes {args.batch_sizes}: each must be at least 1")
+    if args.tokens < 1 or args.prompt_len < 1:  # 0 decode tokens times nothing; an empty prompt is refused
+        raise UserError(f"--tokens {args.tokens} and --prompt-len {args.prompt_len}: each must be at least 1")
+    check_out(args.out)
     with tempfile.TemporaryDirectory(prefix="tiermoe-bench-") as tmp:
         model = args.model
         if args.tiny:
@@ -70,9 +75,12 @@ def _run(args) -> int:
             model = str(write_tiny(args.tiny, tmp))
         engine = build_engine_core(model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                                    max_num_seqs=max(sizes), options=vars(args))
-        for b in dict.fromkeys(sizes):  # warm-up: each batch size's first decode steps compile and record its graph
-            measure(engine, b, 4, args.prompt_len, seed=99)
-        results = [measure(engine, b, args.tokens, args.prompt_len) for b in sizes]
+        try:
+            for b in dict.fromkeys(sizes):  # warm-up: each batch size's first decode steps compile and record
+                measure(engine, b, 4, args.prompt_len, seed=99)
+            results = [measure(engine, b, args.tokens, args.prompt_len) for b in sizes]
+        except InvalidRequest as exc:  # a prompt beyond the context: the flags' fault, not the engine's
+            raise UserError(f"--prompt-len {args.prompt_len} with --tokens {args.tokens}: {exc}") from None
     for r in results:
         print(f"decode batch {r['batch']}: {r['tok_per_s']:.1f} tok/s aggregate, "
               f"{r['per_stream_tok_per_s']:.1f} tok/s per stream ({r['tokens']} tokens in {r['seconds']} s)")
@@ -80,9 +88,7 @@ def _run(args) -> int:
     print(describe_graphs(graphs))
     report = {"model": args.model or f"tiny:{args.tiny}", "device": str(engine.model.device),
               "dtype": str(engine.model.dtype).replace("torch.", ""), "results": results, "decode_graphs": graphs}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(report, args.out)
     return 0
 
 

@@ -59,6 +59,21 @@ def write_json(result: dict, out: str | None) -> None:
         raise UserError(f"cannot write {out}: {exc.strerror or exc}") from exc
 
 
+def check_out(out: str | None) -> None:
+    """Refuse an --out that write_json cannot write, before the measurement it would hold is taken (a
+    benchmark can run for minutes; failing only at the end loses its figures)."""
+    if not out:
+        return
+    path = Path(out)
+    if path.is_dir():
+        raise UserError(f"cannot write {out}: Is a directory")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent  # write_json creates the missing folders
+    if not parent.is_dir():
+        raise UserError(f"cannot write {out}: Not a directory ({parent})")
+
+
 def read_json(path: str) -> dict:
     try:
         data = json.loads(Path(path).read_text())

@@ -1,0 +1,35 @@
+"""`tiermoe bench` and `tiermoe eval` numbers and paths without meaning: refused with exit code 2 and one
+line naming the flag, an --out that cannot be written before the measurement is taken, never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from testkit.cli import refused as _refused
+
+DECODE = ["bench", "decode", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("flags, word", [(["--tokens", "0"], "--tokens"), (["--tokens=-1"], "--tokens"),
+                                         (["--batch-sizes", "0"], "--batch-sizes"),
+                                         (["--batch-sizes=-1"], "--batch-sizes"),
+                                         (["--prompt-len", "0"], "--prompt-len"),
+                                         (["--prompt-len", "100000"], "--prompt-len")])
+def test_bench_decode_numbers(tiny_dir, capsys, flags, word):
+    """These once ended in an InvalidRequest or TypeError traceback, or 0 tok/s measured over nothing."""
+    _refused(capsys, [*DECODE, "--model", str(tiny_dir("qwen3_moe")), "--tokens", "2", *flags], word)
+
+
+def test_bench_decode_out_refused_before_measuring(tmp_path, capsys, monkeypatch):
+    """A directory or a path under a file as --out once failed with a traceback after the run."""
+    import tiermoe.engine.build as build
+
+    def no_build(*a, **k):
+        raise AssertionError("measured before checking --out")
+
+    monkeypatch.setattr(build, "build_engine_core", no_build)
+    tiny = ["--tiny", "qwen3_moe"]
+    _refused(capsys, [*DECODE, *tiny, "--out", str(tmp_path)], "Is a directory")
+    (tmp_path / "f").write_text("keep")
+    _refused(capsys, [*DECODE, *tiny, "--out", str(tmp_path / "f" / "x.json")], "Not a directory")
+    assert (tmp_path / "f").read_text() == "keep"
