@@ -33,3 +33,17 @@ def test_bench_decode_out_refused_before_measuring(tmp_path, capsys, monkeypatch
     (tmp_path / "f").write_text("keep")
     _refused(capsys, [*DECODE, *tiny, "--out", str(tmp_path / "f" / "x.json")], "Not a directory")
     assert (tmp_path / "f").read_text() == "keep"
+
+
+@pytest.mark.parametrize("which", ["missing", "file", "empty", "no_config", "packed"])
+def test_eval_parity_reference_not_a_checkpoint(tiny_dir, tmp_path, capsys, which):
+    """transformers' OSError/ValueError once came as a traceback; a packed store loaded with random experts."""
+    model = tiny_dir("qwen3_moe")
+    (tmp_path / "f").write_text("x")
+    if which == "packed":
+        from tiermoe.cli import main
+
+        assert main(["pack", str(model), str(tmp_path / "store")]) == 0
+    ref = {"missing": str(tmp_path / "nope"), "file": str(tmp_path / "f"), "empty": "", "no_config": str(tmp_path),
+           "packed": str(tmp_path / "store")}[which]
+    _refused(capsys, ["eval", "parity", "--model", str(model), "--device", "cpu", "--reference", ref], "--reference")

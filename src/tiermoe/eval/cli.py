@@ -36,6 +36,8 @@ def _parity(args) -> int:
         raise UserError(f"--chunk must be at least 1 token, not {args.chunk}")
     if args.decode_from is not None and args.decode_from < 0:
         raise UserError(f"--decode-from must be 0 or more, not {args.decode_from}")
+    if args.reference is not None:
+        _check_reference(args.reference)
     device = resolve_device(args.device)
     dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
     if args.tiny:
@@ -50,6 +52,22 @@ def _parity(args) -> int:
                             decode_from=args.decode_from)
     print(format_result(result))
     return 0
+
+
+def _check_reference(path: str) -> None:
+    """--reference is loaded by transformers: a path that is no checkpoint ended in its OSError or ValueError
+    traceback (after our engine had loaded), and a packed store, whose routed experts are in experts.bin where
+    transformers does not look, loaded with random experts and reported a large logit difference as a result."""
+    from pathlib import Path
+
+    from tiermoe.engine.build import is_packed_store
+    from tiermoe.errors import UserError
+
+    ref = Path(path)
+    if not path.strip() or not (ref / "config.json").is_file():
+        raise UserError(f"--reference {path!r}: not a checkpoint directory (no config.json)")
+    if is_packed_store(ref):
+        raise UserError(f"--reference {path}: a packed store; give the checkpoint it was packed from")
 
 
 def _register_tiers(sub) -> None:
