@@ -47,3 +47,14 @@ def test_eval_parity_reference_not_a_checkpoint(tiny_dir, tmp_path, capsys, whic
     ref = {"missing": str(tmp_path / "nope"), "file": str(tmp_path / "f"), "empty": "", "no_config": str(tmp_path),
            "packed": str(tmp_path / "store")}[which]
     _refused(capsys, ["eval", "parity", "--model", str(model), "--device", "cpu", "--reference", ref], "--reference")
+
+
+@pytest.mark.parametrize("flag", ["--gpu-fractions=-0.5", "--gpu-fractions=1,nan", "--host-fractions=-1",
+                                  "--host-fractions=inf"])
+def test_eval_tiers_fraction_not_a_share(tiny_dir, tmp_path, capsys, flag):
+    """Once refused as --gpu-expert-gb / --host-expert-gb, flags `eval tiers` does not have."""
+    from tiermoe.cli import main
+
+    assert main(["pack", str(tiny_dir("qwen3_moe")), str(tmp_path / "store")]) == 0
+    _refused(capsys, ["eval", "tiers", "--model", str(tmp_path / "store"), "--device", "cpu", flag],
+             flag.split("=")[0])

@@ -85,6 +85,7 @@ def _register_tiers(sub) -> None:
 
 def _tiers(args) -> int:
     import json
+    import math
 
     from tiermoe.engine.build import resolve_device
     from tiermoe.errors import UserError
@@ -95,6 +96,10 @@ def _tiers(args) -> int:
         host = [None if x == "all" else float(x) for x in args.host_fractions.split(",")]
     except ValueError:
         raise UserError("--gpu-fractions/--host-fractions: comma-separated numbers (or 'all')") from None
+    for flag, shares in (("--gpu-fractions", gpu), ("--host-fractions", host)):
+        bad = [x for x in shares if x is not None and not 0 <= x < math.inf]  # above 1: every expert
+        if bad:  # else refused later under --gpu-expert-gb, a flag this command does not have
+            raise UserError(f"{flag}: {bad[0]} is no share of the experts (a finite number >= 0)")
     routing = {"routing_replay": args.routing_replay, "routing_replay_seed": args.routing_replay_seed}
     result = run_tiers(args.model, resolve_device(args.device), gpu, host, routing)
     for r in result["configs"]:
