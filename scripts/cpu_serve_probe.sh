@@ -6,7 +6,7 @@ port=$1; shift
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 PYTHONPATH=src $PY -c "import sys, tiermoe.cli as c; sys.exit(c.main(sys.argv[1:]))" serve --host 127.0.0.1 \
-  --port "$port" "$@" > "/tmp/cpu_serve_probe_$port.log" 2>&1 &
+  --port "$port" "$@" > "${TMPDIR:-/tmp}/cpu_serve_probe_$port.log" 2>&1 &
 pid=$!
 for _ in $(seq 1 120); do curl -s -m 2 "http://127.0.0.1:$port/health" > /dev/null && break; sleep 1; done
 body='{"prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "ignore_eos": true}'
