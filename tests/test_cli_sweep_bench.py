@@ -58,3 +58,10 @@ def test_eval_tiers_fraction_not_a_share(tiny_dir, tmp_path, capsys, flag):
     assert main(["pack", str(tiny_dir("qwen3_moe")), str(tmp_path / "store")]) == 0
     _refused(capsys, ["eval", "tiers", "--model", str(tmp_path / "store"), "--device", "cpu", flag],
              flag.split("=")[0])
+
+
+def test_http_benches_refuse_an_unwritable_out_before_running(capsys, tmp_path):
+    """`bench sweep` (as stream-rate, gates and panel) checks --out before it sends a request: the URL
+    here answers nothing, so a check made only after the run would report the connection instead."""
+    _refused(capsys, ["bench", "sweep", "--url", "http://127.0.0.1:9", "--out", str(tmp_path)], "cannot write",
+            str(tmp_path))

@@ -74,9 +74,15 @@ def _connection(args, seed: bool = True) -> dict:
 
 
 def _measure(coro, out: str | None) -> dict:
-    """Run one bench coroutine to its result and write that to `out` (when given)."""
-    from tiermoe.bench.results import write_json
+    """Run one bench coroutine to its result and write that to `out` (when given). An `out` that
+    cannot be written is refused first: found only at the end, it would lose the run's figures."""
+    from tiermoe.bench.results import check_out, write_json
 
+    try:
+        check_out(out)
+    except Exception:
+        coro.close()  # never started: no "never awaited" warning
+        raise
     result = asyncio.run(coro)
     write_json(result, out)
     return result
