@@ -22,7 +22,7 @@ from tiermoe.protocol import InvalidRequest, SamplingParams
 from tiermoe.server.chat import ToolPlan
 from tiermoe.server.connections import ConnectionSlots
 from tiermoe.server.detokenize import TokenTexts, hidden_token_ids
-from tiermoe.server.errors import APIError, bad_request
+from tiermoe.server.errors import APIError, bad_request, brief
 from tiermoe.server.generation import ChoiceRun
 from tiermoe.server.metrics import Metrics
 from tiermoe.server.output_check import OutputChecker
@@ -84,12 +84,6 @@ def check_temperature(value: float | None, upper: float) -> None:
     if value is not None and math.isfinite(value) and value > upper:
         raise bad_request(f"temperature must be in [0, {upper:g}], got {value:g}", param="temperature",
                           code="invalid_value")
-
-
-def brief(text: str) -> str:
-    """A client's value shown in an error message, cut to 40 characters: a JSON integer may have
-    thousands of digits, a key any length."""
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 class ServerContext:

@@ -72,6 +72,12 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
+def brief(text: str, width: int = 40) -> str:
+    """A client's value shown in an error message, cut to `width` characters: a JSON integer may
+    have thousands of digits, a key or a schema number any length."""
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from tiermoe.protocol import JSON_WHITESPACE
-from tiermoe.server.errors import bad_request
+from tiermoe.server.errors import bad_request, brief
 from tiermoe.server.limits import SchemaBudget, check_schema_limits
 
 # The grammar options the engine compiles response formats with (runner/structured.py); a
@@ -106,7 +106,7 @@ def check_enforceable(schema: dict, param: str) -> None:
         # the grammar engine reads numbers as 64-bit values: a larger integer literal (a "maximum"
         # of 10**30) cannot be passed to it at all
         path, value = huge
-        shown = str(value) if len(str(value)) <= 60 else str(value)[:57] + "..."
+        shown = brief(str(value), 60)
         raise bad_request(f"the JSON schema cannot be enforced: it holds the number {shown} at {path}, outside "
                           f"the 64-bit range the grammar engine reads", param=param, code="unsupported_schema")
     try:
