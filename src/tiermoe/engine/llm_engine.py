@@ -36,6 +36,9 @@ from tiermoe.scheduler.request import Request
 from tiermoe.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("tiermoe.engine")
+# one line a step at DEBUG (`serve --log-level debug`): what ran, and for how long, so that a slow first token
+# or a gap between steps can be placed without a profiler
+step_log = logging.getLogger("tiermoe.engine.steps")
 
 
 class LLMEngine:
@@ -64,6 +67,7 @@ class LLMEngine:
         self._incoming: deque[Request] = deque()
         self._aborts: deque[str] = deque()
         self._live: dict[str, Request] = {}
+        self._last_step_end: float | None = None  # perf_counter at the end of the last step (the step log)
         self.counters = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                          "decode_steps": 0, "errors": 0, "aborted": 0, "step_seconds": 0.0}
         # called once a step's forward is queued on the device, before anything waits for it
@@ -144,7 +148,8 @@ class LLMEngine:
         if not batch:
             return outputs
         self.counters["steps"] += 1
-        if all(req.num_tokens - req.num_computed == 1 for req, _ in batch.items):
+        decode = sum(req.num_tokens - req.num_computed == 1 for req, _ in batch.items)  # sequences in decode
+        if decode == len(batch.items):
             self.counters["decode_steps"] += 1
         try:
             # device_wait_hook runs once the forward is queued, before execute waits for it
@@ -175,8 +180,21 @@ class LLMEngine:
             outputs.extend(self._append_verified(batch.items, verified))
         if self.runner.routing is not None:  # a routing record copies out and writes periodically
             self.runner.routing.step_done()
-        self.counters["step_seconds"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.counters["step_seconds"] += t1 - t0
+        if step_log.isEnabledFor(logging.DEBUG):
+            self._log_step(batch.items, decode, t0, t1)
         return outputs
+
+    def _log_step(self, items: list[tuple[Request, int]], decode: int, t0: float, t1: float) -> None:
+        """One step-log line: its kind (decode: one known token for each of its sequences, `decode` of them),
+        sequences, tokens, wall time and the idle time since the last step ended (the engine waiting for
+        requests or for the event loop)."""
+        kind = "decode" if decode == len(items) else ("prefill" if decode == 0 else "mixed")
+        idle = "" if self._last_step_end is None else f", {1e3 * (t0 - self._last_step_end):.1f} ms after the last"
+        step_log.debug("step %d: %s, %d sequences, %d tokens, %.1f ms%s", self.counters["steps"], kind, len(items),
+                       sum(n for _, n in items), 1e3 * (t1 - t0), idle)
+        self._last_step_end = t1
 
     def stats(self) -> dict:
         kv = self.kv
