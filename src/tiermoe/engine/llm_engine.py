@@ -29,6 +29,7 @@ from typing import Callable
 from tiermoe.protocol import (GRAMMAR_ERROR, STORE_CORRUPT, STORE_ERROR, InvalidRequest, RequestOutput, SamplingParams,
                               TokenLogprob)
 from tiermoe.errors import StoreError, StoreIntegrityError, UserError
+from tiermoe.engine import gc_pauses
 from tiermoe.engine.ranks import RankGroup, StepInputs
 from tiermoe.runner.model_runner import ModelRunner
 from tiermoe.scheduler.kv_pages import KVPages
@@ -68,6 +69,7 @@ class LLMEngine:
         self._aborts: deque[str] = deque()
         self._live: dict[str, Request] = {}
         self._last_step_end: float | None = None  # perf_counter at the end of the last step (the step log)
+        self.gc_pauses = gc_pauses.watch()  # the collector's pauses, process-wide (a stalled step's likely cause)
         self.counters = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                          "decode_steps": 0, "errors": 0, "aborted": 0, "step_seconds": 0.0}
         # called once a step's forward is queued on the device, before anything waits for it
@@ -209,6 +211,7 @@ class LLMEngine:
             "prefix_cache_query_tokens": kv.queries,
             "preemptions": self.scheduler.num_preemptions,
             **self.counters,
+            "gc": self.gc_pauses.counters(),
         }
         out["decode_attention"] = "paged" if self.runner.table_blocks else "sdpa"
         # whose routing the experts served: the model's own, or --routing-replay's (benchmarks)

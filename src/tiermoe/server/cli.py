@@ -287,6 +287,7 @@ def serve(args) -> int:
         return follow_as_launched(args)
     group = None if args.scripted else start_group(args)
     from tiermoe.engine.async_engine import AsyncEngine
+    from tiermoe.engine.gc_pauses import freeze_startup_heap
     from tiermoe.server.app import create_app
     from tiermoe.server.connections import uvicorn_config
 
@@ -328,6 +329,8 @@ def serve(args) -> int:
     )
     config = uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
                             graceful_timeout_s=max(1, int(args.drain_timeout)))
+    # the loaded engine's objects out of every later full collection (engine/gc_pauses.py)
+    log.info("start-up heap frozen: %d objects left out of garbage collections", freeze_startup_heap())
     server = _Server(config)
     host = f"[{args.host}]" if ":" in args.host else args.host
     try:

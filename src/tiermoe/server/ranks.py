@@ -205,12 +205,14 @@ def _die_with_parent() -> None:
 
 def follow_as_launched(args) -> int:
     """A follower rank: join as RANK says, build the leader's engine, repeat its steps until it stops."""
+    from tiermoe.engine.gc_pauses import freeze_startup_heap
     from tiermoe.engine.settle import resolve_device
     from tiermoe.parallel import join_from_env, leave
     from tiermoe.server.cli import build_core
 
     parallel = join_from_env(resolve_device(args.device))
     core = build_core(args)
+    freeze_startup_heap()  # as the leader does: its steps wait for this rank's (engine/gc_pauses.py)
     try:
         steps = follow(core, core.ranks)
         log.info("expert-parallel rank %d: the leader stopped after %d steps", parallel.rank, steps)
