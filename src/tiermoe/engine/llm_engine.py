@@ -29,7 +29,7 @@ from typing import Callable
 from tiermoe.protocol import (GRAMMAR_ERROR, STORE_CORRUPT, STORE_ERROR, InvalidRequest, RequestOutput, SamplingParams,
                               TokenLogprob)
 from tiermoe.errors import StoreError, StoreIntegrityError, UserError
-from tiermoe.engine import gc_pauses
+from tiermoe.engine import gc_pauses, jit_compiles
 from tiermoe.engine.ranks import RankGroup, StepInputs
 from tiermoe.runner.model_runner import ModelRunner
 from tiermoe.scheduler.kv_pages import KVPages
@@ -69,7 +69,9 @@ class LLMEngine:
         self._aborts: deque[str] = deque()
         self._live: dict[str, Request] = {}
         self._last_step_end: float | None = None  # perf_counter at the end of the last step (the step log)
-        self.gc_pauses = gc_pauses.watch()  # the collector's pauses, process-wide (a stalled step's likely cause)
+        self.gc_pauses = gc_pauses.watch()  # the collector's pauses, process-wide (a cause of stalled steps)
+        # Triton compiles, process-wide: one inside a served step stalls it (engine/jit_compiles.py)
+        self.jit = jit_compiles.watch() if self.runner.device.type == "cuda" else None
         self.counters = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                          "decode_steps": 0, "errors": 0, "aborted": 0, "step_seconds": 0.0}
         # called once a step's forward is queued on the device, before anything waits for it
@@ -128,6 +130,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         steps = self.runner.warm_up(self.max_num_seqs, min(self.scheduler.max_batched_tokens, self.max_model_len))
         self.warm_up_done = {"steps": steps, "seconds": round(time.perf_counter() - t0, 3)}
+        if self.jit is not None:
+            self.jit.mark_warm_up()
         return steps
 
     def has_unfinished_requests(self) -> bool:
@@ -213,6 +217,8 @@ class LLMEngine:
             **self.counters,
             "gc": self.gc_pauses.counters(),
         }
+        if self.jit is not None:
+            out["jit"] = self.jit.counters()
         out["decode_attention"] = "paged" if self.runner.table_blocks else "sdpa"
         # whose routing the experts served: the model's own, or --routing-replay's (benchmarks)
         out["routing"] = self.runner.routing.counters() if self.runner.routing is not None else {"source": "model"}

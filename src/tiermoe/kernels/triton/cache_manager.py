@@ -67,7 +67,7 @@ from tiermoe.kernels.cache_policy import DECAY_SHIFT
 LANE_SHARE_ONE = 1024  # lane_share of 1: every miss not admitted may go to the lane (up to lane_max)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])  # a step's pick count: one compile for every step (kernels README)
 def _cache_step_kernel(
     ids_ptr, P, ptr_table_ptr, host_addr_ptr, slot_addr_ptr, slot_expert_ptr, expert_slot_ptr,
     ref_ptr, clock_ptr, emark_ptr, victims_ptr, copy_src_ptr, copy_dst_ptr, n_copy_ptr, stats_ptr, freq_ptr,

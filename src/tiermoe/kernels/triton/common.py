@@ -93,7 +93,7 @@ def sum_pairs(y: torch.Tensor, t: int, k: int, h: int, out: torch.Tensor | None)
 # ----------------------------------------------------------------------------- the block plan
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "NB"])  # counts of a step's picks: one compile for every step (kernels README)
 def _align_small_kernel(
     ids_ptr, P, sorted_pairs_ptr, block_expert_ptr, NB, BM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_NB: tl.constexpr
 ):

@@ -119,7 +119,7 @@ def _int3_dot(acc, a0, a1, a2, a3, lo, hi, s, DOT_F32: tl.constexpr):
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])  # a step's pick count: one compile for every step (kernels README)
 def _moe_gemm_kernel(
     a_ptr,  # [rows, KD] bf16: x (row = pair // A_DIV) or act (row = pair)
     out_ptr,  # GATED: act [P, N] bf16; else y [P, N] fp32
