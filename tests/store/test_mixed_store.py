@@ -109,6 +109,7 @@ def test_mixed_store_bit_identical_across_tiers(mixed):
     (["--cold-quant", "int3", "--expert-stats", "missing.json"], "no such file"),
     (["--cold-quant", "int3", "--expert-stats", "S", "--hot-share", "1.5"], "between 0 and 1"),
     (["--expert-stats", "S"], "give --cold-quant too"),
+    (["--hot-share", "0.5"], "give --cold-quant too"),  # was ignored: a store of one kind
     (["--cold-quant", "int3", "--cold-group-size", "3", "--expert-stats", "S"], "--cold-group-size 3 does not divide"),
 ])
 def test_pack_cold_quant_refusals(tiny_dir, tmp_path, stats_file, capsys, extra, message):

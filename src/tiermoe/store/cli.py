@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tiermoe.config import DEFAULTS
 from tiermoe.errors import StoreError, UserError
+from tiermoe.store.pack_checks import DEFAULT_HOT_SHARE
 
 
 def _pack(args: argparse.Namespace) -> int:
@@ -37,12 +38,15 @@ def _pack_prechecks(args: argparse.Namespace) -> None:
     if args.cold_quant is not None:
         from tiermoe.store.pack_checks import check_cold_args
 
+        if args.hot_share is None:
+            args.hot_share = DEFAULT_HOT_SHARE
         check_cold_args(args.quant, args.cold_quant, args.expert_stats, args.hot_share)
         shapes = source_shapes(args.src) if args.cold_quant in INT_QUANTS else None
         if shapes is not None:
             choose_group_size(*shapes, args.cold_group_size, args.cold_quant, "--cold-group-size")
-    elif args.expert_stats is not None or args.cold_group_size is not None:
-        raise UserError("--expert-stats and --cold-group-size choose and shape the cold experts: give --cold-quant too")
+    elif args.expert_stats is not None or args.cold_group_size is not None or args.hot_share is not None:
+        raise UserError("--expert-stats, --hot-share and --cold-group-size choose and shape the cold experts: "
+                        "give --cold-quant too")
     check_target(args.out)
     if (Path(args.out) / LOCK_NAME).is_file():
         StoreLock.exclusive(args.out).release()
@@ -54,7 +58,8 @@ def _pack_checkpoint(args: argparse.Namespace, source: str | None = None) -> int
     res = pack(args.src, args.out, quant=args.quant, group_size=args.group_size,
                shard_bytes=int(args.shard_size_gb * 1e9), direct_io=not args.no_direct_io, progress=not args.quiet,
                log=lambda s: print(s, file=sys.stderr), source=source, cold_quant=args.cold_quant,
-               cold_group_size=args.cold_group_size, hot_share=args.hot_share, expert_stats=args.expert_stats)
+               cold_group_size=args.cold_group_size, expert_stats=args.expert_stats,
+               hot_share=DEFAULT_HOT_SHARE if args.hot_share is None else args.hot_share)
     for note in res.notes:
         print(f"note: {note}", file=sys.stderr)
     resumed = res.records - res.written
@@ -281,9 +286,9 @@ def register(subparsers) -> None:
     p.add_argument("--cold-group-size", type=int, default=None,
                    help="--cold-quant's group size (default: picked for that kind as --group-size's default is, "
                         "e.g. 64 for int3 where it divides the shapes)")
-    p.add_argument("--hot-share", type=float, default=0.6,
+    p.add_argument("--hot-share", type=float, default=None,
                    help="with --cold-quant: per layer, the most-picked experts that together take this share of the "
-                        "layer's picks stay --quant (default 0.6: a quarter of GLM-5.3-Flash's experts)")
+                        f"layer's picks stay --quant (default {DEFAULT_HOT_SHARE}: a quarter of GLM-5.3-Flash's experts)")
     p.add_argument("--expert-stats", default=None, metavar="FILE",
                    help=f"with --cold-quant: the routing statistics that rank the experts: {STATS_FORMAT}")
     p.add_argument("--shard-size-gb", type=float, default=2.0, help="size of the non-expert safetensors shards, GB")

@@ -35,7 +35,8 @@ from tiermoe.store.catalog import Checkpoint, itemsize, text_config
 from tiermoe.store.disk import O_DIRECT, DiskReader, aligned_buffer, probe_direct_io
 from tiermoe.store.lock import StoreLock
 from tiermoe.store.mixed import RecordPlan, mixed_plan
-from tiermoe.store.pack_checks import JOURNAL_NAME, check_cold_args, check_target, choose_group_size
+from tiermoe.store.pack_checks import (DEFAULT_HOT_SHARE, JOURNAL_NAME, check_cold_args, check_target,
+                                       choose_group_size)
 from tiermoe.store.records import (
     EXPERTS_NAME,
     FORMAT_VERSION,
@@ -332,7 +333,7 @@ def pack(
     source: str | None = None,
     cold_quant: str | None = None,
     cold_group_size: int | None = None,
-    hot_share: float = 0.6,
+    hot_share: float = DEFAULT_HOT_SHARE,
     expert_stats: str | os.PathLike | None = None,
 ) -> PackResult:
     """Pack checkpoint `src` into store directory `out` (see module docstring).

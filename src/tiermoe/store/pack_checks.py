@@ -16,6 +16,7 @@ from tiermoe.errors import UserError
 from tiermoe.store.lock import LOCK_NAME
 
 JOURNAL_NAME = "pack.journal"
+DEFAULT_HOT_SHARE = 0.6  # pack --cold-quant: the share of each layer's picks whose experts stay at --quant
 MANIFEST_NAME = "manifest.json"  # also records.MANIFEST_NAME (that module imports torch)
 EXPERTS_NAME = "experts.bin"
 INT_QUANTS = ("int8", "int4", "int3")
