@@ -31,3 +31,12 @@ def test_paired_kl_refuses_a_checkpoint(tiny_dir, capsys):
     rc = main(["eval", "paired-kl", "--model", str(tiny_dir("qwen3_moe")), "--tokens", "2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "not a packed store" in err[0]
+
+
+def test_paired_kl_refuses_an_empty_prompt(tmp_path, capsys):
+    """Before any store is opened: an empty text compared only the chat template's tokens."""
+    from testkit.cli import refused
+
+    for text in ("", "   "):
+        refused(capsys, ["eval", "paired-kl", "--model", str(tmp_path / "none"), "--prompts", "hi", text],
+                "--prompts", "empty")

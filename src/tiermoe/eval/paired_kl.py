@@ -52,6 +52,8 @@ def _paired_kl(args) -> int:
 
     if args.tokens < 1:
         raise UserError("--tokens must be at least 1")
+    if args.prompts is not None and any(not text.strip() for text in args.prompts):
+        raise UserError("--prompts: a prompt text is empty (the chat template alone would be compared)")
     # the namespace holds every store flag add_store_args gave this command (the rest is ignored)
     if args.reference is not None:
         result = run_paired_kl_stores(args.model, args.reference, device=resolve_device(args.device),
