@@ -235,3 +235,13 @@ def test_sim_device_cache_over_a_disk_tier(tmp_path):
         simulate(str(path), slots=slots, policies=["device"], tokens=5, host_experts=host, ram_rules=("lru",))
     with pytest.raises(UserError, match="reserve"):
         simulate(str(path), slots=slots, policies=["device"], tokens=5, host_experts=host, reserve=host + 1)
+
+
+def test_static_hot_pins_without_a_warm_start():
+    """--no-warm-start --static-hot N: the N hottest experts are still pinned (they pinned nothing before)."""
+    kw = dict(slots=1376, policies=["lru"], tokens=40, seed=0, warmup=0, warm_start=False)
+    cold = simulate(str(STATS_FILE), **kw)[0]
+    pinned = simulate(str(STATS_FILE), static_hot=1376, **kw)[0]
+    static = simulate(str(STATS_FILE), slots=1376, policies=["static"], tokens=40, seed=0, warmup=0)[0]
+    assert pinned.slot_hits == pytest.approx(static.slot_hits)  # every slot pinned: the static placement
+    assert pinned.slot_hits > cold.slot_hits  # an empty LRU cache warms up from its misses

@@ -69,11 +69,14 @@ def sample_trace(
 
 
 def _run_policy(
-    trace: np.ndarray, policy: str, slots: int, host: int, warmup: int, rates: dict[int, float] | None, static_hot: int
+    trace: np.ndarray, policy: str, slots: int, host: int, warmup: int, rates: dict[int, float], warm_start: bool,
+    static_hot: int,
 ) -> SimResult:
-    static = sorted(rates, key=lambda k: -rates[k])[:static_hot] if (rates and static_hot) else []
+    """rates: the statistics' pick rate of every expert key; they choose the pinned experts (static_hot) always,
+    and fill the tiers before the first token only with warm_start."""
+    static = sorted(rates, key=lambda k: -rates[k])[:static_hot] if static_hot else []
     res = Residency.build(policy, slots, host, static=static)
-    if rates:
+    if warm_start:
         res.warm_start(rates)
     counts = {"slots": 0, "host": 0, "disk": 0}
     for t in range(trace.shape[0]):
@@ -198,7 +201,7 @@ def simulate(
     # A tier larger than every expert holds them all; the policies allocate a list per capacity.
     slots, host_experts = min(slots, len(layers) * n_e), min(host_experts, len(layers) * n_e)
     pr = pick_rates({i: stats[L] for i, L in enumerate(layers)}, top_k)
-    rates = {i * n_e + e: r for i, row in pr.items() for e, r in enumerate(row)} if warm_start else None
+    rates = {i * n_e + e: r for i, row in pr.items() for e, r in enumerate(row)}
     out = []
     for p in policies:
         if p == "belady":
@@ -218,7 +221,7 @@ def simulate(
             hits, misses = run_device_policy(local, slots, warmup, layer_rates)
             out.append(SimResult("device", tokens - warmup, hits, misses, None, None))
         else:
-            out.append(_run_policy(trace, p, slots, host_experts, warmup, rates, static_hot))
+            out.append(_run_policy(trace, p, slots, host_experts, warmup, rates, warm_start, static_hot))
     return out
 
 
