@@ -92,6 +92,10 @@ class EngineArgs:
 
 
 DEFAULTS = EngineArgs()
+# EngineArgs fields with a flag that only a packed store reads (settle warns when a checkpoint is given them)
+STORE_ONLY_FIELDS = ("gpu_expert_gb", "host_expert_gb", "expert_policy", "expert_stats", "no_direct_io",
+                     "expert_kernel", "device_cache", "prefill_staging_gb", "prefill_borrow_slots", "mode",
+                     "cpu_lane_experts", "cpu_lane_share", "cpu_lane_threads")
 
 
 def default_batched_tokens(device: str) -> int:

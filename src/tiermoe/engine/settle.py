@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from tiermoe.config import (
     DECODE_ATTENTION_CHOICES, DEFAULTS, DEVICE_CACHE_CHOICES, MODES, DeviceCacheConfig, EngineArgs, EngineConfig,
-    ExpertsConfig, LaneConfig, RoutingConfig, StoreConfig, default_batched_tokens, lane_share,
+    STORE_ONLY_FIELDS, ExpertsConfig, LaneConfig, RoutingConfig, StoreConfig, default_batched_tokens, lane_share,
 )
 from tiermoe.errors import UserError
 
@@ -84,6 +84,8 @@ def settle_config(args: EngineArgs) -> EngineConfig:
     if parallel is not None and not packed:
         raise UserError(f"--tensor-parallel-size {parallel.world}: expert parallel serves a packed store "
                         "(`tiermoe pack` first)")
+    if not packed:
+        _warn_store_only_flags(args, path)
     experts = _settle_experts(args, path, device, dtype, max_num_seqs) if packed else None
     if parallel is not None:
         experts = replace(experts, parallel=parallel)
@@ -93,6 +95,16 @@ def settle_config(args: EngineArgs) -> EngineConfig:
         kv_cache_gb=args.kv_cache_gb or None, seed=args.seed, num_speculative_tokens=args.num_speculative_tokens or 0,
         decode_attention="paged" if paged else "sdpa", paged_attention_required=attention == "paged",
         decode_graphs=not args.enforce_eager and device != "cpu", experts=experts, routing=routing)
+
+
+def _warn_store_only_flags(args: EngineArgs, path: Path) -> None:
+    """One warning naming the expert-store flags given for a checkpoint, which loads whole and reads none of them
+    (they were ignored without a word: `--mode fast` on a checkpoint ran exact mode)."""
+    given = [f"--{name.replace('_', '-')}" for name in STORE_ONLY_FIELDS
+             if getattr(args, name) != getattr(DEFAULTS, name)]
+    if given:
+        log.warning("%s is a checkpoint, not a packed store: %s apply to packed stores only and are ignored "
+                    "(`tiermoe pack %s STORE` makes one)", path, ", ".join(given), path)
 
 
 def settle_parallel(world: int | None):
