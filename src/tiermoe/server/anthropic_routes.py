@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 from tiermoe.protocol import GRAMMAR_ERROR
 from tiermoe.server.anthropic_protocol import CountTokensRequest, MessagesRequest, check_tools, output_spec
 from tiermoe.server.chat import constraint_schemas, plan_tools
-from tiermoe.server.context import ServerContext, check_temperature
+from tiermoe.server.context import ServerContext
 from tiermoe.server.errors import bad_request
 from tiermoe.server.generation import ChoiceRun
 from tiermoe.server.handling import parse_body, run_endpoint
@@ -214,14 +214,13 @@ async def create_message(request: Request, ctx: ServerContext) -> Response:
     ctx.check_model(req.model)
     if req.max_tokens < 1:
         raise bad_request("max_tokens must be at least 1", param="max_tokens")
-    check_temperature(req.temperature, 1)
     stops = check_stop_strings(req.stop_sequences, "stop_sequences")
     ctx.admit(1)
     text, ids, plan, spec, prefilled = await _prompt(ctx, req)
     max_tokens = ctx.check_context(len(ids), req.max_tokens, "messages", "max_tokens")
     _, budget = _template_kwargs(req)
-    params = ctx.sampling_params(max_tokens=max_tokens, structured=spec, temperature=req.temperature,
-                                 top_p=req.top_p, top_k=req.top_k)
+    params = ctx.sampling_params(max_tokens=max_tokens, structured=spec, max_temperature=1,
+                                 temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
     mid = ctx.new_id("msg_")
     # a prefill is answer text: what follows it is answer too, never a think block to split off
     run = ctx.make_run(mid, text, ids, params, stop=stops, plan=plan, thinking_budget=budget,

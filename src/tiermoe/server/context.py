@@ -188,10 +188,13 @@ class ServerContext:
             )
         return max_tokens
 
-    def sampling_params(self, *, max_tokens: int, structured: dict | None = None, **fields) -> SamplingParams:
+    def sampling_params(self, *, max_tokens: int, structured: dict | None = None, max_temperature: float = 2.0,
+                        **fields) -> SamplingParams:
         """Build and validate SamplingParams. None-valued fields take the server's sampling
         defaults (the model's generation_config.json or the neutral values, --generation-config),
-        else SamplingParams' own."""
+        else SamplingParams' own. max_temperature: the API's bound on the request's temperature (OpenAI 2,
+        Anthropic 1; check_temperature)."""
+        check_temperature(fields.get("temperature"), max_temperature)
         logit_bias = fields.pop("logit_bias", None)
         kwargs = {**self.config.sampling_defaults.values(), **{k: v for k, v in fields.items() if v is not None}}
         if kwargs.get("top_k") == -1:

@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse, Response
 
 from tiermoe.protocol import GRAMMAR_ERROR, STORE_CODES, TokenLogprob
 from tiermoe.server.chat import constraint_schemas, openai_messages, plan_tools
-from tiermoe.server.context import ServerContext, check_temperature
+from tiermoe.server.context import ServerContext
 from tiermoe.server.errors import bad_request
 from tiermoe.server.generation import ChoiceRun, Delta
 from tiermoe.server.handling import parse_body, run_endpoint
@@ -40,7 +40,6 @@ def register(app) -> None:
 
 
 def _sampling_fields(req) -> dict:
-    check_temperature(req.temperature, 2)
     if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM: options of a stream not asked for
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options",
                           code="invalid_value")

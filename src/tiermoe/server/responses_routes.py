@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tiermoe.server.chat import constraint_schemas, plan_tools, text_content
-from tiermoe.server.context import ServerContext, check_temperature
+from tiermoe.server.context import ServerContext
 from tiermoe.server.errors import bad_request
 from tiermoe.server.generation import ChoiceRun
 from tiermoe.server.handling import parse_body, run_endpoint
@@ -185,7 +185,6 @@ async def create_response(request: Request, ctx: ServerContext) -> Response:
     fmt = req.text.format if req.text and req.text.format else None
     spec = structured_spec(fmt.type, fmt.schema_, "text.format", "text.format.schema") if fmt else None
     await ctx.check_schemas(constraint_schemas(plan, spec, "text.format", "text.format.schema"))
-    check_temperature(req.temperature, 2)
     kwargs = {}
     if req.reasoning and req.reasoning.effort in ("none", "minimal"):
         kwargs["enable_thinking"] = False
