@@ -29,6 +29,7 @@
 #              bytes, e.g. "0.11:exact:--device-cache+on+--host-share+0.4": the disk tier under the device
 #              cache; `--sweep-prefill P` there makes that cell's sweeps prefill P instead of PREFILL; the
 #              page cache's size before and after each sweep lands in pagecache-TAG.txt): tiermoe serve
+#              (--log-level debug: the step log, a line per step, full collection and late Triton compile)
 #              with --routing-replay (picks drawn from the real per-layer statistics) and --expert-stats
 #              on the same file (the warm start a user of the real model gives it), a short warm-up
 #              sweep, then `tiermoe bench sweep` (prefill 4k, decode C1 and C4) with /stats before/after
@@ -215,7 +216,8 @@ serve_matrix() {  # NAME STORE STATS EXTRA_FLAGS...
     log "$tag: serve (--gpu-expert-gb $gb of $expert_gb GiB of experts, --mode $mode ${flags[*]}, replay $stats)"
     "$PY" -m tiermoe.cli serve "$store" --host 127.0.0.1 --port 8121 --served-model-name "$name" \
       --max-model-len "$MAX_MODEL_LEN" --max-num-seqs 4 --max-num-batched-tokens 4096 --dtype bfloat16 \
-      --gpu-expert-gb "$gb" --mode "$mode" --routing-replay "$stats" --expert-stats "$stats" $SERVE_ARGS "$@" \
+      --gpu-expert-gb "$gb" --mode "$mode" --routing-replay "$stats" --expert-stats "$stats" --log-level debug \
+      $SERVE_ARGS "$@" \
       "${flags[@]}" > "$WORK/server-$tag.log" 2>&1 &
     local pid=$! ok=0
     for _ in $(seq 1 200); do
@@ -235,6 +237,10 @@ serve_matrix() {  # NAME STORE STATS EXTRA_FLAGS...
     get http://127.0.0.1:8121/stats > "$WORK/stats-$tag.json"
     grep -E "^(Cached|MemFree):" /proc/meminfo | sed 's/^/after /' >> "$WORK/pagecache-$tag.txt"
     grep -E "prefill|decode" "$WORK/sweep-$tag.log" | sed "s/^/  $tag: /"
+    # stalls the step log names: Triton compiles after the warm-up, full garbage collections, steps over 1 s
+    log "$tag: $(grep -c "while serving, in" "$WORK/server-$tag.log") compiles after the warm-up, $(grep -c \
+      "gc: full collection" "$WORK/server-$tag.log") full collections, $(grep -cE "tokens, [0-9]{4,}\.[0-9] ms" \
+      "$WORK/server-$tag.log") steps of 1 s or more"
     kill $pid; wait $pid 2>/dev/null
   done
 }

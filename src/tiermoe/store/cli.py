@@ -288,7 +288,8 @@ def register(subparsers) -> None:
                         "e.g. 64 for int3 where it divides the shapes)")
     p.add_argument("--hot-share", type=float, default=None,
                    help="with --cold-quant: per layer, the most-picked experts that together take this share of the "
-                        f"layer's picks stay --quant (default {DEFAULT_HOT_SHARE}: a quarter of GLM-5.3-Flash's experts)")
+                        f"layer's picks stay --quant (default {DEFAULT_HOT_SHARE}: a quarter of GLM-5.3-Flash's "
+                        "experts)")
     p.add_argument("--expert-stats", default=None, metavar="FILE",
                    help=f"with --cold-quant: the routing statistics that rank the experts: {STATS_FORMAT}")
     p.add_argument("--shard-size-gb", type=float, default=2.0, help="size of the non-expert safetensors shards, GB")
