@@ -172,7 +172,10 @@ print(json.load(open(sys.argv[1]))['model_config']['num_hidden_layers'] - 1)" "$
   tail -2 "$WORK/glm-build.log"
   cp "$WORK/glm/expert-stats.json" "$WORK/glm-expert-stats.json"
   # the disk's own rate for the disk cells' floors: 4 GiB of records spread over experts.bin, 16 O_DIRECT readers
-  # as the disk tier has (the tier's bytes over its request waits count read-ahead's bytes without its seconds)
+  # as the disk tier has (the tier's bytes over its request waits count read-ahead's bytes without its seconds);
+  # after a sync: the just-written store's writeback otherwise shares the disk (1.28 GB/s where the tier later
+  # drew 1.54, docs/results.md section 36)
+  sync
   "$PY" - "$WORK/glm" > "$WORK/disk.json" <<'PY' && log "disk: $(cat "$WORK/disk.json")"
 import json, sys
 from tiermoe.store.disk import measure_read_gbs
