@@ -80,6 +80,7 @@ class Behaviour:
     has_token_ids: bool = False  # honour return_tokens_as_token_ids and list-of-int prompts
     llama_server: bool = False  # llama-server's /tokenize and logprobs dialects (module docstring)
     tier_rates: tuple[int, int] | None = None  # /stats: (slot hits, misses) per generated chat token
+    static_bound: float | None = None  # /stats slots.static_bound (a server given routing statistics)
 
 
 def _h(*parts: str) -> int:
@@ -187,7 +188,10 @@ def build_app(b: Behaviour, vocab: Vocab | None = None) -> FastAPI:
         if b.tier_rates is None:
             return err(404, "Not Found")
         n, (hit, miss) = state["decode_tokens"], b.tier_rates
-        experts = {"decode_tokens": n, "slots": {"hits": hit * n, "misses": miss * n}, "cpu_lane": {"experts": 0}}
+        slots = {"hits": hit * n, "misses": miss * n}
+        if b.static_bound is not None:
+            slots["static_bound"] = b.static_bound
+        experts = {"decode_tokens": n, "slots": slots, "cpu_lane": {"experts": 0}}
         return {"engine": {"experts": experts}}
 
     @app.post("/tokenize")

@@ -188,6 +188,18 @@ def test_sweep_records_tier_counters_per_decode_token(tmp_path, capsys):
         assert tiers["decode_tokens"] == 8 * row["concurrency"]
         assert tiers["slot_hits"] == pytest.approx(30) and tiers["slot_misses"] == pytest.approx(6)
     assert "30.0 slot hits, 6.0 misses" in text
+    assert all(row["tiers_per_token"]["static_bound"] is None for row in load(out)["decode"])
+
+
+def test_sweep_prints_the_statistics_bound_beside_the_hits(tmp_path, capsys):
+    """A server given routing statistics reports the static placement's slot hits; each decode line prints them."""
+    out = tmp_path / "s.json"
+    with serve(Behaviour(tier_rates=(30, 6), static_bound=28.25)) as url:
+        argv = f"sweep --url {url} --prefill-sizes 32 --reps 1 --concurrency 1 --max-tokens 4 --long-prompt 0"
+        rc, text = run_bench([*argv.split(), "--out", str(out)], capsys)
+    assert rc == 0, text
+    assert load(out)["decode"][0]["tiers_per_token"]["static_bound"] == 28.25
+    assert "30.0 slot hits (static placement by the statistics: 28.2), 6.0 misses" in text
 
 
 def test_sweep_without_stats_has_no_tier_counters(right_url, tmp_path, capsys):

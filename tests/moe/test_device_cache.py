@@ -434,3 +434,29 @@ def test_prefill_buffers_follow_the_staging_budget(stores):
         for rows, want in ((None, (1, 6)), (12, (2, 6)), (40, (2, 6)), (9, (1, 6)), (4, (1, 4)), (0, (1, 0))):
             dc = DeviceCacheExperts(st, 2 * 2 + 2, rates={}, top_k=2, max_tokens=1, prefill_rows=rows)
             assert (dc.prefill.num_buffers, dc.prefill_rows) == want, rows
+
+
+def test_static_bound_reported_with_routing_statistics(stores, tmp_path):
+    """Given routing statistics (--expert-stats), /stats carries the slot hits a decode token that the best static
+    placement of the cache's slots would get: the sum of the most picked experts' rates."""
+    import json
+
+    from tiermoe.store.planner import config_top_k, key_rates
+
+    path, rec = stores["int4"]
+    stats = tmp_path / "stats.json"
+    stats.write_text(json.dumps({f"layers.{layer}": [1, 1, 1, 1, 1, 1, 9, 5] for layer in LAYERS}))
+    opts = dict(expert_kernel="triton", gpu_expert_gb=6 * rec / GIB, host_expert_gb=N_EXPERTS * rec / GIB,
+                device_cache="on")
+    be = _open_backend(path, **opts, expert_stats=str(stats))
+    try:
+        rates = key_rates(load_manifest(path), str(stats), config_top_k(load_manifest(path).config))[0]
+        best = sorted(rates.values(), reverse=True)[: be.slots_total]
+        assert be.counters()["slots"]["static_bound"] == pytest.approx(sum(best), abs=1e-3)
+    finally:
+        be.close()
+    be = _open_backend(path, **opts)  # no statistics: uniform rates, no bound to report
+    try:
+        assert "static_bound" not in be.counters()["slots"]
+    finally:
+        be.close()

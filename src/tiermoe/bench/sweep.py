@@ -10,7 +10,8 @@ Protocol (the one the reference systems publish, so numbers compare):
 - C1 after a long prompt: one stream whose prompt is random text of the largest prefill size
   followed by the story request (decode speed with a long KV behind it).
 - tiers: around each decode round, /stats is read; each decode row records the slot hits and
-  misses per decode token of its rounds (and the CPU lane's experts), so a tok/s figure always
+  misses per decode token of its rounds (and the CPU lane's experts), and, where the server was given
+  routing statistics, the slot hits a static placement by them would get: a tok/s figure always
   travels with how the tiers served it (a random model's own routing keeps hitting the same few
   experts, a real model's spreads over many: the rate alone says nothing).
 """
@@ -175,7 +176,7 @@ async def expert_counters(c: httpx.AsyncClient) -> dict | None:
         return None
     return {"decode_tokens": ex.get("decode_tokens", 0), "slot_hits": ex["slots"].get("hits", 0),
             "slot_misses": ex["slots"].get("misses", 0), "lane_experts": (ex.get("cpu_lane") or {}).get("experts", 0),
-            "routing_replay": ex.get("routing_replay")}
+            "routing_replay": ex.get("routing_replay"), "static_bound": ex["slots"].get("static_bound")}
 
 
 def tiers_per_token(before: dict | None, after: dict | None) -> dict | None:
@@ -188,6 +189,7 @@ def tiers_per_token(before: dict | None, after: dict | None) -> dict | None:
     per = {k: (after[k] - before[k]) / tokens for k in ("slot_hits", "slot_misses", "lane_experts")}
     per["decode_tokens"] = tokens
     per["routing_replay"] = after.get("routing_replay")
+    per["static_bound"] = after.get("static_bound")  # slot hits a token of the statistics' static placement
     return per
 
 
@@ -270,8 +272,13 @@ def summary_lines(result: dict) -> list[str]:
         )
     for row in result["decode"]:
         tiers = row.get("tiers_per_token")
-        where = (f"; per token: {tiers['slot_hits']:.1f} slot hits, {tiers['slot_misses']:.1f} misses"
-                 + (f", {tiers['lane_experts']:.1f} on the CPU lane" if tiers["lane_experts"] else "")) if tiers else ""
+        where = ""
+        if tiers:
+            bound = tiers.get("static_bound")  # absent in files of older sweeps
+            where = (f"; per token: {tiers['slot_hits']:.1f} slot hits"
+                     + (f" (static placement by the statistics: {bound:.1f})" if bound is not None else "")
+                     + f", {tiers['slot_misses']:.1f} misses"
+                     + (f", {tiers['lane_experts']:.1f} on the CPU lane" if tiers["lane_experts"] else ""))
         lines.append(
             f"decode C{row['concurrency']}: aggregate {f(row['aggregate_tok_s'])} tok/s, "
             f"per-stream {f(row['per_stream_tok_s'])} tok/s{where}"

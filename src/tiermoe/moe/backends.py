@@ -104,7 +104,7 @@ def _device_cache(cfg: ExpertsConfig) -> ExpertBackend:
         cache = DeviceCacheExperts(store, d.slots, rates, top_k=top_k, max_tokens=d.max_tokens,
                                    prefill_rows=d.prefill_rows, prefill_buffers=d.prefill_buffers,
                                    stage_misses=d.stage_misses, lane_cap=d.lane_cap, borrow_slots=d.borrow_slots,
-                                   disk=d.disk, only=cfg.store.keys)
+                                   disk=d.disk, only=cfg.store.keys, measured_rates=cfg.store.stats_file is not None)
     except BaseException:
         store.close()
         raise

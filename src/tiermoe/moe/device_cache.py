@@ -59,7 +59,7 @@ import torch
 
 from tiermoe.moe.prefill_staging import STAGE_TOKENS, PrefillStaging, SlotLender, lend_share
 from tiermoe.moe.store_backends import StoreBackend
-from tiermoe.store.slot_split import split_by_popularity, staging_rows
+from tiermoe.store.slot_split import split_by_popularity, staging_rows, static_tiers
 
 # A disk tier's reads ahead: each decode layer hints the predicted picks of this many next MoE layers. One
 # 13 MB O_DIRECT read takes longer than a layer's compute, so hints one layer ahead left the disk idle about
@@ -110,7 +110,8 @@ class DeviceCacheExperts(StoreBackend):
     stage_misses: False reads the misses the filter does not admit in place (no staging rows; the
     MoE kernel reads them over PCIe) instead of gathering them into HBM first; borrow_slots: a
     second staging buffer lent by the slots (prefill_staging.SlotLender); lane_cap: most experts
-    per layer and step the CPU lane may take in fast mode (`set_lane`).
+    per layer and step the CPU lane may take in fast mode (`set_lane`); measured_rates: `rates` come from
+    routing statistics, so /stats reports the static placement's slot hits beside the measured ones.
     """
 
     kernel = "triton"
@@ -119,7 +120,7 @@ class DeviceCacheExperts(StoreBackend):
                  swiglu_limit: float | None = None, config: dict | None = None, max_picks: int = 128,
                  prefill_rows: int | None = None, stage_misses: bool = True, prefill_buffers: int | None = None,
                  borrow_slots: bool = False, lane_cap: int = 0, disk: bool = False,
-                 only: Collection[int] | None = None) -> None:
+                 only: Collection[int] | None = None, measured_rates: bool = False) -> None:
         from tiermoe.kernels.triton.cache_manager import ExpertCache
         from tiermoe.moe.fused import FusedMoE
 
@@ -207,6 +208,10 @@ class DeviceCacheExperts(StoreBackend):
         self.device_lane = None  # the DeviceLane answering lane steps (fast mode): its counters join ours
         self._step_start = (0, 0)  # (cache steps, lane calls) when the current step began
         self._graph_counts: dict[Hashable, tuple[int, int]] = {}  # what each recorded program counts
+        # with rates from routing statistics (--expert-stats): the slot hits a decode token that the best static
+        # placement of this many slots would get, reported beside the measured hits (/stats slots.static_bound)
+        self.static_bound = (sum(rates[k] for k in static_tiers(rates, self.slots_total, 0)["slots"])
+                             if measured_rates else None)
 
     @property
     def slots_total(self) -> int:
@@ -481,6 +486,8 @@ class DeviceCacheExperts(StoreBackend):
         slots["misses"] = slots.get("misses", 0) + s["misses"]
         slots["bytes_in"] = slots.get("bytes_in", 0) + s["admitted"] * rec
         slots["capacity"] = self.slots_total
+        if self.static_bound is not None:
+            slots["static_bound"] = round(self.static_bound, 3)
         slots["resident"] = sum(int((cc.slot_expert >= 0).sum()) for cc in self.caches.values())
         disk_reads = self.disk.c.decode_reads if self.disk is not None else 0  # misses read from disk first
         host = c.setdefault("host", {})
