@@ -62,3 +62,26 @@ def test_bench_decode_says_whether_graphs_ran():
     assert "failed (recording batch size 1 failed" in describe_graphs({"failed": "recording batch size 1 failed"})
     assert describe_graphs({"captured_batch_sizes": [1, 4], "replays": 130, "failed": None}) == (
         "decode CUDA graphs: batch sizes [1, 4] recorded, 130 replays")
+
+
+def test_bench_decode_prints_how_the_tiers_served_each_figure(tiny_dir, tmp_path, capsys):
+    """On a packed store each tok/s line carries the slot hits and misses per decode token, as `bench sweep`'s do,
+    and the JSON row the same counts (the decode tokens of its round only, not the warm-up's)."""
+    import json
+
+    from tiermoe.cli import main
+    from tiermoe.store.pack import pack
+
+    store = tmp_path / "store"
+    pack(str(tiny_dir("glm4_moe")), str(store), quant="bf16", progress=False)
+    out = tmp_path / "decode.json"
+    rc = main(["bench", "decode", "--model", str(store), "--device", "cpu", "--dtype", "float32", "--batch-sizes",
+               "1,2", "--tokens", "6", "--gpu-expert-gb", "0", "--no-direct-io", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    lines = [line for line in text.splitlines() if line.startswith("decode batch")]
+    assert len(lines) == 2 and all("slot hits" in line and "misses" in line for line in lines), lines
+    for row in json.loads(out.read_text())["results"]:
+        tiers = row["tiers_per_token"]
+        assert tiers["decode_tokens"] == row["tokens"]  # a decode forward for every token after the prefill's
+        assert tiers["slot_hits"] + tiers["slot_misses"] > 0

@@ -27,20 +27,24 @@ def register(bench_subparsers) -> None:
 
 
 def measure(engine, batch: int, tokens: int, prompt_len: int, seed: int = 0) -> dict:
+    """One round of `batch` sequences decoding `tokens` each: tok/s after the prefill step, and how the expert
+    tiers served its decode tokens (`tiers_per_token`, None with resident experts)."""
     import torch
 
+    from tiermoe.bench.sweep import tier_counters, tiers_per_token
     from tiermoe.protocol import SamplingParams
 
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=tokens + 1, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"b{batch}-{i}", [rng.randrange(engine.vocab_size) for _ in range(prompt_len)], params)
-    produced, t0 = 0, None
+    produced, t0, before = 0, None, None
     while engine.has_unfinished_requests():
         outs = engine.step()
         if t0 is None:  # the first step is the prefill
             if engine.model.device.type == "cuda":
                 torch.cuda.synchronize()
+            before = tier_counters(engine.stats().get("experts"))
             t0 = time.perf_counter()
             continue
         produced += sum(len(o.new_token_ids) for o in outs)
@@ -48,7 +52,8 @@ def measure(engine, batch: int, tokens: int, prompt_len: int, seed: int = 0) -> 
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     return {"batch": batch, "tokens": produced, "seconds": round(elapsed, 4),
-            "tok_per_s": round(produced / elapsed, 2), "per_stream_tok_per_s": round(produced / elapsed / batch, 2)}
+            "tok_per_s": round(produced / elapsed, 2), "per_stream_tok_per_s": round(produced / elapsed / batch, 2),
+            "tiers_per_token": tiers_per_token(before, tier_counters(engine.stats().get("experts")))}
 
 
 def _run(args) -> int:
@@ -81,9 +86,12 @@ def _run(args) -> int:
             results = [measure(engine, b, args.tokens, args.prompt_len) for b in sizes]
         except InvalidRequest as exc:  # a prompt beyond the context: the flags' fault, not the engine's
             raise UserError(f"--prompt-len {args.prompt_len} with --tokens {args.tokens}: {exc}") from None
+    from tiermoe.bench.sweep import describe_tiers
+
     for r in results:
         print(f"decode batch {r['batch']}: {r['tok_per_s']:.1f} tok/s aggregate, "
-              f"{r['per_stream_tok_per_s']:.1f} tok/s per stream ({r['tokens']} tokens in {r['seconds']} s)")
+              f"{r['per_stream_tok_per_s']:.1f} tok/s per stream ({r['tokens']} tokens in {r['seconds']} s)"
+              f"{describe_tiers(r['tiers_per_token'])}")
     graphs = engine.stats().get("decode_graphs")  # None where no graph is recorded (CPU, --enforce-eager)
     print(describe_graphs(graphs))
     report = {"model": args.model or f"tiny:{args.tiny}", "device": str(engine.model.device),

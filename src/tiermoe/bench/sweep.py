@@ -171,12 +171,29 @@ async def expert_counters(c: httpx.AsyncClient) -> dict | None:
             stats = await http.get_json(own, "/stats")
     except http.BenchHTTPError:
         return None
-    ex = (stats.get("engine") or {}).get("experts") if isinstance(stats, dict) else None
+    return tier_counters((stats.get("engine") or {}).get("experts") if isinstance(stats, dict) else None)
+
+
+def tier_counters(ex: dict | None) -> dict | None:
+    """The cumulative counters tiers_per_token differences, from an engine's `experts` stats (None: a model
+    without a store). /stats over HTTP here, LLMEngine.stats() in `bench decode`."""
     if not isinstance(ex, dict) or "slots" not in ex:
         return None
     return {"decode_tokens": ex.get("decode_tokens", 0), "slot_hits": ex["slots"].get("hits", 0),
             "slot_misses": ex["slots"].get("misses", 0), "lane_experts": (ex.get("cpu_lane") or {}).get("experts", 0),
             "routing_replay": ex.get("routing_replay"), "static_bound": ex["slots"].get("static_bound")}
+
+
+def describe_tiers(tiers: dict | None) -> str:
+    """"; per token: H slot hits (static placement by the statistics: B), M misses, L on the CPU lane" ("" without
+    counters): how the tiers served a tok/s figure, printed beside it."""
+    if not tiers:
+        return ""
+    bound = tiers.get("static_bound")  # absent in files of older sweeps
+    return (f"; per token: {tiers['slot_hits']:.1f} slot hits"
+            + (f" (static placement by the statistics: {bound:.1f})" if bound is not None else "")
+            + f", {tiers['slot_misses']:.1f} misses"
+            + (f", {tiers['lane_experts']:.1f} on the CPU lane" if tiers["lane_experts"] else ""))
 
 
 def tiers_per_token(before: dict | None, after: dict | None) -> dict | None:
@@ -271,14 +288,7 @@ def summary_lines(result: dict) -> list[str]:
             f"{f(row['median_tok_s'])} tok/s, TTFT {f(row['median_ttft_s'], 3)} s"
         )
     for row in result["decode"]:
-        tiers = row.get("tiers_per_token")
-        where = ""
-        if tiers:
-            bound = tiers.get("static_bound")  # absent in files of older sweeps
-            where = (f"; per token: {tiers['slot_hits']:.1f} slot hits"
-                     + (f" (static placement by the statistics: {bound:.1f})" if bound is not None else "")
-                     + f", {tiers['slot_misses']:.1f} misses"
-                     + (f", {tiers['lane_experts']:.1f} on the CPU lane" if tiers["lane_experts"] else ""))
+        where = describe_tiers(row.get("tiers_per_token"))
         lines.append(
             f"decode C{row['concurrency']}: aggregate {f(row['aggregate_tok_s'])} tok/s, "
             f"per-stream {f(row['per_stream_tok_s'])} tok/s{where}"
