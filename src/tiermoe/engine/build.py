@@ -84,6 +84,11 @@ def add_sizing_args(p, max_num_seqs: int = DEFAULTS.max_num_seqs) -> None:
                    help="MTP draft tokens verified per greedy decode step (0: off; models with an MTP head)")
 
 
+def _check_kv_cache_gb(value: float | None) -> None:
+    if value is not None and not 0 < value < math.inf:  # nan, inf: no byte count
+        raise UserError(f"--kv-cache-gb must be a finite number > 0, got {value}")
+
+
 def check_sizing_args(args) -> None:
     """Refuse add_sizing_args values with no meaning, before any model loads: settle_config reads 0 as "the
     default" (`or`) and generate fixes its batch at 1, so 0 or a negative would otherwise be taken silently
@@ -94,8 +99,7 @@ def check_sizing_args(args) -> None:
         raise UserError("--max-num-seqs must be at least 1")
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
         raise UserError("--max-num-batched-tokens must be at least 1")
-    if args.kv_cache_gb is not None and not 0 < args.kv_cache_gb < math.inf:  # nan, inf: no byte count
-        raise UserError(f"--kv-cache-gb must be a finite number > 0, got {args.kv_cache_gb}")
+    _check_kv_cache_gb(args.kv_cache_gb)
 
 
 def add_store_args(p, with_mode: bool = True) -> None:
@@ -229,8 +233,7 @@ def _kv_pages(cfg: EngineConfig, per_token: int, state_bytes: int = 0) -> int:
     model's state in its cache budget."""
     page = cfg.page_size
     pages_one_seq = math.ceil(cfg.max_model_len / page) + 1
-    if cfg.kv_cache_gb is not None and not 0 < cfg.kv_cache_gb < math.inf:  # nan, inf: no byte count
-        raise UserError(f"--kv-cache-gb must be a finite number > 0, got {cfg.kv_cache_gb}")
+    _check_kv_cache_gb(cfg.kv_cache_gb)  # callers that skip check_sizing_args (engine_config from options)
     if cfg.kv_cache_gb:
         num_pages = max(0, int((cfg.kv_cache_gb * 2**30 - state_bytes) / (per_token * page) + 1e-6))
     else:

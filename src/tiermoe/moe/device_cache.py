@@ -59,7 +59,8 @@ import torch
 
 from tiermoe.moe.prefill_staging import STAGE_TOKENS, PrefillStaging, SlotLender, lend_share
 from tiermoe.moe.store_backends import StoreBackend
-from tiermoe.store.slot_split import split_by_popularity, staging_rows, static_slot_hits
+from tiermoe.store.planner import expected_hits
+from tiermoe.store.slot_split import split_by_popularity, staging_rows
 
 # A disk tier's reads ahead: each decode layer hints the predicted picks of this many next MoE layers. One
 # 13 MB O_DIRECT read takes longer than a layer's compute, so hints one layer ahead left the disk idle about
@@ -111,8 +112,7 @@ class DeviceCacheExperts(StoreBackend):
     MoE kernel reads them over PCIe) instead of gathering them into HBM first; borrow_slots: a
     second staging buffer lent by the slots (prefill_staging.SlotLender); lane_cap: most experts
     per layer and step the CPU lane may take in fast mode (`set_lane`); measured_rates: `rates` come from
-    routing statistics (/stats then reports the slot hits of their best static placement, `static_bound`).
-    """
+    routing statistics (/stats then reports the slot hits of their best static placement, `static_bound`)."""
 
     kernel = "triton"
 
@@ -208,7 +208,7 @@ class DeviceCacheExperts(StoreBackend):
         self.device_lane = None  # the DeviceLane answering lane steps (fast mode): its counters join ours
         self._step_start = (0, 0)  # (cache steps, lane calls) when the current step began
         self._graph_counts: dict[Hashable, tuple[int, int]] = {}  # what each recorded program counts
-        self.static_bound = static_slot_hits(rates, self.slots_total) if measured_rates else None  # /stats
+        self.static_bound = expected_hits(rates, self.slots_total, 0)["slots"] if measured_rates else None  # /stats
 
     @property
     def slots_total(self) -> int:

@@ -24,11 +24,6 @@ def static_tiers(rates: Mapping[Hashable, float], n_slots: int, n_host: int) -> 
     return {"slots": order[:n_slots], "host": order[n_slots: n_slots + n_host], "disk": order[n_slots + n_host:]}
 
 
-def static_slot_hits(rates: Mapping[Hashable, float], n_slots: int) -> float:
-    """Slot hits a token of the best static placement of `n_slots` slots by `rates`: the statistics' bound."""
-    return sum(rates[k] for k in static_tiers(rates, n_slots, 0)["slots"])
-
-
 def staging_rows(slots: int, top_k: int, max_tokens: int, stage_misses: bool = True) -> int:
     """Rows of a device cache's GPU budget of `slots` records kept for the misses its admission filter
     does not admit (shared by all layers: stream order): top_k x min(max_tokens, STAGE_PICKS), at most
